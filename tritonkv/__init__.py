@@ -1,0 +1,25 @@
+"""tritonkv: pack and unpack paged KV caches and hidden states by query offsets, bit-exactly.
+
+Public API::
+
+    from tritonkv import pack_kv, unpack_kv, pack_hidden, unpack_hidden, layouts
+
+See :mod:`tritonkv.layouts` for the view convention every op uses.
+"""
+
+from . import layouts
+from .hidden import pack_hidden, pack_hidden_torch, unpack_hidden, unpack_hidden_torch
+from .kv import pack_kv, pack_kv_torch, unpack_kv, unpack_kv_torch
+
+__all__ = [
+    "layouts",
+    "pack_hidden",
+    "pack_hidden_torch",
+    "pack_kv",
+    "pack_kv_torch",
+    "unpack_hidden",
+    "unpack_hidden_torch",
+    "unpack_kv",
+    "unpack_kv_torch",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,240 @@
+"""Shared plumbing for the kernel modules: backend choice, input checks, sequence addressing.
+
+Sequence addressing (used by every op)
+    The flat batch holds ``num_tokens`` tokens; sequence ``i`` owns flat tokens
+    ``query_start_loc[i] : query_start_loc[i + 1]`` (never ``seq_lens``: a decoding sequence of
+    length 17 owns one flat token). Packing selects sequences ``seq_ids`` (in output order) and lays
+    their tokens back to back: selected sequence ``j`` owns packed rows
+    ``cu_seqlens[j] : cu_seqlens[j + 1]``, and packed row ``t`` of it comes from flat token
+    ``src_start[j] + (t - cu_seqlens[j])``. Kernels find ``j`` for each row by a binary search over
+    ``cu_seqlens``, so the index preparation is a few tiny device ops and no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_INT_DTYPES = (torch.int32, torch.int64)
+_BACKENDS = ("auto", "torch", "triton")
+# Integer dtype of each width: copies move integer views, so every float format is copied bit-exactly.
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(device: torch.device) -> bool:
+    """Pick the backend for tensors on ``device`` from ``TRITONKV_BACKEND`` (auto|torch|triton).
+
+    ``auto`` (default): Triton kernels for CUDA tensors, the torch twin otherwise. ``triton`` forces
+    the kernels (on CPU tensors only valid with ``TRITON_INTERPRET=1``); ``torch`` forces the twin.
+    """
+    choice = os.environ.get("TRITONKV_BACKEND", "auto").strip().lower() or "auto"
+    if choice not in _BACKENDS:
+        raise ValueError(f"TRITONKV_BACKEND: expected one of {_BACKENDS}, got {choice!r}")
+    if choice == "torch":
+        return False
+    if choice == "triton":
+        if device.type != "cuda" and not interpreting():
+            raise ValueError(
+                "TRITONKV_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 set before "
+                "tritonkv is imported"
+            )
+        return True
+    return device.type == "cuda"
+
+
+def checks_enabled(*tensors: object) -> bool:
+    """Value checks (offsets, slots) run when they cost no device sync, or if ``TRITONKV_CHECK=1``."""
+    if os.environ.get("TRITONKV_CHECK", "0") not in ("", "0"):
+        return True
+    return all(not isinstance(t, torch.Tensor) or t.device.type == "cpu" for t in tensors)
+
+
+def autotune_configs(**fixed) -> list[triton.Config]:
+    """Launch configs for the copy kernels: tokens per program × warps (one config when interpreting).
+
+    Args:
+        fixed: extra constexprs every config carries (none today; kept for kernels that tile a
+            second dimension).
+    """
+    if interpreting():
+        return [triton.Config({"BLOCK_T": 16, **fixed}, num_warps=4)]
+    return [
+        triton.Config({"BLOCK_T": block_t, **fixed}, num_warps=warps, num_stages=stages)
+        for block_t in (4, 8, 16, 32, 64)
+        for warps in (2, 4, 8)
+        for stages in (1, 2)
+        if not (block_t >= 32 and warps == 2)
+    ]
+
+
+def check_index(name: str, t: torch.Tensor | None, *, allow_none: bool = True) -> None:
+    """Require a 1-D int32/int64 tensor (or None when allowed)."""
+    if t is None:
+        if allow_none:
+            return
+        raise TypeError(f"{name}: expected a 1-D int32/int64 tensor, got None")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a 1-D int32/int64 tensor, got {type(t).__name__}")
+    if t.dtype not in _INT_DTYPES:
+        raise TypeError(f"{name}: expected dtype int32 or int64, got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(t.shape)}")
+
+
+@dataclass
+class SeqIndex:
+    """Where each selected sequence's rows come from and go to (all on the data device, int64).
+
+    Attributes:
+        cu_seqlens: ``[num_sel + 1]`` packed-row offsets of the selected sequences.
+        src_start: ``[num_sel]`` flat token index of each selected sequence's first packed row.
+        num_sel: number of selected sequences.
+    """
+
+    cu_seqlens: torch.Tensor
+    src_start: torch.Tensor
+    num_sel: int
+
+    @property
+    def search_steps(self) -> int:
+        """Binary-search steps that find a row's sequence among ``num_sel`` (0 for one sequence)."""
+        return max(self.num_sel - 1, 0).bit_length()
+
+    def total(self) -> int:
+        """Packed rows in all (reads ``cu_seqlens[-1]``: a host sync on CUDA)."""
+        return int(self.cu_seqlens[-1])
+
+    def flat_tokens(self, num_rows: int) -> torch.Tensor:
+        """``[num_rows]`` int64 flat token index of every packed row (the torch twins' addressing)."""
+        rows = torch.arange(num_rows, device=self.cu_seqlens.device)
+        seq = torch.searchsorted(self.cu_seqlens[1:], rows, right=True)
+        seq = seq.clamp_(max=max(self.num_sel - 1, 0))
+        return self.src_start[seq] + (rows - self.cu_seqlens[seq])
+
+
+def seq_index(
+    query_start_loc: torch.Tensor | None,
+    seq_ids: torch.Tensor | Sequence[int] | None,
+    num_tokens: int,
+    device: torch.device,
+    *,
+    last_only: bool = False,
+) -> SeqIndex:
+    """Validate the addressing inputs and build the :class:`SeqIndex` for them.
+
+    Args:
+        query_start_loc: ``[num_seqs + 1]`` int32/int64 flat-batch offsets, or None (one sequence
+            holding all ``num_tokens`` tokens).
+        seq_ids: selected sequences in output order (tensor or list of ints), or None for all.
+        num_tokens: tokens in the flat batch (rows of ``slot_mapping`` / ``hidden_states``).
+        device: where the kernels run; index tensors are moved there.
+        last_only: select only each sequence's last query token.
+    """
+    check_index("query_start_loc", query_start_loc)
+    if query_start_loc is None:
+        query_start_loc = torch.tensor([0, num_tokens], dtype=torch.int64)
+    if query_start_loc.numel() < 1:
+        raise ValueError("query_start_loc: expected [num_seqs + 1] offsets, got an empty tensor")
+    num_seqs = query_start_loc.numel() - 1
+    if seq_ids is not None and not isinstance(seq_ids, torch.Tensor):
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in seq_ids):
+            raise TypeError(f"seq_ids: expected a sequence of ints or a tensor, got {seq_ids!r}")
+        seq_ids = torch.tensor(list(seq_ids), dtype=torch.int64)
+    check_index("seq_ids", seq_ids)
+
+    if checks_enabled(query_start_loc, seq_ids):
+        qsl = query_start_loc.cpu()
+        if int(qsl[0]) < 0 or bool((qsl[1:] < qsl[:-1]).any()):
+            raise ValueError(
+                f"query_start_loc: expected non-negative, non-decreasing offsets, got {qsl.tolist()}"
+            )
+        if int(qsl[-1]) > num_tokens:
+            raise ValueError(
+                f"query_start_loc: last offset {int(qsl[-1])} is past num_tokens={num_tokens}"
+            )
+        if seq_ids is not None and seq_ids.numel():
+            ids = seq_ids.cpu()
+            if int(ids.min()) < 0 or int(ids.max()) >= num_seqs:
+                raise ValueError(f"seq_ids: expected values in [0, {num_seqs}), got {ids.tolist()}")
+        if last_only:
+            chosen = torch.arange(num_seqs) if seq_ids is None else seq_ids.cpu().long()
+            lens = qsl[chosen + 1] - qsl[chosen]
+            if bool((lens <= 0).any()):
+                raise ValueError(
+                    "last_only: every selected sequence needs at least one query token, got "
+                    f"lengths {lens.tolist()} for seq_ids {chosen.tolist()}"
+                )
+
+    qsl = query_start_loc.to(device=device, dtype=torch.int64, non_blocking=True)
+    if seq_ids is None:
+        starts, ends = qsl[:-1], qsl[1:]
+        num_sel = num_seqs
+    else:
+        ids = seq_ids.to(device=device, dtype=torch.int64, non_blocking=True)
+        starts, ends = qsl[ids], qsl[ids + 1]
+        num_sel = ids.numel()
+    cu_seqlens = torch.zeros(num_sel + 1, dtype=torch.int64, device=device)
+    if last_only:
+        torch.arange(1, num_sel + 1, out=cu_seqlens[1:])
+        return SeqIndex(cu_seqlens, ends - 1, num_sel)
+    if seq_ids is None:
+        return SeqIndex(qsl - qsl[0], qsl, num_sel)
+    torch.cumsum(ends - starts, 0, out=cu_seqlens[1:])
+    return SeqIndex(cu_seqlens, starts, num_sel)
+
+
+def widest_int_view(tensors: Sequence[torch.Tensor], row_bytes: int) -> int:
+    """Largest access width in bytes (8, 4, 2 or 1) that every tensor's last dim allows.
+
+    A width wider than the element size qualifies when each tensor's last dim has stride 1 and the
+    width divides ``row_bytes`` (the last dim's size in bytes), every other byte stride and every
+    tensor's address, so integer views of that width address exactly the same bytes. The element
+    size itself always qualifies.
+    """
+    itemsize = tensors[0].element_size()
+    for w in (8, 4, 2):
+        if w <= itemsize or row_bytes % w:
+            continue
+        if all(
+            t.stride(-1) == 1
+            and t.data_ptr() % w == 0
+            and all((s * t.element_size()) % w == 0 for s in t.stride()[:-1])
+            for t in tensors
+        ):
+            return w
+    return itemsize
+
+
+def as_int(t: torch.Tensor, width: int) -> torch.Tensor:
+    """View ``t`` as integers of ``width`` bytes (same bytes, last dim rescaled)."""
+    itemsize = t.element_size()
+    if width == itemsize:
+        return t.view(_INT_OF_SIZE[itemsize])
+    if width < itemsize:
+        raise ValueError(f"as_int: width {width} below the element size {itemsize}")
+    return t.view(_INT_OF_SIZE[itemsize]).view(_INT_OF_SIZE[width])
+
+
+@triton.jit
+def _flat_token(rows, row_ok, cu_seqlens_ptr, src_start_ptr, num_sel, search_steps):
+    """Flat-batch token index of each packed row (see ``_common``'s addressing note)."""
+    # Binary search, one bit at a time: the largest seq with cu_seqlens[seq] <= row.
+    seq = tl.zeros_like(rows)
+    for i in range(search_steps):
+        cand = seq + (1 << (search_steps - 1 - i))
+        ok = row_ok & (cand < num_sel)
+        start = tl.load(cu_seqlens_ptr + cand, mask=ok, other=0)
+        seq = tl.where(ok & (start <= rows), cand, seq)
+    first_row = tl.load(cu_seqlens_ptr + seq, mask=row_ok, other=0)
+    src_start = tl.load(src_start_ptr + seq, mask=row_ok, other=0)
+    return src_start + (rows - first_row)

@@ -1,0 +1,456 @@
+"""Pack the selected sequences' paged KV (all layers, K and V or the MLA latent) into one tensor,
+and unpack such a tensor into another paged cache.
+
+Layout of the views is explained once, in :mod:`tritonkv.layouts`; sequence addressing in
+:mod:`tritonkv._common`. On CUDA one Triton launch copies every layer and both K and V; on CPU the
+torch twins below (``pack_kv_torch`` / ``unpack_kv_torch``) do the same addressing with indexing,
+and also serve as the test oracle.
+
+Copies move integer views of the data (as wide as strides and alignment allow, up to 8 bytes), so
+fp32, fp16, bf16, fp8 and uint8-viewed caches are copied bit for bit; there is no arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    SeqIndex,
+    _flat_token,
+    as_int,
+    autotune_configs,
+    check_index,
+    checks_enabled,
+    seq_index,
+    use_triton,
+    widest_int_view,
+)
+
+__all__ = ["pack_kv", "pack_kv_torch", "unpack_kv", "unpack_kv_torch"]
+
+Layers = Sequence[tuple[torch.Tensor, "torch.Tensor | None"]]
+
+
+# --------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _kv_rows(
+    slot_mapping_ptr,  # [num_tokens] int32/int64
+    cu_seqlens_ptr,  # [num_sel + 1] int64
+    src_start_ptr,  # [num_sel] int64
+    num_rows,
+    num_sel,
+    search_steps,
+    block_size,
+    BLOCK_T: tl.constexpr,
+):
+    """This program's packed rows, whether each exists, owns a slot, and the slot's block/offset."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < num_rows
+    token = _flat_token(rows, row_ok, cu_seqlens_ptr, src_start_ptr, num_sel, search_steps)
+    slot = tl.load(slot_mapping_ptr + token, mask=row_ok, other=-1).to(tl.int64)
+    cached = row_ok & (slot >= 0)
+    slot = tl.where(cached, slot, 0)
+    return rows, row_ok, cached, slot // block_size, slot % block_size
+
+
+@triton.jit
+def _copy_heads(
+    cache_ptr,  # [*] integer view: base of every layer's address
+    layer_offset,  # element offset of this layer's K (or V) view from cache_ptr
+    packed_ptr,  # [num_rows, num_kv_heads, head_size] this layer's K (or V) part of the packed tensor
+    rows,
+    row_ok,
+    cached,
+    block,
+    offset,
+    num_kv_heads,
+    head_size,
+    stride_b,
+    stride_h,
+    stride_n,
+    stride_d,
+    BLOCK_D: tl.constexpr,
+    UNPACK: tl.constexpr,
+):
+    """Copy BLOCK_T rows × all heads between one cache view and the packed tensor."""
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < head_size
+    cache_rows = layer_offset + block * stride_b.to(tl.int64) + offset * stride_n.to(tl.int64)
+    cache_cols = cols.to(tl.int64) * stride_d.to(tl.int64)
+    packed_rows = rows * num_kv_heads * head_size
+    for h in range(num_kv_heads):
+        head = h * stride_h.to(tl.int64)
+        cache_addr = cache_ptr + (cache_rows + head)[:, None] + cache_cols[None, :]
+        packed_addr = packed_ptr + (packed_rows + h * head_size)[:, None] + cols[None, :]
+        if UNPACK:
+            x = tl.load(packed_addr, mask=cached[:, None] & col_ok[None, :])
+            tl.store(cache_addr, x, mask=cached[:, None] & col_ok[None, :])
+        else:
+            x = tl.load(cache_addr, mask=cached[:, None] & col_ok[None, :], other=0)
+            tl.store(packed_addr, x, mask=row_ok[:, None] & col_ok[None, :])
+
+
+_KEY = ["num_kv_heads", "head_size", "HAS_V", "BLOCK_D", "UNPACK"]
+
+
+@triton.autotune(configs=autotune_configs(), key=_KEY)
+@triton.jit(do_not_specialize=["num_rows", "num_sel", "search_steps"])
+def _kv_copy_kernel(
+    cache_ptr,  # [*] integer view of the first layer's K: base of every address
+    layer_offsets_ptr,  # [num_layers, 2] int64 element offsets of each layer's K and V views
+    slot_mapping_ptr,  # [num_tokens] int32/int64
+    cu_seqlens_ptr,  # [num_sel + 1] int64
+    src_start_ptr,  # [num_sel] int64
+    packed_ptr,  # [num_layers, 1 + HAS_V, num_rows, num_kv_heads, head_size], contiguous
+    num_rows,
+    num_sel,
+    search_steps,
+    block_size,
+    num_kv_heads,
+    head_size,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    HAS_V: tl.constexpr,
+    ALIGN: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UNPACK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Pack (cache → packed) or unpack (packed → cache) every layer in one launch.
+
+    Grid ``(cdiv(num_rows, BLOCK_T), num_layers)``: a program copies BLOCK_T packed rows of one
+    layer, all heads, K then V. Rows whose slot is -1 are written as zeros when packing and skipped
+    when unpacking.
+    """
+    layer = tl.program_id(1).to(tl.int64)
+    rows, row_ok, cached, block, offset = _kv_rows(
+        slot_mapping_ptr,
+        cu_seqlens_ptr,
+        src_start_ptr,
+        num_rows,
+        num_sel,
+        search_steps,
+        block_size,
+        BLOCK_T,
+    )
+    part = num_rows.to(tl.int64) * num_kv_heads * head_size
+    k_offset = tl.multiple_of(tl.load(layer_offsets_ptr + 2 * layer), ALIGN)
+    _copy_heads(
+        cache_ptr,
+        k_offset,
+        packed_ptr + layer * (1 + HAS_V) * part,
+        rows,
+        row_ok,
+        cached,
+        block,
+        offset,
+        num_kv_heads,
+        head_size,
+        stride_kb,
+        stride_kh,
+        stride_kn,
+        stride_kd,
+        BLOCK_D,
+        UNPACK,
+    )
+    if HAS_V:
+        v_offset = tl.multiple_of(tl.load(layer_offsets_ptr + 2 * layer + 1), ALIGN)
+        _copy_heads(
+            cache_ptr,
+            v_offset,
+            packed_ptr + (layer * 2 + 1) * part,
+            rows,
+            row_ok,
+            cached,
+            block,
+            offset,
+            num_kv_heads,
+            head_size,
+            stride_vb,
+            stride_vh,
+            stride_vn,
+            stride_vd,
+            BLOCK_D,
+            UNPACK,
+        )
+
+
+# ------------------------------------------------------------------------------------- launchers
+
+
+def _check_layers(layers: Layers) -> tuple[torch.Size, torch.dtype, torch.device, bool]:
+    """Validate ``layers``; return the common view shape, dtype, device and whether V exists."""
+    if isinstance(layers, torch.Tensor) or not isinstance(layers, Sequence):
+        raise TypeError(f"layers: expected a sequence of (k, v) pairs, got {type(layers).__name__}")
+    if len(layers) == 0:
+        raise ValueError("layers: expected at least one (k, v) pair, got none")
+    first = None
+    for i, pair in enumerate(layers):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise TypeError(f"layers[{i}]: expected a (k, v) pair, got {type(pair).__name__}")
+        k, v = pair
+        if not isinstance(k, torch.Tensor) or (v is not None and not isinstance(v, torch.Tensor)):
+            raise TypeError(f"layers[{i}]: expected (Tensor, Tensor or None), got {pair!r:.80}")
+        if k.dim() != 4:
+            raise ValueError(
+                f"layers[{i}]: expected 4-D views [num_blocks, num_kv_heads, block_size, "
+                f"head_size], got k of shape {tuple(k.shape)}"
+            )
+        if v is not None and (v.shape, v.dtype, v.device) != (k.shape, k.dtype, k.device):
+            raise ValueError(
+                f"layers[{i}]: k and v must match, got k {tuple(k.shape)} {k.dtype} {k.device} "
+                f"and v {tuple(v.shape)} {v.dtype} {v.device}"
+            )
+        this = (k.shape, k.dtype, k.device, v is not None)
+        if first is None:
+            first = this
+        elif this != first:
+            raise ValueError(
+                f"layers[{i}]: all layers must share shape, dtype, device and V presence; layer 0 "
+                f"is {first[:3]} has_v={first[3]}, layer {i} is {this[:3]} has_v={this[3]}"
+            )
+    return first
+
+
+def _check_packed(name: str, packed: torch.Tensor, shape: tuple, dtype, device) -> None:
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor, got {type(packed).__name__}")
+    if tuple(packed.shape) != shape or packed.dtype != dtype or packed.device != device:
+        raise ValueError(
+            f"{name}: expected shape {shape} dtype {dtype} on {device}, got "
+            f"{tuple(packed.shape)} {packed.dtype} on {packed.device}"
+        )
+    if not packed.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {packed.stride()}")
+
+
+def _check_slots(slot_mapping: torch.Tensor, index: SeqIndex, rows: int, num_slots: int) -> None:
+    slots = slot_mapping[index.flat_tokens(rows).to(slot_mapping.device)]
+    if slots.numel() and (int(slots.min()) < -1 or int(slots.max()) >= num_slots):
+        raise ValueError(
+            f"slot_mapping: expected slots in [-1, {num_slots}) (num_blocks * block_size) for the "
+            f"selected tokens, got values in [{int(slots.min())}, {int(slots.max())}]"
+        )
+
+
+_OFFSET_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _offset_table(views: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
+    """``[num_layers, 2]`` int64 element offsets of each layer's K and V from layer 0's K.
+
+    Cached per set of addresses, so steady-state calls (and CUDA-graph replays) reuse one tensor.
+    """
+    base = views[0][0]
+    width = base.element_size()
+    ptrs = tuple((k.data_ptr(), (v if v is not None else k).data_ptr()) for k, v in views)
+    key = (base.device, width, ptrs)
+    table = _OFFSET_TABLES.get(key)
+    if table is None:
+        if len(_OFFSET_TABLES) >= 64:
+            _OFFSET_TABLES.clear()
+        offsets = [[(p - ptrs[0][0]) // width for p in pair] for pair in ptrs]
+        table = torch.tensor(offsets, dtype=torch.int64).to(base.device)
+        _OFFSET_TABLES[key] = table
+    return table
+
+
+def _launch(views, slot_mapping, index: SeqIndex, packed: torch.Tensor, unpack: bool) -> None:
+    """One kernel launch per group of layers sharing strides (one group for vLLM caches)."""
+    num_rows = packed.shape[2]
+    if num_rows == 0:
+        return
+    k0, v0 = views[0]
+    _, num_kv_heads, block_size, head_size = k0.shape
+    width = k0.element_size()
+    aligned = all(t.data_ptr() % 16 == 0 for pair in views for t in pair if t is not None)
+    start = 0
+    while start < len(views):
+        strides = [(k.stride(), None if v is None else v.stride()) for k, v in views[start:]]
+        stop = start + next((i for i, s in enumerate(strides) if s != strides[0]), len(strides))
+        group = views[start:stop]
+        k_strides = strides[0][0]
+        v_strides = strides[0][1] or k_strides
+        num_layers = len(group)
+        grid = lambda meta: (triton.cdiv(num_rows, meta["BLOCK_T"]), num_layers)  # noqa: B023
+        _kv_copy_kernel[grid](
+            group[0][0],
+            _offset_table(group),
+            slot_mapping,
+            index.cu_seqlens,
+            index.src_start,
+            packed[start:stop],
+            num_rows,
+            index.num_sel,
+            index.search_steps,
+            block_size,
+            num_kv_heads,
+            head_size,
+            *k_strides,
+            *v_strides,
+            HAS_V=v0 is not None,
+            ALIGN=16 // width if aligned else 1,
+            BLOCK_D=triton.next_power_of_2(head_size),
+            UNPACK=unpack,
+        )
+        start = stop
+
+
+def _twin(views, slot_mapping, index: SeqIndex, packed: torch.Tensor, unpack: bool) -> None:
+    """The torch twin: the same addressing as the kernel, with advanced indexing per layer."""
+    num_rows = packed.shape[2]
+    block_size = views[0][0].shape[2]
+    slots = slot_mapping.to(torch.int64)[index.flat_tokens(num_rows).to(slot_mapping.device)]
+    slots = slots.to(packed.device)
+    cached = slots >= 0
+    if unpack and not bool(cached.all()):
+        rows = cached.nonzero().squeeze(1)
+        slots = slots[rows]
+    else:
+        rows = None
+    slots = slots.clamp(min=0)
+    block, offset = slots // block_size, slots % block_size
+    for layer, pair in enumerate(views):
+        for part, view in enumerate(t for t in pair if t is not None):
+            dst = packed[layer, part]
+            if unpack:
+                view[block, :, offset, :] = dst if rows is None else dst[rows]
+            else:
+                dst.copy_(view[block, :, offset, :])
+                if not bool(cached.all()):
+                    dst.masked_fill_(~cached[:, None, None], 0)
+
+
+def _run(layers, slot_mapping, query_start_loc, seq_ids, packed, *, unpack, force_torch):
+    """Common path of pack/unpack: validate, address, widen, dispatch. Returns the SeqIndex."""
+    shape, dtype, device, has_v = _check_layers(layers)
+    check_index("slot_mapping", slot_mapping, allow_none=False)
+    num_blocks, num_kv_heads, block_size, head_size = shape
+    index = seq_index(query_start_loc, seq_ids, slot_mapping.numel(), device)
+    slot_mapping = slot_mapping.to(device, non_blocking=True)
+    packed_shape = (len(layers), 1 + has_v, None, num_kv_heads, head_size)
+    if packed is None:
+        rows = index.total()
+        packed = torch.empty(
+            (*packed_shape[:2], rows, *packed_shape[3:]), dtype=dtype, device=device
+        )
+    else:
+        rows = packed.shape[2] if isinstance(packed, torch.Tensor) and packed.dim() == 5 else -1
+        name = "packed" if unpack else "out"
+        _check_packed(name, packed, (*packed_shape[:2], rows, *packed_shape[3:]), dtype, device)
+        if checks_enabled(query_start_loc, seq_ids, slot_mapping) and rows != index.total():
+            raise ValueError(
+                f"{name}: expected {index.total()} rows (tokens of the selected sequences) in "
+                f"dim 2, got {rows}"
+            )
+    if checks_enabled(query_start_loc, seq_ids, slot_mapping):
+        _check_slots(slot_mapping, index, rows, num_blocks * block_size)
+
+    width = widest_int_view(
+        [t for pair in layers for t in pair if t is not None] + [packed],
+        head_size * packed.element_size(),
+    )
+    views = [(as_int(k, width), None if v is None else as_int(v, width)) for k, v in layers]
+    packed_int = as_int(packed, width)
+    if use_triton(device) and not force_torch:
+        _launch(views, slot_mapping, index, packed_int, unpack)
+    else:
+        _twin(views, slot_mapping, index, packed_int, unpack)
+    return packed, index
+
+
+def pack_kv(
+    layers: Layers,
+    slot_mapping: torch.Tensor,
+    query_start_loc: torch.Tensor | None = None,
+    seq_ids: torch.Tensor | Sequence[int] | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack the selected sequences' KV, every layer, into one contiguous tensor.
+
+    Sequence ``i`` of the flat batch owns tokens ``query_start_loc[i] : query_start_loc[i + 1]``;
+    token ``t``'s KV lives at cache slot ``slot_mapping[t]`` of every layer (see
+    :mod:`tritonkv.layouts` for the view convention). With ``query_start_loc = [0, 18, 19, 20]``
+    (one 18-token prefill, two decodes) and ``seq_ids = [0]``, the output holds exactly the
+    prefill's 18 tokens, whatever ``seq_lens`` says.
+
+    Args:
+        layers: per-layer ``(k, v)`` views, each ``[num_blocks, num_kv_heads, block_size,
+            head_size]`` with any strides; ``v`` None for MLA. Same shape, dtype, device for all.
+        slot_mapping: ``[num_tokens]`` int32/int64 slot of each flat-batch token; ``-1`` (padding)
+            packs as zeros.
+        query_start_loc: ``[num_seqs + 1]`` int32/int64 offsets of each sequence in the flat
+            batch; None means one sequence of all ``num_tokens`` tokens. Tokens past
+            ``query_start_loc[-1]`` (CUDA-graph padding) are never read.
+        seq_ids: sequences to pack, in output order (tensor or list of ints); None = all.
+        out: optional preallocated ``[num_layers, 2 (1 for MLA), total_selected_tokens,
+            num_kv_heads, head_size]`` contiguous tensor of the cache dtype. With ``out`` and
+            index tensors already on the GPU the call never synchronises with the host, so it can
+            be captured in a CUDA graph (after one warm-up call outside the capture, which runs
+            autotuning and caches the layer address table).
+
+    Returns:
+        ``(packed, cu_seqlens)``: ``packed`` as ``out`` above (cache dtype) and ``cu_seqlens``
+        ``[len(seq_ids) + 1]`` int64 offsets of each selected sequence in ``packed``'s dim 2.
+
+    Raises:
+        TypeError, ValueError: inputs of the wrong type, shape, dtype or range (the message says
+            what was expected and what was given). Offsets and slots are range-checked when the
+            index tensors are on the CPU, or on the GPU when ``TRITONKV_CHECK=1``.
+    """
+    packed, index = _run(
+        layers, slot_mapping, query_start_loc, seq_ids, out, unpack=False, force_torch=False
+    )
+    return packed, index.cu_seqlens
+
+
+def unpack_kv(
+    packed: torch.Tensor,
+    layers: Layers,
+    slot_mapping: torch.Tensor,
+    query_start_loc: torch.Tensor | None = None,
+    seq_ids: torch.Tensor | Sequence[int] | None = None,
+) -> None:
+    """Write a tensor made by :func:`pack_kv` into a paged cache, in place.
+
+    The addressing mirrors :func:`pack_kv`: packed row ``r`` of selected sequence ``j`` goes to slot
+    ``slot_mapping[query_start_loc[seq_ids[j]] + r - cu_seqlens[j]]`` of every layer. Slots ``-1``
+    are never written; nothing outside the addressed slots is touched. If two rows map to the same
+    slot, which one lands is unspecified.
+
+    Args:
+        packed: ``[num_layers, 2 (1 for MLA), total_selected_tokens, num_kv_heads, head_size]``,
+            contiguous, cache dtype.
+        layers, slot_mapping, query_start_loc, seq_ids: as in :func:`pack_kv`, for the destination.
+    """
+    if packed is None:
+        raise TypeError("packed: expected a tensor, got None")
+    _run(layers, slot_mapping, query_start_loc, seq_ids, packed, unpack=True, force_torch=False)
+
+
+def pack_kv_torch(layers, slot_mapping, query_start_loc=None, seq_ids=None, *, out=None):
+    """:func:`pack_kv` on the plain-torch twin, whatever the device and ``TRITONKV_BACKEND``."""
+    packed, index = _run(
+        layers, slot_mapping, query_start_loc, seq_ids, out, unpack=False, force_torch=True
+    )
+    return packed, index.cu_seqlens
+
+
+def unpack_kv_torch(packed, layers, slot_mapping, query_start_loc=None, seq_ids=None) -> None:
+    """:func:`unpack_kv` on the plain-torch twin, whatever the device and ``TRITONKV_BACKEND``."""
+    if packed is None:
+        raise TypeError("packed: expected a tensor, got None")
+    _run(layers, slot_mapping, query_start_loc, seq_ids, packed, unpack=True, force_torch=True)

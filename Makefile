@@ -30,7 +30,7 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 
 demo: setup
-	$(PY) -m tritonkv.demo
+	$(PY) -m connector.demo
 
 bench: setup
 	$(PY) -m bench.run_all

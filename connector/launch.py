@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -50,15 +51,49 @@ def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 50) -> in
     raise RuntimeError(f"no run of {count} free ports found on {host}")
 
 
-def http_json(url: str, body: dict | None = None, timeout_s: float = 60.0) -> dict:
-    """POST ``body`` (or GET when None) and return the JSON reply; HTTP errors raise with the body."""
+def http_json(
+    url: str, body: dict | None = None, timeout_s: float = 60.0, request_id: str | None = None
+) -> dict:
+    """POST ``body`` (or GET when None) and return the JSON reply; HTTP errors raise with the body.
+
+    ``request_id`` goes out as ``X-Request-Id``: vLLM builds its request ids from it (e.g.
+    ``cmpl-<id>-0-...``) and the proxy forwards it, so the connector's log lines can be matched.
+    """
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    req = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as e:
         raise RuntimeError(f"{url}: HTTP {e.code}: {e.read()[:2000]!r}") from e
+
+
+_SAVED = re.compile(
+    r"tritonkv: saved transfer (?P<transfer>\w+) for (?P<req>\S+): (?P<tokens>\d+) tokens, "
+    r"(?P<bytes>\d+) bytes, pack (?P<pack_ms>[\d.]+) ms"
+)
+_LOADED = re.compile(
+    r"tritonkv: loaded transfer (?P<transfer>\w+) for (?P<req>\S+): (?P<tokens>\d+) tokens "
+    r"\(positions \d+\.\.\d+; (?P<local>\d+) local\), (?P<bytes>\d+) bytes, "
+    r"fetch (?P<fetch_ms>[\d.]+) ms, unpack (?P<unpack_ms>[\d.]+) ms"
+)
+_FAILED = re.compile(r"tritonkv: load of transfer (?P<transfer>\w+) for (?P<req>\S+) .*failed")
+
+
+def transfer_events(log_text: str, request_id: str) -> dict[str, list[dict]]:
+    """The connector's ``saved`` / ``loaded`` / ``failed`` log records of one client request id."""
+    out: dict[str, list[dict]] = {"saved": [], "loaded": [], "failed": []}
+    for line in log_text.splitlines():
+        if request_id not in line:
+            continue
+        for kind, pattern in (("saved", _SAVED), ("loaded", _LOADED), ("failed", _FAILED)):
+            m = pattern.search(line)
+            if m and request_id in m["req"]:
+                out[kind].append(m.groupdict())
+    return out
 
 
 @dataclass
@@ -69,6 +104,12 @@ class Proc:
     popen: subprocess.Popen
     log_path: Path
     url: str | None = None
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
 
     def log_tail(self, lines: int = 40) -> str:
         try:

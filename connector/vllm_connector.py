@@ -53,7 +53,9 @@ key                         default      meaning
 ``connect_timeout_s``       5            consumer: deadline of connecting to a producer
 ``transport``               auto         ``gloo`` (CPU) / ``nccl`` (CUDA) / ``socket``; auto by device
 ``backend``                 (env)        sets ``TRITONKV_BACKEND`` (``auto`` / ``torch`` / ``triton``)
-``debug_corrupt_kv``        false        consumer, **tests only**: flip the loaded KV (negative control)
+``debug_allow_corrupt``     false        consumer, **tests only**: a request whose params hold
+                                         ``"tritonkv_debug_corrupt": true`` gets scrambled KV
+                                         (the negative control that proves the KV is used)
 ==========================  ===========  =========================================================
 
 Hidden states are not carried: vLLM 0.32 hands a connector the paged KV cache (``save_kv_layer``)
@@ -108,7 +110,7 @@ class ConnectorConfig:
     connect_timeout_s: float = 5.0
     transport: str = "auto"
     backend: str | None = None
-    debug_corrupt_kv: bool = False
+    debug_allow_corrupt: bool = False
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -182,6 +184,7 @@ class LoadSpec:
     start: int
     count: int
     num_tokens: int
+    corrupt: bool = False
 
 
 @dataclass
@@ -358,6 +361,8 @@ class TritonKVConnector(KVConnectorBase_V1):
                 start=self._local_hit.pop(req_id),
                 count=num_external_tokens,
                 num_tokens=params["num_tokens"],
+                corrupt=self.cfg.debug_allow_corrupt
+                and params.get("tritonkv_debug_corrupt") is True,
             )
         )
 
@@ -500,7 +505,7 @@ class TritonKVConnector(KVConnectorBase_V1):
             if packed is None or tuple(packed.shape) != want or packed.dtype != k0.dtype:
                 got = "nothing" if packed is None else f"{tuple(packed.shape)} {packed.dtype}"
                 raise ValueError(f"entry holds {got}, expected {want} {k0.dtype}")
-            if self.cfg.debug_corrupt_kv:
+            if spec.corrupt:
                 packed = _corrupted(packed)
             slots = self._slots(spec.block_ids, spec.start, spec.start + spec.count, want[2])
             unpack_kv(packed, self._layers, slots)

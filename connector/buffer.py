@@ -793,10 +793,8 @@ class KVClient:
                 if self._pipe is not None:
                     self._pipe.close(timeout_s=1.0)
                     self._pipe = None
-                if e.key is None and key and not isinstance(e, KeyMissError):
-                    # name the key the caller asked for (connect errors do not know it)
-                    raise type(e)(str(e), key=key, waited_s=_now() - t0) from e
-                raise
+                # name the key the caller asked for and the whole time this request waited
+                raise e.with_context(key=e.key or key or None, waited_s=_now() - t0) from e
             if tensors:
                 self._c["bytes_sent"] += sum(t.nbytes for t in tensors.values())
             if reply.key != key:

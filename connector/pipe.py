@@ -407,8 +407,10 @@ class TensorPipe:
         f = self._fatal
         if f is None:
             return
-        cls = type(f) if type(f) is not KeyMissError else TransferError
-        raise cls(f"pipe is broken: {f}", peer=self.peer, key=key)
+        new = f.with_context(peer=self.peer, key=key)
+        new.detail = f"pipe is broken: {f.detail}"
+        new.args = (new._format(),)
+        raise new
 
     def _check_usable(self, key: str | None) -> None:
         if self._closing or self._closed:
@@ -850,7 +852,12 @@ class TensorPipe:
         timeout_s = self.close_timeout_s if timeout_s is None else float(timeout_s)
         deadline = _now() + timeout_s
         with self._cond:
-            while (self._outq or self._inflight) and self._fatal is None and _now() < deadline:
+            while (
+                (self._outq or self._inflight)
+                and self._fatal is None
+                and self._peer_gone is None  # a gone peer will not receive: do not wait
+                and _now() < deadline
+            ):
                 self._cond.wait(max(0.0, deadline - _now()))
             self._closing = True
             if self._fatal is None and (self._outq or self._inflight):

@@ -25,6 +25,7 @@ body ``05 00 'req-7' | 02 00 00 00 '{}' | 01 00 | 01 00 'k' | 03 02 00 | 2 i64 3
 
 from __future__ import annotations
 
+import copy
 import enum
 import json
 import math
@@ -62,17 +63,32 @@ class TransferError(RuntimeError):
         key: str | None = None,
         waited_s: float | None = None,
     ):
-        parts = [msg]
-        if peer is not None:
-            parts.append(f"peer={peer}")
-        if key is not None:
-            parts.append(f"key={key!r}")
-        if waited_s is not None:
-            parts.append(f"waited={waited_s:.3f}s")
-        super().__init__(" | ".join(parts))
+        self.detail = msg
         self.peer = peer
         self.key = key
         self.waited_s = waited_s
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        parts = [self.detail]
+        if self.peer is not None:
+            parts.append(f"peer={self.peer}")
+        if self.key is not None:
+            parts.append(f"key={self.key!r}")
+        if self.waited_s is not None:
+            parts.append(f"waited={self.waited_s:.3f}s")
+        return " | ".join(parts)
+
+    def with_context(
+        self, *, peer: str | None = None, key: str | None = None, waited_s: float | None = None
+    ) -> TransferError:
+        """A copy of this error (same type) with peer / key / waited filled in or replaced."""
+        new = copy.copy(self)
+        new.peer = peer if peer is not None else self.peer
+        new.key = key if key is not None else self.key
+        new.waited_s = waited_s if waited_s is not None else self.waited_s
+        new.args = (new._format(),)
+        return new
 
 
 class TransferTimeout(TransferError):

@@ -84,7 +84,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 
 from connector.buffer import KVBuffer, KVClient, KVServer, TransferError
-from tritonkv import layouts, pack_kv, unpack_kv
+from tritonkv import layouts, pack_kv, unpack_kv, use_triton
 
 # Under vLLM's logger tree, so lines carry vLLM's format and process tags and obey VLLM_LOGGING_LEVEL.
 log = init_logger("vllm.tritonkv.connector")
@@ -433,13 +433,14 @@ class TritonKVConnector(KVConnectorBase_V1):
         self._device = kv_caches[names[0]].device
         k0 = self._layers[0][0]
         log.info(
-            "tritonkv: rank %d registered %d layers, layout %s, views %s %s, role %s",
+            "tritonkv: rank %d registered %d layers, layout %s, views %s %s, role %s, kernels %s",
             self._tp_rank,
             len(names),
             self._layout,
             tuple(k0.shape),
             k0.dtype,
             "producer" if self.is_producer else "consumer",
+            "triton" if use_triton(self._device) else "torch",
         )
         if self.is_producer:
             self._buffer = KVBuffer(

@@ -8,6 +8,7 @@ See :mod:`tritonkv.layouts` for the view convention every op uses.
 """
 
 from . import layouts
+from ._common import use_triton
 from .hidden import pack_hidden, pack_hidden_torch, unpack_hidden, unpack_hidden_torch
 from .kv import pack_kv, pack_kv_torch, unpack_kv, unpack_kv_torch
 
@@ -21,5 +22,6 @@ __all__ = [
     "unpack_hidden_torch",
     "unpack_kv",
     "unpack_kv_torch",
+    "use_triton",
 ]
 __version__ = "0.1.0"

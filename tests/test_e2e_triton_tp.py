@@ -1,0 +1,48 @@
+"""End to end with the Triton kernels (interpreted on CPU) and with tensor parallelism 2.
+
+Two separate trios, started one after the other (module-scoped fixtures, used by one test each).
+"""
+
+from __future__ import annotations
+
+import pytest
+from _vllm_fixtures import requires_vllm
+from e2e_helpers import assert_token_granular_load, run_concurrently, start_cluster
+
+pytestmark = [pytest.mark.slow, requires_vllm, pytest.mark.timeout(900)]
+
+
+def _check_prompts(pd, lengths, seed):
+    prompts = [pd.prompt(n, seed=seed + n) for n in lengths]
+    results = run_concurrently(pd.disaggregated, [(p,) for p in prompts])
+    for n, prompt, (text, rid, _) in zip(lengths, prompts, results, strict=True):
+        assert text == pd.colocated(prompt), f"{n}-token prompt differs from colocated"
+        yield assert_token_granular_load(pd, rid, n)
+
+
+def test_flow_with_triton_kernels(tmp_path_factory, tiny_llama_dir):
+    """TRITONKV_BACKEND=triton TRITON_INTERPRET=1 on both servers: the kernels, not the twin."""
+    env = {"TRITONKV_BACKEND": "triton", "TRITON_INTERPRET": "1"}
+    cluster, pd = start_cluster(tmp_path_factory.mktemp("e2e_triton"), tiny_llama_dir, env=env)
+    try:
+        for proc in (pd.producer, pd.consumer):
+            assert "kernels triton" in proc.log_text(), f"{proc.name} did not use the kernels"
+        events = list(_check_prompts(pd, [9, 64, 150], seed=300))
+        assert all(e["saved"] for e in events)
+    finally:
+        cluster.stop()
+
+
+def test_tensor_parallel_2(tmp_path_factory, tiny_llama_dir):
+    """TP=2 on both sides: each rank moves its own KV heads, rank r pulls from rank r.
+
+    A connector that mixed ranks up would still report full loads; only the tokens catch it.
+    """
+    env = {"TORCHDYNAMO_DISABLE": "1"}
+    cluster, pd = start_cluster(tmp_path_factory.mktemp("e2e_tp"), tiny_llama_dir, env=env, tp=2)
+    try:
+        for events in _check_prompts(pd, [20, 100], seed=400):
+            assert len(events["loaded"]) == 2, f"expected one load per TP rank: {events}"
+            assert len(events["saved"]) == 2, f"expected one save per TP rank: {events}"
+    finally:
+        cluster.stop()

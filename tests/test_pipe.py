@@ -333,3 +333,25 @@ def test_nccl_two_gpus_round_trip():  # pragma: no cover - needs two GPUs
         if pipe is not None:
             pipe.close(timeout_s=5)
         listener.close()
+
+
+# --------------------------------------------------------------------------------- receive pool
+def test_recv_pool_reuses_a_buffer_only_when_nothing_references_it():
+    from connector.pipe import RecvPool
+
+    pool = RecvPool(max_bytes=64 << 20, min_bytes=1 << 20)
+    assert pool.alloc(1000) is None  # small: not pooled
+    a = pool.alloc(8 << 20)
+    pa = a.data_ptr()
+    b = pool.alloc(8 << 20)
+    assert b.data_ptr() != pa
+    view = a.view(torch.float32)[5:]  # the caller keeps only a view
+    del a
+    c = pool.alloc(8 << 20)
+    assert c.data_ptr() not in (pa, b.data_ptr())  # still referenced: not reused
+    del view
+    d = pool.alloc(6 << 20)  # fits (8 MiB <= 2 × 6 MiB), now unreferenced
+    assert d.data_ptr() == pa and d.numel() == 6 << 20
+    assert pool.hits == 1
+    big = pool.alloc(80 << 20)
+    assert big is None  # over max_bytes: the caller allocates normally

@@ -1,0 +1,219 @@
+"""Transport benchmark: tensor pipe vs raw torch.distributed send/recv, and KV buffer latency.
+
+    python -m bench.bench_pipe [--quick] [--backend gloo|nccl]
+
+Throughput: this process listens, a child process (this module, ``--role child``) connects; the
+pipe's own two-rank process group carries both providers, in the same run, interleaved:
+
+- ``raw``: ``pg.send`` / ``pg.recv`` of one uint8 tensor into a buffer the receiver allocated once
+  (tag 7, the pipe's payloads use tag 0): the limit.
+- ``pipe``: ``TensorPipe.send`` of ``{"x": tensor}`` and ``TensorPipe.recv()`` on the other side:
+  header on the control socket, validation, a fresh output tensor per message, payload on the
+  process group.
+- ``pipe_out``: the same, received into a preallocated tensor (``recv(out=...)``).
+
+Each point is the median of ``rounds`` timings of ``reps`` back-to-back messages, from the sender's
+first send until the receiver's "done" reply (one small round trip, the same for all providers).
+
+Latency: ``KVBuffer.take`` (local get), ``KVBuffer.match_prefix`` (64-token query, block 16) and
+``KVClient.get`` (remote, small entry, gloo, same host) with 10, 1k and 100k entries held: medians
+over random keys. They should stay flat as the buffer grows (dict and hash lookups, no scans).
+
+The last line is ``pipe/raw throughput ratio at 64 MiB: R``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from connector.buffer import KVBuffer, KVClient
+from connector.pipe import PipeListener, connect_pipe
+
+MIB = 1 << 20
+RAW_TAG = 7
+
+
+def _wait(work, timeout_s: float = 300.0) -> None:
+    work.wait(datetime.timedelta(seconds=timeout_s))
+
+
+# ------------------------------------------------------------------------------------ child side
+def child(port: int, backend: str, device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    pipe = connect_pipe("127.0.0.1", port, backend=backend, device=device, recv_timeout_s=300)
+    pg = pipe.process_group
+    try:
+        while True:
+            m = pipe.recv(300.0, idle=True)
+            cmd = m.meta.get("cmd")
+            if cmd == "quit":
+                break
+            n, reps = int(m.meta["n"]), int(m.meta["reps"])
+            if cmd == "raw":
+                buf = torch.empty(n, dtype=torch.uint8, device=device)
+                buf.fill_(0)  # fault the pages in once, as a long-lived receive buffer would be
+                pipe.send("ready")
+                for _ in range(reps):
+                    _wait(pg.recv([buf], 0, RAW_TAG))
+                if buf.is_cuda:
+                    torch.cuda.synchronize()
+            elif cmd == "pipe":
+                pipe.send("ready")
+                for _ in range(reps):
+                    got = pipe.recv(300.0)
+                    assert got.tensors["x"].numel() == n
+            elif cmd == "pipe_out":
+                out = {"x": torch.zeros(n, dtype=torch.uint8, device=device)}
+                pipe.send("ready")
+                for _ in range(reps):
+                    pipe.recv(300.0, out=out)
+            pipe.send("done")
+            pipe.flush(60)
+    finally:
+        pipe.close()
+
+
+# ----------------------------------------------------------------------------------- throughput
+def _measure(pipe, provider: str, buf: torch.Tensor, reps: int) -> float:
+    """Seconds for ``reps`` messages of ``buf`` through ``provider``."""
+    pipe.send("cmd", None, {"cmd": provider, "n": buf.numel(), "reps": reps})
+    assert pipe.recv(300.0).key == "ready"
+    t0 = time.perf_counter()
+    if provider == "raw":
+        for _ in range(reps):
+            _wait(pipe.process_group.send([buf], 1, RAW_TAG))
+    else:
+        for _ in range(reps):
+            pipe.send("m", {"x": buf})
+    assert pipe.recv(300.0).key == "done"
+    return time.perf_counter() - t0
+
+
+def throughput(sizes_mib, rounds: int, backend: str, device: str, child_device: str):
+    listener = PipeListener(backend=backend, device=device)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.bench_pipe", "--role", "child", "--port",
+         str(listener.port), "--backend", backend, "--device", child_device],
+    )  # fmt: skip
+    rows = []
+    try:
+        pipe = listener.accept(timeout_s=120)
+        providers = ("raw", "pipe", "pipe_out")
+        for mib in sizes_mib:
+            n = mib * MIB
+            buf = torch.randint(0, 256, (n,), dtype=torch.uint8).to(device)
+            reps = max(2, min(32, (256 * MIB) // n))
+            for p in providers:  # warm-up
+                _measure(pipe, p, buf, 1)
+            times = {p: [] for p in providers}
+            for _ in range(rounds):
+                for p in providers:
+                    times[p].append(_measure(pipe, p, buf, reps))
+            gbps = {p: n * reps / statistics.median(times[p]) / 1e9 for p in providers}
+            rows.append((mib, reps, gbps))
+            print(
+                f"{mib:>6} MiB  reps {reps:>2}  raw {gbps['raw']:7.3f} GB/s  pipe "
+                f"{gbps['pipe']:7.3f} GB/s  pipe(out=) {gbps['pipe_out']:7.3f} GB/s  ratio "
+                f"{gbps['pipe'] / gbps['raw']:.2f}",
+                flush=True,
+            )
+        pipe.send("bye", None, {"cmd": "quit"})
+        pipe.flush(30)
+        pipe.close()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        listener.close()
+    return rows
+
+
+# -------------------------------------------------------------------------------------- latency
+def _median_us(fn, args_list) -> float:
+    ts = []
+    for a in args_list:
+        t0 = time.perf_counter()
+        fn(a)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e6
+
+
+def latency(counts, ops: int):
+    rows = []
+    rng = random.Random(0)
+    for count in counts:
+        buf = KVBuffer(8 << 30, max_reads=0, ttl_s=None, block_size=16)
+        prompts = []
+        for i in range(count):
+            toks = [i, *[rng.randrange(32000) for _ in range(63)]]  # 4 blocks, distinct prefixes
+            prompts.append(toks)
+            buf.put(f"req-{i}", {"kv": torch.zeros(16), "cu_seqlens": torch.zeros(2)}, {"i": i},
+                    token_ids=toks)  # fmt: skip
+        keys = [f"req-{rng.randrange(count)}" for _ in range(ops)]
+        queries = [[*prompts[rng.randrange(count)][:48], 1, 2, 3] for _ in range(ops)]
+        take_us = _median_us(buf.take, keys)
+        match_us = _median_us(buf.match_prefix, queries)
+        assert buf.match_prefix(queries[0])[0] == 48
+        server = buf.serve()
+        try:
+            with KVClient("127.0.0.1", server.port, timeout_s=30) as client:
+                client.get(keys[0])  # connect
+                get_us = _median_us(client.get, keys[: max(200, ops // 10)])
+        finally:
+            server.close()
+        rows.append((count, take_us, match_us, get_us))
+        print(
+            f"{count:>7} entries  take {take_us:8.1f} us  match_prefix {match_us:8.1f} us  "
+            f"remote get {get_us:8.1f} us",
+            flush=True,
+        )
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and rounds (< 2 min)")
+    ap.add_argument("--backend", default=None, help="gloo (default without 2 GPUs) or nccl")
+    ap.add_argument("--role", default="main", choices=("main", "child"), help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.role == "child":
+        child(args.port, args.backend, args.device)
+        return
+    backend = args.backend or ("nccl" if torch.cuda.device_count() >= 2 else "gloo")
+    device, child_device = ("cuda:0", "cuda:1") if backend == "nccl" else ("cpu", "cpu")
+    sizes = (1, 16, 64) if args.quick else (1, 4, 16, 64, 256, 512)
+    rounds = 7 if args.quick else 9
+    counts = (10, 1_000, 100_000)
+    ops = 2_000 if args.quick else 10_000
+    print(f"# bench_pipe backend={backend} torch={torch.__version__} quick={args.quick}")
+    print("## KV buffer latency (median)")
+    latency(counts, ops)
+    print(f"## throughput, {backend}, median of {rounds} rounds")
+    rows = throughput(sizes, rounds, backend, device, child_device)
+    print()
+    print("| size | raw GB/s | pipe GB/s | pipe/raw | pipe(out=) GB/s | pipe(out=)/raw |")
+    print("|-----:|---------:|----------:|---------:|----------------:|---------------:|")
+    for mib, _reps, g in rows:
+        print(
+            f"| {mib} MiB | {g['raw']:.3f} | {g['pipe']:.3f} | {g['pipe'] / g['raw']:.2f} | "
+            f"{g['pipe_out']:.3f} | {g['pipe_out'] / g['raw']:.2f} |"
+        )
+    at64 = next(g for mib, _r, g in rows if mib == 64)
+    print(f"pipe/raw throughput ratio at 64 MiB: {at64['pipe'] / at64['raw']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

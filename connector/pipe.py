@@ -32,6 +32,10 @@ breaks the pipe and is raised to the caller on its next ``send``/``recv``/``flus
 callbacks see it too. Any timeout or error breaks the pipe for good (a late payload could otherwise
 land in the wrong message): open a new one.
 
+Large CPU receive buffers come from :data:`RECV_POOL`, which hands a buffer out again only once
+nothing references it (first-touch page faults of fresh 64 MiB buffers cost about as much as the
+gloo transfer itself on a small machine); ``recv(out=...)`` receives into caller-owned tensors.
+
 Deadlines (defaults; every one is a constructor argument):
 
 - ``connect_timeout_s`` = 10 s: TCP connect + HELLO exchange + process-group setup.

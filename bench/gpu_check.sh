@@ -84,7 +84,7 @@ rc=0
 dry_flag=()
 [[ $DRY == 1 ]] && dry_flag=(--dry-run)
 timeout -k 5 "$left" "$PY" -m bench.bench_kv --suite gpu-check --outdir "$OUTDIR" \
-    --deadline-s "$((left - 50))" "${dry_flag[@]}" || rc=$?
+    --deadline-s "$((left - 50))" ${dry_flag[@]+"${dry_flag[@]}"} || rc=$?
 if [[ $rc != 0 ]]; then
     echo "benchmark: exit $rc$([[ $rc == 124 || $rc == 137 ]] && echo ' (timed out)')"
     status=1

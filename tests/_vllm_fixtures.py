@@ -46,25 +46,13 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def vllm_env(tmp_path_factory) -> dict[str, str]:
     """A copy of ``os.environ`` set up for running vLLM in a child process on CPU."""
-    root = tmp_path_factory.mktemp("vllm_run")
-    for sub in ("rpc", "cache", "inductor", "tmp"):
-        (root / sub).mkdir()
-    env = dict(os.environ)
+    from connector.launch import vllm_env as server_env
+
+    env = server_env(tmp_path_factory.mktemp("vllm_run"))
     env.update(
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_RPC_BASE_PATH=str(root / "rpc"),
-        VLLM_CACHE_ROOT=str(root / "cache"),
-        TORCHINDUCTOR_CACHE_DIR=str(root / "inductor"),
-        TMPDIR=str(root / "tmp"),
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_NO_USAGE_STATS="1",
-        VLLM_DO_NOT_TRACK="1",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
         PYTHONPATH=os.pathsep.join(
             p for p in (str(REPO_ROOT), str(TESTS_DIR), env.get("PYTHONPATH", "")) if p
         ),
     )
-    # A Triton interpreter flag meant for our kernels has no business in vLLM's process.
-    env.pop("TRITON_INTERPRET", None)
     return env

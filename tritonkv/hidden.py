@@ -70,6 +70,8 @@ def _run(hidden_states, query_start_loc, seq_ids, packed, *, last_only, unpack, 
         )
     if query_start_loc is None:
         raise TypeError("query_start_loc: expected a 1-D int32/int64 tensor, got None")
+    if unpack and packed is None:
+        raise TypeError("packed: expected a tensor, got None")
     num_tokens, hidden_size = hidden_states.shape
     device, dtype = hidden_states.device, hidden_states.dtype
     index = seq_index(query_start_loc, seq_ids, num_tokens, device, last_only=last_only)
@@ -175,8 +177,6 @@ def unpack_hidden(
         packed: ``[rows, hidden_size]`` contiguous, ``hidden_states``' dtype.
         hidden_states, query_start_loc, seq_ids, last_only: as in :func:`pack_hidden`.
     """
-    if packed is None:
-        raise TypeError("packed: expected a tensor, got None")
     _run(
         hidden_states,
         query_start_loc,
@@ -204,8 +204,6 @@ def pack_hidden_torch(hidden_states, query_start_loc, seq_ids=None, *, last_only
 
 def unpack_hidden_torch(packed, hidden_states, query_start_loc, seq_ids=None, *, last_only=False):
     """:func:`unpack_hidden` on the plain-torch twin, whatever the device and backend setting."""
-    if packed is None:
-        raise TypeError("packed: expected a tensor, got None")
     _run(
         hidden_states,
         query_start_loc,

@@ -12,6 +12,7 @@ fp32, fp16, bf16, fp8 and uint8-viewed caches are copied bit for bit; there is n
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -362,12 +363,78 @@ class _Rows:
         return view.as_strided(self.shape, (self.unit, 1), view.storage_offset())
 
 
+@dataclass
+class _BlockRuns:
+    """Whole blocks copied as one row each (CPU twin only: finding them reads slots on the host).
+
+    A run is ``block_size`` consecutive packed rows holding one whole block in order (slots
+    ``b * block_size + 0 .. block_size - 1``). Runs that follow each other in the packed tensor form
+    a segment, copied with one ``index_select`` of ``block_size``-token rows; the other rows
+    (``rest``) are copied token by token.
+    """
+
+    segments: list[tuple[int, torch.Tensor]]  # (first packed row, [num_runs] block ids)
+    rest: torch.Tensor  # packed rows outside every run
+
+    MAX_SEGMENTS = 16  # beyond this, one op per segment and view costs more than it saves
+
+    @staticmethod
+    def find(slots: torch.Tensor, block_size: int) -> _BlockRuns | None:
+        """Runs among ``slots`` (``[num_rows]``, all >= 0, on the CPU), or None if not worth it."""
+        num_rows = slots.numel()
+        if num_rows < block_size:
+            return None
+        links = torch.zeros(num_rows + 1, dtype=torch.int64)  # links[r + 1]: row r+1 follows r
+        links[2:] = (slots[1:] == slots[:-1] + 1).cumsum(0)
+        first = torch.arange(num_rows - block_size + 1)
+        full = (slots[first] % block_size == 0) & (
+            links[first + block_size] - links[first + 1] == block_size - 1
+        )
+        starts = first[full]
+        if starts.numel() == 0:
+            return None
+        breaks = ((starts[1:] - starts[:-1]) != block_size).nonzero().squeeze(1) + 1
+        bounds = [0, *breaks.tolist(), starts.numel()]
+        if len(bounds) - 1 > _BlockRuns.MAX_SEGMENTS:
+            return None
+        blocks = slots[starts] // block_size
+        segments = [(int(starts[a]), blocks[a:b]) for a, b in itertools.pairwise(bounds)]
+        covered = torch.zeros(num_rows, dtype=torch.bool)
+        covered[(starts[:, None] + torch.arange(block_size)).reshape(-1)] = True
+        return _BlockRuns(segments, (~covered).nonzero().squeeze(1))
+
+    def copy(self, view, rows: _Rows, cache_rows, idx, dst, unpack: bool) -> bool:
+        """Copy one view's rows through whole-block rows; False if the view's blocks aren't dense."""
+        num_blocks, _, block_size, _ = view.shape
+        stride_b, _, stride_n, _ = view.stride()
+        width = rows.shape[1]
+        if rows.per_head or (block_size > 1 and stride_n != width) or stride_b < block_size * width:
+            return False
+        cache_blocks = view.as_strided(
+            (num_blocks, block_size * width), (stride_b, 1), view.storage_offset()
+        )
+        for first_row, blocks in self.segments:
+            dst_blocks = dst[first_row : first_row + blocks.numel() * block_size]
+            dst_blocks = dst_blocks.view(blocks.numel(), block_size * width)
+            if unpack:
+                cache_blocks.index_copy_(0, blocks, dst_blocks)
+            else:
+                torch.index_select(cache_blocks, 0, blocks, out=dst_blocks)
+        if self.rest.numel():
+            if unpack:
+                cache_rows.index_copy_(0, idx[self.rest], dst[self.rest])
+            else:
+                dst.index_copy_(0, self.rest, cache_rows.index_select(0, idx[self.rest]))
+        return True
+
+
 def _twin(views, slot_mapping, index: SeqIndex, packed: torch.Tensor, unpack: bool) -> None:
     """The torch twin: the same addressing as the kernel, as one row gather/scatter per view.
 
     Each view's cache rows (:class:`_Rows`) are gathered with ``index_select`` (pack) or written
-    with ``index_copy_`` (unpack); views without contiguous rows fall back to advanced indexing.
-    Slot -1 rows are zero-filled after packing and left out of unpacking.
+    with ``index_copy_`` (unpack), whole blocks at a time where possible (:class:`_BlockRuns`, CPU
+    only); views without contiguous rows fall back to advanced indexing. Slot -1 rows are
+    zero-filled after packing and left out of unpacking.
     """
     num_layers, num_parts, num_rows, num_kv_heads, head_size = packed.shape
     if num_rows == 0:
@@ -379,6 +446,10 @@ def _twin(views, slot_mapping, index: SeqIndex, packed: torch.Tensor, unpack: bo
     keep = None if bool(cached.all()) else cached.nonzero().squeeze(1)
     slots = slots.clamp(min=0)
     block, offset = slots // block_size, slots % block_size
+    # CPU: copy whole blocks where the batch holds them in order (NHD / MLA; about copy speed).
+    runs = None
+    if packed.device.type == "cpu" and keep is None:
+        runs = _BlockRuns.find(slots, block_size)
     # Per stride pattern (one for every layer of a vLLM cache): the row view and each row's index.
     plans: dict[tuple, tuple[_Rows, torch.Tensor] | None] = {}
     dst_rows: dict[int, tuple[torch.Tensor, ...]] = {}  # per row width: packed[layer, part] rows
@@ -405,10 +476,13 @@ def _twin(views, slot_mapping, index: SeqIndex, packed: torch.Tensor, unpack: bo
             if unpack and keep is not None:
                 by_row = by_row[:, keep]
             dst_rows[width] = by_row.flatten(1, 2).unbind(0)
+        cache_rows, dst = rows.view(view), dst_rows[width][i]
+        if runs is not None and runs.copy(view, rows, cache_rows, idx, dst, unpack):
+            continue
         if unpack:
-            rows.view(view).index_copy_(0, idx, dst_rows[width][i])
+            cache_rows.index_copy_(0, idx, dst)
         else:
-            torch.index_select(rows.view(view), 0, idx, out=dst_rows[width][i])
+            torch.index_select(cache_rows, 0, idx, out=dst)
     if keep is not None and not unpack:
         packed.index_fill_(2, (~cached).nonzero().squeeze(1), 0)
 

@@ -6,7 +6,8 @@ Layout of the views is explained once, in :mod:`tritonkv.layouts`; sequence addr
 torch twins below (``pack_kv_torch`` / ``unpack_kv_torch``) do the same addressing with indexing,
 and also serve as the test oracle.
 
-Copies move integer views of the data (as wide as strides and alignment allow, up to 8 bytes), so
+Copies move integer views of the data (as wide as strides and alignment allow, up to 8-byte
+elements, which the GPU compiler vectorises to 16-byte accesses), so
 fp32, fp16, bf16, fp8 and uint8-viewed caches are copied bit for bit; there is no arithmetic.
 """
 
@@ -502,25 +503,29 @@ def _run(layers, slot_mapping, query_start_loc, seq_ids, packed, *, unpack, forc
     """Common path of pack/unpack: validate, address, widen, dispatch. Returns the SeqIndex."""
     shape, dtype, device, has_v = _check_layers(layers)
     check_index("slot_mapping", slot_mapping, allow_none=False)
+    if unpack and packed is None:
+        raise TypeError("packed: expected a tensor, got None")
     num_blocks, num_kv_heads, block_size, head_size = shape
     index = seq_index(query_start_loc, seq_ids, slot_mapping.numel(), device)
+    checks = checks_enabled(query_start_loc, seq_ids, slot_mapping)
     slot_mapping = slot_mapping.to(device, non_blocking=True)
-    packed_shape = (len(layers), 1 + has_v, None, num_kv_heads, head_size)
+
+    def packed_shape(rows: int) -> tuple[int, ...]:
+        return (len(layers), 1 + has_v, rows, num_kv_heads, head_size)
+
     if packed is None:
         rows = index.total()
-        packed = torch.empty(
-            (*packed_shape[:2], rows, *packed_shape[3:]), dtype=dtype, device=device
-        )
+        packed = torch.empty(packed_shape(rows), dtype=dtype, device=device)
     else:
         rows = packed.shape[2] if isinstance(packed, torch.Tensor) and packed.dim() == 5 else -1
         name = "packed" if unpack else "out"
-        _check_packed(name, packed, (*packed_shape[:2], rows, *packed_shape[3:]), dtype, device)
-        if checks_enabled(query_start_loc, seq_ids, slot_mapping) and rows != index.total():
+        _check_packed(name, packed, packed_shape(rows), dtype, device)
+        if checks and rows != index.total():
             raise ValueError(
                 f"{name}: expected {index.total()} rows (tokens of the selected sequences) in "
                 f"dim 2, got {rows}"
             )
-    if checks_enabled(query_start_loc, seq_ids, slot_mapping):
+    if checks:
         _check_slots(slot_mapping, index, rows, num_blocks * block_size)
 
     width = widest_int_view(
@@ -601,8 +606,6 @@ def unpack_kv(
             contiguous, cache dtype.
         layers, slot_mapping, query_start_loc, seq_ids: as in :func:`pack_kv`, for the destination.
     """
-    if packed is None:
-        raise TypeError("packed: expected a tensor, got None")
     _run(layers, slot_mapping, query_start_loc, seq_ids, packed, unpack=True, force_torch=False)
 
 
@@ -616,6 +619,4 @@ def pack_kv_torch(layers, slot_mapping, query_start_loc=None, seq_ids=None, *, o
 
 def unpack_kv_torch(packed, layers, slot_mapping, query_start_loc=None, seq_ids=None) -> None:
     """:func:`unpack_kv` on the plain-torch twin, whatever the device and ``TRITONKV_BACKEND``."""
-    if packed is None:
-        raise TypeError("packed: expected a tensor, got None")
     _run(layers, slot_mapping, query_start_loc, seq_ids, packed, unpack=True, force_torch=True)

@@ -981,7 +981,31 @@ class TensorPipe:
 # Process groups and handshake
 # ----------------------------------------------------------------------------------------------
 def _make_process_group(backend: str, store, rank: int, local_host: str, timeout_s: float):
-    """Two-rank process group on ``store`` (never the default group)."""
+    """Two-rank process group on ``store`` (never the default group), built within ``timeout_s``.
+
+    Gloo's rendezvous does not always honour its own timeout (a connect inside a busy vLLM TP
+    worker was seen taking 38 s past a 5 s deadline), so the group is built on a helper thread and
+    abandoned with a TimeoutError at the deadline; the thread ends when gloo gives up.
+    """
+    result: dict[str, object] = {}
+
+    def build() -> None:
+        try:
+            result["pg"] = _build_process_group(backend, store, rank, local_host, timeout_s)
+        except BaseException as e:  # handed to the caller below
+            result["error"] = e
+
+    worker = threading.Thread(target=build, name="tkv-pg-rendezvous", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise TimeoutError(f"{backend} rendezvous not done within {timeout_s:.1f} s")
+    if "error" in result:
+        raise result["error"]
+    return result["pg"]
+
+
+def _build_process_group(backend: str, store, rank: int, local_host: str, timeout_s: float):
     from torch.distributed import ProcessGroupGloo
 
     timeout = datetime.timedelta(seconds=timeout_s)

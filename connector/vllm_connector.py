@@ -26,9 +26,11 @@ Flow (the proxy, ``connector.proxy``, drives it):
 2. The proxy passes those params to the **consumer**. Its scheduler-side connector reports
    ``prompt_len - 1 - num_computed_tokens`` external tokens (token-granular: vLLM recomputes only
    the last prompt token to get logits; ``num_computed_tokens`` is the local prefix-cache hit, whose
-   slots are never written). Before the step's forward pass the worker pulls the entry by transfer
-   id from ``remote_host:remote_port + tp_rank`` and writes the needed rows with **one**
-   :func:`tritonkv.unpack_kv` call into the allocated slots.
+   slots are never written). The worker pulls the entry by transfer id from
+   ``remote_host:remote_port + tp_rank`` and writes the needed rows with **one**
+   :func:`tritonkv.unpack_kv` call into the allocated slots, before that step's forward pass; or,
+   with ``async_load``, on a background thread while the server goes on decoding other requests
+   (the request waits in vLLM's ``WAITING_FOR_REMOTE_KVS`` state until ``get_finished`` reports it).
 3. Any failure (producer dead, timeout, unknown or expired id, wrong fingerprint, shape or dtype) is
    logged and reported through ``get_block_ids_with_load_errors``; with vLLM's
    ``kv_load_failure_policy: "recompute"`` the consumer recomputes the prompt. A request is never
@@ -53,6 +55,12 @@ key                         default      meaning
 ``connect_timeout_s``       5            consumer: deadline of connecting to a producer
 ``transport``               auto         ``gloo`` (CPU) / ``nccl`` (CUDA) / ``socket``; auto by device
 ``backend``                 (env)        sets ``TRITONKV_BACKEND`` (``auto`` / ``torch`` / ``triton``)
+``async_load``              false        consumer: true = fetch + unpack on a background thread while
+                                         the server keeps decoding other requests (vLLM's
+                                         WAITING_FOR_REMOTE_KVS state); false = before the step's
+                                         forward pass, which waits for the fetch. Async is tested
+                                         at TP=1 on CPU; at TP=2 on 2 CPU cores its load threads
+                                         starved (gloo rendezvous timeouts), hence off by default
 ``debug_allow_corrupt``     false        consumer, **tests only**: a request whose params hold
                                          ``"tritonkv_debug_corrupt": true`` gets scrambled KV
                                          (the negative control that proves the KV is used)
@@ -65,10 +73,13 @@ recomputes the last prompt token instead, which produces them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +121,7 @@ class ConnectorConfig:
     connect_timeout_s: float = 5.0
     transport: str = "auto"
     backend: str | None = None
+    async_load: bool = False
     debug_allow_corrupt: bool = False
 
     @classmethod
@@ -293,6 +305,10 @@ class TritonKVConnector(KVConnectorBase_V1):
             self._server: KVServer | None = None
             self._clients: dict[tuple[str, int], KVClient] = {}
             self._load_errors: set[int] = set()
+            self._lock = threading.Lock()  # guards _load_errors and _stats across load threads
+            self._loading: dict[str, Future] = {}  # async loads in flight, by request id
+            self._pool: ThreadPoolExecutor | None = None
+            self._load_stream = None  # CUDA stream of the load thread
             self._stats = TritonKVStats()
             self._tp_rank = 0
 
@@ -340,7 +356,7 @@ class TritonKVConnector(KVConnectorBase_V1):
         if count <= 0:
             return 0, False
         self._local_hit[request.request_id] = num_computed_tokens
-        return count, False
+        return count, self.cfg.async_load
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         req_id = request.request_id
@@ -477,9 +493,25 @@ class TritonKVConnector(KVConnectorBase_V1):
         if not isinstance(meta, TritonKVMetadata):
             return
         for spec in meta.loads:
-            self._load(spec)
+            if not self.cfg.async_load:
+                self._load(spec)
+                continue
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(2, thread_name_prefix="tritonkv-load")
+            self._loading[spec.req_id] = self._pool.submit(self._load, spec)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Async loads that completed (or failed: their blocks are already in the error set)."""
+        done = {req_id for req_id, future in self._loading.items() if future.done()}
+        for req_id in done:
+            self._loading.pop(req_id).result()  # _load never raises; surface a bug if it does
+        return None, done or None
 
     def _client(self, host: str, port: int) -> KVClient:
+        with self._lock:  # load threads share clients (a KVClient serialises its requests)
+            return self._client_locked(host, port)
+
+    def _client_locked(self, host: str, port: int) -> KVClient:
         client = self._clients.get((host, port))
         if client is None:
             client = KVClient(
@@ -508,18 +540,25 @@ class TritonKVConnector(KVConnectorBase_V1):
                 raise ValueError(f"entry holds {got}, expected {want} {k0.dtype}")
             if spec.corrupt:
                 packed = _corrupted(packed)
-            slots = self._slots(spec.block_ids, spec.start, spec.start + spec.count, want[2])
-            unpack_kv(packed, self._layers, slots)
-            if self._device.type == "cuda":
-                torch.cuda.current_stream().synchronize()
+            # On CUDA, off the model's stream (a load thread may run beside a forward pass); the
+            # blocks are this request's alone until it is reported finished, after the sync.
+            cuda = self._device.type == "cuda"
+            if cuda and self._load_stream is None:
+                self._load_stream = torch.cuda.Stream(self._device)
+            with torch.cuda.stream(self._load_stream) if cuda else contextlib.nullcontext():
+                slots = self._slots(spec.block_ids, spec.start, spec.start + spec.count, want[2])
+                unpack_kv(packed, self._layers, slots)
+            if cuda:
+                self._load_stream.synchronize()
             t2 = time.perf_counter()
         except (TransferError, ValueError, TypeError, OSError) as exc:
             failed = {
                 spec.block_ids[p // self.block_size]
                 for p in range(spec.start, spec.start + spec.count)
             }
-            self._load_errors |= failed
-            self._stats.data["load_failures"] += 1
+            with self._lock:
+                self._load_errors |= failed
+                self._stats.data["load_failures"] += 1
             log.warning(
                 "tritonkv: load of transfer %s for %s from %s:%d failed after %.1f ms (%s: %s); "
                 "its %d blocks will be recomputed",
@@ -534,11 +573,12 @@ class TritonKVConnector(KVConnectorBase_V1):
             )
             return
         nbytes = packed.numel() * packed.element_size() * spec.count // max(spec.num_tokens, 1)
-        self._stats.data["loads"] += 1
-        self._stats.data["bytes_loaded"] += nbytes
-        self._stats.data["tokens_loaded"] += spec.count
-        self._stats.data["fetch_ms"].append(1e3 * (t1 - t0))
-        self._stats.data["unpack_ms"].append(1e3 * (t2 - t1))
+        with self._lock:
+            self._stats.data["loads"] += 1
+            self._stats.data["bytes_loaded"] += nbytes
+            self._stats.data["tokens_loaded"] += spec.count
+            self._stats.data["fetch_ms"].append(1e3 * (t1 - t0))
+            self._stats.data["unpack_ms"].append(1e3 * (t2 - t1))
         log.info(
             "tritonkv: loaded transfer %s for %s: %d tokens (positions %d..%d; %d local), %d bytes, "
             "fetch %.2f ms, unpack %.2f ms",
@@ -554,7 +594,8 @@ class TritonKVConnector(KVConnectorBase_V1):
         )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads finish inside ``start_load_kv`` (before the forward pass): nothing to wait for."""
+        """Nothing to wait for per layer: a sync load completes inside ``start_load_kv`` (before the
+        forward pass), and vLLM schedules an async-loaded request only after ``get_finished``."""
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
         """Saving packs all layers at once in ``wait_for_save``, after the forward pass."""
@@ -586,10 +627,11 @@ class TritonKVConnector(KVConnectorBase_V1):
                 )
                 continue
             nbytes = packed.numel() * packed.element_size()
-            self._stats.data["saves"] += 1
-            self._stats.data["bytes_saved"] += nbytes
-            self._stats.data["tokens_saved"] += spec.num_tokens
-            self._stats.data["pack_ms"].append(1e3 * (t1 - t0))
+            with self._lock:
+                self._stats.data["saves"] += 1
+                self._stats.data["bytes_saved"] += nbytes
+                self._stats.data["tokens_saved"] += spec.num_tokens
+                self._stats.data["pack_ms"].append(1e3 * (t1 - t0))
             log.info(
                 "tritonkv: saved transfer %s for %s: %d tokens, %d bytes, pack %.2f ms",
                 spec.transfer_id,
@@ -600,14 +642,20 @@ class TritonKVConnector(KVConnectorBase_V1):
             )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        failed, self._load_errors = self._load_errors, set()
+        # A failed async load adds its blocks before its future completes, so they are reported no
+        # later than the step whose get_finished reports the request (vLLM's rule).
+        with self._lock:
+            failed, self._load_errors = self._load_errors, set()
         return failed
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        stats = getattr(self, "_stats", None)
-        if stats is None or stats.is_empty():
+        if self.role == KVConnectorRole.SCHEDULER:
             return None
-        self._stats = TritonKVStats()
+        with self._lock:
+            stats = self._stats
+            if stats.is_empty():
+                return None
+            self._stats = TritonKVStats()
         return stats
 
     @classmethod
@@ -617,6 +665,8 @@ class TritonKVConnector(KVConnectorBase_V1):
         return TritonKVStats(data=data) if data is not None else TritonKVStats()
 
     def shutdown(self):
+        if getattr(self, "_pool", None) is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
         for client in getattr(self, "_clients", {}).values():
             client.close()
         if getattr(self, "_server", None) is not None:

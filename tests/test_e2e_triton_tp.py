@@ -21,9 +21,17 @@ def _check_prompts(pd, lengths, seed):
 
 
 def test_flow_with_triton_kernels(tmp_path_factory, tiny_llama_dir):
-    """TRITONKV_BACKEND=triton TRITON_INTERPRET=1 on both servers: the kernels, not the twin."""
+    """TRITONKV_BACKEND=triton TRITON_INTERPRET=1 on both servers: the kernels, not the twin.
+
+    Also the consumer's synchronous load path (the default), stated explicitly.
+    """
     env = {"TRITONKV_BACKEND": "triton", "TRITON_INTERPRET": "1"}
-    cluster, pd = start_cluster(tmp_path_factory.mktemp("e2e_triton"), tiny_llama_dir, env=env)
+    cluster, pd = start_cluster(
+        tmp_path_factory.mktemp("e2e_triton"),
+        tiny_llama_dir,
+        env=env,
+        extra_config={"async_load": False},
+    )
     try:
         for proc in (pd.producer, pd.consumer):
             assert "kernels triton" in proc.log_text(), f"{proc.name} did not use the kernels"

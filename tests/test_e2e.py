@@ -77,9 +77,7 @@ def test_new_request_while_the_decode_server_is_busy(pd):
     prompts = [pd.prompt(n, seed=200 + n) for n in (18, 45, 77)]
     submitted = time.monotonic()
     results = run_concurrently(pd.disaggregated, [(p,) for p in prompts])
-    done = time.monotonic()
     worker.join(300)
-    assert done > submitted
     # The new requests arrived while the long one was still decoding on the consumer.
     assert "at" in finished and finished["at"] > submitted, "long request was not in flight"
     for prompt, (text, rid, usage) in zip(prompts, results, strict=True):

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from tritonkv import layouts, pack_kv, unpack_kv
+from tritonkv import layouts, pack_kv, unpack_kv, use_triton
 
 
 def _build(device, num_layers, num_blocks, block_size, num_kv_heads, head_size, gen):
@@ -83,7 +83,11 @@ def main(argv=None) -> int:
             flat = d.transpose(1, 2).reshape(-1, num_kv_heads, head_size)
             untouched_ok &= bool((flat[untouched] == 0).all())
     nbytes = packed.numel() * packed.element_size()
-    backend = "Triton (one launch)" if args.device.startswith("cuda") else "torch twin (CPU)"
+    if use_triton(torch.device(args.device)):
+        backend = "Triton kernels, one launch for all layers"
+        backend += "" if args.device.startswith("cuda") else " (CPU interpreter: slow by design)"
+    else:
+        backend = "torch twin"
     print(
         f"packed {tuple(packed.shape)} bf16, cu_seqlens {cu_seqlens.tolist()}, {nbytes / 2**20:.1f} MiB"
     )

@@ -69,3 +69,26 @@ def test_wide_hidden_spans_several_column_tiles(backend):
     hidden = _hidden(torch.float32, rows=20, width=2500)  # > 1024 columns per program
     packed, _ = pack_hidden(hidden, SEED_QSL, [1, 0])
     assert_bits_equal(packed, hidden[[18, *range(18)]], "wide")
+
+
+@pytest.mark.parametrize("num_seqs", [3, 40, 200], ids=lambda n: f"{n}seqs")
+@pytest.mark.parametrize("order", ["ascending", "shuffled"])
+def test_many_sequences(backend, num_seqs, order):
+    """Few stretches (slice copies on CPU) and many (the row gather): the same rows either way."""
+    gen = torch.Generator().manual_seed(num_seqs)
+    lens = torch.randint(0, 4, (num_seqs,), generator=gen)  # 0-token sequences included
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+    num_tokens = int(qsl[-1]) + 2  # two rows past the batch
+    picked = torch.randperm(num_seqs, generator=gen)[: max(2, 3 * num_seqs // 4)]
+    seq_ids = picked.sort().values if order == "ascending" else picked
+    rows = [t for s in seq_ids.tolist() for t in range(qsl[s], qsl[s + 1])]
+    hidden = _hidden(torch.bfloat16, rows=num_tokens, width=24)
+    packed, cu_seqlens = pack_hidden(hidden, qsl, seq_ids)
+    assert_bits_equal(packed, hidden[rows], "pack_hidden")
+    assert cu_seqlens.tolist() == [0, *lens[seq_ids].cumsum(0).tolist()]
+
+    dst = _hidden(torch.bfloat16, rows=num_tokens, width=24, sentinel=True)
+    expected = dst.clone()
+    expected[rows] = hidden[rows]
+    unpack_hidden(packed, dst, qsl, seq_ids)
+    assert_bits_equal(dst, expected, "unpack_hidden")

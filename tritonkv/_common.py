@@ -114,6 +114,29 @@ class SeqIndex:
         """Packed rows in all (reads ``cu_seqlens[-1]``: a host sync on CUDA)."""
         return int(self.cu_seqlens[-1])
 
+    def runs(self, max_runs: int) -> list[tuple[int, int, int]] | None:
+        """``(first flat token, first packed row, rows)`` of each stretch of consecutive rows.
+
+        Selected sequences that follow each other in both the flat batch and the packed tensor
+        form one stretch. None when there are more than ``max_runs`` stretches. Reads the index
+        on the host (the CPU twins' shortcut: a few slice copies instead of a row gather).
+        """
+        if self.num_sel > 64 * max_runs:  # surely too many: don't pay for the host copies
+            return None
+        cu_seqlens, src_start = self.cu_seqlens.tolist(), self.src_start.tolist()
+        runs: list[list[int]] = []
+        for j, src in enumerate(src_start):
+            rows = cu_seqlens[j + 1] - cu_seqlens[j]
+            if not rows:
+                continue
+            if runs and runs[-1][0] + runs[-1][2] == src:
+                runs[-1][2] += rows
+            else:
+                if len(runs) == max_runs:
+                    return None
+                runs.append([src, cu_seqlens[j], rows])
+        return [(src, row, rows) for src, row, rows in runs]
+
     def flat_tokens(self, num_rows: int) -> torch.Tensor:
         """``[num_rows]`` int64 flat token index of every packed row (the torch twins' addressing)."""
         rows = torch.arange(num_rows, device=self.cu_seqlens.device)
@@ -202,14 +225,14 @@ def widest_int_view(tensors: Sequence[torch.Tensor], row_bytes: int) -> int:
     size itself always qualifies.
     """
     itemsize = tensors[0].element_size()
+    patterns = {(t.stride(), t.element_size()) for t in tensors}  # few: every layer is alike
+    addresses = [t.data_ptr() for t in tensors]
     for w in (8, 4, 2):
         if w <= itemsize or row_bytes % w:
             continue
-        if all(
-            t.stride(-1) == 1
-            and t.data_ptr() % w == 0
-            and all((s * t.element_size()) % w == 0 for s in t.stride()[:-1])
-            for t in tensors
+        if all(a % w == 0 for a in addresses) and all(
+            strides[-1] == 1 and all(s * size % w == 0 for s in strides[:-1])
+            for strides, size in patterns
         ):
             return w
     return itemsize
@@ -217,12 +240,9 @@ def widest_int_view(tensors: Sequence[torch.Tensor], row_bytes: int) -> int:
 
 def as_int(t: torch.Tensor, width: int) -> torch.Tensor:
     """View ``t`` as integers of ``width`` bytes (same bytes, last dim rescaled)."""
-    itemsize = t.element_size()
-    if width == itemsize:
-        return t.view(_INT_OF_SIZE[itemsize])
-    if width < itemsize:
-        raise ValueError(f"as_int: width {width} below the element size {itemsize}")
-    return t.view(_INT_OF_SIZE[itemsize]).view(_INT_OF_SIZE[width])
+    if width < t.element_size():
+        raise ValueError(f"as_int: width {width} below the element size {t.element_size()}")
+    return t.view(_INT_OF_SIZE[width])
 
 
 @triton.jit

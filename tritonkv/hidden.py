@@ -100,12 +100,26 @@ def _run(hidden_states, query_start_loc, seq_ids, packed, *, last_only, unpack, 
         if num_rows:
             _launch(hidden_int, index, packed_int, unpack)
     else:
-        rows = index.flat_tokens(num_rows)
-        if unpack:
-            hidden_int[rows] = packed_int
-        else:
-            torch.index_select(hidden_int, 0, rows, out=packed_int)
+        _twin(hidden_int, index, packed_int, unpack)
     return packed, index
+
+
+MAX_SLICE_RUNS = 32  # CPU twin: up to this many stretches of rows are copied as slices
+
+
+def _twin(hidden: torch.Tensor, index: SeqIndex, packed: torch.Tensor, unpack: bool) -> None:
+    """The torch twin: slice copies for a few stretches of rows (CPU), else one row gather."""
+    num_rows = packed.shape[0]
+    runs = index.runs(MAX_SLICE_RUNS) if packed.device.type == "cpu" and num_rows else None
+    if runs is not None and unpack:
+        for src, row, rows in runs:
+            hidden[src : src + rows].copy_(packed[row : row + rows])
+    elif runs is not None:
+        torch.cat([hidden[src : src + rows] for src, _, rows in runs], out=packed)
+    elif unpack:
+        hidden[index.flat_tokens(num_rows)] = packed
+    else:
+        torch.index_select(hidden, 0, index.flat_tokens(num_rows), out=packed)
 
 
 def _launch(hidden: torch.Tensor, index: SeqIndex, packed: torch.Tensor, unpack: bool) -> None:

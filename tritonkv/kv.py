@@ -17,6 +17,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import triton
@@ -33,6 +34,7 @@ from ._common import (
     use_triton,
     widest_int_view,
 )
+from ._cpu import gather_rows, run_jobs, scatter_rows
 
 __all__ = ["pack_kv", "pack_kv_torch", "unpack_kv", "unpack_kv_torch"]
 
@@ -244,8 +246,9 @@ def _check_packed(name: str, packed: torch.Tensor, shape: tuple, dtype, device) 
         raise ValueError(f"{name}: expected a contiguous tensor, got strides {packed.stride()}")
 
 
-def _check_slots(slot_mapping: torch.Tensor, index: SeqIndex, rows: int, num_slots: int) -> None:
-    slots = slot_mapping[index.flat_tokens(rows).to(slot_mapping.device)]
+def _check_slots(slot_mapping: torch.Tensor, flat: torch.Tensor, num_slots: int) -> None:
+    """Slots of the selected tokens (``flat``: their flat-batch indices) must be -1 or in range."""
+    slots = slot_mapping[flat.to(slot_mapping.device)]
     if slots.numel() and (int(slots.min()) < -1 or int(slots.max()) >= num_slots):
         raise ValueError(
             f"slot_mapping: expected slots in [-1, {num_slots}) (num_blocks * block_size) for the "
@@ -370,7 +373,7 @@ class _BlockRuns:
 
     A run is ``block_size`` consecutive packed rows holding one whole block in order (slots
     ``b * block_size + 0 .. block_size - 1``). Runs that follow each other in the packed tensor form
-    a segment, copied with one ``index_select`` of ``block_size``-token rows; the other rows
+    a segment, copied with one row copy of ``block_size``-token rows per view; the other rows
     (``rest``) are copied token by token.
     """
 
@@ -385,13 +388,12 @@ class _BlockRuns:
         num_rows = slots.numel()
         if num_rows < block_size:
             return None
-        links = torch.zeros(num_rows + 1, dtype=torch.int64)  # links[r + 1]: row r+1 follows r
-        links[2:] = (slots[1:] == slots[:-1] + 1).cumsum(0)
-        first = torch.arange(num_rows - block_size + 1)
-        full = (slots[first] % block_size == 0) & (
-            links[first + block_size] - links[first + 1] == block_size - 1
-        )
-        starts = first[full]
+        heads = slots % block_size == 0  # candidate first rows of a run
+        heads[num_rows - block_size + 1 :] = False
+        first = heads.nonzero().squeeze(1)
+        links = torch.zeros(num_rows, dtype=torch.int64)  # links[r]: rows < r that follow the last
+        torch.cumsum(slots[1:] == slots[:-1] + 1, 0, out=links[1:])
+        starts = first[links[first + block_size - 1] - links[first] == block_size - 1]
         if starts.numel() == 0:
             return None
         breaks = ((starts[1:] - starts[:-1]) != block_size).nonzero().squeeze(1) + 1
@@ -401,89 +403,107 @@ class _BlockRuns:
         blocks = slots[starts] // block_size
         segments = [(int(starts[a]), blocks[a:b]) for a, b in itertools.pairwise(bounds)]
         covered = torch.zeros(num_rows, dtype=torch.bool)
-        covered[(starts[:, None] + torch.arange(block_size)).reshape(-1)] = True
+        for first_row, seg_blocks in segments:
+            covered[first_row : first_row + seg_blocks.numel() * block_size] = True
         return _BlockRuns(segments, (~covered).nonzero().squeeze(1))
 
-    def copy(self, view, rows: _Rows, cache_rows, idx, dst, unpack: bool) -> bool:
-        """Copy one view's rows through whole-block rows; False if the view's blocks aren't dense."""
-        num_blocks, _, block_size, _ = view.shape
+    def dst_blocks(self, packed: torch.Tensor, view: torch.Tensor, width: int) -> list | None:
+        """Per segment: ``(block ids, per-view [num_runs, block_size * width] packed rows)``.
+
+        None when ``view``'s blocks are not one dense row each (tokens of ``width`` elements, a
+        token stride of ``width``), so the runs can't be used for views of its stride pattern.
+        """
+        _, _, block_size, _ = view.shape
         stride_b, _, stride_n, _ = view.stride()
-        width = rows.shape[1]
-        if rows.per_head or (block_size > 1 and stride_n != width) or stride_b < block_size * width:
-            return False
-        cache_blocks = view.as_strided(
-            (num_blocks, block_size * width), (stride_b, 1), view.storage_offset()
-        )
+        if (block_size > 1 and stride_n != width) or stride_b < block_size * width:
+            return None
+        by_view = packed.view(packed.shape[0] * packed.shape[1], -1)
+        out = []
         for first_row, blocks in self.segments:
-            dst_blocks = dst[first_row : first_row + blocks.numel() * block_size]
-            dst_blocks = dst_blocks.view(blocks.numel(), block_size * width)
-            if unpack:
-                cache_blocks.index_copy_(0, blocks, dst_blocks)
-            else:
-                torch.index_select(cache_blocks, 0, blocks, out=dst_blocks)
-        if self.rest.numel():
-            if unpack:
-                cache_rows.index_copy_(0, idx[self.rest], dst[self.rest])
-            else:
-                dst.index_copy_(0, self.rest, cache_rows.index_select(0, idx[self.rest]))
-        return True
+            seg = by_view[:, first_row * width : (first_row + blocks.numel() * block_size) * width]
+            out.append((blocks, seg.view(-1, blocks.numel(), block_size * width).unbind(0)))
+        return out
 
 
-def _twin(views, slot_mapping, index: SeqIndex, packed: torch.Tensor, unpack: bool) -> None:
-    """The torch twin: the same addressing as the kernel, as one row gather/scatter per view.
+def _copy_rows(cache_rows, idx, dst, unpack: bool) -> None:
+    """``cache_rows[idx] = dst`` (unpack) or ``dst = cache_rows[idx]`` (pack)."""
+    if unpack:
+        scatter_rows(cache_rows, idx, dst)
+    else:
+        gather_rows(cache_rows, idx, dst)
 
-    Each view's cache rows (:class:`_Rows`) are gathered with ``index_select`` (pack) or written
-    with ``index_copy_`` (unpack), whole blocks at a time where possible (:class:`_BlockRuns`, CPU
-    only); views without contiguous rows fall back to advanced indexing. Slot -1 rows are
-    zero-filled after packing and left out of unpacking.
+
+def _gather_some(cache_rows, idx, dst, dst_rows) -> None:
+    """``dst[dst_rows] = cache_rows[idx]``."""
+    dst.index_copy_(0, dst_rows, cache_rows.index_select(0, idx))
+
+
+def _twin(views, slot_mapping, index: SeqIndex, packed: torch.Tensor, unpack: bool, flat) -> None:
+    """The torch twin: the same addressing as the kernel, as row copies, one set per view.
+
+    Each view's cache rows (:class:`_Rows`) are gathered (pack) or scattered (unpack) with the
+    row copies of :mod:`tritonkv._cpu`, whole blocks at a time where possible (:class:`_BlockRuns`,
+    CPU only); views without contiguous rows fall back to advanced indexing. On the CPU the copies
+    run on a few threads. Slot -1 rows are zero-filled after packing and left out of unpacking.
+    ``flat`` is the ``[num_rows]`` flat token of each packed row.
     """
-    num_layers, num_parts, num_rows, num_kv_heads, head_size = packed.shape
+    num_layers, num_parts, num_rows = packed.shape[:3]
     if num_rows == 0:
         return
+    on_cpu = packed.device.type == "cpu"
     block_size = views[0][0].shape[2]
-    slots = slot_mapping.to(torch.int64)[index.flat_tokens(num_rows).to(slot_mapping.device)]
-    slots = slots.to(packed.device)
+    slots = slot_mapping.to(torch.int64)[flat.to(slot_mapping.device)].to(packed.device)
     cached = slots >= 0
     keep = None if bool(cached.all()) else cached.nonzero().squeeze(1)
     slots = slots.clamp(min=0)
     block, offset = slots // block_size, slots % block_size
     # CPU: copy whole blocks where the batch holds them in order (NHD / MLA; about copy speed).
-    runs = None
-    if packed.device.type == "cpu" and keep is None:
-        runs = _BlockRuns.find(slots, block_size)
-    # Per stride pattern (one for every layer of a vLLM cache): the row view and each row's index.
-    plans: dict[tuple, tuple[_Rows, torch.Tensor] | None] = {}
-    dst_rows: dict[int, tuple[torch.Tensor, ...]] = {}  # per row width: packed[layer, part] rows
+    runs = _BlockRuns.find(slots, block_size) if on_cpu and keep is None else None
     flat_views = [t for pair in views for t in pair if t is not None]
+    by_stride: dict[tuple, list[int]] = {}  # one stride pattern for every layer of a vLLM cache
     for i, view in enumerate(flat_views):
-        key = view.stride()
-        if key not in plans:
-            rows = _Rows.of(view)
-            if rows is None:
-                plans[key] = None
-            else:
-                idx = rows.index(view, block, offset)
-                idx = idx if keep is None or not unpack else idx[keep]
-                plans[key] = rows, idx.reshape(-1)
-        if plans[key] is None:
-            dst = packed[i // num_parts, i % num_parts]
-            _twin_indexing(view, dst, block, offset, keep, unpack)
+        by_stride.setdefault(view.stride(), []).append(i)
+    jobs: list = []
+    for members in by_stride.values():
+        first = flat_views[members[0]]
+        rows = _Rows.of(first)
+        if rows is None:
+            for i in members:
+                dst = packed[i // num_parts, i % num_parts]
+                jobs.append(
+                    partial(_twin_indexing, flat_views[i], dst, block, offset, keep, unpack)
+                )
             continue
-        rows, idx = plans[key]
+        idx = rows.index(first, block, offset)
+        idx = (idx if keep is None or not unpack else idx[keep]).reshape(-1)
         width = rows.shape[1]
-        if width not in dst_rows:
-            per_row = num_kv_heads * head_size // width
-            by_row = packed.view(num_layers * num_parts, num_rows, per_row, width)
-            if unpack and keep is not None:
-                by_row = by_row[:, keep]
-            dst_rows[width] = by_row.flatten(1, 2).unbind(0)
-        cache_rows, dst = rows.view(view), dst_rows[width][i]
-        if runs is not None and runs.copy(view, rows, cache_rows, idx, dst, unpack):
+        by_row = packed.view(num_layers * num_parts, num_rows, -1, width)
+        if unpack and keep is not None:
+            by_row = by_row[:, keep]
+        dst_rows = by_row.flatten(1, 2).unbind(0)
+        segments = None
+        if runs is not None and not rows.per_head:
+            segments = runs.dst_blocks(packed, first, width)
+        if segments is None:
+            for i in members:
+                jobs.append(partial(_copy_rows, rows.view(flat_views[i]), idx, dst_rows[i], unpack))
             continue
-        if unpack:
-            cache_rows.index_copy_(0, idx, dst)
-        else:
-            torch.index_select(cache_rows, 0, idx, out=dst)
+        num_blocks, _, _, _ = first.shape
+        block_rows = (num_blocks, block_size * width), (first.stride(0), 1)
+        rest_idx = idx[runs.rest]
+        for i in members:
+            view = flat_views[i]
+            cache_blocks = view.as_strided(*block_rows, view.storage_offset())
+            for blocks, seg_dst in segments:
+                jobs.append(partial(_copy_rows, cache_blocks, blocks, seg_dst[i], unpack))
+            if runs.rest.numel() and unpack:
+                rest_dst = dst_rows[i][runs.rest]
+                jobs.append(partial(scatter_rows, rows.view(view), rest_idx, rest_dst))
+            elif runs.rest.numel():
+                jobs.append(
+                    partial(_gather_some, rows.view(view), rest_idx, dst_rows[i], runs.rest)
+                )
+    run_jobs(jobs, packed.numel() * packed.element_size() if on_cpu else 0)
     if keep is not None and not unpack:
         packed.index_fill_(2, (~cached).nonzero().squeeze(1), 0)
 
@@ -525,8 +545,10 @@ def _run(layers, slot_mapping, query_start_loc, seq_ids, packed, *, unpack, forc
                 f"{name}: expected {index.total()} rows (tokens of the selected sequences) in "
                 f"dim 2, got {rows}"
             )
+    triton_path = use_triton(device) and not force_torch
+    flat = None if triton_path and not checks else index.flat_tokens(rows)
     if checks:
-        _check_slots(slot_mapping, index, rows, num_blocks * block_size)
+        _check_slots(slot_mapping, flat, num_blocks * block_size)
 
     width = widest_int_view(
         [t for pair in layers for t in pair if t is not None] + [packed],
@@ -534,10 +556,10 @@ def _run(layers, slot_mapping, query_start_loc, seq_ids, packed, *, unpack, forc
     )
     views = [(as_int(k, width), None if v is None else as_int(v, width)) for k, v in layers]
     packed_int = as_int(packed, width)
-    if use_triton(device) and not force_torch:
+    if triton_path:
         _launch(views, slot_mapping, index, packed_int, unpack)
     else:
-        _twin(views, slot_mapping, index, packed_int, unpack)
+        _twin(views, slot_mapping, index, packed_int, unpack, flat)
     return packed, index
 
 

@@ -1,0 +1,148 @@
+"""The CPU twins' row copies (tritonkv._cpu): every primitive bit-exact, the thread runner safe."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+
+import pytest
+import torch
+from kv_cases import assert_bits_equal
+
+from tritonkv import _cpu, pack_kv_torch, unpack_kv_torch
+
+
+def _random_int64(*shape, seed=0):
+    """Every bit pattern is possible, NaN payloads of any float view included."""
+    return torch.randint(
+        -(2**63), 2**63 - 1, shape, dtype=torch.int64, generator=torch.Generator().manual_seed(seed)
+    )
+
+
+# (row width in int64, storage stride between rows): numpy rows, 16-byte rows, odd-width rows
+# that stay int64, and rows whose stride forbids the 16-byte view.
+ROW_CASES = [(4, 4), (16, 16), (128, 128), (256, 256), (129, 129), (130, 131)]
+
+
+@pytest.mark.parametrize(("width", "stride"), ROW_CASES, ids=lambda c: str(c))
+def test_scatter_rows_writes_exactly_the_indexed_rows(width, stride):
+    num_rows = 40
+    storage = _random_int64(num_rows * stride + 3, seed=1)
+    dst = storage.as_strided((num_rows, width), (stride, 1), 3)
+    index = torch.randperm(num_rows, generator=torch.Generator().manual_seed(2))[:25]
+    src = _random_int64(25, width, seed=3)
+    expected = storage.clone()
+    expected.as_strided((num_rows, width), (stride, 1), 3)[index] = src
+    _cpu.scatter_rows(dst, index, src)
+    assert_bits_equal(storage, expected, f"scatter width={width} stride={stride}")
+
+
+@pytest.mark.parametrize(("width", "stride"), ROW_CASES, ids=lambda c: str(c))
+def test_gather_rows(width, stride):
+    storage = _random_int64(40 * stride, seed=4)
+    src = storage.as_strided((40, width), (stride, 1), 0)
+    index = torch.tensor([39, 0, 7, 7, 12])
+    out = torch.full((5, width), 0x5A5A, dtype=torch.int64)
+    _cpu.gather_rows(src, index, out)
+    assert_bits_equal(out, src[index], "gather")
+
+
+def test_scatter_rows_of_narrow_elements():
+    """int8 rows (1-byte elements: odd sizes) go through the same paths."""
+    dst = torch.zeros(10, 7, dtype=torch.int8)
+    src = torch.arange(21, dtype=torch.int8).view(3, 7)
+    _cpu.scatter_rows(dst, torch.tensor([9, 2, 5]), src)
+    expected = torch.zeros(10, 7, dtype=torch.int8)
+    expected[[9, 2, 5]] = src
+    assert_bits_equal(dst, expected, "int8 scatter")
+
+
+def test_run_jobs_uses_threads_for_big_batches_and_runs_every_job(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    threads, done = set(), []
+    lock = threading.Lock()
+
+    def job(i):
+        def run():
+            with lock:
+                threads.add(threading.current_thread().name)
+                done.append(i)
+
+        return run
+
+    _cpu.run_jobs([job(i) for i in range(10)], nbytes=_cpu.PARALLEL_MIN_BYTES)
+    assert sorted(done) == list(range(10))
+    assert len(threads) > 1 and threading.current_thread().name in threads
+
+    threads.clear()
+    done.clear()
+    _cpu.run_jobs([job(i) for i in range(10)], nbytes=_cpu.PARALLEL_MIN_BYTES - 1)
+    assert done == list(range(10)) and threads == {threading.current_thread().name}
+
+
+def test_run_jobs_waits_for_every_thread_before_raising(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    finished = threading.Event()
+
+    def fail():
+        raise RuntimeError("copy failed")
+
+    def slow():
+        finished.wait(0.2)
+        finished.set()
+
+    with pytest.raises(RuntimeError, match="copy failed"):
+        _cpu.run_jobs([fail, slow], nbytes=_cpu.PARALLEL_MIN_BYTES)
+    assert finished.is_set()  # the other thread's job had ended when the error surfaced
+    with pytest.raises(RuntimeError, match="copy failed"):  # raised on the other thread
+        _cpu.run_jobs([lambda: None, fail], nbytes=_cpu.PARALLEL_MIN_BYTES)
+
+
+def _pack_in_child(queue):
+    # torch's OpenMP threads don't survive fork() (a torch-wide limit): one intra-op thread here,
+    # while run_jobs is told there are two, so it still hands copies to its own threads.
+    torch.set_num_threads(1)
+    torch.get_num_threads = lambda: 2  # (this child process only)
+    layers, slots, expected = _big_case()
+    packed, _ = pack_kv_torch(layers, slots)
+    queue.put(bool(torch.equal(packed.view(torch.int16), expected.view(torch.int16))))
+
+
+def _big_case():
+    """Enough bytes for run_jobs to use its threads: 8 layers, 64 blocks of 16 tokens."""
+    gen = torch.Generator().manual_seed(5)
+    raws = [
+        torch.randint(-(2**15), 2**15, (2, 64, 16, 8, 128), dtype=torch.int16, generator=gen)
+        for _ in range(8)
+    ]
+    layers = [(raw[0].transpose(1, 2), raw[1].transpose(1, 2)) for raw in raws]
+    blocks = torch.randperm(64, generator=gen)[:40]
+    slots = (blocks[:, None] * 16 + torch.arange(16)).reshape(-1)
+    expected = torch.stack(
+        [torch.stack([raw[p].reshape(-1, 8, 128)[slots] for p in range(2)]) for raw in raws]
+    )
+    return layers, slots, expected
+
+
+def test_twin_threads_survive_fork():
+    """A pool made before fork() has no threads in the child: the child must make its own."""
+    layers, slots, expected = _big_case()
+    assert expected.numel() * 2 >= _cpu.PARALLEL_MIN_BYTES
+    with pytest.MonkeyPatch.context() as patch:  # make sure the parent's pool exists
+        patch.setattr(torch, "get_num_threads", lambda: 2)
+        packed, _ = pack_kv_torch(layers, slots)
+    assert_bits_equal(packed, expected, "parent")
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_pack_in_child, args=(queue,))
+    child.start()
+    try:
+        assert queue.get(timeout=60) is True
+    finally:
+        child.join(timeout=10)
+    assert child.exitcode == 0
+
+    target = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in layers]
+    unpack_kv_torch(packed, target, slots)
+    again, _ = pack_kv_torch(target, slots)
+    assert_bits_equal(again, expected, "unpack round trip")

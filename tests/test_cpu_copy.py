@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 
 import pytest
 import torch
@@ -33,7 +34,10 @@ def test_scatter_rows_writes_exactly_the_indexed_rows(width, stride):
     src = _random_int64(25, width, seed=3)
     expected = storage.clone()
     expected.as_strided((num_rows, width), (stride, 1), 3)[index] = src
-    _cpu.scatter_rows(dst, index, src)
+    copies = _cpu.RowCopies()
+    copies.scatter(dst, index, src)
+    assert len(copies.numpy_jobs) == (width * 8 <= _cpu.NUMPY_MAX_ROW_BYTES)
+    copies.run(_cpu.PARALLEL_MIN_BYTES)
     assert_bits_equal(storage, expected, f"scatter width={width} stride={stride}")
 
 
@@ -43,7 +47,9 @@ def test_gather_rows(width, stride):
     src = storage.as_strided((40, width), (stride, 1), 0)
     index = torch.tensor([39, 0, 7, 7, 12])
     out = torch.full((5, width), 0x5A5A, dtype=torch.int64)
-    _cpu.gather_rows(src, index, out)
+    copies = _cpu.RowCopies()
+    copies.gather(src, index, out)
+    copies.run(0)
     assert_bits_equal(out, src[index], "gather")
 
 
@@ -51,36 +57,49 @@ def test_scatter_rows_of_narrow_elements():
     """int8 rows (1-byte elements: odd sizes) go through the same paths."""
     dst = torch.zeros(10, 7, dtype=torch.int8)
     src = torch.arange(21, dtype=torch.int8).view(3, 7)
-    _cpu.scatter_rows(dst, torch.tensor([9, 2, 5]), src)
+    copies = _cpu.RowCopies()
+    copies.scatter(dst, torch.tensor([9, 2, 5]), src)
+    copies.run(0)
     expected = torch.zeros(10, 7, dtype=torch.int8)
     expected[[9, 2, 5]] = src
     assert_bits_equal(dst, expected, "int8 scatter")
 
 
-def test_run_jobs_uses_threads_for_big_batches_and_runs_every_job(monkeypatch):
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-    threads, done = set(), []
-    lock = threading.Lock()
+def _recorder():
+    threads, done, lock = [], [], threading.Lock()
 
-    def job(i):
+    def job(tag, seconds=0.0):
         def run():
+            time.sleep(seconds)  # long enough for the chunks to overlap on distinct threads
             with lock:
-                threads.add(threading.current_thread().name)
-                done.append(i)
+                threads.append(threading.current_thread().name)
+                done.append(tag)
 
         return run
 
-    _cpu.run_jobs([job(i) for i in range(10)], nbytes=_cpu.PARALLEL_MIN_BYTES)
-    assert sorted(done) == list(range(10))
-    assert len(threads) > 1 and threading.current_thread().name in threads
+    return threads, done, job
+
+
+def test_numpy_copies_use_threads_for_big_batches_torch_copies_never(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    me = threading.current_thread().name
+    threads, done, job = _recorder()
+    copies = _cpu.RowCopies()
+    copies.numpy_jobs += [job(("np", i), 0.05) for i in range(10)]
+    copies.torch_jobs += [job(("torch", i)) for i in range(3)]
+    copies.run(_cpu.PARALLEL_MIN_BYTES)
+    assert sorted(done) == sorted([("np", i) for i in range(10)] + [("torch", i) for i in range(3)])
+    on_me = [tag for name, tag in zip(threads, done, strict=True) if name == me]
+    assert sorted(on_me) == [("torch", i) for i in range(3)]  # torch ops: the caller's thread
+    assert len(set(threads) - {me}) > 1
 
     threads.clear()
     done.clear()
-    _cpu.run_jobs([job(i) for i in range(10)], nbytes=_cpu.PARALLEL_MIN_BYTES - 1)
-    assert done == list(range(10)) and threads == {threading.current_thread().name}
+    copies.run(_cpu.PARALLEL_MIN_BYTES - 1)  # small: everything inline
+    assert len(done) == 13 and set(threads) == {me}
 
 
-def test_run_jobs_waits_for_every_thread_before_raising(monkeypatch):
+def test_run_waits_for_every_thread_before_raising(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     finished = threading.Event()
 
@@ -91,25 +110,35 @@ def test_run_jobs_waits_for_every_thread_before_raising(monkeypatch):
         finished.wait(0.2)
         finished.set()
 
+    copies = _cpu.RowCopies()
+    copies.numpy_jobs += [fail, slow]
     with pytest.raises(RuntimeError, match="copy failed"):
-        _cpu.run_jobs([fail, slow], nbytes=_cpu.PARALLEL_MIN_BYTES)
+        copies.run(_cpu.PARALLEL_MIN_BYTES)
     assert finished.is_set()  # the other thread's job had ended when the error surfaced
-    with pytest.raises(RuntimeError, match="copy failed"):  # raised on the other thread
-        _cpu.run_jobs([lambda: None, fail], nbytes=_cpu.PARALLEL_MIN_BYTES)
+    copies.numpy_jobs[:] = [lambda: None, fail]  # now raised on the other thread
+    with pytest.raises(RuntimeError, match="copy failed"):
+        copies.run(_cpu.PARALLEL_MIN_BYTES)
 
 
-def _pack_in_child(queue):
+def _round_trip(layers, slots, packed):
+    """Unpack (NumPy row copies on threads) into zeroed caches, pack back."""
+    target = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in layers]
+    unpack_kv_torch(packed, target, slots)
+    return pack_kv_torch(target, slots)[0]
+
+
+def _round_trip_in_child(queue):
     # torch's OpenMP threads don't survive fork() (a torch-wide limit): one intra-op thread here,
-    # while run_jobs is told there are two, so it still hands copies to its own threads.
+    # while RowCopies is told there are two, so it still hands copies to its own threads.
     torch.set_num_threads(1)
     torch.get_num_threads = lambda: 2  # (this child process only)
     layers, slots, expected = _big_case()
-    packed, _ = pack_kv_torch(layers, slots)
-    queue.put(bool(torch.equal(packed.view(torch.int16), expected.view(torch.int16))))
+    again = _round_trip(layers, slots, expected)
+    queue.put(bool(torch.equal(again, expected)))
 
 
 def _big_case():
-    """Enough bytes for run_jobs to use its threads: 8 layers, 64 blocks of 16 tokens."""
+    """Enough bytes for RowCopies to use threads: 8 layers, 64 blocks of 16 tokens, HND rows."""
     gen = torch.Generator().manual_seed(5)
     raws = [
         torch.randint(-(2**15), 2**15, (2, 64, 16, 8, 128), dtype=torch.int16, generator=gen)
@@ -124,25 +153,21 @@ def _big_case():
     return layers, slots, expected
 
 
-def test_twin_threads_survive_fork():
+def test_copy_threads_survive_fork(monkeypatch):
     """A pool made before fork() has no threads in the child: the child must make its own."""
     layers, slots, expected = _big_case()
     assert expected.numel() * 2 >= _cpu.PARALLEL_MIN_BYTES
-    with pytest.MonkeyPatch.context() as patch:  # make sure the parent's pool exists
-        patch.setattr(torch, "get_num_threads", lambda: 2)
-        packed, _ = pack_kv_torch(layers, slots)
-    assert_bits_equal(packed, expected, "parent")
+    packed, _ = pack_kv_torch(layers, slots)
+    assert_bits_equal(packed, expected, "pack")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert_bits_equal(_round_trip(layers, slots, packed), expected, "round trip")  # makes the pool
+    assert _cpu._pool is not None
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
-    child = ctx.Process(target=_pack_in_child, args=(queue,))
+    child = ctx.Process(target=_round_trip_in_child, args=(queue,))
     child.start()
     try:
         assert queue.get(timeout=60) is True
     finally:
         child.join(timeout=10)
     assert child.exitcode == 0
-
-    target = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in layers]
-    unpack_kv_torch(packed, target, slots)
-    again, _ = pack_kv_torch(target, slots)
-    assert_bits_equal(again, expected, "unpack round trip")

@@ -16,6 +16,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -174,6 +175,9 @@ def seq_index(
             raise TypeError(f"seq_ids: expected a sequence of ints or a tensor, got {seq_ids!r}")
         seq_ids = torch.tensor(list(seq_ids), dtype=torch.int64)
     check_index("seq_ids", seq_ids)
+    on_host = [t.device.type == "cpu" for t in (query_start_loc, seq_ids) if t is not None]
+    if device.type == "cpu" and all(on_host):
+        return _host_seq_index(query_start_loc, seq_ids, num_tokens, last_only)
 
     if checks_enabled(query_start_loc, seq_ids):
         qsl = query_start_loc.cpu()
@@ -214,6 +218,39 @@ def seq_index(
         return SeqIndex(qsl - qsl[0], qsl, num_sel)
     torch.cumsum(ends - starts, 0, out=cu_seqlens[1:])
     return SeqIndex(cu_seqlens, starts, num_sel)
+
+
+def _host_seq_index(query_start_loc, seq_ids, num_tokens: int, last_only: bool) -> SeqIndex:
+    """:func:`seq_index` for CPU tensors, with NumPy (tiny arrays: a fraction of torch's cost)."""
+    qsl = query_start_loc.numpy().astype(np.int64, copy=False)
+    num_seqs = qsl.size - 1
+    if qsl[0] < 0 or bool((qsl[1:] < qsl[:-1]).any()):
+        raise ValueError(
+            f"query_start_loc: expected non-negative, non-decreasing offsets, got {qsl.tolist()}"
+        )
+    if qsl[-1] > num_tokens:
+        raise ValueError(
+            f"query_start_loc: last offset {int(qsl[-1])} is past num_tokens={num_tokens}"
+        )
+    if seq_ids is None:
+        chosen = np.arange(num_seqs)
+    else:
+        chosen = seq_ids.numpy().astype(np.int64, copy=False)
+        if chosen.size and (chosen.min() < 0 or chosen.max() >= num_seqs):
+            raise ValueError(f"seq_ids: expected values in [0, {num_seqs}), got {chosen.tolist()}")
+    starts, ends = qsl[chosen], qsl[chosen + 1]
+    cu_seqlens = np.zeros(chosen.size + 1, dtype=np.int64)
+    if last_only:
+        if bool((ends <= starts).any()):
+            raise ValueError(
+                "last_only: every selected sequence needs at least one query token, got "
+                f"lengths {(ends - starts).tolist()} for seq_ids {chosen.tolist()}"
+            )
+        cu_seqlens[1:] = np.arange(1, chosen.size + 1)
+        starts = ends - 1
+    else:
+        np.cumsum(ends - starts, out=cu_seqlens[1:])
+    return SeqIndex(torch.from_numpy(cu_seqlens), torch.from_numpy(starts), int(chosen.size))
 
 
 def widest_int_view(tensors: Sequence[torch.Tensor], row_bytes: int) -> int:

@@ -17,7 +17,6 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import triton
@@ -34,7 +33,7 @@ from ._common import (
     use_triton,
     widest_int_view,
 )
-from ._cpu import gather_rows, run_jobs, scatter_rows
+from ._cpu import RowCopies
 
 __all__ = ["pack_kv", "pack_kv_torch", "unpack_kv", "unpack_kv_torch"]
 
@@ -425,14 +424,6 @@ class _BlockRuns:
         return out
 
 
-def _copy_rows(cache_rows, idx, dst, unpack: bool) -> None:
-    """``cache_rows[idx] = dst`` (unpack) or ``dst = cache_rows[idx]`` (pack)."""
-    if unpack:
-        scatter_rows(cache_rows, idx, dst)
-    else:
-        gather_rows(cache_rows, idx, dst)
-
-
 def _gather_some(cache_rows, idx, dst, dst_rows) -> None:
     """``dst[dst_rows] = cache_rows[idx]``."""
     dst.index_copy_(0, dst_rows, cache_rows.index_select(0, idx))
@@ -463,16 +454,15 @@ def _twin(views, slot_mapping, index: SeqIndex, packed: torch.Tensor, unpack: bo
     by_stride: dict[tuple, list[int]] = {}  # one stride pattern for every layer of a vLLM cache
     for i, view in enumerate(flat_views):
         by_stride.setdefault(view.stride(), []).append(i)
-    jobs: list = []
+    copies = RowCopies()
+    copy_rows = copies.scatter if unpack else copies.gather  # (cache rows, index, packed rows)
     for members in by_stride.values():
         first = flat_views[members[0]]
         rows = _Rows.of(first)
         if rows is None:
             for i in members:
                 dst = packed[i // num_parts, i % num_parts]
-                jobs.append(
-                    partial(_twin_indexing, flat_views[i], dst, block, offset, keep, unpack)
-                )
+                copies.call(_twin_indexing, flat_views[i], dst, block, offset, keep, unpack)
             continue
         idx = rows.index(first, block, offset)
         idx = (idx if keep is None or not unpack else idx[keep]).reshape(-1)
@@ -486,7 +476,7 @@ def _twin(views, slot_mapping, index: SeqIndex, packed: torch.Tensor, unpack: bo
             segments = runs.dst_blocks(packed, first, width)
         if segments is None:
             for i in members:
-                jobs.append(partial(_copy_rows, rows.view(flat_views[i]), idx, dst_rows[i], unpack))
+                copy_rows(rows.view(flat_views[i]), idx, dst_rows[i])
             continue
         num_blocks, _, _, _ = first.shape
         block_rows = (num_blocks, block_size * width), (first.stride(0), 1)
@@ -495,15 +485,12 @@ def _twin(views, slot_mapping, index: SeqIndex, packed: torch.Tensor, unpack: bo
             view = flat_views[i]
             cache_blocks = view.as_strided(*block_rows, view.storage_offset())
             for blocks, seg_dst in segments:
-                jobs.append(partial(_copy_rows, cache_blocks, blocks, seg_dst[i], unpack))
+                copy_rows(cache_blocks, blocks, seg_dst[i])
             if runs.rest.numel() and unpack:
-                rest_dst = dst_rows[i][runs.rest]
-                jobs.append(partial(scatter_rows, rows.view(view), rest_idx, rest_dst))
+                copies.scatter(rows.view(view), rest_idx, dst_rows[i][runs.rest])
             elif runs.rest.numel():
-                jobs.append(
-                    partial(_gather_some, rows.view(view), rest_idx, dst_rows[i], runs.rest)
-                )
-    run_jobs(jobs, packed.numel() * packed.element_size() if on_cpu else 0)
+                copies.call(_gather_some, rows.view(view), rest_idx, dst_rows[i], runs.rest)
+    copies.run(packed.numel() * packed.element_size() if on_cpu else 0)
     if keep is not None and not unpack:
         packed.index_fill_(2, (~cached).nonzero().squeeze(1), 0)
 

@@ -243,6 +243,7 @@ class Point:
     bytes: int
     config: str
     timings: dict[str, list[float]] | None = None  # CPU: all providers timed together
+    rounds: dict[str, list[float]] | None = None  # CPU: each provider's time in each round
 
 
 def _sync() -> None:
@@ -387,7 +388,10 @@ class Runner:
             point = self._buffers[1].point(x)
             if self.device.type == "cpu":  # interleaved, so load swings hit every provider alike
                 quick = {"budget_s": 0.0, "min_reps": 3} if self.quick else {}
-                point.timings = common.cpu_bench_interleaved(point.fns, **quick)
+                point.rounds = {}
+                point.timings = common.cpu_bench_interleaved(
+                    point.fns, rounds=point.rounds, **quick
+                )
             self._point = ((plan, x), point)
             self.configs[f"{plan.op} {plan.case}"] = point.config
         return self._point[1]
@@ -401,9 +405,14 @@ class Runner:
             p50, p20, p80 = point.timings[provider]
         else:
             p50, p20, p80 = common.bench(point.fns[provider], quick=self.quick)
-        gbps = None
+        gbps = frac_copy = vs_loop = None
         if sweep == "tokens":
             gbps = 2 * point.bytes / (p50 * 1e-3) / 1e9
+        if point.rounds:  # CPU: ratios from paired rounds (see common.paired_ratio)
+            mine = point.rounds[provider]
+            vs_loop = common.paired_ratio(point.rounds["loop"], mine)
+            if sweep == "tokens":
+                frac_copy = common.paired_ratio(point.rounds["copy"], mine)
         self.rows.append(
             Row(
                 op=op,
@@ -414,6 +423,8 @@ class Runner:
                 p20_ms=p20,
                 p80_ms=p80,
                 gbps=gbps,
+                frac_copy=frac_copy,
+                vs_loop=vs_loop,
                 case=plan.case,
                 dtype=str(MODELS[model].dtype).removeprefix("torch."),
                 bytes=point.bytes,

@@ -146,13 +146,15 @@ def cpu_bench_interleaved(
     slow_s: float = 0.5,
     max_reps: int = 200,
     quantiles: Sequence[float] = QUANTILES,
+    rounds: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Time several providers round-robin (each round calls each once, in a rotating order).
 
     On a shared CPU, load comes and goes; interleaving exposes every provider to the same load,
-    so their ratios stay meaningful. Callers run each ``fn`` once before (the warm-up). At least
-    ``min_reps`` rounds (3 when the first round takes over ``slow_s``), more while the total is
-    under ``budget_s``, at most ``max_reps``. Returns each provider's ``quantiles`` in ms.
+    so their ratios stay meaningful (see :func:`paired_ratio`). Callers run each ``fn`` once
+    before (the warm-up). At least ``min_reps`` rounds (3 when the first round takes over
+    ``slow_s``), more while the total is under ``budget_s``, at most ``max_reps``. Returns each
+    provider's ``quantiles`` in ms; ``rounds``, if given, receives each provider's time per round.
     """
     names = list(fns)
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -167,7 +169,18 @@ def cpu_bench_interleaved(
             needed = min(min_reps, 3)
         if rep + 1 >= needed and total >= budget_s * 1e3:
             break
+    if rounds is not None:
+        rounds.update(times)
     return {name: _quantiles(t, quantiles) for name, t in times.items()}
+
+
+def paired_ratio(base_ms: Sequence[float], other_ms: Sequence[float]) -> float:
+    """Median over rounds of ``base / other`` (each round's two times taken moments apart).
+
+    A load swing on a shared machine slows both times of a round alike, so the per-round ratio
+    is steadier than a ratio of two medians taken over different moments.
+    """
+    return _quantiles([b / o for b, o in zip(base_ms, other_ms, strict=True)], [0.5])[0]
 
 
 def bench(fn: Callable[[], object], *, quick: bool = False, warmed: bool = False) -> list[float]:
@@ -216,16 +229,17 @@ COLUMNS = [f.name for f in fields(Row)]
 
 
 def finish_rows(rows: list[Row], st: Stamp) -> None:
-    """Fill ``frac_copy`` / ``vs_loop`` from the copy and loop rows at the same point, and stamp."""
+    """Fill ``frac_copy`` / ``vs_loop`` where unset (from the copy and loop rows' p50 at the same
+    point; the CPU suite sets them from paired rounds), and stamp every row."""
     by_point: dict[tuple, dict[str, Row]] = {}
     for r in rows:
         by_point.setdefault((r.op, r.sweep, r.case, r.x), {})[r.provider] = r
     for providers in by_point.values():
         copy, loop = providers.get("copy"), providers.get("loop")
         for r in providers.values():
-            if r.gbps is not None and copy is not None and copy.gbps:
+            if r.frac_copy is None and r.gbps is not None and copy is not None and copy.gbps:
                 r.frac_copy = r.gbps / copy.gbps
-            if loop is not None and r.p50_ms > 0:
+            if r.vs_loop is None and loop is not None and r.p50_ms > 0:
                 r.vs_loop = loop.p50_ms / r.p50_ms
             r.device, r.torch, r.triton, r.git_sha, r.date = (
                 st.device,

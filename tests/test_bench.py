@@ -93,3 +93,12 @@ def test_batch_layout_is_block_by_block():
     slots = batch.slot_mapping.tolist()
     assert slots[:16] == list(range(80, 96)) and slots[16:32] == list(range(32, 48))
     assert slots[32:40] == list(range(112, 120)) and slots[40] == 8 * 16
+
+
+def test_paired_ratio_follows_each_round_not_the_medians():
+    # A load swing hits both providers of a round: per-round ratios stay 2, the medians don't.
+    copy = [1.0, 1.0, 10.0, 10.0, 10.0]
+    mine = [0.5, 0.5, 5.0, 5.0, 5.0]
+    assert common.paired_ratio(copy, mine) == 2.0
+    shifted = [5.0, 5.0, 5.0, 0.5, 0.5]  # the same times, in other rounds
+    assert common.paired_ratio(copy, shifted) != 2.0

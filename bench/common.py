@@ -141,8 +141,8 @@ def cpu_bench(
 def cpu_bench_interleaved(
     fns: dict[str, Callable[[], object]],
     *,
-    budget_s: float = 0.6,
-    min_reps: int = 5,
+    budget_s: float = 1.5,
+    min_reps: int = 7,
     slow_s: float = 0.5,
     max_reps: int = 200,
     quantiles: Sequence[float] = QUANTILES,

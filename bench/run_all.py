@@ -1,4 +1,5 @@
-"""What ``make bench`` runs: the CPU suite of bench_kv, then the pipe/buffer benchmarks if present.
+"""What ``make bench`` runs: the CPU suite of bench_kv, the CPU row-copy primitives (bench_rows),
+then the pipe/buffer benchmarks if present.
 
 On a machine with a GPU it runs bench_kv's GPU suite instead (results under
 ``bench/results/<gpu name>/``). Without one it says how to get the Triton GPU figures.
@@ -11,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import bench_kv, common
+from . import bench_kv, bench_rows, common
 
 GPU_NOTE = (
     "Triton GPU figures need a GPU: on a machine with one NVIDIA GPU (torch + triton, no vllm\n"
@@ -23,6 +24,9 @@ GPU_NOTE = (
 def main() -> int:
     started = time.monotonic()
     rc = bench_kv.main([])
+    if not common.on_gpu():
+        print("\n== bench_rows ==", flush=True)
+        rc = rc or bench_rows.main([])
     pipe = Path(__file__).with_name("bench_pipe.py")
     if pipe.exists():
         print("\n== bench_pipe --quick ==", flush=True)

@@ -26,7 +26,7 @@ ROW_CASES = [(4, 4), (16, 16), (128, 128), (256, 256), (129, 129), (130, 131)]
 
 
 @pytest.mark.parametrize(("width", "stride"), ROW_CASES, ids=lambda c: str(c))
-def test_scatter_rows_writes_exactly_the_indexed_rows(width, stride):
+def test_scatter_writes_exactly_the_indexed_rows(width, stride):
     num_rows = 40
     storage = _random_int64(num_rows * stride + 3, seed=1)
     dst = storage.as_strided((num_rows, width), (stride, 1), 3)
@@ -42,7 +42,7 @@ def test_scatter_rows_writes_exactly_the_indexed_rows(width, stride):
 
 
 @pytest.mark.parametrize(("width", "stride"), ROW_CASES, ids=lambda c: str(c))
-def test_gather_rows(width, stride):
+def test_gather(width, stride):
     storage = _random_int64(40 * stride, seed=4)
     src = storage.as_strided((40, width), (stride, 1), 0)
     index = torch.tensor([39, 0, 7, 7, 12])
@@ -53,7 +53,7 @@ def test_gather_rows(width, stride):
     assert_bits_equal(out, src[index], "gather")
 
 
-def test_scatter_rows_of_narrow_elements():
+def test_scatter_of_narrow_elements():
     """int8 rows (1-byte elements: odd sizes) go through the same paths."""
     dst = torch.zeros(10, 7, dtype=torch.int8)
     src = torch.arange(21, dtype=torch.int8).view(3, 7)

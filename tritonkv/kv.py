@@ -434,8 +434,9 @@ def _twin(views, slot_mapping, index: SeqIndex, packed: torch.Tensor, unpack: bo
 
     Each view's cache rows (:class:`_Rows`) are gathered (pack) or scattered (unpack) with the
     row copies of :mod:`tritonkv._cpu`, whole blocks at a time where possible (:class:`_BlockRuns`,
-    CPU only); views without contiguous rows fall back to advanced indexing. Slot -1 rows are zero-filled after packing and left out of unpacking.
-    ``flat`` is the ``[num_rows]`` flat token of each packed row.
+    CPU only); views without contiguous rows fall back to advanced indexing. Slot -1 rows are
+    zero-filled after packing and left out of unpacking. ``flat`` is the ``[num_rows]`` flat token
+    of each packed row.
     """
     num_layers, num_parts, num_rows = packed.shape[:3]
     if num_rows == 0:

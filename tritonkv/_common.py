@@ -140,6 +140,10 @@ class SeqIndex:
 
     def flat_tokens(self, num_rows: int) -> torch.Tensor:
         """``[num_rows]`` int64 flat token index of every packed row (the torch twins' addressing)."""
+        if self.cu_seqlens.device.type == "cpu" and num_rows == self.total():
+            cu_seqlens, src_start = self.cu_seqlens.numpy(), self.src_start.numpy()
+            shift = np.repeat(src_start - cu_seqlens[:-1], np.diff(cu_seqlens))
+            return torch.from_numpy(shift + np.arange(num_rows))
         rows = torch.arange(num_rows, device=self.cu_seqlens.device)
         seq = torch.searchsorted(self.cu_seqlens[1:], rows, right=True)
         seq = seq.clamp_(max=max(self.num_sel - 1, 0))

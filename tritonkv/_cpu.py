@@ -62,10 +62,9 @@ class RowCopies:
             row = np.dtype((np.void, row_bytes))
             dst_rows, src_rows = dst.numpy().view(row)[:, 0], src.numpy().view(row)[:, 0]
             self.numpy_jobs.append(partial(dst_rows.__setitem__, index.numpy(), src_rows))
-        elif dst.device.type == "cpu" and _pairs_ok(dst) and _pairs_ok(src):
-            wide_dst, wide_src = dst.view(torch.complex128), src.view(torch.complex128)
-            self.torch_jobs.append(partial(wide_dst.index_copy_, 0, index, wide_src))
         else:
+            if dst.device.type == "cpu" and dst.element_size() == 8:
+                dst, src = _as_pairs(dst, src)
             self.torch_jobs.append(partial(dst.index_copy_, 0, index, src))
 
     def run(self, nbytes: int) -> None:
@@ -92,14 +91,12 @@ class RowCopies:
                 raise error
 
 
-def _pairs_ok(t: torch.Tensor) -> bool:
-    """Whether int64 ``t`` can be seen as 16-byte elements (pairs aligned to its rows)."""
-    return (
-        t.element_size() == 8
-        and t.shape[-1] % 2 == 0
-        and t.storage_offset() % 2 == 0
-        and all(s % 2 == 0 for s in t.stride()[:-1])
-    )
+def _as_pairs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """int64 ``tensors`` as 16-byte elements if every one's size, strides and offset allow."""
+    try:
+        return tuple(t.view(torch.complex128) for t in tensors)
+    except RuntimeError:  # torch says which of them is odd; then stay with 8 bytes
+        return tensors
 
 
 def _run_all(jobs: Sequence[Callable[[], object]]) -> None:

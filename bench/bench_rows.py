@@ -9,9 +9,10 @@ llama3-8b at 4k tokens, against ``copy`` (the same bytes, contiguous to contiguo
 rounds (``common.paired_ratio``):
 
 - gather: ``index_select`` (what ``tritonkv._cpu.RowCopies.gather`` runs);
-- scatter: ``index_copy_`` on 8-byte integers, ``index_copy_`` on 16-byte elements, and NumPy
-  fancy assignment of whole rows seen as ``void`` items on one thread and on two threads
-  (``RowCopies.scatter`` picks NumPy on threads up to 1 KiB rows, 16-byte ``index_copy_`` above).
+- scatter: ``index_copy_`` on 8-byte integers, ``index_copy_`` and ``index_put_`` on 16-byte
+  elements, and NumPy fancy assignment of whole rows seen as ``void`` items on one thread and on
+  two threads (``RowCopies.scatter`` picks NumPy on threads up to 256 B rows, 16-byte
+  ``index_put_`` above).
 
 Rows: 128 B (fp8, head 128), 256 B (bf16 head), 1152 B (MLA token), 4 KiB (a 16-token block of one
 bf16 head), 16 and 32 KiB (blocks of 8 heads). Writes ``bench/results/cpu/rows.csv`` (``op`` is
@@ -84,6 +85,9 @@ def measure(row_bytes: int, total_bytes: int, quick: bool) -> list[Row]:
         s16 = [s.view(torch.complex128) for s in srcs]
         scatter["index_copy_ 16B"] = lambda: [
             c.index_copy_(0, index, s) for c, s in zip(c16, s16, strict=True)
+        ]
+        scatter["index_put_ 16B"] = lambda: [
+            c.index_put_((index,), s) for c, s in zip(c16, s16, strict=True)
         ]
     _check(gather, scatter, caches, packed, index)
     out = []

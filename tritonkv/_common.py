@@ -184,27 +184,7 @@ def seq_index(
         return _host_seq_index(query_start_loc, seq_ids, num_tokens, last_only)
 
     if checks_enabled(query_start_loc, seq_ids):
-        qsl = query_start_loc.cpu()
-        if int(qsl[0]) < 0 or bool((qsl[1:] < qsl[:-1]).any()):
-            raise ValueError(
-                f"query_start_loc: expected non-negative, non-decreasing offsets, got {qsl.tolist()}"
-            )
-        if int(qsl[-1]) > num_tokens:
-            raise ValueError(
-                f"query_start_loc: last offset {int(qsl[-1])} is past num_tokens={num_tokens}"
-            )
-        if seq_ids is not None and seq_ids.numel():
-            ids = seq_ids.cpu()
-            if int(ids.min()) < 0 or int(ids.max()) >= num_seqs:
-                raise ValueError(f"seq_ids: expected values in [0, {num_seqs}), got {ids.tolist()}")
-        if last_only:
-            chosen = torch.arange(num_seqs) if seq_ids is None else seq_ids.cpu().long()
-            lens = qsl[chosen + 1] - qsl[chosen]
-            if bool((lens <= 0).any()):
-                raise ValueError(
-                    "last_only: every selected sequence needs at least one query token, got "
-                    f"lengths {lens.tolist()} for seq_ids {chosen.tolist()}"
-                )
+        _check_offsets(*_host_offsets(query_start_loc, seq_ids), num_tokens, last_only)
 
     qsl = query_start_loc.to(device=device, dtype=torch.int64, non_blocking=True)
     if seq_ids is None:
@@ -224,9 +204,16 @@ def seq_index(
     return SeqIndex(cu_seqlens, starts, num_sel)
 
 
-def _host_seq_index(query_start_loc, seq_ids, num_tokens: int, last_only: bool) -> SeqIndex:
-    """:func:`seq_index` for CPU tensors, with NumPy (tiny arrays: a fraction of torch's cost)."""
-    qsl = query_start_loc.numpy().astype(np.int64, copy=False)
+def _host_offsets(query_start_loc, seq_ids) -> tuple[np.ndarray, np.ndarray]:
+    """Host int64 copies of the offsets and of the selected sequences (all if ``seq_ids`` is None)."""
+    qsl = query_start_loc.cpu().numpy().astype(np.int64, copy=False)
+    if seq_ids is None:
+        return qsl, np.arange(qsl.size - 1)
+    return qsl, seq_ids.cpu().numpy().astype(np.int64, copy=False)
+
+
+def _check_offsets(qsl: np.ndarray, chosen: np.ndarray, num_tokens: int, last_only: bool) -> None:
+    """Offsets non-negative, non-decreasing, within ``num_tokens``; ``chosen`` among them."""
     num_seqs = qsl.size - 1
     if qsl[0] < 0 or bool((qsl[1:] < qsl[:-1]).any()):
         raise ValueError(
@@ -236,20 +223,24 @@ def _host_seq_index(query_start_loc, seq_ids, num_tokens: int, last_only: bool) 
         raise ValueError(
             f"query_start_loc: last offset {int(qsl[-1])} is past num_tokens={num_tokens}"
         )
-    if seq_ids is None:
-        chosen = np.arange(num_seqs)
-    else:
-        chosen = seq_ids.numpy().astype(np.int64, copy=False)
-        if chosen.size and (chosen.min() < 0 or chosen.max() >= num_seqs):
-            raise ValueError(f"seq_ids: expected values in [0, {num_seqs}), got {chosen.tolist()}")
+    if chosen.size and (chosen.min() < 0 or chosen.max() >= num_seqs):
+        raise ValueError(f"seq_ids: expected values in [0, {num_seqs}), got {chosen.tolist()}")
+    if last_only:
+        lens = qsl[chosen + 1] - qsl[chosen]
+        if bool((lens <= 0).any()):
+            raise ValueError(
+                "last_only: every selected sequence needs at least one query token, got "
+                f"lengths {lens.tolist()} for seq_ids {chosen.tolist()}"
+            )
+
+
+def _host_seq_index(query_start_loc, seq_ids, num_tokens: int, last_only: bool) -> SeqIndex:
+    """:func:`seq_index` for CPU tensors, with NumPy (tiny arrays: a fraction of torch's cost)."""
+    qsl, chosen = _host_offsets(query_start_loc, seq_ids)
+    _check_offsets(qsl, chosen, num_tokens, last_only)
     starts, ends = qsl[chosen], qsl[chosen + 1]
     cu_seqlens = np.zeros(chosen.size + 1, dtype=np.int64)
     if last_only:
-        if bool((ends <= starts).any()):
-            raise ValueError(
-                "last_only: every selected sequence needs at least one query token, got "
-                f"lengths {(ends - starts).tolist()} for seq_ids {chosen.tolist()}"
-            )
         cu_seqlens[1:] = np.arange(1, chosen.size + 1)
         starts = ends - 1
     else:

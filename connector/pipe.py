@@ -6,8 +6,10 @@ One :class:`TensorPipe` is one connection between two endpoints. It has two chan
   versioned binary header, validated before any allocation; metadata is JSON inside that framing, no
   pickle), plus small payloads inline;
 - a **data process group** of two ranks (listener = rank 0, connector = rank 1), built from the
-  listener's own ``TCPStore`` under a per-connection prefix: ``gloo`` for CPU tensors, ``nccl`` for
-  CUDA tensors, same code. The default process group is never touched. Backend ``socket`` sends
+  listener's own ``TCPStore`` under a per-connection prefix, each side through a store client of
+  its own (so a rendezvous left hanging by a vanished peer delays no other connection's): ``gloo``
+  for CPU tensors, ``nccl`` for CUDA tensors, same code. The default process group is never
+  touched. Backend ``socket`` sends
   every payload inline on the control socket instead (no torch.distributed; a fallback, and what
   the raw-socket tests speak).
 
@@ -417,7 +419,7 @@ class TensorPipe:
         self.inline_max_bytes = inline_max_bytes
         self.pack_max_bytes = pack_max_bytes
         self._max_queued = max_queued_frames
-        self._refs = extra_refs  # keeps the client's TCPStore alive as long as the pipe
+        self._refs = extra_refs  # keeps the pipe's own TCPStore client alive as long as the pipe
 
         self._sock = sock
         sock.setblocking(False)
@@ -1205,11 +1207,12 @@ class PipeListener:
         self._closed = False
         self._ids = itertools.count()
         self._store = None
+        self._store_host = self.host if self.host != "0.0.0.0" else "127.0.0.1"
         if backend != "socket":
             from torch.distributed import TCPStore
 
             self._store = TCPStore(
-                self.host if self.host != "0.0.0.0" else "127.0.0.1",
+                self._store_host,
                 0,
                 None,
                 True,
@@ -1280,13 +1283,19 @@ class PipeListener:
                 prefix = f"tkv/{next(self._ids)}-{uuid.uuid4().hex[:12]}/"
                 ack = {"backend": backend, "store_port": self._store.port, "prefix": prefix}
             _send_all(sock, encode_header(Kind.HELLO_ACK, "", ack), deadline, "HELLO_ACK")
+            refs = ()
             if backend != "socket":
-                from torch.distributed import PrefixStore
+                from torch.distributed import PrefixStore, TCPStore
 
                 try:
+                    # A store client of its own: a TCPStore client runs one request at a time, so
+                    # a rendezvous left waiting by a vanished peer would hold up every other one.
+                    left = datetime.timedelta(seconds=max(0.1, deadline - _now()))
+                    store = TCPStore(self._store_host, self._store.port, None, False, left)
+                    refs = (store,)
                     pg = _make_process_group(
                         backend,
-                        PrefixStore(ack["prefix"], self._store),
+                        PrefixStore(ack["prefix"], store),
                         0,
                         sock.getsockname()[0],
                         max(0.1, deadline - _now()),
@@ -1300,6 +1309,7 @@ class PipeListener:
                 process_group=pg,
                 peer_rank=1,
                 device=self.device,
+                extra_refs=refs,
                 **self.pipe_kw,
             )
             ok = True

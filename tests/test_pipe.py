@@ -23,7 +23,7 @@ from connector.pipe import (
     TransferTimeout,
     connect_pipe,
 )
-from connector.wire import WireLimits
+from connector.wire import WireLimits, encode_header
 
 BACKENDS = ("gloo", "socket")
 
@@ -200,6 +200,40 @@ def test_connect_to_silent_listener_times_out():
         assert time.monotonic() - t0 < 2
     finally:
         s.close()
+
+
+@pytest.mark.timeout(60)
+def test_peer_gone_after_hello_does_not_hold_up_other_handshakes():
+    """A peer that vanishes after HELLO leaves its rendezvous waiting until the listener's deadline
+    (8 s); another client (4 s deadline) must connect meanwhile. Each connection's rendezvous has
+    a store client of its own: through a shared one, it waited behind the stray's."""
+    listener = PipeListener(backend="gloo", connect_timeout_s=8)
+    accepted = []
+
+    def accept():
+        try:
+            accepted.append(listener.accept(timeout_s=30))
+        except TransferError as e:
+            accepted.append(e)
+
+    threads = [threading.Thread(target=accept) for _ in range(2)]
+    for t in threads:
+        t.start()
+    stray = socket.create_connection(("127.0.0.1", listener.port))
+    try:
+        stray.sendall(encode_header(Kind.HELLO, "", {"proto": 1, "backend": "gloo"}))
+        assert stray.recv(1), "no HELLO_ACK"  # the stray's rendezvous has begun; it never joins
+        client = connect_pipe("127.0.0.1", listener.port, backend="gloo", connect_timeout_s=4)
+        client.close(timeout_s=1)
+    finally:
+        stray.close()
+        for t in threads:
+            t.join(30)
+        for got in accepted:
+            if not isinstance(got, TransferError):
+                got.close(timeout_s=1)
+        listener.close()
+    assert sum(isinstance(got, TransferError) for got in accepted) == 1, accepted
 
 
 @pytest.mark.timeout(30)

@@ -29,8 +29,10 @@ Flow (the proxy, ``connector.proxy``, drives it):
    slots are never written). The worker pulls the entry by transfer id from
    ``remote_host:remote_port + tp_rank`` and writes the needed rows with **one**
    :func:`tritonkv.unpack_kv` call into the allocated slots, before that step's forward pass; or,
-   with ``async_load``, on a background thread while the server goes on decoding other requests
-   (the request waits in vLLM's ``WAITING_FOR_REMOTE_KVS`` state until ``get_finished`` reports it).
+   with ``async_load``, fetches on a background thread while the server goes on decoding other
+   requests (the request waits in vLLM's ``WAITING_FOR_REMOTE_KVS`` state) and unpacks in the
+   first ``get_finished`` after the fetch completed, on the worker's own thread, which then
+   reports the request.
 3. Any failure (producer dead, timeout, unknown or expired id, wrong fingerprint, shape or dtype) is
    logged and reported through ``get_block_ids_with_load_errors``; with vLLM's
    ``kv_load_failure_policy: "recompute"`` the consumer recomputes the prompt. A request is never
@@ -55,12 +57,14 @@ key                         default      meaning
 ``connect_timeout_s``       5            consumer: deadline of connecting to a producer
 ``transport``               auto         ``gloo`` (CPU) / ``nccl`` (CUDA) / ``socket``; auto by device
 ``backend``                 (env)        sets ``TRITONKV_BACKEND`` (``auto`` / ``torch`` / ``triton``)
-``async_load``              false        consumer: true = fetch + unpack on a background thread while
-                                         the server keeps decoding other requests (vLLM's
-                                         WAITING_FOR_REMOTE_KVS state); false = before the step's
-                                         forward pass, which waits for the fetch. Async is tested
-                                         at TP=1 on CPU; at TP=2 on 2 CPU cores its load threads
-                                         starved (gloo rendezvous timeouts), hence off by default
+``async_load``              false        consumer: true = fetch on a background thread while the
+                                         server keeps decoding other requests (vLLM's
+                                         WAITING_FOR_REMOTE_KVS state), unpack in ``get_finished``
+                                         on the worker's thread; false = fetch and unpack before
+                                         the step's forward pass, which waits. Async is tested at
+                                         TP=1 on CPU; at TP=2 on 2 CPU cores the producer, sharing
+                                         its cores with the polling consumer, answered too late
+                                         (README, Status), hence off by default
 ``debug_allow_corrupt``     false        consumer, **tests only**: a request whose params hold
                                          ``"tritonkv_debug_corrupt": true`` gets scrambled KV
                                          (the negative control that proves the KV is used)
@@ -73,14 +77,15 @@ recomputes the last prompt token instead, which produces them.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -305,10 +310,10 @@ class TritonKVConnector(KVConnectorBase_V1):
             self._server: KVServer | None = None
             self._clients: dict[tuple[str, int], KVClient] = {}
             self._load_errors: set[int] = set()
-            self._lock = threading.Lock()  # guards _load_errors and _stats across load threads
-            self._loading: dict[str, Future] = {}  # async loads in flight, by request id
+            self._lock = threading.Lock()  # guards _clients (async fetches run on load threads)
+            # async fetches in flight, by request id: (spec, start time, future of _fetch)
+            self._loading: dict[str, tuple[LoadSpec, float, Future]] = {}
             self._pool: ThreadPoolExecutor | None = None
-            self._load_stream = None  # CUDA stream of the load thread
             self._stats = TritonKVStats()
             self._tp_rank = 0
 
@@ -494,18 +499,21 @@ class TritonKVConnector(KVConnectorBase_V1):
             return
         for spec in meta.loads:
             if not self.cfg.async_load:
-                self._load(spec)
+                self._load(spec, time.perf_counter(), partial(self._fetch, spec))
                 continue
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(2, thread_name_prefix="tritonkv-load")
-            self._loading[spec.req_id] = self._pool.submit(self._load, spec)
+            future = self._pool.submit(self._fetch, spec)
+            self._loading[spec.req_id] = (spec, time.perf_counter(), future)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Async loads that completed (or failed: their blocks are already in the error set)."""
-        done = {req_id for req_id, future in self._loading.items() if future.done()}
+        """Async loads whose fetch completed: unpacked here, on the worker's own thread (or, when
+        the fetch failed, their blocks put in the error set)."""
+        done = [req_id for req_id, (_, _, future) in self._loading.items() if future.done()]
         for req_id in done:
-            self._loading.pop(req_id).result()  # _load never raises; surface a bug if it does
-        return None, done or None
+            spec, t0, future = self._loading.pop(req_id)
+            self._load(spec, t0, future.result)
+        return None, set(done) or None
 
     def _client(self, host: str, port: int) -> KVClient:
         with self._lock:  # load threads share clients (a KVClient serialises its requests)
@@ -525,40 +533,49 @@ class TritonKVConnector(KVConnectorBase_V1):
             self._clients[(host, port)] = client
         return client
 
-    def _load(self, spec: LoadSpec) -> None:
-        port = spec.port + self._tp_rank
+    def _fetch(self, spec: LoadSpec) -> tuple[torch.Tensor, float]:
+        """``(packed KV, fetch ms)`` of ``spec``'s transfer, checked against this cache.
+
+        Network only, no copies: with ``async_load`` it runs on a load thread, and a torch op
+        there would give that thread an OpenMP team, which on CPU slows every team in the process.
+        """
         t0 = time.perf_counter()
+        tensors, _meta = self._client(spec.host, spec.port + self._tp_rank).get(spec.transfer_id)
+        packed = tensors.get("kv")
+        k0 = self._layers[0][0]
+        want = (len(self._layers), 1 + (self._layers[0][1] is not None), spec.num_tokens,
+                k0.shape[1], k0.shape[3])  # fmt: skip
+        if packed is None or tuple(packed.shape) != want or packed.dtype != k0.dtype:
+            got = "nothing" if packed is None else f"{tuple(packed.shape)} {packed.dtype}"
+            raise ValueError(f"entry holds {got}, expected {want} {k0.dtype}")
+        return packed, 1e3 * (time.perf_counter() - t0)
+
+    def _load(self, spec: LoadSpec, t0: float, fetch: Callable[[], tuple[torch.Tensor, float]]):
+        """Unpack what ``fetch()`` returns (see :meth:`_fetch`) into ``spec``'s slots, on the
+        worker's thread; a failure of either is logged and its blocks go to the error set.
+
+        ``t0`` is when the load started. On CUDA the unpack runs on the current stream, ordered
+        before any forward pass that could read the blocks (the request is not scheduled before
+        the load is reported finished).
+        """
+        port = spec.port + self._tp_rank
         try:
-            tensors, _meta = self._client(spec.host, port).get(spec.transfer_id)
+            packed, fetch_ms = fetch()
             t1 = time.perf_counter()
-            packed = tensors.get("kv")
-            k0 = self._layers[0][0]
-            want = (len(self._layers), 1 + (self._layers[0][1] is not None), spec.num_tokens,
-                    k0.shape[1], k0.shape[3])  # fmt: skip
-            if packed is None or tuple(packed.shape) != want or packed.dtype != k0.dtype:
-                got = "nothing" if packed is None else f"{tuple(packed.shape)} {packed.dtype}"
-                raise ValueError(f"entry holds {got}, expected {want} {k0.dtype}")
             if spec.corrupt:
                 packed = _corrupted(packed)
-            # On CUDA, off the model's stream (a load thread may run beside a forward pass); the
-            # blocks are this request's alone until it is reported finished, after the sync.
-            cuda = self._device.type == "cuda"
-            if cuda and self._load_stream is None:
-                self._load_stream = torch.cuda.Stream(self._device)
-            with torch.cuda.stream(self._load_stream) if cuda else contextlib.nullcontext():
-                slots = self._slots(spec.block_ids, spec.start, spec.start + spec.count, want[2])
-                unpack_kv(packed, self._layers, slots)
-            if cuda:
-                self._load_stream.synchronize()
+            slots = self._slots(
+                spec.block_ids, spec.start, spec.start + spec.count, spec.num_tokens
+            )
+            unpack_kv(packed, self._layers, slots)
             t2 = time.perf_counter()
         except (TransferError, ValueError, TypeError, OSError) as exc:
             failed = {
                 spec.block_ids[p // self.block_size]
                 for p in range(spec.start, spec.start + spec.count)
             }
-            with self._lock:
-                self._load_errors |= failed
-                self._stats.data["load_failures"] += 1
+            self._load_errors |= failed
+            self._stats.data["load_failures"] += 1
             log.warning(
                 "tritonkv: load of transfer %s for %s from %s:%d failed after %.1f ms (%s: %s); "
                 "its %d blocks will be recomputed",
@@ -573,12 +590,11 @@ class TritonKVConnector(KVConnectorBase_V1):
             )
             return
         nbytes = packed.numel() * packed.element_size() * spec.count // max(spec.num_tokens, 1)
-        with self._lock:
-            self._stats.data["loads"] += 1
-            self._stats.data["bytes_loaded"] += nbytes
-            self._stats.data["tokens_loaded"] += spec.count
-            self._stats.data["fetch_ms"].append(1e3 * (t1 - t0))
-            self._stats.data["unpack_ms"].append(1e3 * (t2 - t1))
+        self._stats.data["loads"] += 1
+        self._stats.data["bytes_loaded"] += nbytes
+        self._stats.data["tokens_loaded"] += spec.count
+        self._stats.data["fetch_ms"].append(fetch_ms)
+        self._stats.data["unpack_ms"].append(1e3 * (t2 - t1))
         log.info(
             "tritonkv: loaded transfer %s for %s: %d tokens (positions %d..%d; %d local), %d bytes, "
             "fetch %.2f ms, unpack %.2f ms",
@@ -589,7 +605,7 @@ class TritonKVConnector(KVConnectorBase_V1):
             spec.start + spec.count - 1,
             spec.start,
             nbytes,
-            1e3 * (t1 - t0),
+            fetch_ms,
             1e3 * (t2 - t1),
         )
 
@@ -627,11 +643,10 @@ class TritonKVConnector(KVConnectorBase_V1):
                 )
                 continue
             nbytes = packed.numel() * packed.element_size()
-            with self._lock:
-                self._stats.data["saves"] += 1
-                self._stats.data["bytes_saved"] += nbytes
-                self._stats.data["tokens_saved"] += spec.num_tokens
-                self._stats.data["pack_ms"].append(1e3 * (t1 - t0))
+            self._stats.data["saves"] += 1
+            self._stats.data["bytes_saved"] += nbytes
+            self._stats.data["tokens_saved"] += spec.num_tokens
+            self._stats.data["pack_ms"].append(1e3 * (t1 - t0))
             log.info(
                 "tritonkv: saved transfer %s for %s: %d tokens, %d bytes, pack %.2f ms",
                 spec.transfer_id,
@@ -642,20 +657,18 @@ class TritonKVConnector(KVConnectorBase_V1):
             )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        # A failed async load adds its blocks before its future completes, so they are reported no
-        # later than the step whose get_finished reports the request (vLLM's rule).
-        with self._lock:
-            failed, self._load_errors = self._load_errors, set()
+        # A failed async load adds its blocks in the get_finished call that reports the request,
+        # which vLLM makes before this one in the same step (its rule: no later than that step).
+        failed, self._load_errors = self._load_errors, set()
         return failed
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.role == KVConnectorRole.SCHEDULER:
             return None
-        with self._lock:
-            stats = self._stats
-            if stats.is_empty():
-                return None
-            self._stats = TritonKVStats()
+        stats = self._stats
+        if stats.is_empty():
+            return None
+        self._stats = TritonKVStats()
         return stats
 
     @classmethod

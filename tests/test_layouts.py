@@ -64,6 +64,26 @@ def test_opaque_pages_cover_each_page_once():
     assert torch.equal(pages.flatten(), cache.flatten())
 
 
+def test_opaque_pages_of_a_permuted_cache_cover_each_page_in_memory_order():
+    """An HND cache seen in NHD order (FlashAttention's K half): a page is the memory it covers."""
+    raw = _arange(B, H, N, D)  # memory order [B, H, N, D]
+    pages, _ = layouts.opaque_pages(raw.transpose(1, 2), N)  # logical [B, N, H, D]
+    assert pages.shape == (B, 1, N, H * D)
+    assert torch.equal(pages.flatten(), raw.flatten())
+
+
+@pytest.mark.parametrize(
+    "cache",
+    [
+        _arange(B, N, 2 * D)[..., :D],  # a page with holes (half of each row)
+        _arange(B + 1, N, D).as_strided((B, N, D), (N * D // 2, D, 1)),  # pages overlap
+    ],
+)
+def test_opaque_pages_refuse_pages_that_are_not_one_range_each(cache):
+    with pytest.raises(ValueError, match="dense, non-overlapping pages"):
+        layouts.opaque_pages(cache, N)
+
+
 @pytest.mark.parametrize(
     "call,error,match",
     [

@@ -173,10 +173,12 @@ def opaque_pages(cache: torch.Tensor, block_size: int) -> KVViews:
     """One-state view of pages whose interior layout is unknown, for whole-page copies.
 
     Each block's page (``cache[b]``, all of it) is seen as ``block_size`` rows of equal width, so
-    packing every slot of a block copies that page bit for bit, whatever it holds.
+    packing every slot of a block copies that page bit for bit, whatever it holds. A page may be a
+    permuted view (an HND cache seen in NHD order): only the memory it covers matters.
 
     Args:
-        cache: ``[num_blocks, ...]`` with each ``cache[b]`` contiguous.
+        cache: ``[num_blocks, ...]``; each ``cache[b]`` covers one dense range of memory (its
+            strides are a permutation of contiguous ones) and pages do not overlap.
         block_size: tokens per block; must divide the page's element count.
 
     Returns:
@@ -184,17 +186,28 @@ def opaque_pages(cache: torch.Tensor, block_size: int) -> KVViews:
     """
     if not isinstance(cache, torch.Tensor):
         raise TypeError(f"opaque_pages: expected a torch.Tensor, got {type(cache).__name__}")
-    if cache.dim() < 2 or not cache[0].is_contiguous():
+    page = cache[0].numel() if cache.dim() >= 2 else 0
+    if page == 0 or not _dense(cache[0]) or (cache.shape[0] > 1 and cache.stride(0) < page):
         raise ValueError(
-            "opaque_pages: expected [num_blocks, ...] with contiguous pages, got shape "
+            "opaque_pages: expected [num_blocks, ...] with dense, non-overlapping pages, got shape "
             f"{tuple(cache.shape)} strides {tuple(cache.stride())}"
         )
-    page = cache[0].numel()
     if not isinstance(block_size, int) or block_size <= 0 or page % block_size:
         raise ValueError(
             f"opaque_pages: block_size must be a positive divisor of the page size {page}, "
             f"got {block_size!r}"
         )
     width = page // block_size
+    start = cache.storage_offset()
     shape = (cache.shape[0], 1, block_size, width)
-    return cache.as_strided(shape, (cache.stride(0), page, width, 1), cache.storage_offset()), None
+    return cache.as_strided(shape, (cache.stride(0), page, width, 1), start), None
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers one gap-free range of memory from its storage offset on (any order)."""
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

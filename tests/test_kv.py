@@ -149,6 +149,18 @@ def test_out_argument_is_filled_and_returned(backend):
     assert_bits_equal(out, loop_pack(layers, slots, SEED_QSL, [0, 1]), "out=")
 
 
+@pytest.mark.parametrize("layout", ["flash_attn_nhd", "mla", "vllm_cpu"])
+def test_whole_block_runs_next_to_loose_rows(backend, layout):
+    """The CPU twin copies runs of whole blocks as one row each and the other rows one by one:
+    two whole blocks, a partial one, then a sequence that starts mid-block."""
+    runs = [torch.arange(b * 8, b * 8 + 8) for b in (3, 1)]
+    loose = [torch.arange(40, 44), torch.arange(34, 40)]
+    slots = torch.cat(runs + loose)
+    qsl = torch.tensor([0, 20, 26])
+    _roundtrip(layout, torch.bfloat16, slots, qsl, None)
+    _roundtrip(layout, torch.bfloat16, slots[:16], torch.tensor([0, 16]), None)  # runs only
+
+
 def test_views_changed_in_place_between_calls_are_seen(backend):
     """Calls reuse what they derived from the same view objects (checked, widened, planned) only
     while those keep their address, shape and strides: here the same objects are re-strided in

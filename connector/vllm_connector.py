@@ -800,16 +800,18 @@ def layer_views(cache: torch.Tensor, head_size: int, block_size: int, *, use_mla
     )
 
 
+def _page_parts(cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, ...]:
+    """The ``[num_blocks, ...]`` tensors whose ``[b]`` is one page: FlashAttention's cache
+    ``[2, B, ...]`` has two per block (K's and V's); every other known layout has its blocks first
+    and one page per block."""
+    return cache.unbind(0) if layout == "flash_attn" else (cache,)
+
+
 def page_views(cache: torch.Tensor, layout: str, block_size: int):
     """Whole-page ``(k, v)`` views of one layer's registered cache (:func:`tritonkv.layouts.
-    opaque_pages`), or None when a block's page is not one range of memory.
-
-    FlashAttention's cache ``[2, B, ...]`` has two pages per block (K's and V's); every other
-    known layout has its blocks first and one page per block.
-    """
-    parts = cache.unbind(0) if layout == "flash_attn" else (cache,)
+    opaque_pages`), or None when a block's page is not one range of memory."""
     try:
-        views = [layouts.opaque_pages(part, block_size)[0] for part in parts]
+        views = [layouts.opaque_pages(part, block_size)[0] for part in _page_parts(cache, layout)]
     except ValueError:
         return None
     return views[0], (views[1] if len(views) > 1 else None)
@@ -818,7 +820,7 @@ def page_views(cache: torch.Tensor, layout: str, block_size: int):
 def page_kind(cache: torch.Tensor, layout: str, block_size: int) -> str:
     """What two caches must share for whole pages of one to be valid in the other: the layout,
     dtype, block size and one page's shape and memory order (dims by decreasing stride)."""
-    page = cache[0][0] if layout == "flash_attn" else cache[0]
+    page = _page_parts(cache, layout)[0][0]
     order = sorted(range(page.dim()), key=lambda d: -page.stride(d))
     dtype = str(page.dtype).removeprefix("torch.")
     return f"{layout}/{dtype}/block_size={block_size}/page={list(page.shape)}/order={order}"

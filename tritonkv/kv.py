@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -248,26 +248,31 @@ class _LayerSet:
     signature: tuple  # address, shape and strides of every view when this was made
     width: int  # widest integer access (bytes) the views allow
     refs: list = field(default_factory=list)  # weak references that drop this entry
-    _views: dict[int, list] = field(default_factory=dict)  # by width: integer views
-    _plans: dict[int, list[_Group]] = field(default_factory=dict)  # by width: twin plan
-    _launches: dict[int, list[_LaunchGroup]] = field(default_factory=dict)  # by width: kernels
+    _derived: dict[tuple[str, int], object] = field(default_factory=dict)  # (what, width) -> it
+
+    def _memo(self, what: str, width: int, make: Callable[[], object]):
+        key = (what, width)
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
 
     def views(self, width: int, layers: Layers) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        if width not in self._views:
-            self._views[width] = [
+        """The integer views of ``width`` bytes."""
+        return self._memo(
+            "views",
+            width,
+            lambda: [
                 (as_int(k, width), None if v is None else as_int(v, width)) for k, v in layers
-            ]
-        return self._views[width]
+            ],
+        )
 
     def launches(self, width: int, layers: Layers) -> list[_LaunchGroup]:
-        if width not in self._launches:
-            self._launches[width] = _launch_groups(self.views(width, layers))
-        return self._launches[width]
+        """The kernel launches (GPU)."""
+        return self._memo("launches", width, lambda: _launch_groups(self.views(width, layers)))
 
     def plan(self, width: int, layers: Layers) -> list[_Group]:
-        if width not in self._plans:
-            self._plans[width] = _plan(self.views(width, layers))
-        return self._plans[width]
+        """The twin's copy plan."""
+        return self._memo("plan", width, lambda: _plan(self.views(width, layers)))
 
 
 _LAYER_SETS: dict[tuple, _LayerSet] = {}  # by the ids of the (k, v) view objects

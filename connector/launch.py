@@ -96,6 +96,9 @@ def transfer_events(log_text: str, request_id: str) -> dict[str, list[dict]]:
     return out
 
 
+_ERROR_LINE = re.compile(r"\bERROR\b|Traceback \(most recent call last\)")
+
+
 @dataclass
 class Proc:
     """One started process: its name, command, log file and handle."""
@@ -112,10 +115,19 @@ class Proc:
             return ""
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
+        """The log's last ``lines`` lines, preceded by its first error (vLLM's "root cause above")."""
+        text = self.log_text()
+        if not text:
             return "(no log)"
+        all_lines = text.splitlines()
+        tail = all_lines[-lines:]
+        first = next(
+            (i for i, ln in enumerate(all_lines) if _ERROR_LINE.search(ln)), len(all_lines)
+        )
+        if first >= len(all_lines) - lines:
+            return "\n".join(tail)
+        cause = all_lines[first : min(first + 30, len(all_lines) - lines)]
+        return "\n".join(["first error:", *cause, "...", "last lines:", *tail])
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM the process group, SIGKILL it after ``timeout_s``."""

@@ -466,3 +466,24 @@ def test_cli_requires_both_roles() -> None:
         timeout=20,
     )
     assert r.returncode == 2 and "--decode" in r.stderr
+
+
+def test_start_failure_names_the_first_error(tmp_path: Path) -> None:
+    """A process that dies while starting is reported with its first error, not just its tail.
+
+    vLLM ends a failed start with "See root cause above"; the cause is often far above the tail.
+    """
+    from connector.launch import Cluster
+
+    script = (
+        "print('(Worker_TP1) ERROR bind failed'); print('OSError: address in use'); "
+        "[print(f'teardown {i}') for i in range(200)]; raise SystemExit(3)"
+    )
+    with Cluster(tmp_path) as cluster:
+        proc = cluster.start("dying", [sys.executable, "-c", script], env={}, url="http://x")
+        proc.popen.wait(30)
+        with pytest.raises(RuntimeError, match="dying exited with code 3") as err:
+            cluster.wait_ready([proc])
+    msg = str(err.value)
+    assert "ERROR bind failed" in msg and "OSError: address in use" in msg
+    assert "teardown 199" in msg and "teardown 100" not in msg

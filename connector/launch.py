@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -23,19 +24,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def _ephemeral_ports() -> range:
+    """The ports the OS hands out by itself (``bind`` to port 0, and the local end of ``connect``)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
 
 
-def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
-    """A base port ``p`` such that ``p .. p + count - 1`` are all free right now."""
+def free_port_run(count: int = 1, host: str = "127.0.0.1", attempts: int = 200) -> int:
+    """A base port ``p`` such that ``p .. p + count - 1`` are all free right now.
+
+    The run is drawn below the OS's ephemeral range. A port from that range (what ``bind`` to port
+    0 returns) is only free until the OS hands it out again: every outgoing connection takes one
+    for its local end and keeps it in TIME_WAIT for a minute after closing, so a server that binds
+    the port later (a vLLM worker's KV server, seconds into its start) can find it taken.
+    """
+    ephemeral = _ephemeral_ports()
+    top = min(ephemeral.start, 65536) - count
+    if top <= 10000:
+        raise RuntimeError(f"no ports below the ephemeral range {ephemeral} to draw from")
+    rng = random.Random()
     for _ in range(attempts):
-        base = free_port(host)
-        if base + count >= 65536:
-            continue
+        base = rng.randrange(10000, top)
         socks = []
         try:
             for p in range(base, base + count):
@@ -48,7 +60,12 @@ def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 50) -> in
         finally:
             for s in socks:
                 s.close()
-    raise RuntimeError(f"no run of {count} free ports found on {host}")
+    raise RuntimeError(f"no run of {count} free ports found on {host} in {attempts} draws")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now and that the OS will not hand out by itself."""
+    return free_port_run(1, host)
 
 
 def http_json(
@@ -96,6 +113,7 @@ def transfer_events(log_text: str, request_id: str) -> dict[str, list[dict]]:
     return out
 
 
+_VLLM_DIST = re.compile(r"\bvllm_dist_[0-9a-f]{16,}\b")
 _ERROR_LINE = re.compile(r"\bERROR\b|Traceback \(most recent call last\)")
 
 
@@ -182,6 +200,12 @@ class Cluster:
     def stop(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()
+        # vLLM's CPU tensor-parallel groups leave their shared-memory segments behind, even after
+        # a clean shutdown: /dev/shm/<the group's init file name>-...-cpushm_<rank>, 4 MiB each.
+        for proc in self.procs:
+            for name in set(_VLLM_DIST.findall(proc.log_text())):
+                for leftover in Path("/dev/shm").glob(f"{name}-*"):
+                    leftover.unlink(missing_ok=True)
         self.procs.clear()
 
     def start(self, name: str, cmd: list[str], env: dict, url: str | None = None) -> Proc:

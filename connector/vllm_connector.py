@@ -49,7 +49,9 @@ key                         default      meaning
 ==========================  ===========  =========================================================
 ``host``                    127.0.0.1    producer: address to listen on (rank r uses ``port + r``)
 ``advertise_host``          = host       producer: address consumers are told to pull from
-``port``                    14600        producer: base port
+``port``                    14600        producer: base port; keep ``port .. port + tp - 1`` below the OS's
+                                         ephemeral range (Linux: 32768+), where outgoing
+                                         connections can hold a port when the server binds it
 ``buffer_bytes``            2 GiB        producer: capacity of the KV buffer (tensor bytes)
 ``full_policy``             evict        producer: ``evict`` oldest unclaimed / ``wait`` / ``error``
 ``put_timeout_s``           5            producer: how long ``wait`` waits for room
@@ -489,13 +491,18 @@ class TritonKVConnector(KVConnectorBase_V1):
             self._wire if self.is_producer else "as sent",
         )
         if self.is_producer:
-            self._buffer = KVBuffer(
-                self.cfg.buffer_bytes,
-                ttl_s=self.cfg.ttl_s,
-                full_policy=self.cfg.full_policy,
-                put_timeout_s=self.cfg.put_timeout_s,
-            )
-            port = self.cfg.port + self._tp_rank
+            self._serve()
+
+    def _serve(self) -> None:
+        """Start this rank's KV buffer and its server on ``port + tp_rank``."""
+        self._buffer = KVBuffer(
+            self.cfg.buffer_bytes,
+            ttl_s=self.cfg.ttl_s,
+            full_policy=self.cfg.full_policy,
+            put_timeout_s=self.cfg.put_timeout_s,
+        )
+        port = self.cfg.port + self._tp_rank
+        try:
             self._server = KVServer(
                 self._buffer,
                 self.cfg.host,
@@ -503,7 +510,13 @@ class TritonKVConnector(KVConnectorBase_V1):
                 backend=self._transport(),
                 device=self._device,
             )
-            log.info("tritonkv: rank %d serving KV on %s:%d", self._tp_rank, self.cfg.host, port)
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"tritonkv: rank {self._tp_rank} cannot serve KV on {self.cfg.host}:{port} "
+                f"(kv_connector_extra_config port {self.cfg.port} + TP rank): {e.strerror}",
+            ) from e
+        log.info("tritonkv: rank %d serving KV on %s:%d", self._tp_rank, self.cfg.host, port)
 
     def _use_caches(self, caches: list[torch.Tensor], head_size: int, use_mla: bool) -> None:
         """Views of the registered caches (in layer order), token rows and whole pages, and the

@@ -328,6 +328,24 @@ def test_a_wire_format_the_cache_cannot_give_is_refused_at_start(vc, wire, make_
     _worker(vc, [make_cache()], 4, producer=False, wire=wire)  # a consumer takes what comes
 
 
+def test_a_taken_port_fails_the_start_naming_the_address_and_the_config_key(vc):
+    import socket
+
+    from connector.launch import free_port_run
+
+    base = free_port_run(2)
+    conn = _worker(vc, _caches(NHD), 4, producer=True)
+    vars(conn).update(cfg=vc.ConnectorConfig(port=base), _tp_rank=1)
+    taken = f"rank 1 cannot serve KV on 127.0.0.1:{base + 1} "
+    with socket.create_server(("127.0.0.1", base + 1)), pytest.raises(OSError, match=taken):
+        conn._serve()
+    conn._serve()  # free again: serves on base + 1
+    try:
+        assert conn._server.address == ("127.0.0.1", base + 1)
+    finally:
+        conn._server.close()
+
+
 def test_an_aborted_prefill_hands_nothing_off_and_its_kv_is_dropped(vc):
     """The producer's scheduler side gives an aborted request no hand-off and tells the workers,
     in the next step's metadata, to drop its saved entry; a finished one keeps its entry."""

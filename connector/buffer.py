@@ -58,6 +58,7 @@ import torch
 
 from connector.pipe import PipeListener as _PipeListener
 from connector.pipe import TensorPipe, _check_timeout, _send_error_frame, connect_pipe
+from connector.threads import transfer_thread
 from connector.wire import (
     DEFAULT_LIMITS,
     BufferFullError,
@@ -525,9 +526,7 @@ class KVServer:
         self._ids = itertools.count()
         self._c = collections.Counter()
         self._closed = False
-        self._accept_thread = threading.Thread(
-            target=self._accept_loop, name=f"tkv-server[{self.port}]-accept", daemon=True
-        )
+        self._accept_thread = transfer_thread(self._accept_loop, f"tkv-server[{self.port}]-accept")
         self._accept_thread.start()
 
     @property
@@ -562,11 +561,8 @@ class KVServer:
                     sock.close()
                     continue
                 cid = next(self._ids)
-                t = threading.Thread(
-                    target=self._handle,
-                    args=(cid, sock, peer),
-                    name=f"tkv-server[{self.port}]-conn{cid}",
-                    daemon=True,
+                t = transfer_thread(
+                    self._handle, f"tkv-server[{self.port}]-conn{cid}", (cid, sock, peer)
                 )
                 self._threads[cid] = t
             t.start()

@@ -73,6 +73,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from connector.threads import transfer_thread
 from connector.wire import (
     DEFAULT_LIMITS,
     FLAG_INLINE,
@@ -436,13 +437,11 @@ class TensorPipe:
         self._current: _Outgoing | None = None  # message the sender thread is writing
 
         name = f"tkv-pipe[{peer}]"
-        self._sender = threading.Thread(target=self._sender_loop, name=f"{name}-send", daemon=True)
-        self._reader = threading.Thread(target=self._reader_loop, name=f"{name}-read", daemon=True)
+        self._sender = transfer_thread(self._sender_loop, f"{name}-send")
+        self._reader = transfer_thread(self._reader_loop, f"{name}-read")
         self._waiter = None
         if process_group is not None:
-            self._waiter = threading.Thread(
-                target=self._waiter_loop, name=f"{name}-wait", daemon=True
-            )
+            self._waiter = transfer_thread(self._waiter_loop, f"{name}-wait")
             self._waiter.start()
         self._sender.start()
         self._reader.start()
@@ -996,7 +995,7 @@ def _make_process_group(backend: str, store, rank: int, local_host: str, timeout
         except BaseException as e:  # handed to the caller below
             result["error"] = e
 
-    worker = threading.Thread(target=build, name="tkv-pg-rendezvous", daemon=True)
+    worker = transfer_thread(build, "tkv-pg-rendezvous")  # gloo's own threads start from it
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():

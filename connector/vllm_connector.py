@@ -49,9 +49,10 @@ key                         default      meaning
 ==========================  ===========  =========================================================
 ``host``                    127.0.0.1    producer: address to listen on (rank r uses ``port + r``)
 ``advertise_host``          = host       producer: address consumers are told to pull from
-``port``                    14600        producer: base port; keep ``port .. port + tp - 1`` below the OS's
-                                         ephemeral range (Linux: 32768+), where outgoing
-                                         connections can hold a port when the server binds it
+``port``                    14600        producer: base port. Keep ``port .. port + tp - 1``
+                                         below the OS's ephemeral range (Linux: 32768 and up),
+                                         where outgoing connections can hold a port when the
+                                         server binds it
 ``buffer_bytes``            2 GiB        producer: capacity of the KV buffer (tensor bytes)
 ``full_policy``             evict        producer: ``evict`` oldest unclaimed / ``wait`` / ``error``
 ``put_timeout_s``           5            producer: how long ``wait`` waits for room

@@ -1,4 +1,4 @@
-"""Transfer threads on chosen CPUs (``connector.threads``): parsing, refusal, and a real transfer."""
+"""Transfer threads on chosen CPUs (``connector.threads``): parsing, refusal, a real transfer."""
 
 from __future__ import annotations
 

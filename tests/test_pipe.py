@@ -166,9 +166,17 @@ def test_close_is_clean_on_both_sides_and_idempotent(backend):
 
 @pytest.mark.timeout(60)
 def test_close_with_unreceived_send_is_bounded_and_reported():
+    """close() gives up on a send stuck in the process group; once that send fails, the sender
+    thread ends and lets go of the payload (it used to wait for a BYE that close() had dropped)."""
+    import gc
+    import weakref
+
     with pipe_pair("gloo") as (server, client):
         done = []
-        client.send("never-received", {"x": torch.ones(1 << 20)}, on_done=done.append)
+        payload = torch.ones(1 << 20)
+        payload_ref = weakref.ref(payload)
+        client.send("never-received", {"x": payload}, on_done=done.append)
+        del payload
         t0 = time.monotonic()
         client.close(timeout_s=0.5)
         assert time.monotonic() - t0 < 3
@@ -176,6 +184,10 @@ def test_close_with_unreceived_send_is_bounded_and_reported():
         while not done and time.monotonic() < deadline:
             time.sleep(0.05)
         assert done and isinstance(done[0], TransferError)
+    client._sender.join(10)  # the peer is gone now: the stuck send fails
+    assert not client._sender.is_alive(), "sender thread outlived its pipe"
+    gc.collect()
+    assert payload_ref() is None, "the payload of a failed send is still held"
 
 
 @pytest.mark.timeout(30)

@@ -10,11 +10,13 @@ inherit it. Linux only; the setting is per process.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
 from collections.abc import Callable, Iterable
 
+log = logging.getLogger(__name__)
 _cpus: frozenset[int] | None = None
 _RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 
@@ -75,9 +77,17 @@ def transfer_cpus() -> frozenset[int] | None:
 
 
 def pin_current_thread() -> None:
-    """Move the calling thread to the transfer CPUs, if any are set (a thread's first step)."""
-    if _cpus is not None:
+    """Move the calling thread to the transfer CPUs, if any are set (a thread's first step).
+
+    Never raises: a thread that cannot move (CPUs taken away since they were checked) logs why and
+    runs where it is, rather than leave its transfer undone.
+    """
+    if _cpus is None:
+        return
+    try:
         os.sched_setaffinity(0, _cpus)
+    except OSError as e:
+        log.warning("tritonkv: %s stays on its CPUs: %s", threading.current_thread().name, e)
 
 
 def transfer_thread(target: Callable[..., object], name: str, args: tuple = ()) -> threading.Thread:

@@ -66,3 +66,15 @@ def test_server_and_client_threads_run_on_the_transfer_cpus():
     assert got_meta == meta
     assert_entry_equal(got, entry, "k")
     assert os.sched_getaffinity(0) == before
+
+
+def test_a_thread_that_cannot_move_still_runs(monkeypatch, caplog):
+    import connector.threads as threads_mod
+
+    monkeypatch.setattr(threads_mod, "_cpus", frozenset([100000]))  # as if taken away since
+    ran = []
+    t = threads_mod.transfer_thread(ran.append, "tkv-test", (1,))
+    t.start()
+    t.join(10)
+    assert ran == [1]
+    assert "tkv-test stays on its CPUs" in caplog.text

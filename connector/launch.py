@@ -47,9 +47,8 @@ def free_port_run(count: int = 1, host: str = "127.0.0.1", attempts: int = 200) 
     spans = [(a, b - count + 1) for a, b in spans if b - count + 1 > a]
     if not spans:
         raise RuntimeError(f"no run of {count} ports outside the ephemeral range {ephemeral}")
-    rng = random.Random()
     for _ in range(attempts):
-        base = rng.randrange(*max(spans, key=lambda span: span[1] - span[0]))
+        base = random.randrange(*max(spans, key=lambda span: span[1] - span[0]))
         socks = []
         try:
             for p in range(base, base + count):

@@ -406,8 +406,28 @@ class PDProxy:
             an error response as described in the module docstring.
         """
         req_id = request.headers.get("x-request-id") or f"pd-{uuid.uuid4().hex}"
-        id_header = {"X-Request-Id": req_id}
         raw = await request.body()
+        # Starlette does not cancel a handler whose client left: race the work against the
+        # disconnect, so that the backends' connections close and vLLM aborts the request
+        # instead of generating for nobody until the timeout.
+        work = asyncio.ensure_future(self._generate(request, path, req_id, raw))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                logger.warning("req %s: the client left; backend calls cancelled", req_id)
+        if work.cancelled():
+            return Response(status_code=499, headers={"X-Request-Id": req_id})
+        return work.result()
+
+    async def _generate(self, request: Request, path: str, req_id: str, raw: bytes) -> Response:
+        """:meth:`generate`'s work once the body is read."""
+        id_header = {"X-Request-Id": req_id}
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -464,7 +484,9 @@ class PDProxy:
                 "object or null kv_transfer_params"
             )
             logger.warning("req %s: %s", req_id, msg)
-            return _error(502, msg, "BadGateway", stage="prefill", server=p_url)
+            response = _error(502, msg, "BadGateway", stage="prefill", server=p_url)
+            response.headers.update(id_header)
+            return response
         if kv is None:
             logger.warning(
                 "req %s prefill %s returned no kv_transfer_params; the decode server will "
@@ -522,6 +544,9 @@ class PDProxy:
         if not stream or not 200 <= resp.status < 300:
             try:
                 d_raw = await resp.read()
+            except asyncio.CancelledError:
+                resp.close()
+                raise
             except (TimeoutError, aiohttp.ClientError) as exc:
                 failure = self._failure(exc, "decode", d_url, d_limit)
                 log_done(failure.response.status_code, f" ({failure.summary})")
@@ -535,8 +560,10 @@ class PDProxy:
         # Streaming: wait for the first bytes so that a silent decode server still gets a 504.
         try:
             first = await resp.content.readany()
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, aiohttp.ClientError, asyncio.CancelledError) as exc:
             resp.close()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             failure = self._failure(exc, "decode", d_url, d_limit)
             log_done(failure.response.status_code, f" ({failure.summary})")
             failure.response.headers.update(id_header)
@@ -597,6 +624,12 @@ class PDProxy:
                 n_bytes,
                 (time.perf_counter() - t_start) * 1e3,
             )
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client of ``request`` (whose body was read) disconnects."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def create_app(config: ProxyConfig) -> FastAPI:

@@ -105,6 +105,7 @@ import os
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -236,12 +237,23 @@ class LoadSpec:
 
 
 @dataclass
+class ReleaseSpec:
+    """Consumer worker: tell ``host:port + tp_rank`` to drop ``transfer_id``, which no request
+    here will load."""
+
+    transfer_id: str
+    host: str
+    port: int
+
+
+@dataclass
 class TritonKVMetadata(KVConnectorMetadata):
     """What the scheduler tells the workers this step (plain data: it may be serialised)."""
 
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     discards: list[str] = field(default_factory=list)  # transfer ids of aborted requests
+    releases: list[ReleaseSpec] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------------- stats
@@ -333,8 +345,12 @@ class TritonKVConnector(KVConnectorBase_V1):
             self._saved: dict[str, str] = {}  # producer: req_id -> transfer id issued
             self._discards: list[str] = []  # producer: saved transfers of aborted requests
             self._local_hit: dict[str, int] = {}  # consumer: req_id -> block-aligned local hit
-            self._tried: set[str] = set()  # consumer: requests a load was issued for
+            self._tried: set[str] = set()  # consumer: requests whose hand-off was used or refused
+            # consumer: transfer id -> the request that loads it or released it (recent ones)
+            self._handled: OrderedDict[str, str] = OrderedDict()
+            self._receiving: set[str] = set()  # consumer: requests whose async load is running
             self._pending_loads: list[LoadSpec] = []
+            self._releases: list[ReleaseSpec] = []
         else:
             self._layers: list[tuple[torch.Tensor, torch.Tensor | None]] = []
             # Whole-page views of the same caches (None if a page is not one range of memory),
@@ -352,17 +368,19 @@ class TritonKVConnector(KVConnectorBase_V1):
             # async fetches in flight, by request id: (spec, start time, future of _fetch)
             self._loading: dict[str, tuple[LoadSpec, float, Future]] = {}
             self._pool: ThreadPoolExecutor | None = None
+            self._release_pool: ThreadPoolExecutor | None = None
             self._stats = TritonKVStats()
             self._tp_rank = 0
 
     # ============================================================ scheduler side
 
     def _remote_params(self, request) -> dict | None:
-        """The consumer-side params of ``request`` if it carries a usable tritonkv hand-off."""
+        """The consumer-side params of ``request`` if it carries a usable tritonkv hand-off.
+
+        A hand-off it cannot use is logged once; the request is then marked tried (recomputed).
+        """
         params = request.kv_transfer_params
-        if not self.is_consumer or not isinstance(params, dict):
-            return None
-        if not params.get("do_remote_prefill") or params.get("protocol") != PROTOCOL:
+        if not self.is_consumer or not _is_handoff(params):
             return None
         problems = []
         for key, kind in (("transfer_id", str), ("remote_host", str), ("remote_port", int),
@@ -374,7 +392,9 @@ class TritonKVConnector(KVConnectorBase_V1):
                 problems.append(
                     f"fingerprint {params['fingerprint']!r} != ours {self.fingerprint!r}"
                 )
-            if params["num_tokens"] != request.num_prompt_tokens:
+            if _embeds_prompt(request):
+                problems.append("the prompt is given as embeddings, which tritonkv does not move")
+            elif params["num_tokens"] != request.num_prompt_tokens:
                 problems.append(
                     f"producer prompt has {params['num_tokens']} tokens, ours "
                     f"{request.num_prompt_tokens}"
@@ -388,28 +408,52 @@ class TritonKVConnector(KVConnectorBase_V1):
                 params.get("transfer_id"),
                 "; ".join(problems),
             )
+            self._tried.add(request.request_id)
             return None
         return params
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        if request.request_id in self._tried or self._remote_params(request) is None:
+        """Prompt tokens the producer's transfer adds to the local hit, or ``None`` (ask again
+        later) while another request's async load of the same transfer runs.
+
+        Requests sharing one hand-off (parallel sampling, ``n > 1``: vLLM gives every child the
+        same params) load it once: a transfer is delivered once. The first loads it; the others
+        take its blocks from the prefix cache, which holds them once the load is under way (a
+        sync load) or done (an async one: until then they wait).
+        """
+        req_id = request.request_id
+        params = None if req_id in self._tried else self._remote_params(request)
+        if params is None:
             return 0, False
+        owner = self._handled.get(params["transfer_id"])
+        if owner is not None:
+            return (None, False) if owner in self._receiving else (0, False)
         # Token-granular: everything but the last prompt token, which vLLM recomputes for logits.
         count = request.num_prompt_tokens - 1 - num_computed_tokens
         if count <= 0:
             return 0, False
-        self._local_hit[request.request_id] = num_computed_tokens
+        self._local_hit[req_id] = num_computed_tokens
         return count, self.cfg.async_load
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         req_id = request.request_id
         params = request.kv_transfer_params
         if self.is_producer and isinstance(params, dict) and params.get("do_remote_decode"):
-            self._watched[req_id] = request
-        if num_external_tokens <= 0 or req_id not in self._local_hit:
+            if _embeds_prompt(request):
+                log.warning(
+                    "tritonkv: request %s: its prompt is given as embeddings, which tritonkv does "
+                    "not move; the decode side will recompute it",
+                    req_id,
+                )
+            else:
+                self._watched[req_id] = request
+        start = self._local_hit.pop(req_id, None)
+        if num_external_tokens <= 0 or start is None:
             return
-        params = request.kv_transfer_params
         self._tried.add(req_id)
+        self._handle(params["transfer_id"], req_id)
+        if self.cfg.async_load:
+            self._receiving.add(req_id)
         self._pending_loads.append(
             LoadSpec(
                 req_id=req_id,
@@ -417,7 +461,7 @@ class TritonKVConnector(KVConnectorBase_V1):
                 host=params["remote_host"],
                 port=params["remote_port"],
                 block_ids=list(blocks.get_block_ids()[0]),
-                start=self._local_hit.pop(req_id),
+                start=start,
                 count=num_external_tokens,
                 num_tokens=params["num_tokens"],
                 corrupt=self.cfg.debug_allow_corrupt
@@ -425,9 +469,20 @@ class TritonKVConnector(KVConnectorBase_V1):
             )
         )
 
+    def _handle(self, transfer_id: str, req_id: str) -> None:
+        """Remember that ``req_id`` loads (or released) ``transfer_id`` (the last 64k ids)."""
+        self._handled[transfer_id] = req_id
+        if len(self._handled) > 1 << 16:
+            self._handled.popitem(last=False)
+
+    def update_connector_output(self, connector_output) -> None:
+        self._receiving -= connector_output.finished_recving or set()
+
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        meta = TritonKVMetadata(loads=self._pending_loads, discards=self._discards)
-        self._pending_loads, self._discards = [], []
+        meta = TritonKVMetadata(
+            loads=self._pending_loads, discards=self._discards, releases=self._releases
+        )
+        self._pending_loads, self._discards, self._releases = [], [], []
         block_state = scheduler_output.kv_connector_block_state
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self._watched.get(req_id)
@@ -458,11 +513,20 @@ class TritonKVConnector(KVConnectorBase_V1):
 
         An aborted request gets no hand-off: its saved KV is dropped from the buffer in the next
         step instead of waiting out its TTL.
+
+        Consumer: a request that ends with its hand-off unused (aborted or refused before it
+        loaded, its prompt all in the local prefix cache, its params refused) has the producer
+        drop the entry, in the next step, rather than hold it until its TTL.
         """
         req_id = request.request_id
         self._watched.pop(req_id, None)
         self._local_hit.pop(req_id, None)
         self._tried.discard(req_id)
+        self._receiving.discard(req_id)
+        handoff = _handoff(request.kv_transfer_params) if self.is_consumer else None
+        if handoff is not None and handoff.transfer_id not in self._handled:
+            self._handle(handoff.transfer_id, req_id)
+            self._releases.append(handoff)
         transfer_id = self._saved.pop(req_id, None)
         if transfer_id is None:
             return False, None
@@ -581,6 +645,12 @@ class TritonKVConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, TritonKVMetadata):
             return
+        if meta.releases:
+            if self._release_pool is None:
+                self._release_pool = ThreadPoolExecutor(
+                    1, thread_name_prefix="tritonkv-release", initializer=pin_current_thread
+                )
+            self._release_pool.submit(self._release, meta.releases)
         for spec in meta.loads:
             if not self.cfg.async_load:
                 self._load(spec, time.perf_counter(), partial(self._fetch, spec))
@@ -600,6 +670,32 @@ class TritonKVConnector(KVConnectorBase_V1):
             spec, t0, future = self._loading.pop(req_id)
             self._load(spec, t0, future.result)
         return None, set(done) or None
+
+    def _release(self, releases: list[ReleaseSpec]) -> None:
+        """Have the producers drop entries no request here will load (on a thread of its own:
+        a dead producer costs the connect deadline, which the worker must not wait out)."""
+        for spec in releases:
+            port = spec.port + self._tp_rank
+            try:
+                client = self._client(spec.host, port)
+                dropped = client.discard(spec.transfer_id, timeout_s=self.cfg.connect_timeout_s)
+            except Exception as exc:  # whatever it is, the entry's TTL drops it later
+                log.info(
+                    "tritonkv: could not release transfer %s on %s:%d (%s: %s); its TTL will",
+                    spec.transfer_id,
+                    spec.host,
+                    port,
+                    type(exc).__name__,
+                    exc,
+                )
+                continue
+            log.info(
+                "tritonkv: released unused transfer %s on %s:%d (%s)",
+                spec.transfer_id,
+                spec.host,
+                port,
+                "dropped" if dropped else "already gone",
+            )
 
     def _client(self, host: str, port: int) -> KVClient:
         with self._lock:  # load threads share clients (a KVClient serialises its requests)
@@ -803,8 +899,9 @@ class TritonKVConnector(KVConnectorBase_V1):
         return TritonKVStats(data=data) if data is not None else TritonKVStats()
 
     def shutdown(self):
-        if getattr(self, "_pool", None) is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (getattr(self, "_pool", None), getattr(self, "_release_pool", None)):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
         for client in getattr(self, "_clients", {}).values():
             client.close()
         if getattr(self, "_server", None) is not None:
@@ -888,6 +985,32 @@ def choose_wire(wire: str, layout: str, have_pages: bool) -> str:
             f'this {layout} cache\'s are not: use "tokens" or "auto"'
         )
     return wire
+
+
+def _is_handoff(params) -> bool:
+    """Whether a request's ``kv_transfer_params`` are a tritonkv producer's hand-off."""
+    return (
+        isinstance(params, dict)
+        and bool(params.get("do_remote_prefill"))
+        and params.get("protocol") == PROTOCOL
+    )
+
+
+def _handoff(params) -> ReleaseSpec | None:
+    """Where the entry of a hand-off lives, or None if ``params`` is not a usable hand-off."""
+    if not _is_handoff(params):
+        return None
+    spec = ReleaseSpec(
+        params.get("transfer_id"), params.get("remote_host"), params.get("remote_port")
+    )
+    if isinstance(spec.transfer_id, str) and isinstance(spec.host, str) and type(spec.port) is int:
+        return spec
+    return None
+
+
+def _embeds_prompt(request) -> bool:
+    """Whether (part of) ``request``'s prompt is given as embeddings, not token ids."""
+    return request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None
 
 
 def _ceil_div(a: int, b: int) -> int:

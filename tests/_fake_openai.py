@@ -63,7 +63,8 @@ class FakeBackend:
         healthy: Whether ``/health`` answers 200 (else 503).
         n_chunks: Number of content chunks in a stream.
         gate: When set, a stream waits for it after the first chunk (up to 5 s).
-        disconnects: Streams that saw the peer close the connection while waiting on the gate.
+        disconnects: Requests that saw the peer close the connection while hanging or waiting on
+            the gate.
         issued: The ``kv_transfer_params`` a prefill fake returned, in order.
     """
 
@@ -138,10 +139,19 @@ class FakeBackend:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    async def _hang(self) -> None:
+    async def _hang(self, request: web.Request | None = None) -> None:
+        """Waits until released (at most 60 s) or, given ``request``, until its peer closes the
+        connection (counted in ``disconnects``)."""
         assert self._release is not None
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._release.wait(), 60)
+        end = asyncio.get_running_loop().time() + 60
+        while not self._release.is_set() and asyncio.get_running_loop().time() < end:
+            if request is not None and (
+                request.transport is None or request.transport.is_closing()
+            ):
+                self.disconnects += 1
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._release.wait(), 0.01)
 
     async def _health(self, _request: web.Request) -> web.Response:
         if self.mode == "hang":
@@ -161,7 +171,7 @@ class FakeBackend:
         n = len(self.received)
         chat = request.path.endswith("/chat/completions")
         if self.mode == "hang":
-            await self._hang()
+            await self._hang(request)
             return web.json_response({})
         if self.mode == "error":
             err = {"error": {"message": f"{self.name} refuses", "type": "BadRequestError"}}

@@ -179,6 +179,8 @@ def _worker(vc, caches, block_size, *, producer, wire="auto", async_load=False):
         _lock=threading.Lock(),
         _loading={},
         _pool=None,
+        _release_pool=None,
+        _clients={},
         _buffer=None,
         _load_errors=set(),
         _stats=vc.TritonKVStats(),
@@ -399,7 +401,10 @@ def test_an_aborted_prefill_hands_nothing_off_and_its_kv_is_dropped(vc):
         _discards=[],
         _local_hit={},
         _tried=set(),
+        _handled={},
+        _receiving=set(),
         _pending_loads=[],
+        _releases=[],
     )
     request = SimpleNamespace(
         request_id="aborted", status=RequestStatus.FINISHED_ABORTED, num_prompt_tokens=3
@@ -427,3 +432,41 @@ def test_an_aborted_prefill_hands_nothing_off_and_its_kv_is_dropped(vc):
         worker._buffer.take("t-aborted")
     assert torch.equal(worker._buffer.take("t-done")[0]["kv"], torch.zeros(4))
     worker._buffer.close()
+
+
+def test_releases_drop_unused_entries_on_the_producer_off_the_worker_thread(vc):
+    """Each rank asks ``port + rank`` to drop a released transfer, on a thread of its own; a
+    producer that is gone is logged, never raised."""
+    import threading
+    from types import SimpleNamespace
+
+    from connector.buffer import KeyMissError, KVBuffer, KVServer
+    from connector.launch import free_port_run
+
+    base = free_port_run(2)
+    buffer = KVBuffer(1 << 20)
+    server = KVServer(buffer, "127.0.0.1", base + 1, backend="gloo")
+    for key in ("unused", "kept"):
+        buffer.put(key, {"kv": torch.zeros(4)})
+    conn = _worker(vc, _caches(NHD), 4, producer=False)
+    conn._tp_rank = 1
+    callers = []
+    real_release = conn._release
+    conn._release = lambda specs: (callers.append(threading.current_thread()), real_release(specs))
+    conn._connector_metadata = vc.TritonKVMetadata(
+        releases=[
+            vc.ReleaseSpec("unused", "127.0.0.1", base),
+            vc.ReleaseSpec("elsewhere", "127.0.0.1", free_port_run(2)),  # nobody listens
+        ]
+    )
+    try:
+        conn.start_load_kv(SimpleNamespace())
+        conn._release_pool.shutdown(wait=True)
+        with pytest.raises(KeyMissError, match="discarded"):
+            buffer.take("unused")
+        assert torch.equal(buffer.take("kept")[0]["kv"], torch.zeros(4))
+        assert len(callers) == 1 and callers[0] is not threading.current_thread()
+    finally:
+        conn.shutdown()
+        server.close()
+        buffer.close()

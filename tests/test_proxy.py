@@ -289,6 +289,26 @@ def test_client_disconnect_closes_decode_stream(stack: Stack) -> None:
     assert stack.d0.disconnects + stack.d1.disconnects == 1
 
 
+@pytest.mark.parametrize("stage", ["prefill", "decode"])
+def test_client_leaving_a_non_streamed_request_closes_the_backend_call(
+    stack: Stack, stage: str
+) -> None:
+    """The round-robin proxy has the default 600 s timeout: only the client leaving can end a
+    call to a backend that never answers; decode is never called after a prefill left behind."""
+    hanging = (stack.p0, stack.p1) if stage == "prefill" else (stack.d0, stack.d1)
+    for b in hanging:
+        b.mode = "hang"
+    client = httpx.Client(base_url=stack.rr.url, timeout=1.0, trust_env=False)
+    with client, pytest.raises(httpx.ReadTimeout):
+        client.post("/v1/completions", json=_body("/v1/completions"))
+    end = time.monotonic() + 5
+    while sum(b.disconnects for b in hanging) == 0 and time.monotonic() < end:
+        time.sleep(0.02)
+    assert sum(b.disconnects for b in hanging) == 1
+    if stage == "prefill":
+        assert stack.d0.received == stack.d1.received == []
+
+
 def test_round_robin(stack: Stack) -> None:
     served = []
     with stack.rr.client() as c:

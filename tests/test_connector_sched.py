@@ -1,0 +1,260 @@
+"""The connector's scheduler side driven by vLLM's real ``Scheduler`` (no workers, no model run):
+what each step's metadata asks the workers to save, load and release."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _vllm_fixtures import requires_vllm
+
+pytestmark = requires_vllm
+
+BLOCK_SIZE = 16
+PROMPT = list(range(100, 140))  # 40 tokens: two full blocks and a partial one
+
+
+@pytest.fixture(scope="module")
+def vllm_mods(tiny_llama_dir):
+    """vLLM's scheduler pieces, and a factory of schedulers over the tiny model."""
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+
+    def scheduler(role: str, *, async_load: bool = False, max_batched: int = 256) -> Scheduler:
+        config = VllmConfig(
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=16,
+                max_num_batched_tokens=max_batched,
+                max_model_len=1024,
+                enable_chunked_prefill=True,
+                is_encoder_decoder=False,
+            ),
+            model_config=ModelConfig(model=str(tiny_llama_dir), dtype="float32", seed=0),
+            cache_config=CacheConfig(
+                block_size=BLOCK_SIZE, cache_dtype="auto", enable_prefix_caching=True
+            ),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="TritonKVConnector",
+                kv_connector_module_path="connector.vllm_connector",
+                kv_role=role,
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config={"async_load": async_load},
+            ),
+            device_config=DeviceConfig("cpu"),
+        )
+        config.cache_config.num_gpu_blocks = 64
+        spec = FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32
+        )
+        kv_cache_config = KVCacheConfig(
+            num_blocks=64,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
+        )
+        return Scheduler(
+            vllm_config=config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=BLOCK_SIZE,
+            log_stats=False,
+        )
+
+    def request(req_id, prompt=PROMPT, params=None, *, sampling=None, embeds=False):
+        sampling = sampling or SamplingParams(
+            max_tokens=4, extra_args={"kv_transfer_params": params} if params else None
+        )
+        return Request(
+            request_id=req_id,
+            prompt_token_ids=None if embeds else list(prompt),
+            prompt_embeds=torch.zeros(len(prompt), 64) if embeds else None,
+            sampling_params=sampling,
+            pooling_params=None,
+            arrival_time=0.0,
+            block_hasher=hasher,
+        )
+
+    def step(sched, kv_output=None):
+        """One engine step: schedule, then a model output sampling one token for every request
+        whose prompt is done; returns (scheduler output, hand-offs by request id)."""
+        out = sched.schedule()
+        ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for r in ids:
+            req = sched.requests[r]
+            done = req.num_computed_tokens + out.num_scheduled_tokens[r] >= req.num_tokens
+            sampled.append([7] if done else [])
+        runner = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+            kv_connector_output=kv_output,
+        )
+        handoffs = {}
+        for engine_out in sched.update_from_output(out, runner).values():
+            for o in engine_out.outputs:
+                if o.kv_transfer_params:
+                    handoffs[o.request_id] = o.kv_transfer_params
+        return out, handoffs
+
+    return dict(
+        scheduler=scheduler,
+        request=request,
+        step=step,
+        SamplingParams=SamplingParams,
+        KVConnectorOutput=KVConnectorOutput,
+        RequestStatus=RequestStatus,
+    )
+
+
+@pytest.fixture(scope="module")
+def handoff(vllm_mods):
+    """The producer's hand-off for PROMPT, prefilled in chunks of 16 tokens."""
+    m = vllm_mods
+    producer = m["scheduler"]("kv_producer", max_batched=16)
+    producer.add_request(m["request"]("p", params={"do_remote_decode": True}))
+    saves = []
+    for _ in range(5):
+        out, handoffs = m["step"](producer)
+        saves += out.kv_connector_metadata.saves
+        if handoffs:
+            break
+    assert [(s.req_id, s.num_tokens) for s in saves] == [("p", len(PROMPT))]
+    params = handoffs["p"]
+    assert params["transfer_id"] == saves[0].transfer_id and params["num_tokens"] == len(PROMPT)
+    return params
+
+
+def _loads(out):
+    return [(s.req_id, s.start, s.count) for s in out.kv_connector_metadata.loads]
+
+
+def _releases(out):
+    return [r.transfer_id for r in out.kv_connector_metadata.releases]
+
+
+def _children(m, params, n=2):
+    """What vLLM's parallel sampling makes of one request with ``n=2``: children whose sampling
+    params are shallow copies, so they share one ``kv_transfer_params`` dict."""
+    parent = m["SamplingParams"](max_tokens=4, extra_args={"kv_transfer_params": params})
+    return [m["request"](f"c{i}", sampling=copy.copy(parent)) for i in range(n)]
+
+
+def test_parallel_sampling_loads_the_transfer_once_sync(vllm_mods, handoff):
+    """n=2: the first child loads everything but the last prompt token; the second takes the
+    full blocks from the prefix cache (filled by that load before the forward pass) and computes
+    the rest itself instead of asking the producer for an entry already delivered."""
+    m = vllm_mods
+    consumer = m["scheduler"]("kv_consumer")
+    for child in _children(m, handoff):
+        consumer.add_request(child)
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [("c0", 0, len(PROMPT) - 1)]
+    assert out.num_scheduled_tokens == {"c0": 1, "c1": len(PROMPT) - 2 * BLOCK_SIZE}
+    assert _releases(out) == []
+
+
+def test_parallel_sampling_loads_the_transfer_once_async(vllm_mods, handoff):
+    """With async loads the second child waits while the first one's load runs, then hits the
+    prefix cache; the transfer is loaded once and never released."""
+    m = vllm_mods
+    consumer = m["scheduler"]("kv_consumer", async_load=True)
+    for child in _children(m, handoff):
+        consumer.add_request(child)
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [("c0", 0, len(PROMPT) - 1)] and out.num_scheduled_tokens == {}
+    out, _ = m["step"](consumer)  # the load still runs: nobody is scheduled
+    assert _loads(out) == [] and out.num_scheduled_tokens == {}
+    m["step"](consumer, m["KVConnectorOutput"](finished_recving={"c0"}))
+    out, _ = m["step"](consumer)
+    assert _loads(out) == []
+    assert out.num_scheduled_tokens == {"c0": 1, "c1": len(PROMPT) - 2 * BLOCK_SIZE}
+    for _ in range(6):
+        out, _ = m["step"](consumer)
+        assert _releases(out) == []
+
+
+def test_an_unused_handoff_is_released_once(vllm_mods, handoff):
+    """A request aborted before it loaded has the producer drop its entry (next step's
+    metadata, once); a request that loaded does not."""
+    m = vllm_mods
+    consumer = m["scheduler"]("kv_consumer")
+    other = {**handoff, "transfer_id": "f" * 32}
+    consumer.add_request(m["request"]("waiting", params=other))
+    consumer.finish_requests("waiting", m["RequestStatus"].FINISHED_ABORTED)
+    consumer.add_request(m["request"]("loads", params=handoff))
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [("loads", 0, len(PROMPT) - 1)]
+    assert _releases(out) == ["f" * 32]
+    for _ in range(6):
+        out, _ = m["step"](consumer)
+        assert _releases(out) == [], "the loaded transfer (or the released one) was released"
+    assert "loads" not in consumer.requests
+
+
+def test_a_prompt_already_cached_locally_releases_the_entry(vllm_mods, handoff):
+    """Two full blocks plus one token: with both blocks in the local prefix cache there is nothing
+    to load (the last token is always recomputed); the producer is told to drop the entry."""
+    from connector.vllm_connector import prompt_digest
+
+    m = vllm_mods
+    prompt = PROMPT[: 2 * BLOCK_SIZE + 1]
+    params = {
+        **handoff,
+        "transfer_id": "c" * 32,
+        "num_tokens": len(prompt),
+        "prompt_digest": prompt_digest(prompt),
+    }
+    consumer = m["scheduler"]("kv_consumer")
+    consumer.add_request(m["request"]("warm", prompt))  # computes the prompt locally first
+    for _ in range(6):
+        m["step"](consumer)
+    consumer.add_request(m["request"]("cached", prompt, params))
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [] and _releases(out) == []
+    assert out.num_scheduled_tokens == {"cached": 1}
+    released = []
+    for _ in range(6):
+        out, _ = m["step"](consumer)
+        released += _releases(out)
+    assert released == ["c" * 32]
+
+
+def test_prompt_embeds_are_not_handed_off_and_never_crash_the_scheduler(vllm_mods, handoff):
+    """A prompt given as embeddings has no token ids to digest: the producer hands nothing off
+    and the consumer recomputes, both without raising inside vLLM's scheduler."""
+    m = vllm_mods
+    producer = m["scheduler"]("kv_producer")
+    producer.add_request(m["request"]("e", params={"do_remote_decode": True}, embeds=True))
+    saves, handoffs = [], {}
+    for _ in range(6):
+        out, got = m["step"](producer)
+        saves += out.kv_connector_metadata.saves
+        handoffs.update(got)
+    assert saves == [] and handoffs == {}
+    assert "e" not in producer.requests, "the request did not finish"
+
+    consumer = m["scheduler"]("kv_consumer")
+    consumer.add_request(m["request"]("e", params=handoff, embeds=True))
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [] and out.num_scheduled_tokens == {"e": len(PROMPT)}

@@ -58,7 +58,10 @@ key                         default      meaning
 ``put_timeout_s``           5            producer: how long ``wait`` waits for room
 ``ttl_s``                   120          producer: unclaimed entries are dropped after this long
 ``fetch_timeout_s``         30           consumer: deadline of one pull (connect + transfer)
-``connect_timeout_s``       5            consumer: deadline of connecting to a producer
+``connect_timeout_s``       5            consumer: deadline of connecting to a producer. A
+                                         producer that died or did not answer in time is not
+                                         asked again for this long: loads from it fail at once
+                                         (and are recomputed) instead of each waiting it out
 ``transport``               auto         ``gloo`` (CPU) / ``nccl`` (CUDA) / ``socket``; auto by device
 ``backend``                 (env)        sets ``TRITONKV_BACKEND`` (``auto`` / ``torch`` / ``triton``)
 ``wire``                    auto         producer: what a transfer holds. ``tokens``: the prompt's
@@ -124,7 +127,14 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 from vllm.v1.request import RequestStatus
 
-from connector.buffer import KVBuffer, KVClient, KVServer, TransferError
+from connector.buffer import (
+    KVBuffer,
+    KVClient,
+    KVServer,
+    PeerDeadError,
+    TransferError,
+    TransferTimeout,
+)
 from connector.threads import parse_cpus, pin_current_thread, set_transfer_cpus
 from tritonkv import layouts, pack_kv, unpack_kv, use_triton
 
@@ -363,6 +373,8 @@ class TritonKVConnector(KVConnectorBase_V1):
             self._buffer: KVBuffer | None = None
             self._server: KVServer | None = None
             self._clients: dict[tuple[str, int], KVClient] = {}
+            # producers that did not answer: (host, port) -> (monotonic time, why) to retry at
+            self._down: dict[tuple[str, int], tuple[float, str]] = {}
             self._load_errors: set[int] = set()
             self._lock = threading.Lock()  # guards _clients (async fetches run on load threads)
             # async fetches in flight, by request id: (spec, start time, future of _fetch)
@@ -723,7 +735,23 @@ class TritonKVConnector(KVConnectorBase_V1):
         there would give that thread an OpenMP team, which on CPU slows every team in the process.
         """
         t0 = time.perf_counter()
-        tensors, meta = self._client(spec.host, spec.port + self._tp_rank).get(spec.transfer_id)
+        addr = (spec.host, spec.port + self._tp_rank)
+        retry_at, why = self._down.get(addr, (0.0, ""))
+        if time.monotonic() < retry_at:
+            raise PeerDeadError(
+                f"not tried: this producer failed {why} less than connect_timeout_s "
+                f"({self.cfg.connect_timeout_s:g} s) ago",
+                peer=f"{addr[0]}:{addr[1]}",
+                key=spec.transfer_id,
+            )
+        try:
+            tensors, meta = self._client(*addr).get(spec.transfer_id)
+        except (PeerDeadError, TransferTimeout) as exc:
+            # Every further load from it would stall the same way (a sync load stalls the whole
+            # decode batch): fail them at once for a while, then try again.
+            self._down[addr] = (time.monotonic() + self.cfg.connect_timeout_s, f"({exc.detail})")
+            raise
+        self._down.pop(addr, None)
         wire = meta.get("wire")
         if wire == "pages":
             if meta.get("page_kind") != self._page_kind:

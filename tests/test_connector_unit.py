@@ -181,6 +181,7 @@ def _worker(vc, caches, block_size, *, producer, wire="auto", async_load=False):
         _pool=None,
         _release_pool=None,
         _clients={},
+        _down={},
         _buffer=None,
         _load_errors=set(),
         _stats=vc.TritonKVStats(),
@@ -470,3 +471,45 @@ def test_releases_drop_unused_entries_on_the_producer_off_the_worker_thread(vc):
         conn.shutdown()
         server.close()
         buffer.close()
+
+
+def test_a_producer_that_timed_out_is_not_asked_again_for_a_while(vc):
+    """Sync loads stall the whole decode batch: after one load from a producer times out, the
+    step's other loads from it fail at once (and are recomputed) until connect_timeout_s has
+    passed; other producers are still asked."""
+    import time
+    from types import SimpleNamespace
+
+    from connector.buffer import TransferTimeout
+    from tritonkv import layouts, pack_kv
+
+    block_size = 4
+    src = torch.randint(-(2**15), 2**15, (2, 6, block_size, 2, 8), dtype=torch.int16)
+    packed, _ = pack_kv([layouts.flash_attn(src)], torch.arange(4))  # a 4-token prompt
+    asked = []
+
+    def client(host, port):
+        def get(transfer_id):
+            asked.append(port)
+            if port == 1:
+                raise TransferTimeout("deadline passed", peer=f"{host}:{port}", key=transfer_id)
+            return {"kv": packed}, {"wire": "tokens"}
+
+        return SimpleNamespace(get=get)
+
+    conn = _worker(vc, [torch.zeros_like(src)], block_size, producer=False)
+    conn.cfg = vc.ConnectorConfig(connect_timeout_s=0.3)
+    conn._client = client
+
+    def load(*ports):
+        conn._connector_metadata = vc.TritonKVMetadata(
+            loads=[vc.LoadSpec(f"r{i}", "t", "h", p, [i], 0, 3, 4) for i, p in enumerate(ports)]
+        )
+        conn.start_load_kv(SimpleNamespace())
+        return conn.get_block_ids_with_load_errors()
+
+    assert load(1, 1, 2, 1) == {0, 1, 3}
+    assert asked == [1, 2], "the producer that timed out was asked again at once"
+    time.sleep(0.35)
+    assert load(1) == {0}
+    assert asked == [1, 2, 1], "the producer was not asked again after connect_timeout_s"

@@ -92,3 +92,20 @@ def test_many_sequences(backend, num_seqs, order):
     expected[rows] = hidden[rows]
     unpack_hidden(packed, dst, qsl, seq_ids)
     assert_bits_equal(dst, expected, "unpack_hidden")
+
+
+def test_seq_ids_must_be_a_sequence(backend):
+    """An iterator would be used up by the type check and then select nothing: rejected."""
+    with pytest.raises(TypeError, match=r"expected a list of ints .*, got map"):
+        pack_hidden(_hidden(torch.float16), SEED_QSL, map(int, "20"))
+
+
+def test_zero_hidden_size_is_rejected_and_zero_rows_work(backend):
+    with pytest.raises(ValueError, match=r"hidden_size > 0, got shape \(3, 0\)"):
+        pack_hidden(torch.zeros(3, 0), torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="hidden_size > 0"):
+        unpack_hidden(torch.zeros(3, 0), torch.zeros(3, 0), torch.tensor([0, 3]))
+    hidden = _hidden(torch.float16, rows=0)
+    packed, cu_seqlens = pack_hidden(hidden, torch.tensor([0, 0]))
+    assert packed.shape == (0, 40) and cu_seqlens.tolist() == [0, 0]
+    unpack_hidden(packed, hidden, torch.tensor([0, 0]))

@@ -6,6 +6,8 @@ wrong slot, a missed slot, or a stray write between strided elements all fail.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -22,7 +24,8 @@ from kv_cases import (
     storage_bits,
 )
 
-from tritonkv import pack_kv, unpack_kv
+from tritonkv import kv, pack_kv, unpack_kv
+from tritonkv._common import _device_seq_index, _host_seq_index
 
 BACKENDS = ("torch", "triton")
 
@@ -123,6 +126,101 @@ def test_seq_ids_as_tensor_and_int32(backend):
     _roundtrip("flashinfer_nhd", torch.float16, slots, SEED_QSL, ids)
 
 
+def _every_other(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values with stride 2 (a column of a 2-D tensor); the elements between are ``t``
+    reversed, valid values too, so reading with stride 1 gives wrong values, never a crash."""
+    return torch.stack([t, t.flip(0)], 1)[:, 0]
+
+
+def test_non_contiguous_index_tensors(backend):
+    """Columns of bigger tensors as slot_mapping, query_start_loc and seq_ids: kernels read index
+    tensors with stride 1, so they must get contiguous ones."""
+    slots = _every_other(_slots(20, 48, seed=14, pad=(5,)))
+    qsl, seq_ids = _every_other(SEED_QSL), _every_other(torch.tensor([2, 0]))
+    assert not (slots.is_contiguous() or qsl.is_contiguous() or seq_ids.is_contiguous())
+    _roundtrip("flash_attn_nhd", torch.float16, slots, qsl, seq_ids)
+    _roundtrip("flash_attn_hnd", torch.float16, slots, _every_other(SEED_QSL.long()), None)
+
+
+@pytest.mark.parametrize("seq_ids", [None, [2, 0]], ids=["all", "some"])
+@pytest.mark.parametrize("last_only", [False, True], ids=["all_rows", "last_only"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_device_index_is_contiguous(dtype, last_only, seq_ids):
+    """The GPU path's index (device ops only; run here on CPU tensors) equals the host path's and
+    is contiguous even for non-contiguous offsets (an int64 query_start_loc was used as it is)."""
+    qsl = _every_other(SEED_QSL.to(dtype))
+    ids = None if seq_ids is None else _every_other(torch.tensor(seq_ids))
+    got = _device_seq_index(qsl, ids, torch.device("cpu"), last_only)
+    want = _host_seq_index(qsl, ids, 20, last_only)
+    assert got.cu_seqlens.is_contiguous() and got.src_start.is_contiguous()
+    assert got.num_sel == want.num_sel
+    assert torch.equal(got.cu_seqlens, want.cu_seqlens)
+    assert torch.equal(got.src_start[: got.num_sel], want.src_start)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_non_contiguous_index_tensors_on_cuda(monkeypatch):
+    """The same on the GPU path, where offsets stay on the device (int64: no dtype copy)."""
+    import kv_cases
+
+    monkeypatch.setattr(kv_cases, "DEVICE", "cuda")
+    monkeypatch.setenv("TRITONKV_BACKEND", "auto")
+    slots = _every_other(_slots(20, 48, seed=14, pad=(5,)).cuda())
+    qsl = _every_other(SEED_QSL.long().cuda())
+    _roundtrip("flash_attn_nhd", torch.float16, slots, qsl, None)
+    _roundtrip("flash_attn_nhd", torch.float16, slots, qsl, _every_other(torch.tensor([2, 0])))
+
+
+def test_seq_ids_must_be_a_sequence(backend):
+    """An iterator would be used up by the type check and then select nothing: rejected. Any
+    sequence of ints (tuple, range) works like a list."""
+    _raw, layers = make_cache("flash_attn_nhd", torch.float16)
+    slots = _slots(20, 48, seed=15)
+    with pytest.raises(TypeError, match=r"expected a list of ints .*, got list_iterator"):
+        pack_kv(layers, slots, SEED_QSL, iter([2, 0]))
+    with pytest.raises(TypeError, match="got generator"):
+        packed = torch.zeros(2, 2, 19, 2, 8, dtype=torch.float16)
+        unpack_kv(packed, layers, slots, SEED_QSL, (s for s in [2, 0]))
+    want, _ = pack_kv(layers, slots, SEED_QSL, [1, 2])
+    for seq_ids in ((1, 2), range(1, 3)):
+        assert_bits_equal(pack_kv(layers, slots, SEED_QSL, seq_ids)[0], want, str(seq_ids))
+
+
+@pytest.mark.parametrize("dim", range(4), ids=kv._VIEW_DIMS)
+def test_zero_size_cache_dims_are_rejected(backend, dim):
+    """A cache with a dimension of size 0 holds nothing: rejected, naming the dimension."""
+    shape = [6, 2, 8, 8]
+    shape[dim] = 0
+    k, v = torch.zeros(shape, dtype=torch.float16), torch.zeros(shape, dtype=torch.float16)
+    slots = torch.full((3,), -1)
+    message = re.escape(f"expected {kv._VIEW_DIMS[dim]} > 0, got views of shape {tuple(shape)}")
+    with pytest.raises(ValueError, match=message):
+        pack_kv([(k, v)], slots)
+    with pytest.raises(ValueError, match=message):
+        unpack_kv(torch.zeros(1, 2, 3, 2, 8, dtype=torch.float16), [(k, v)], slots)
+
+
+def test_no_tokens_pack_an_empty_tensor(backend):
+    """An empty batch, or a selection of empty sequences, packs ``[L, 2, 0, H, D]``; unpacking it
+    writes nothing."""
+    raw, layers = make_cache("flash_attn_nhd", torch.float16)
+    some = _slots(20, 48, seed=16)
+    for slots, qsl, seq_ids, want_cu_seqlens in [
+        (torch.empty(0, dtype=torch.int64), None, None, [0, 0]),
+        (some, torch.tensor([0, 0, 20]), [0, 0], [0, 0, 0]),
+        (some, SEED_QSL, [], [0]),
+    ]:
+        packed, cu_seqlens = pack_kv(layers, slots, qsl, seq_ids)
+        assert packed.shape == (2, 2, 0, 2, 8)
+        assert cu_seqlens.tolist() == want_cu_seqlens
+        dst_raw, dst_layers = like_with_sentinel(raw, "flash_attn_nhd")
+        before = storage_bits(dst_raw)
+        unpack_kv(packed, dst_layers, slots, qsl, seq_ids)
+        for got, want in zip(storage_bits(dst_raw), before, strict=True):
+            assert torch.equal(got, want)
+
+
 def test_one_sequence_when_query_start_loc_is_none(backend):
     _raw, layers = make_cache("flash_attn_nhd", torch.float32)
     slots = _slots(11, 48, seed=6)
@@ -161,28 +259,31 @@ def test_whole_block_runs_next_to_loose_rows(backend, layout):
     _roundtrip(layout, torch.bfloat16, slots[:16], torch.tensor([0, 16]), None)  # runs only
 
 
-def test_views_changed_in_place_between_calls_are_seen(backend):
+@pytest.mark.parametrize("change", ["strides", "dtype"])
+def test_views_changed_in_place_between_calls_are_seen(backend, change):
     """Calls reuse what they derived from the same view objects (checked, widened, planned) only
-    while those keep their address, shape and strides: here the same objects are re-strided in
-    place into HND views of the same memory, and the next pack must follow them."""
+    while those keep their address, shape, strides and dtype: here the same objects are re-strided
+    in place into HND views of the same memory, or given another dtype of the same size (``.data``),
+    and the next pack must follow them."""
     _raw, layers = make_cache("flash_attn_nhd", torch.float16)
     slots = _slots(20, 48, seed=11)
     pack_kv(layers, slots, SEED_QSL)
     for pair in layers:
         for t in pair:
             num_blocks, heads, block_size, head = t.shape
-            hnd = (t.stride(0), block_size * head, head, 1)
-            t.as_strided_(t.shape, hnd, t.storage_offset())
+            if change == "dtype":
+                t.data = t.data.view(torch.bfloat16)
+            else:
+                hnd = (t.stride(0), block_size * head, head, 1)
+                t.as_strided_(t.shape, hnd, t.storage_offset())
     packed, _ = pack_kv(layers, slots, SEED_QSL)
-    assert_bits_equal(packed, loop_pack(layers, slots, SEED_QSL, range(3)), "re-strided views")
+    assert packed.dtype == layers[0][0].dtype
+    assert_bits_equal(packed, loop_pack(layers, slots, SEED_QSL, range(3)), f"changed {change}")
 
 
 def test_what_calls_derive_from_views_goes_with_them():
-    """The per-view-set cache keeps nothing once the caller's views are gone (no memory held), and
-    holds at most a few sets while they live."""
+    """The per-view-set cache keeps nothing once the caller's views are gone (no memory held)."""
     import gc
-
-    from tritonkv import kv
 
     gc.collect()
     before = set(kv._LAYER_SETS)
@@ -192,10 +293,22 @@ def test_what_calls_derive_from_views_goes_with_them():
     del raw, layers
     gc.collect()
     assert set(kv._LAYER_SETS) <= before
-    live = [make_cache("flash_attn_nhd", torch.float16, seed=i)[1] for i in range(20)]
-    for layers in live:
-        pack_kv(layers, _slots(20, 48, seed=13), SEED_QSL)
-    assert len(kv._LAYER_SETS) <= kv._MAX_LAYER_SETS
+
+
+def test_what_calls_derive_from_views_lives_as_long_as_they_do():
+    """The address table a CUDA graph replays with stays while its views live, however many other
+    layer sets are used meanwhile (they were evicted oldest first after 16, freeing the table)."""
+    _raw, hot = make_cache("flash_attn_nhd", torch.float16)
+    slots = _slots(20, 48, seed=13)
+    pack_kv(hot, slots, SEED_QSL)
+    entry = kv._layer_set(hot)
+    table = entry.launches(entry.width, hot)[0].offsets
+    others = [make_cache("flash_attn_nhd", torch.float16, seed=i)[1] for i in range(20)]
+    for layers in others:
+        pack_kv(layers, slots, SEED_QSL)
+        pack_kv(hot, slots, SEED_QSL)
+    assert kv._layer_set(hot) is entry
+    assert entry.launches(entry.width, hot)[0].offsets is table
 
 
 @pytest.mark.slow

@@ -175,20 +175,32 @@ def seq_index(
         query_start_loc = torch.tensor([0, num_tokens], dtype=torch.int64)
     if query_start_loc.numel() < 1:
         raise ValueError("query_start_loc: expected [num_seqs + 1] offsets, got an empty tensor")
-    num_seqs = query_start_loc.numel() - 1
     if seq_ids is not None and not isinstance(seq_ids, torch.Tensor):
-        if not all(isinstance(s, int) and not isinstance(s, bool) for s in seq_ids):
-            raise TypeError(f"seq_ids: expected a sequence of ints or a tensor, got {seq_ids!r}")
+        # A Sequence, not any iterable: an iterator would be used up by this very check.
+        if not isinstance(seq_ids, Sequence) or not all(
+            isinstance(s, int) and not isinstance(s, bool) for s in seq_ids
+        ):
+            raise TypeError(
+                "seq_ids: expected a list of ints or a 1-D int32/int64 tensor, got "
+                f"{type(seq_ids).__name__} {seq_ids!r:.80}"
+            )
         seq_ids = torch.tensor(list(seq_ids), dtype=torch.int64)
     check_index("seq_ids", seq_ids)
     on_host = [t.device.type == "cpu" for t in (query_start_loc, seq_ids) if t is not None]
     if device.type == "cpu" and all(on_host):
         return _host_seq_index(query_start_loc, seq_ids, num_tokens, last_only)
-
     if checks_enabled(query_start_loc, seq_ids):
         _check_offsets(*_host_offsets(query_start_loc, seq_ids), num_tokens, last_only)
+    return _device_seq_index(query_start_loc, seq_ids, device, last_only)
 
-    qsl = query_start_loc.to(device=device, dtype=torch.int64, non_blocking=True)
+
+def _device_seq_index(query_start_loc, seq_ids, device: torch.device, last_only: bool) -> SeqIndex:
+    """:func:`seq_index` with device ops only (no host sync), for index tensors on the GPU.
+
+    Every tensor of the result is contiguous: the kernels read them with stride 1.
+    """
+    num_seqs = query_start_loc.numel() - 1
+    qsl = query_start_loc.to(device=device, dtype=torch.int64, non_blocking=True).contiguous()
     if seq_ids is None:
         starts, ends = qsl[:-1], qsl[1:]
         num_sel = num_seqs

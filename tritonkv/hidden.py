@@ -63,9 +63,9 @@ def _run(hidden_states, query_start_loc, seq_ids, packed, *, last_only, unpack, 
     """Validate, address, widen and dispatch; returns ``(packed, SeqIndex)``."""
     if not isinstance(hidden_states, torch.Tensor):
         raise TypeError(f"hidden_states: expected a tensor, got {type(hidden_states).__name__}")
-    if hidden_states.dim() != 2:
+    if hidden_states.dim() != 2 or hidden_states.shape[1] == 0:
         raise ValueError(
-            "hidden_states: expected [num_tokens, hidden_size], got shape "
+            "hidden_states: expected [num_tokens, hidden_size] with hidden_size > 0, got shape "
             f"{tuple(hidden_states.shape)}"
         )
     if query_start_loc is None:

@@ -202,6 +202,9 @@ def _kv_copy_kernel(
 # ------------------------------------------------------------------------------------- launchers
 
 
+_VIEW_DIMS = ("num_blocks", "num_kv_heads", "block_size", "head_size")
+
+
 def _check_layers(layers: Layers) -> tuple[torch.Size, torch.dtype, torch.device, bool]:
     """Validate ``layers``; return the common view shape, dtype, device and whether V exists."""
     if isinstance(layers, torch.Tensor) or not isinstance(layers, Sequence):
@@ -233,6 +236,12 @@ def _check_layers(layers: Layers) -> tuple[torch.Size, torch.dtype, torch.device
                 f"layers[{i}]: all layers must share shape, dtype, device and V presence; layer 0 "
                 f"is {first[:3]} has_v={first[3]}, layer {i} is {this[:3]} has_v={this[3]}"
             )
+    for name, size in zip(_VIEW_DIMS, first[0], strict=True):
+        if size == 0:
+            raise ValueError(
+                f"layers: expected {name} > 0, got views of shape {tuple(first[0])} "
+                f"[{', '.join(_VIEW_DIMS)}]"
+            )
     return first
 
 
@@ -245,7 +254,7 @@ class _LayerSet:
     dtype: torch.dtype
     device: torch.device
     has_v: bool
-    signature: tuple  # address, shape and strides of every view when this was made
+    signature: tuple  # address, shape, strides, dtype and device of every view when this was made
     width: int  # widest integer access (bytes) the views allow
     refs: list = field(default_factory=list)  # weak references that drop this entry
     _derived: dict[tuple[str, int], object] = field(default_factory=dict)  # (what, width) -> it
@@ -276,22 +285,27 @@ class _LayerSet:
 
 
 _LAYER_SETS: dict[tuple, _LayerSet] = {}  # by the ids of the (k, v) view objects
-_MAX_LAYER_SETS = 16
 
 
 def _signature(layers: Layers) -> tuple:
     return tuple(
-        (t.data_ptr(), t.shape, t.stride()) for pair in layers for t in pair if t is not None
+        (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+        for pair in layers
+        for t in pair
+        if t is not None
     )
 
 
 def _layer_set(layers: Layers) -> _LayerSet:
     """The :class:`_LayerSet` of ``layers``, from the cache when these very view objects were seen
-    and still have the same address, shape and strides; otherwise checked and made anew.
+    and still have the same address, shape, strides, dtype and device; otherwise checked and made
+    anew (replacing the entry of these objects).
 
     An entry holds weak references to the caller's views and goes when any of them is freed (so a
-    view's id is never reused while its entry lives); it holds no reference to them itself, only
-    views of the same memory, which the caller's views keep alive anyway.
+    view's id is never reused while its entry lives), and only then: never while they all live, as
+    a CUDA graph captured with its device address table replays with that table. It holds no
+    reference to the views themselves, only views of the same memory, which the caller's views keep
+    alive anyway.
     """
     try:
         key = tuple((id(k), id(v)) for k, v in layers)
@@ -305,19 +319,15 @@ def _layer_set(layers: Layers) -> _LayerSet:
     width = widest_int_view(tensors, shape[3] * tensors[0].element_size(), widest=16)
     entry = _LayerSet(shape, dtype, device, has_v, _signature(layers), width)
     if key is not None:
-        drop = partial(_drop_layer_set, key)
+        drop = partial(_drop_layer_set, _LAYER_SETS, key)
         entry.refs = [weakref.ref(t, drop) for t in tensors]
-        while len(_LAYER_SETS) >= _MAX_LAYER_SETS:  # the oldest goes
-            try:
-                _LAYER_SETS.pop(next(iter(_LAYER_SETS)), None)
-            except (StopIteration, RuntimeError):  # emptied or changed by a dropping view
-                break
         _LAYER_SETS[key] = entry
     return entry
 
 
-def _drop_layer_set(key: tuple, _ref: object) -> None:
-    _LAYER_SETS.pop(key, None)
+def _drop_layer_set(sets: dict, key: tuple, _ref: object) -> None:
+    # ``sets`` is bound, not looked up: views freed at interpreter exit outlive module globals.
+    sets.pop(key, None)
 
 
 def _check_packed(name: str, packed: torch.Tensor, shape: tuple, dtype, device) -> None:
@@ -654,7 +664,7 @@ def _run(layers, slot_mapping, query_start_loc, seq_ids, packed, *, unpack, forc
     num_blocks, num_kv_heads, block_size, head_size = shape
     index = seq_index(query_start_loc, seq_ids, slot_mapping.numel(), device)
     checks = checks_enabled(query_start_loc, seq_ids, slot_mapping)
-    slot_mapping = slot_mapping.to(device, non_blocking=True)
+    slot_mapping = slot_mapping.to(device, non_blocking=True).contiguous()  # kernel: stride 1
 
     def packed_shape(rows: int) -> tuple[int, ...]:
         return (len(layers), 1 + has_v, rows, num_kv_heads, head_size)

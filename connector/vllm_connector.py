@@ -115,6 +115,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -213,8 +214,9 @@ class ConnectorConfig:
 
 
 def prompt_digest(token_ids) -> str:
-    """Short digest of a prompt's token ids: the consumer only loads KV of the very same prompt."""
-    data = b"".join(int(t).to_bytes(8, "little", signed=True) for t in token_ids)
+    """Short digest of a prompt's token ids (as little-endian int64): the consumer only loads KV
+    of the very same prompt."""
+    data = np.asarray(token_ids, dtype="<i8").tobytes()
     return hashlib.sha256(data).hexdigest()[:32]
 
 
@@ -356,6 +358,7 @@ class TritonKVConnector(KVConnectorBase_V1):
             self._discards: list[str] = []  # producer: saved transfers of aborted requests
             self._local_hit: dict[str, int] = {}  # consumer: req_id -> block-aligned local hit
             self._tried: set[str] = set()  # consumer: requests whose hand-off was used or refused
+            self._accepted: dict[str, dict] = {}  # consumer: req_id -> checked hand-off, unused yet
             # consumer: transfer id -> the request that loads it or released it (recent ones)
             self._handled: OrderedDict[str, str] = OrderedDict()
             self._receiving: set[str] = set()  # consumer: requests whose async load is running
@@ -434,9 +437,12 @@ class TritonKVConnector(KVConnectorBase_V1):
         sync load) or done (an async one: until then they wait).
         """
         req_id = request.request_id
-        params = None if req_id in self._tried else self._remote_params(request)
+        params = self._accepted.get(req_id)
+        if params is None and req_id not in self._tried:  # checked once: the digest reads it all
+            params = self._remote_params(request)
         if params is None:
             return 0, False
+        self._accepted[req_id] = params
         owner = self._handled.get(params["transfer_id"])
         if owner is not None:
             return (None, False) if owner in self._receiving else (0, False)
@@ -462,6 +468,7 @@ class TritonKVConnector(KVConnectorBase_V1):
         start = self._local_hit.pop(req_id, None)
         if num_external_tokens <= 0 or start is None:
             return
+        self._accepted.pop(req_id)
         self._tried.add(req_id)
         self._handle(params["transfer_id"], req_id)
         if self.cfg.async_load:
@@ -534,6 +541,7 @@ class TritonKVConnector(KVConnectorBase_V1):
         self._watched.pop(req_id, None)
         self._local_hit.pop(req_id, None)
         self._tried.discard(req_id)
+        self._accepted.pop(req_id, None)
         self._receiving.discard(req_id)
         handoff = _handoff(request.kv_transfer_params) if self.is_consumer else None
         if handoff is not None and handoff.transfer_id not in self._handled:

@@ -402,6 +402,7 @@ def test_an_aborted_prefill_hands_nothing_off_and_its_kv_is_dropped(vc):
         _discards=[],
         _local_hit={},
         _tried=set(),
+        _accepted={},
         _handled={},
         _receiving=set(),
         _pending_loads=[],

@@ -19,7 +19,7 @@ Flow (the proxy, ``connector.proxy``, drives it):
    for every layer with **one** :func:`tritonkv.pack_kv` call (token rows, or its whole blocks:
    see ``wire`` below) and puts it in its :class:`~connector.buffer.KVBuffer` under a fresh
    transfer id (a random UUID: never vLLM's request id, which differs between servers). The buffer
-   is served by a :class:`~connector.buffer.KVServer` on ``host:port + tp_rank``.
+   is served by a :class:`~connector.buffer.KVServer` on ``host:engine_port + tp_rank``.
    ``request_finished`` returns the ``kv_transfer_params`` the decode side needs (see
    :func:`TritonKVConnector.request_finished`).
    Blocks are freed at once (``delay_free_blocks=False``): the pack is a copy and has completed,
@@ -40,19 +40,25 @@ Flow (the proxy, ``connector.proxy``, drives it):
    left waiting: every fetch has a deadline (``fetch_timeout_s``).
 
 Tensor parallelism: symmetric only (same ``tensor_parallel_size`` on both sides); rank ``r`` of the
-consumer pulls from rank ``r`` of the producer (port ``port + r``), each rank moving its own KV heads.
+consumer pulls from rank ``r`` of the producer (port ``engine_port + r``), each rank moving its own KV
+heads. Data parallelism: the producer's DP engine ``d`` (vLLM's ``data_parallel_index``) serves from
+``engine_port = port + d * tensor_parallel_size`` and says so in its hand-offs, so any consumer
+engine pulls from the right one; all DP engines of a producer share ``advertise_host`` (one host).
+Pipeline parallelism is refused at start: each stage holds other layers, which this connector
+does not tell apart.
 
 ``kv_connector_extra_config`` keys (all optional):
 
 ==========================  ===========  =========================================================
 key                         default      meaning
 ==========================  ===========  =========================================================
-``host``                    127.0.0.1    producer: address to listen on (rank r uses ``port + r``)
+``host``                    127.0.0.1    producer: address to listen on (see ``port``)
 ``advertise_host``          = host       producer: address consumers are told to pull from
-``port``                    14600        producer: base port. Keep ``port .. port + tp - 1``
-                                         below the OS's ephemeral range (Linux: 32768 and up),
-                                         where outgoing connections can hold a port when the
-                                         server binds it
+``port``                    14600        producer: base port; TP rank r of DP engine d serves
+                                         on ``port + d * tp + r``. Keep ``port .. port +
+                                         dp * tp - 1`` below the OS's ephemeral range (Linux:
+                                         32768 and up), where outgoing connections can hold a
+                                         port when the server binds it
 ``buffer_bytes``            2 GiB        producer: capacity of the KV buffer (tensor bytes)
 ``full_policy``             evict        producer: ``evict`` oldest unclaimed / ``wait`` / ``error``
 ``put_timeout_s``           5            producer: how long ``wait`` waits for room
@@ -332,7 +338,15 @@ class TritonKVConnector(KVConnectorBase_V1):
         self.is_consumer = bool(ktc.is_kv_consumer)
         self.block_size = vllm_config.cache_config.block_size
         parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"tritonkv: pipeline_parallel_size {parallel.pipeline_parallel_size} is not "
+                "supported (each stage holds other layers, which transfers do not tell apart); "
+                "expected 1: use tensor or data parallelism"
+            )
         self.tp_size = parallel.tensor_parallel_size
+        # This engine's first port: DP engines of one producer serve side by side.
+        self.engine_port = self.cfg.port + parallel.data_parallel_index * self.tp_size
         model = vllm_config.model_config
         self.fingerprint = "|".join(
             [
@@ -526,7 +540,7 @@ class TritonKVConnector(KVConnectorBase_V1):
         """Producer: return the hand-off for the decode server. Keys of the returned dict:
 
         ``do_remote_prefill`` (True), ``protocol``, ``transfer_id``, ``remote_host``,
-        ``remote_port`` (base port; rank r adds r), ``num_tokens`` (prompt length),
+        ``remote_port`` (this engine's first port; TP rank r adds r), ``num_tokens`` (prompt length),
         ``prompt_digest`` (of the prompt's token ids), ``fingerprint`` (dtype, cache dtype, layers,
         KV heads, head size, MLA, TP size: must equal the consumer's).
 
@@ -559,7 +573,7 @@ class TritonKVConnector(KVConnectorBase_V1):
             "protocol": PROTOCOL,
             "transfer_id": transfer_id,
             "remote_host": self.cfg.advertise_host or self.cfg.host,
-            "remote_port": self.cfg.port,
+            "remote_port": self.engine_port,
             "num_tokens": request.num_prompt_tokens,
             "prompt_digest": prompt_digest(request.prompt_token_ids),
             "fingerprint": self.fingerprint,
@@ -609,14 +623,14 @@ class TritonKVConnector(KVConnectorBase_V1):
         return cpus or None
 
     def _serve(self) -> None:
-        """Start this rank's KV buffer and its server on ``port + tp_rank``."""
+        """Start this rank's KV buffer and its server on ``engine_port + tp_rank``."""
         self._buffer = KVBuffer(
             self.cfg.buffer_bytes,
             ttl_s=self.cfg.ttl_s,
             full_policy=self.cfg.full_policy,
             put_timeout_s=self.cfg.put_timeout_s,
         )
-        port = self.cfg.port + self._tp_rank
+        port = self.engine_port + self._tp_rank
         try:
             self._server = KVServer(
                 self._buffer,
@@ -629,7 +643,8 @@ class TritonKVConnector(KVConnectorBase_V1):
             raise OSError(
                 e.errno,
                 f"tritonkv: rank {self._tp_rank} cannot serve KV on {self.cfg.host}:{port} "
-                f"(kv_connector_extra_config port {self.cfg.port} + TP rank): {e.strerror}",
+                f"(kv_connector_extra_config port {self.cfg.port} + DP index * TP size + TP "
+                f"rank): {e.strerror}",
             ) from e
         log.info("tritonkv: rank %d serving KV on %s:%d", self._tp_rank, self.cfg.host, port)
 

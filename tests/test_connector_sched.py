@@ -38,7 +38,7 @@ def vllm_mods(tiny_llama_dir):
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
 
-    def scheduler(role: str, *, async_load: bool = False, max_batched: int = 256) -> Scheduler:
+    def vllm_config(role: str, *, async_load: bool = False, max_batched: int = 256) -> VllmConfig:
         config = VllmConfig(
             scheduler_config=SchedulerConfig(
                 max_num_seqs=16,
@@ -61,6 +61,10 @@ def vllm_mods(tiny_llama_dir):
             device_config=DeviceConfig("cpu"),
         )
         config.cache_config.num_gpu_blocks = 64
+        return config
+
+    def scheduler(role: str, **kw) -> Scheduler:
+        config = vllm_config(role, **kw)
         spec = FullAttentionSpec(
             block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32
         )
@@ -118,6 +122,7 @@ def vllm_mods(tiny_llama_dir):
         return out, handoffs
 
     return dict(
+        vllm_config=vllm_config,
         scheduler=scheduler,
         request=request,
         step=step,
@@ -258,3 +263,33 @@ def test_prompt_embeds_are_not_handed_off_and_never_crash_the_scheduler(vllm_mod
     consumer.add_request(m["request"]("e", params=handoff, embeds=True))
     out, _ = m["step"](consumer)
     assert _loads(out) == [] and out.num_scheduled_tokens == {"e": len(PROMPT)}
+
+
+def test_data_parallel_engines_serve_side_by_side_and_say_where(vllm_mods):
+    """DP engine d of a TP-2 producer serves from port + 2 d and hands that port off; pipeline
+    parallelism (stages with other layers, which transfers do not tell apart) is refused."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from connector.vllm_connector import TritonKVConnector
+
+    m = vllm_mods
+    config = m["vllm_config"]("kv_producer")
+    config.parallel_config.tensor_parallel_size = 2
+    config.parallel_config.data_parallel_index = 3
+    conn = TritonKVConnector(config, KVConnectorRole.SCHEDULER)
+    assert conn.engine_port == conn.cfg.port + 6
+    conn._saved["r"] = "t"
+    done = SimpleNamespace(
+        request_id="r",
+        status=m["RequestStatus"].FINISHED_LENGTH_CAPPED,
+        num_prompt_tokens=3,
+        prompt_token_ids=[1, 2, 3],
+        kv_transfer_params=None,
+    )
+    assert conn.request_finished(done, [])[1]["remote_port"] == conn.cfg.port + 6
+
+    config.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ValueError, match="pipeline_parallel_size 2 is not supported"):
+        TritonKVConnector(config, KVConnectorRole.SCHEDULER)

@@ -371,7 +371,7 @@ def test_a_taken_port_fails_the_start_naming_the_address_and_the_config_key(vc):
 
     base = free_port_run(2)
     conn = _worker(vc, _caches(NHD), 4, producer=True)
-    vars(conn).update(cfg=vc.ConnectorConfig(port=base), _tp_rank=1)
+    vars(conn).update(cfg=vc.ConnectorConfig(port=base - 4), engine_port=base, _tp_rank=1)
     taken = f"rank 1 cannot serve KV on 127.0.0.1:{base + 1} "
     with socket.create_server(("127.0.0.1", base + 1)), pytest.raises(OSError, match=taken):
         conn._serve()
@@ -394,6 +394,7 @@ def test_an_aborted_prefill_hands_nothing_off_and_its_kv_is_dropped(vc):
     sched = object.__new__(vc.TritonKVConnector)
     vars(sched).update(
         cfg=vc.ConnectorConfig(),
+        engine_port=14600,
         is_producer=True,
         is_consumer=False,
         fingerprint="fp",

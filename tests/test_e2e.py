@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 
 import pytest
 from _vllm_fixtures import requires_vllm
-from e2e_helpers import assert_token_granular_load, run_concurrently, start_cluster
+from e2e_helpers import MAX_TOKENS, assert_token_granular_load, run_concurrently, start_cluster
+
+from connector.demo import completion
 
 pytestmark = [pytest.mark.slow, requires_vllm, pytest.mark.timeout(900)]
 
@@ -134,6 +137,38 @@ def test_mismatched_fingerprint_or_prompt_is_not_loaded(pd):
     text, rid = pd.decode_with(other, params)
     assert not pd.events(rid)["loaded"]
     assert text == pd.colocated(other)
+
+
+def test_parallel_sampling_loads_the_transfer_once(pd):
+    """n=2: vLLM hands both samples the same params; one loads the transfer, the other waits for
+    that (async) load and takes the blocks from the prefix cache. Both equal the colocated answer,
+    and nothing fails (a second load of the delivered entry would)."""
+    prompt = pd.prompt(70, seed=24)
+    rid = f"pd-n2-{uuid.uuid4().hex[:12]}"
+    # vLLM refuses n > 1 with temperature 0; top_k=1 samples the greedy token all the same.
+    reply = completion(pd.proxy.url, prompt, MAX_TOKENS, rid, n=2, temperature=1.0, top_k=1)
+    assert [c["text"] for c in reply["choices"]] == [pd.colocated(prompt)] * 2
+    events = pd.events(rid)
+    assert len(events["loaded"]) == 1 and not events["failed"], events
+
+
+def test_an_unused_transfer_is_released_on_the_producer(pd):
+    """A prompt whose blocks but the last token's are already in the consumer's prefix cache loads
+    nothing; the consumer has the producer drop the entry (in its next engine step)."""
+    prompt = pd.prompt(33, seed=25)  # one full 32-token block + 1
+    pd.disaggregated(prompt)
+    text, rid, _ = pd.disaggregated(prompt)
+    assert text == pd.colocated(prompt)
+    events = pd.events(rid)
+    assert not events["loaded"] and not events["failed"], events
+    [saved] = events["saved"]
+    released = f"released unused transfer {saved['transfer']} on "
+    pd.disaggregated(pd.prompt(5, seed=26))  # a step on the consumer after the request ended
+    deadline = time.monotonic() + 30
+    while released not in pd.consumer.log_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    line = next(x for x in pd.consumer.log_text().splitlines() if released in x)
+    assert line.endswith("(dropped)"), line
 
 
 def test_producer_killed_before_the_fetch(pd):

@@ -18,7 +18,10 @@ Request / reply protocol (frames of :mod:`connector.wire`, on one pipe per clien
     GET key {"wait_ms": w}       → DATA key tensors entry_meta | MISS key {"reason"} | ERROR {"error"}
     PUT key tensors entry_meta   → ACK key {} | ERROR key {"error", "type"}
     DISCARD key                  → ACK key {"existed": bool}
-    MATCH tensors {"token_ids"}  → ACK {"num_tokens": n, "key": k | None}
+    MATCH tensors {"token_ids"}  → ACK {"num_tokens": n, "key": k | None}   (<= MAX_PREFIX_TOKENS)
+
+``put`` refuses (ValueError/TypeError) an entry whose DATA reply the buffer's ``limits`` refuse; a
+consumer announcing stricter limits gets an ERROR reply for it, and the entry stays.
 
 Entry life cycle: ``put`` stores the tensors by reference (do not modify them afterwards). A GET
 pins the entry while its payload is sent; when the send completed the entry is *claimed* and removed
@@ -70,11 +73,14 @@ from connector.wire import (
     RemoteError,
     TransferError,
     TransferTimeout,
-    encode_meta,
+    WireLimits,
+    encode_header,
+    spec_of,
 )
 
 __all__ = [
     "FULL_POLICIES",
+    "MAX_PREFIX_TOKENS",
     "BufferFullError",
     "KVBuffer",
     "KVClient",
@@ -93,6 +99,9 @@ log = logging.getLogger(__name__)
 
 FULL_POLICIES = ("wait", "evict", "error")
 _HASH_SEED = b"tritonkv-prefix-v1\0"
+# Longest token list that match_prefix and put(token_ids=...) take (and a MATCH request carries):
+# 4 Mi tokens, 32 MiB of int64, well past any context window; it bounds what one request costs.
+MAX_PREFIX_TOKENS = 1 << 22
 
 
 def _now() -> float:
@@ -109,17 +118,28 @@ def _check_key(key) -> str:
     return key
 
 
-def _token_list(token_ids) -> list[int]:
+def _token_ids(token_ids) -> torch.Tensor:
+    """``token_ids`` (a 1-D integer tensor or a sequence of ints, at most MAX_PREFIX_TOKENS) as a
+    contiguous 1-D int64 CPU tensor, without going through a Python list for a tensor."""
     if isinstance(token_ids, torch.Tensor):
-        if token_ids.dim() != 1 or token_ids.dtype.is_floating_point:
+        dt = token_ids.dtype
+        if token_ids.dim() != 1 or dt.is_floating_point or dt.is_complex or dt == torch.bool:
             raise TypeError(
-                f"token_ids: expected a 1-D integer tensor, got {token_ids.dtype} "
-                f"{list(token_ids.shape)}"
+                f"token_ids: expected a 1-D integer tensor, got {dt} {list(token_ids.shape)}"
             )
-        return token_ids.tolist()
-    if not isinstance(token_ids, Sequence) or isinstance(token_ids, (str, bytes)):
+    elif not isinstance(token_ids, Sequence) or isinstance(token_ids, (str, bytes)):
         raise TypeError(f"token_ids: expected a sequence of ints, got {type(token_ids).__name__}")
-    return list(token_ids)
+    if len(token_ids) > MAX_PREFIX_TOKENS:
+        raise ValueError(
+            f"token_ids: expected at most {MAX_PREFIX_TOKENS} tokens (MAX_PREFIX_TOKENS), "
+            f"got {len(token_ids)}"
+        )
+    if isinstance(token_ids, torch.Tensor):
+        return token_ids.to("cpu", torch.int64).contiguous()
+    try:
+        return torch.tensor(list(token_ids), dtype=torch.int64)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise TypeError("token_ids: expected ints that fit in int64") from None
 
 
 def block_hashes(token_ids, block_size: int) -> list[bytes]:
@@ -129,16 +149,15 @@ def block_hashes(token_ids, block_size: int) -> list[bytes]:
     block finds the longest stored prefix. Example with ``block_size = 4``: 10 tokens → 2 hashes
     (tokens 0..3, then 0..7); the 2 trailing tokens are not indexed.
     """
-    toks = _token_list(token_ids)
-    try:
-        raw = torch.tensor(toks, dtype=torch.int64).numpy().tobytes()
-    except (TypeError, RuntimeError, OverflowError):
-        raise TypeError("token_ids: expected ints that fit in int64") from None
+    ids = _token_ids(token_ids)
+    raw = memoryview(ids.numpy()).cast("B")  # hashed in place: no copies, no Python ints
     step = block_size * 8
     out = []
     h = _HASH_SEED
-    for i in range(len(toks) // block_size):
-        h = hashlib.blake2b(h + raw[i * step : (i + 1) * step], digest_size=16).digest()
+    for i in range(ids.numel() // block_size):
+        hasher = hashlib.blake2b(h, digest_size=16)
+        hasher.update(raw[i * step : (i + 1) * step])
+        h = hasher.digest()
         out.append(h)
     return out
 
@@ -166,6 +185,8 @@ class KVBuffer:
         block_size: tokens per block for ``match_prefix`` (default 16).
         max_reads: deliveries before an entry is claimed and removed (default 1; 0 = unlimited).
         tombstones: how many removed keys are remembered for MISS reasons (default 100000).
+        limits: the :class:`~connector.wire.WireLimits` every entry must fit as a DATA reply
+            (``put`` checks; default: the wire defaults); also the default of ``serve``.
     """
 
     def __init__(
@@ -178,7 +199,10 @@ class KVBuffer:
         block_size: int = 16,
         max_reads: int = 1,
         tombstones: int = 100_000,
+        limits: WireLimits = DEFAULT_LIMITS,
     ):
+        if not isinstance(limits, WireLimits):
+            raise TypeError(f"limits: expected a WireLimits, got {type(limits).__name__}")
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
             raise TypeError(f"capacity_bytes: expected int, got {type(capacity_bytes).__name__}")
         if capacity_bytes <= 0:
@@ -196,6 +220,7 @@ class KVBuffer:
         self.put_timeout_s = _check_timeout("put_timeout_s", put_timeout_s)
         self.block_size = block_size
         self.max_reads = max_reads
+        self.limits = limits
         self._tomb_limit = tombstones
         self._cond = threading.Condition()
         self._entries: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
@@ -226,9 +251,11 @@ class KVBuffer:
             self._tombs.popitem(last=False)
         self._cond.notify_all()
 
-    def _expire_locked(self, now: float) -> None:
+    def _expire_locked(self, now: float) -> float | None:
+        """Expire unpinned entries past their TTL; return when the next unpinned one expires
+        (None: none will; a pinned one is looked at again when its delivery ends)."""
         if self.ttl_s is None:
-            return
+            return None
         limit = now - self.ttl_s
         expired = []
         for e in self._entries.values():  # insertion order == creation order
@@ -240,6 +267,8 @@ class KVBuffer:
             log.warning("KVBuffer: entry %r expired unclaimed after %.1f s", e.key, now - e.created)
             self._remove_locked(e, f"expired: unclaimed for {self.ttl_s:g} s (ttl_s)")
             self._c["expirations"] += 1
+        nxt = next((e for e in self._entries.values() if e.pins == 0), None)
+        return None if nxt is None else nxt.created + self.ttl_s
 
     def _evict_one_locked(self) -> bool:
         for e in self._entries.values():  # oldest first
@@ -332,20 +361,23 @@ class KVBuffer:
 
         ``token_ids`` (optional) indexes the entry's full blocks for ``match_prefix``.
         ``max_reads`` overrides the buffer default. When full, follows ``full_policy`` waiting at
-        most ``timeout_s`` (default ``put_timeout_s``). Raises ValueError for a duplicate key or an
-        entry larger than the capacity, BufferFullError when no room was made in time.
+        most ``timeout_s`` (default ``put_timeout_s``). Raises ValueError for a duplicate key, an
+        entry larger than the capacity or one the wire ``limits`` refuse (see KVBuffer), TypeError
+        for a dtype the wire cannot carry, BufferFullError when no room was made in time.
         """
         key = _check_key(key)
         if not isinstance(tensors, dict):
             raise TypeError(f"tensors: expected dict[str, Tensor], got {type(tensors).__name__}")
-        nbytes = 0
         for name, t in tensors.items():
             if not isinstance(name, str) or not name:
                 raise TypeError(f"tensor names: expected non-empty str, got {name!r}")
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"tensors[{name!r}]: expected a Tensor, got {type(t).__name__}")
-            nbytes += t.numel() * t.element_size()
-        encode_meta(meta)  # validates: flat JSON scalars, size cap
+        specs = [spec_of(name, t) for name, t in tensors.items()]
+        nbytes = sum(sp.nbytes for sp in specs)
+        # the DATA reply this entry becomes must pass every wire limit (rank, names, count, sizes,
+        # meta): an entry no consumer can receive is refused here, not at its delivery
+        encode_header(Kind.DATA, key, meta, specs, limits=self.limits, check=True)
         meta = dict(meta or {})
         if max_reads is None:
             max_reads = self.max_reads
@@ -367,7 +399,7 @@ class KVBuffer:
             if key in self._entries:
                 raise ValueError(f"key {key!r} is already in the buffer (discard it first)")
             while True:
-                self._expire_locked(_now())
+                next_expiry = self._expire_locked(_now())
                 if self._bytes + nbytes <= self.capacity_bytes:
                     break
                 if self.full_policy == "evict" and self._evict_one_locked():
@@ -385,6 +417,8 @@ class KVBuffer:
                         waited_s=_now() - t0,
                     )
                 self._c["full_waits"] += 1
+                if next_expiry is not None:  # an expiry makes room too: wake up for it
+                    left = min(left, max(0.001, next_expiry - _now()))
                 self._cond.wait(left)
                 if key in self._entries:
                     raise ValueError(f"key {key!r} is already in the buffer (discard it first)")
@@ -487,7 +521,8 @@ class KVServer:
     default, ``"nccl"`` for CUDA), ``allow_socket`` (also accept inline-TCP clients, default True),
     ``device`` (where PUT payloads land), ``max_connections`` (64), ``max_get_wait_s`` (60 s cap
     on a GET's wait for a key), ``connect_timeout_s`` (10 s handshake), plus TensorPipe options
-    (``io_timeout_s`` 60 s per payload, ``frame_timeout_s`` 10 s, ``max_inflight_bytes`` 1 GiB...).
+    (``io_timeout_s`` 60 s per payload, ``frame_timeout_s`` 10 s, ``max_inflight_bytes`` 1 GiB,
+    ``limits`` default ``buffer.limits``...).
     """
 
     def __init__(
@@ -510,6 +545,7 @@ class KVServer:
         self.max_connections = max_connections
         self.max_get_wait_s = _check_timeout("max_get_wait_s", max_get_wait_s)
         self.io_timeout_s = pipe_kw.get("io_timeout_s", 60.0)
+        pipe_kw.setdefault("limits", buffer.limits)
         self._listener = _PipeListener(
             host,
             port,
@@ -669,13 +705,17 @@ class KVServer:
 
         try:
             pipe.send(msg.key, entry.tensors, entry.meta, kind=Kind.DATA, on_done=on_done)
+        except (ValueError, TypeError) as e:  # this consumer's limits refuse the entry: it stays
+            on_done(e)
+            pipe.send(msg.key, kind=Kind.ERROR, meta={"error": str(e)[:2000]})
         except BaseException as e:
             on_done(e)
             raise
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop accepting, close every connection, join threads (bounded). Idempotent. The buffer
-        stays usable."""
+        """Stop accepting, close every connection, join threads, all within one ``timeout_s``
+        (plus about a second). Idempotent. The buffer stays usable."""
+        deadline = _now() + timeout_s
         with self._lock:
             if self._closed:
                 return
@@ -683,9 +723,8 @@ class KVServer:
             pipes = list(self._pipes.values())
             threads = list(self._threads.values())
         self._listener.close()
-        for p in pipes:
-            p.close(timeout_s=min(timeout_s, 2.0))
-        deadline = _now() + timeout_s
+        for p in pipes:  # a consumer that stopped reading takes the budget once, not once each
+            p.close(timeout_s=max(0.0, deadline - _now()))
         self._accept_thread.join(max(0.1, deadline - _now()))
         for t in threads:
             t.join(max(0.05, deadline - _now()))
@@ -761,6 +800,9 @@ class KVClient:
             **self.pipe_kw,
         )
         self._c["connects"] += 1
+        if self._closed:  # close() ran meanwhile and may have missed this pipe
+            self._pipe.close(timeout_s=1.0)
+            raise PipeClosedError("client is closed", peer=self.peer, key=key)
         return self._pipe
 
     def _request(self, kind, key, tensors=None, meta=None, timeout_s=None, out=None):
@@ -877,7 +919,7 @@ class KVClient:
 
     def match_prefix(self, token_ids, timeout_s: float | None = None) -> tuple[int, str | None]:
         """Remote :meth:`KVBuffer.match_prefix`: ``(num_tokens, key or None)``."""
-        ids = torch.tensor(_token_list(token_ids), dtype=torch.int64)
+        ids = _token_ids(token_ids)
         reply, _ = self._request(Kind.MATCH, "", {"token_ids": ids}, None, timeout_s)
         n = reply.meta.get("num_tokens", 0)
         k = reply.meta.get("key")
@@ -886,13 +928,13 @@ class KVClient:
         return n, k
 
     def close(self) -> None:
-        """Close the connection (goodbye to the server). Idempotent."""
-        with self._lock:
-            self._closed = True
-            if self._pipe is not None:
-                with contextlib.suppress(Exception):
-                    self._pipe.close()
-                self._pipe = None
+        """Close the connection (goodbye to the server). Idempotent. Does not wait for a request
+        another thread has in flight: that request raises PipeClosedError at once."""
+        self._closed = True
+        pipe = self._pipe  # no lock: a request in flight holds it until its deadline
+        if pipe is not None:
+            with contextlib.suppress(Exception):
+                pipe.close()
 
     def __enter__(self):
         return self

@@ -14,8 +14,9 @@ One :class:`TensorPipe` is one connection between two endpoints. It has two chan
 
 Protocol of one connection::
 
-    connector → listener   HELLO      {"proto": 1, "backend": "gloo"}
-    listener  → connector  HELLO_ACK  {"backend", "store_port", "prefix"}  (or ERROR {"error"})
+    connector → listener   HELLO      {"proto": 1, "backend": "gloo", "limit.*": its WireLimits}
+    listener  → connector  HELLO_ACK  {"backend", "store_port", "prefix", "limit.*"}
+                                      (or ERROR {"error"})
     both                   build the 2-rank process group (rank 0 = listener), unless "socket"
     either way, any number of messages, in order:
                            header (control socket) [+ inline payload | + payload chunks on the
@@ -25,11 +26,18 @@ Protocol of one connection::
 Messages are delivered in the order they were sent. Several small tensors of one message travel as
 one packed payload chunk; large ones travel alone, straight into the receiver's tensors.
 
+Each end announces the :class:`~connector.wire.WireLimits` it accepts in the handshake (``limit.*``
+keys; the receiver's defaults stand in for keys a peer leaves out), and ``send`` checks every
+message against the peer's: what the peer would refuse raises ValueError at the call and never
+breaks the pipe.
+
 Threads per pipe: a **sender** (``send`` only queues; the sender writes headers and runs the
 process-group sends, holding at most ``max_inflight_bytes`` of queued/in-flight payload), a
-**reader** (reads and validates headers and inline payloads as they arrive) and a **waiter** (waits
-on process-group receives so the caller can give up on a dead peer). An error in the sender thread
-breaks the pipe and is raised to the caller on its next ``send``/``recv``/``flush``; ``on_done``
+**reader** (reads and validates headers and inline payloads ahead of ``recv``, holding at most
+``max_queued_frames`` (64) frames and ``max_queued_bytes`` (64 MiB) of inline payload, one message
+always; it waits for room before it allocates a payload) and a **waiter** (waits on process-group
+receives so the caller can give up on a dead peer). An error in the sender or reader thread breaks
+the pipe and is raised to the caller on its next ``send``/``recv``/``flush``; ``on_done``
 callbacks see it too. Any timeout or error breaks the pipe for good (a late payload could otherwise
 land in the wrong message): open a new one.
 
@@ -94,6 +102,8 @@ from connector.wire import (
     decode_prefix,
     encode_header,
     encode_meta,
+    limits_from_meta,
+    limits_meta,
     plan_chunks,
     spec_of,
 )
@@ -327,6 +337,12 @@ def _alloc(spec, device) -> torch.Tensor:
     return torch.empty(spec.shape, dtype=spec.dtype, device=dev)
 
 
+def _join(thread: threading.Thread | None, deadline: float) -> None:
+    """Join ``thread`` until ``deadline`` (at least 0.1 s), unless it is the calling thread."""
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(max(0.1, deadline - _now()))
+
+
 def _read_inline_payload(sock, header: Header, frame_timeout_s: float) -> dict[str, torch.Tensor]:
     """Allocate CPU tensors for a validated header and fill them from the socket."""
     tensors = {}
@@ -393,22 +409,27 @@ class TensorPipe:
         inline_max_bytes: int = 64 << 10,
         pack_max_bytes: int = 1 << 20,
         max_queued_frames: int = 64,
+        max_queued_bytes: int = 64 << 20,
+        peer_limits: WireLimits | None = None,
         extra_refs: tuple = (),
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         if backend != "socket" and process_group is None:
             raise ValueError(f"backend {backend!r} needs a process_group, got None")
-        if not isinstance(max_inflight_bytes, int) or max_inflight_bytes <= 0:
-            raise ValueError(
-                f"max_inflight_bytes: expected a positive int, got {max_inflight_bytes!r}"
-            )
+        for name, value in (
+            ("max_inflight_bytes", max_inflight_bytes),
+            ("max_queued_bytes", max_queued_bytes),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
         self.peer = peer
         self.backend = backend
         self.process_group = process_group
         self.peer_rank = peer_rank
         self.device = torch.device(device)
-        self.limits = limits
+        self.limits = limits  # what this end accepts
+        self.peer_limits = limits if peer_limits is None else peer_limits  # what the peer accepts
         self.max_inflight_bytes = max_inflight_bytes
         self.send_timeout_s = _check_timeout("send_timeout_s", send_timeout_s)
         self.recv_timeout_s = _check_timeout("recv_timeout_s", recv_timeout_s)
@@ -419,6 +440,7 @@ class TensorPipe:
         self.inline_max_bytes = inline_max_bytes
         self.pack_max_bytes = pack_max_bytes
         self._max_queued = max_queued_frames
+        self._max_queued_bytes = max_queued_bytes
         self._refs = extra_refs  # keeps the pipe's own TCPStore client alive as long as the pipe
 
         self._sock = sock
@@ -428,6 +450,7 @@ class TensorPipe:
         self._outq: collections.deque[_Outgoing] = collections.deque()
         self._inbox: collections.deque[tuple[Header, dict | None]] = collections.deque()
         self._inflight = 0
+        self._queued_bytes = 0  # inline payload bytes the reader holds in _inbox
         self._fatal: TransferError | None = None  # first error that broke the pipe
         self._peer_gone: str | None = None  # "bye" or "eof", set by the reader
         self._closing = False
@@ -504,8 +527,10 @@ class TensorPipe:
         Blocks while more than ``max_inflight_bytes`` of payload is queued or in flight (a single
         message larger than the budget is admitted when nothing else is in flight), up to
         ``timeout_s`` (default ``send_timeout_s``), then raises TransferTimeout. Raises the error
-        that broke the pipe, if any. ``on_done(exc_or_None)`` runs on the sender thread once the
-        payload left (or failed). The tensors must not be modified until then.
+        that broke the pipe, if any. A message the peer's limits (``peer_limits``, announced in
+        the handshake) refuse raises ValueError, and the pipe stays usable.
+        ``on_done(exc_or_None)`` runs on the sender thread once the payload left (or failed). The
+        tensors must not be modified until then.
         """
         timeout_s = (
             self.send_timeout_s if timeout_s is None else _check_timeout("timeout_s", timeout_s)
@@ -515,7 +540,7 @@ class TensorPipe:
             raise TypeError(
                 f"tensors: expected dict[str, Tensor] or None, got {type(tensors).__name__}"
             )
-        meta_bytes = encode_meta(meta, self.limits)
+        meta_bytes = encode_meta(meta, self.peer_limits)
         names = list(tensors)
         flat = []
         for n in names:
@@ -527,11 +552,6 @@ class TensorPipe:
                 t = t.to(self.device)
             flat.append(t.contiguous())
         total = sum(t.numel() * t.element_size() for t in flat)
-        if total > self.limits.max_message_bytes:
-            raise ValueError(
-                f"message {key!r}: expected <= {self.limits.max_message_bytes} payload bytes "
-                f"(limits.max_message_bytes), got {total}"
-            )
         inline = self.backend == "socket" or (
             total <= self.inline_max_bytes and all(t.device.type == "cpu" for t in flat)
         )
@@ -543,8 +563,10 @@ class TensorPipe:
             spec_of(n, t, packed=i in pack)
             for i, (n, t) in enumerate(zip(names, flat, strict=False))
         )
+        flags = FLAG_INLINE if inline else 0
+        # what the peer would refuse raises here (ValueError): it never breaks the pipe
         header = encode_header(
-            kind, key, meta_bytes, specs, FLAG_INLINE if inline else 0, limits=self.limits
+            kind, key, meta_bytes, specs, flags, limits=self.peer_limits, check=True
         )
         item = _Outgoing(header, key, specs, flat, inline, total, on_done)
         t0 = _now()
@@ -599,9 +621,7 @@ class TensorPipe:
                 item = self._outq.popleft()
                 self._current = item
             if item.bye:
-                if self._fatal is None:
-                    with contextlib.suppress(Exception):  # the goodbye is best effort
-                        _send_all(self._sock, item.header, _now() + 1.0, "BYE")
+                self._send_bye()
                 return
             err = None
             if self._fatal is not None:
@@ -628,6 +648,11 @@ class TensorPipe:
                     self._counters["bytes_sent"] += item.nbytes
                 self._cond.notify_all()
             self._report(item, err)
+
+    def _send_bye(self) -> None:
+        if self._fatal is None:
+            with contextlib.suppress(Exception):  # the goodbye is best effort
+                _send_all(self._sock, encode_header(Kind.BYE), _now() + 1.0, "BYE")
 
     def _report(self, item: _Outgoing, err: BaseException | None) -> None:
         """Run ``item.on_done`` exactly once."""
@@ -681,15 +706,23 @@ class TensorPipe:
                         self._peer_gone = "bye"
                         self._cond.notify_all()
                     return
+                if not header.inline and header.payload_bytes and self.backend == "socket":
+                    raise ProtocolError(
+                        f"{header.kind.name} {header.key!r}: {header.payload_bytes} payload bytes "
+                        "announced off the socket, but this pipe has no process group ('socket')"
+                    )
+                nbytes = header.payload_bytes if header.inline else 0
+                with self._cond:  # room first: the inline payload is allocated only then
+                    while self._inbox_full(nbytes) and not self._closing:
+                        self._cond.wait()
+                    if self._closing:
+                        return
                 tensors = None
                 if header.inline:
                     tensors = _read_inline_payload(self._sock, header, self.frame_timeout_s)
                 with self._cond:
-                    while len(self._inbox) >= self._max_queued and not self._closing:
-                        self._cond.wait()
-                    if self._closing:
-                        return
                     self._inbox.append((header, tensors))
+                    self._queued_bytes += nbytes
                     self._cond.notify_all()
         except _EOF as e:
             with self._cond:
@@ -710,6 +743,20 @@ class TensorPipe:
                 self._cond.notify_all()
             if not self._closing:
                 log.info("tensor pipe: socket error from %s: %s", self.peer, e)
+        except Exception as e:  # e.g. MemoryError: the pipe breaks, its waiters wake, none hangs
+            if not self._closing:
+                log.exception("tensor pipe: reader for %s failed", self.peer)
+                self._set_fatal(
+                    TransferError(f"reading failed: {type(e).__name__}: {e}", peer=self.peer)
+                )
+
+    def _inbox_full(self, nbytes: int) -> bool:
+        """No room to queue one more message of ``nbytes`` inline bytes (there always is for
+        one). Holds ``_cond``."""
+        return bool(self._inbox) and (
+            len(self._inbox) >= self._max_queued
+            or self._queued_bytes + nbytes > self._max_queued_bytes
+        )
 
     def _gone_error(self, key: str | None, waited: float) -> TransferError:
         if self._peer_gone == "bye":
@@ -740,6 +787,11 @@ class TensorPipe:
         Raises TransferTimeout, PeerDeadError, PipeClosedError or ProtocolError, naming the peer,
         the key (``expect_key`` before a header arrived) and the time waited. After any error,
         ValueError for a bad ``out`` included, the pipe is broken.
+
+        When it raises while a payload receive is posted (deadline, dead peer, ``close`` from
+        another thread), that receive is cancelled first (gloo closes the connection, nccl
+        aborts the group): nothing is written into ``out`` after recv raised, though a tensor of
+        ``out`` may hold part of the payload.
         """
         timeout_s = (
             self.recv_timeout_s if timeout_s is None else _check_timeout("timeout_s", timeout_s)
@@ -776,6 +828,8 @@ class TensorPipe:
                         raise err
                     self._cond.wait(left)
                 header, inline_tensors = self._inbox.popleft()
+                if header.inline:
+                    self._queued_bytes -= header.payload_bytes
                 self._cond.notify_all()
             if idle:
                 t0 = _now()
@@ -837,7 +891,7 @@ class TensorPipe:
                 buf = _alloc(TensorSpec("packed", 6, (chunk.nbytes,), chunk.nbytes), dev)
             else:
                 buf = _flat_bytes(tensors[header.specs[chunk.index].name])
-            self._wait_work(self.process_group.recv([buf], self.peer_rank, _TAG), deadline, t0, key)
+            self._receive(buf, deadline, t0, key)
             for i, off in chunk.members:
                 s = header.specs[i]
                 part = buf[off : off + s.nbytes]
@@ -847,49 +901,81 @@ class TensorPipe:
                     tensors[s.name] = part.view(s.dtype).view(s.shape)
         return tensors
 
-    def _wait_work(self, work, deadline: float, t0: float, key: str | None) -> None:
-        """Wait for a process-group receive, giving up early when the peer's socket closed."""
-        left = deadline - _now()
-        if left <= 0:
+    def _receive(self, buf: torch.Tensor, deadline: float, t0: float, key: str | None) -> None:
+        """Receive one payload chunk into ``buf`` from the process group, giving up early when the
+        peer's socket closed or the pipe closes. Before it raises, the receive is cancelled (see
+        :meth:`_cancel`): nothing lands in ``buf`` (possibly the caller's ``out``) afterwards."""
+        pg = self.process_group
+        if pg is None:  # close() let go of it
+            raise PipeClosedError(
+                "pipe closed during receive", peer=self.peer, key=key, waited_s=_now() - t0
+            )
+        if deadline - _now() <= 0:
             raise TransferTimeout(
                 "deadline passed before the payload arrived",
                 peer=self.peer,
                 key=key,
                 waited_s=_now() - t0,
             )
-        slot = _WorkSlot(work, left)
+        slot = _WorkSlot(pg.recv([buf], self.peer_rank, _TAG), deadline - _now())
         with self._cond:
             self._waitq.append(slot)
             self._cond.notify_all()
-            grace_deadline = None
-            while not slot.done:
-                if self._closing:
-                    raise PipeClosedError(
-                        "pipe closed during receive", peer=self.peer, key=key, waited_s=_now() - t0
-                    )
-                if self._peer_gone is not None and grace_deadline is None:
-                    grace_deadline = _now() + self.dead_grace_s
-                wake = deadline if grace_deadline is None else min(deadline, grace_deadline)
-                left = wake - _now()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            if slot.done and slot.exc is None:
-                return
-            waited = _now() - t0
-            if not slot.done:
-                if grace_deadline is not None and _now() >= grace_deadline:
-                    raise self._gone_error(key, waited)
-                self._counters["recv_timeouts"] += 1
-                raise TransferTimeout(
-                    "payload did not arrive before the deadline",
-                    peer=self.peer,
-                    key=key,
-                    waited_s=waited,
+            err = self._await(slot, deadline, t0, key)
+        if err is not None:
+            self._cancel(slot.work)
+            raise err
+
+    def _await(self, slot: _WorkSlot, deadline: float, t0: float, key: str | None):
+        """The error that ends the wait for ``slot`` (None: it completed). Holds ``_cond``."""
+        grace_deadline = None
+        while not slot.done:
+            if self._closing:
+                return PipeClosedError(
+                    "pipe closed during receive", peer=self.peer, key=key, waited_s=_now() - t0
                 )
-            if self._peer_gone is not None:
-                raise self._gone_error(key, waited)
-            raise _classify(slot.exc, peer=self.peer, key=key, waited=waited)
+            if self._peer_gone is not None and grace_deadline is None:
+                grace_deadline = _now() + self.dead_grace_s
+            wake = deadline if grace_deadline is None else min(deadline, grace_deadline)
+            left = wake - _now()
+            if left <= 0:
+                break
+            self._cond.wait(left)
+        if slot.done and slot.exc is None:
+            return None
+        waited = _now() - t0
+        if not slot.done:
+            if grace_deadline is not None and _now() >= grace_deadline:
+                return self._gone_error(key, waited)
+            self._counters["recv_timeouts"] += 1
+            return TransferTimeout(
+                "payload did not arrive before the deadline",
+                peer=self.peer,
+                key=key,
+                waited_s=waited,
+            )
+        if self._peer_gone is not None:
+            return self._gone_error(key, waited)
+        return _classify(slot.exc, peer=self.peer, key=key, waited=waited)
+
+    def _cancel(self, work) -> None:
+        """Make sure a receive that recv gives up on writes nothing more (the pipe is broken).
+
+        gloo: a wait that times out makes gloo close the connection, under the lock its reading
+        thread holds while it writes into receive buffers, before the wait returns; so once the
+        1 ms wait below returned (completed, failed or timed out), no byte lands any more. (A
+        process-group ``abort`` is a no-op for gloo, and torch does not expose ``Work.abort``.)
+        nccl: the group is aborted.
+        """
+        try:
+            if self.backend == "nccl":
+                pg = self.process_group
+                if pg is not None:
+                    pg.abort()
+            else:
+                work.wait(datetime.timedelta(milliseconds=1))
+        except Exception:  # the failure is what was asked for
+            pass
 
     def _waiter_loop(self) -> None:
         while True:
@@ -916,35 +1002,43 @@ class TensorPipe:
     def close(self, timeout_s: float | None = None) -> None:
         """Flush queued sends (bounded), say goodbye, stop the threads, drop the process group.
         Idempotent; never raises for transport reasons; returns within about ``timeout_s``
-        (default ``close_timeout_s``) plus one second."""
+        (default ``close_timeout_s``) plus one second. Fine inside an ``on_done`` callback (on the
+        sender thread): it then neither waits for the sends queued behind it nor joins itself."""
         with self._cond:
             if self._closing or self._closed:
                 return
         timeout_s = self.close_timeout_s if timeout_s is None else float(timeout_s)
         deadline = _now() + timeout_s
+        on_sender = threading.current_thread() is self._sender
         with self._cond:
             while (
                 (self._outq or self._inflight)
+                and not on_sender  # only this very thread could send them
                 and self._fatal is None
                 and self._peer_gone is None  # a gone peer will not receive: do not wait
                 and _now() < deadline
             ):
                 self._cond.wait(max(0.0, deadline - _now()))
+            if self._closing:  # a concurrent close() got here first
+                return
             self._closing = True
             if self._fatal is None and (self._outq or self._inflight):
                 self._fatal = PipeClosedError("pipe closed with sends pending", peer=self.peer)
-            bye = _Outgoing(encode_header(Kind.BYE), "", (), [], True, 0, None, bye=True)
-            self._outq.append(bye)
+            if not on_sender:
+                self._outq.append(_Outgoing(b"", "", (), [], True, 0, None, bye=True))
             self._cond.notify_all()
-        self._sender.join(max(0.1, deadline - _now()))
+        if on_sender:
+            self._send_bye()
+        elif self._fatal is None:
+            _join(self._sender, deadline)  # it writes the BYE
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        self._reader.join(max(0.1, deadline - _now()))
+        _join(self._reader, deadline)
+        _join(self._sender, deadline)  # a send stuck on the socket failed at the shutdown
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self._waiter is not None:
-            self._waiter.join(max(0.1, deadline - _now()))
+        _join(self._waiter, deadline)
         with contextlib.suppress(OSError):
             self._sock.close()
         if self.backend == "nccl" and self._fatal is not None:
@@ -1048,6 +1142,7 @@ _PIPE_KW = (
     "inline_max_bytes",
     "pack_max_bytes",
     "max_queued_frames",
+    "max_queued_bytes",
 )
 
 
@@ -1114,12 +1209,8 @@ def connect_pipe(
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         sock.setblocking(False)
         try:
-            _send_all(
-                sock,
-                encode_header(Kind.HELLO, "", {"proto": 1, "backend": backend}),
-                deadline,
-                "HELLO",
-            )
+            hello = {"proto": 1, "backend": backend, **limits_meta(limits)}
+            _send_all(sock, encode_header(Kind.HELLO, "", hello), deadline, "HELLO")
         except (TimeoutError, OSError) as e:
             raise PeerDeadError(
                 f"cannot send HELLO: {e}", peer=peer, waited_s=_now() - t0
@@ -1133,6 +1224,7 @@ def connect_pipe(
             raise ProtocolError(
                 f"expected HELLO_ACK for backend {backend!r}, got {h.kind.name} {h.meta}", peer=peer
             )
+        peer_limits = limits_from_meta(h.meta, limits)
         pg = None
         refs = ()
         if backend != "socket":
@@ -1162,6 +1254,7 @@ def connect_pipe(
             process_group=pg,
             peer_rank=0,
             device=device,
+            peer_limits=peer_limits,
             extra_refs=refs,
             **pipe_kw,
         )
@@ -1200,25 +1293,32 @@ class PipeListener:
         self.pipe_kw = _pipe_kwargs(pipe_kw)
         self.limits = pipe_kw.get("limits", DEFAULT_LIMITS)
         self.allowed = {backend} | ({"socket"} if allow_socket else set())
+        self._lock = threading.Lock()
+        self._closed = False
+        self._released = False
+        self._accepting = 0  # accept_socket calls polling the socket and the wake pipe
+        self._ids = itertools.count()
+        self._store = None
         self._sock = socket.create_server((host, port), backlog=backlog)
         self._sock.setblocking(False)
         self.host, self.port = self._sock.getsockname()[:2]
         self._wake_r, self._wake_w = os.pipe()
-        self._closed = False
-        self._ids = itertools.count()
-        self._store = None
         self._store_host = self.host if self.host != "0.0.0.0" else "127.0.0.1"
         if backend != "socket":
             from torch.distributed import TCPStore
 
-            self._store = TCPStore(
-                self._store_host,
-                0,
-                None,
-                True,
-                datetime.timedelta(seconds=self.connect_timeout_s),
-                wait_for_workers=False,
-            )
+            try:
+                self._store = TCPStore(
+                    self._store_host,
+                    0,
+                    None,
+                    True,
+                    datetime.timedelta(seconds=self.connect_timeout_s),
+                    wait_for_workers=False,
+                )
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def address(self) -> tuple[str, int]:
@@ -1227,6 +1327,18 @@ class PipeListener:
     def accept_socket(self, timeout_s: float | None = None):
         """Wait for one TCP connection (None: until ``close``). Returns (socket, peer name) or
         None when closed; raises TransferTimeout at the deadline."""
+        with self._lock:
+            if self._closed:
+                return None
+            self._accepting += 1
+        try:
+            return self._accept_socket(timeout_s)
+        finally:
+            with self._lock:
+                self._accepting -= 1
+            self._release_if_idle()
+
+    def _accept_socket(self, timeout_s: float | None):
         t0 = _now()
         deadline = None if timeout_s is None else t0 + timeout_s
         p = select.poll()
@@ -1276,12 +1388,17 @@ class PipeListener:
                 )
                 _send_error_frame(sock, msg)
                 raise ProtocolError(msg, peer=peer)
+            peer_limits = limits_from_meta(h.meta, self.limits)
+            store_server = self._store  # None once closed
             pg = None
             if backend == "socket":
                 ack = {"backend": "socket"}
+            elif store_server is None:
+                raise PipeClosedError("listener closed during the handshake", peer=peer)
             else:
                 prefix = f"tkv/{next(self._ids)}-{uuid.uuid4().hex[:12]}/"
-                ack = {"backend": backend, "store_port": self._store.port, "prefix": prefix}
+                ack = {"backend": backend, "store_port": store_server.port, "prefix": prefix}
+            ack.update(limits_meta(self.limits))
             _send_all(sock, encode_header(Kind.HELLO_ACK, "", ack), deadline, "HELLO_ACK")
             refs = ()
             if backend != "socket":
@@ -1291,7 +1408,7 @@ class PipeListener:
                     # A store client of its own: a TCPStore client runs one request at a time, so
                     # a rendezvous left waiting by a vanished peer would hold up every other one.
                     left = datetime.timedelta(seconds=max(0.1, deadline - _now()))
-                    store = TCPStore(self._store_host, self._store.port, None, False, left)
+                    store = TCPStore(self._store_host, store_server.port, None, False, left)
                     refs = (store,)
                     pg = _make_process_group(
                         backend,
@@ -1309,6 +1426,7 @@ class PipeListener:
                 process_group=pg,
                 peer_rank=1,
                 device=self.device,
+                peer_limits=peer_limits,
                 extra_refs=refs,
                 **self.pipe_kw,
             )
@@ -1329,19 +1447,28 @@ class PipeListener:
         return self.handshake(*got)
 
     def close(self) -> None:
-        """Stop listening (idempotent); established pipes stay open."""
-        if self._closed:
-            return
-        self._closed = True
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
+        """Stop listening (idempotent); established pipes stay open. Releases the socket, the wake
+        pipe and the ``TCPStore`` server as soon as no ``accept_socket`` call is polling them (a
+        descriptor closed under a poller could be reused by another connection meanwhile)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._store = None  # built pipes no longer use it; a handshake under way keeps its own
+            if not self._released:
+                with contextlib.suppress(OSError):
+                    os.write(self._wake_w, b"x")
+        self._release_if_idle()
+
+    def _release_if_idle(self) -> None:
+        with self._lock:
+            if not self._closed or self._accepting or self._released:
+                return
+            self._released = True
         self._sock.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
     def __del__(self):
-        try:
-            if not self._closed:
-                self.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-        except Exception:
-            pass
+        with contextlib.suppress(Exception):
+            self.close()

@@ -42,22 +42,24 @@ def set_transfer_cpus(cpus: Iterable[int] | None) -> None:
     """Run the transfer threads started from now on on ``cpus`` (None: where they are started).
 
     Raises:
-        ValueError: this process may not run on ``cpus`` (none of them exist or are allowed).
+        TypeError: ``cpus`` is not an iterable of int ids.
+        ValueError: no ids, a negative id, or this process may not run on ``cpus`` (none of them
+            exist or are allowed).
         NotImplementedError: the platform cannot set a thread's CPUs.
     """
     global _cpus
     if cpus is None:
         _cpus = None
         return
-    wanted = frozenset(cpus)
+    wanted = _cpu_ids(cpus)
     if not hasattr(os, "sched_setaffinity"):
         raise NotImplementedError("transfer CPUs need os.sched_setaffinity (Linux)")
-    error: list[OSError] = []
+    error: list[Exception] = []
 
     def probe() -> None:  # a throwaway thread: the caller's own CPUs stay as they are
         try:
             os.sched_setaffinity(0, wanted)
-        except OSError as e:
+        except Exception as e:  # reported to the caller below
             error.append(e)
 
     t = threading.Thread(target=probe, name="tkv-cpu-probe")
@@ -69,6 +71,21 @@ def set_transfer_cpus(cpus: Iterable[int] | None) -> None:
             f"CPUs on this machine: 0-{(os.cpu_count() or 1) - 1}"
         )
     _cpus = wanted
+
+
+def _cpu_ids(cpus) -> frozenset[int]:
+    try:
+        ids = list(cpus)
+    except TypeError:
+        raise TypeError(
+            f"transfer CPUs: expected an iterable of int CPU ids, got {type(cpus).__name__}"
+        ) from None
+    for c in ids:
+        if isinstance(c, bool) or not isinstance(c, int):
+            raise TypeError(f"transfer CPUs: expected int CPU ids, got {c!r} in {ids!r}")
+    if not ids or min(ids) < 0:
+        raise ValueError(f"transfer CPUs: expected one or more CPU ids >= 0, got {ids!r}")
+    return frozenset(ids)
 
 
 def transfer_cpus() -> frozenset[int] | None:
@@ -86,7 +103,7 @@ def pin_current_thread() -> None:
         return
     try:
         os.sched_setaffinity(0, _cpus)
-    except OSError as e:
+    except Exception as e:
         log.warning("tritonkv: %s stays on its CPUs: %s", threading.current_thread().name, e)
 
 

@@ -13,7 +13,7 @@ Frame layout (all integers little-endian)::
              u16 n_tensors (<= limits.max_tensors), then per tensor:
                  u16 name_len | name (UTF-8, unique, non-empty)
                  u8 dtype code | u8 ndim (<= limits.max_ndim) | u8 tensor flags
-                 ndim × i64 dims (each >= 0)
+                 ndim × i64 dims (each >= 0; product of non-zero dims <= max_message_bytes)
                  u64 nbytes (must equal numel × itemsize)
     payload  sum(nbytes) bytes (<= limits.max_message_bytes), either right after the body on the
              same socket (frame flag ``FLAG_INLINE``) or on the data process group (see pipe.py),
@@ -26,6 +26,7 @@ body ``05 00 'req-7' | 02 00 00 00 '{}' | 01 00 | 01 00 'k' | 03 02 00 | 2 i64 3
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 import json
 import math
@@ -199,9 +200,46 @@ class WireLimits:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"WireLimits.{name}: expected a positive int, got {value!r}")
+            top = _LIMIT_FIELD_MAX.get(name)
+            if top is not None and value > top:
+                raise ValueError(
+                    f"WireLimits.{name}: expected <= {top} (its header field's range), got {value}"
+                )
+
+
+# the largest value each header field can carry (u8 rank, u16 key/name lengths and tensor count,
+# u32 body and meta lengths)
+_LIMIT_FIELD_MAX = {
+    "max_body_bytes": 0xFFFFFFFF,
+    "max_key_bytes": 0xFFFF,
+    "max_meta_bytes": 0xFFFFFFFF,
+    "max_tensors": 0xFFFF,
+    "max_ndim": 0xFF,
+    "max_name_bytes": 0xFFFF,
+}
 
 
 DEFAULT_LIMITS = WireLimits()
+_LIMIT_KEY = "limit."
+
+
+def limits_meta(limits: WireLimits) -> dict[str, int]:
+    """HELLO / HELLO_ACK meta announcing what this end accepts, e.g. ``{"limit.max_ndim": 8}``."""
+    return {_LIMIT_KEY + name: getattr(limits, name) for name in WireLimits.__dataclass_fields__}
+
+
+def limits_from_meta(meta: dict, default: WireLimits) -> WireLimits:
+    """The limits a peer announced with :func:`limits_meta` (``default`` for those it left out,
+    e.g. a raw client); ProtocolError if they are not valid limits."""
+    given = {
+        name: meta[_LIMIT_KEY + name]
+        for name in WireLimits.__dataclass_fields__
+        if _LIMIT_KEY + name in meta
+    }
+    try:
+        return dataclasses.replace(default, **given)
+    except ValueError as e:
+        raise ProtocolError(f"peer announced invalid limits: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -279,6 +317,8 @@ def decode_meta(raw: bytes) -> dict:
         meta = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError) as e:
         raise ProtocolError(f"meta is not valid UTF-8 JSON: {e}") from None
+    except RecursionError:  # e.g. 60000 '[': nested far too deep for a flat object
+        raise ProtocolError("meta: expected a flat JSON object, got deeply nested JSON") from None
     if not isinstance(meta, dict):
         raise ProtocolError(f"meta: expected a JSON object, got {type(meta).__name__}")
     for k, v in meta.items():
@@ -305,6 +345,48 @@ def spec_of(name: str, t: torch.Tensor, packed: bool = False) -> TensorSpec:
     )
 
 
+def _label(name: str) -> str:
+    return repr(name) if len(name) <= 40 else f"{name[:40]!r}... ({len(name)} chars)"
+
+
+def _spec_problem(s: TensorSpec, limits: WireLimits) -> str | None:
+    """Why a receiver applying ``limits`` refuses tensor ``s``, or None. The decoder raises it as
+    ProtocolError, a sender (``encode_header(check=True)``) as ValueError.
+
+    Besides rank and byte count, the product of the non-zero dims is capped at
+    ``max_message_bytes``: a non-empty tensor always passes (that product is its numel, at most its
+    byte count), while an empty one such as ``(0, 2**40, 2**40)`` would overflow torch's stride
+    computation when allocated (a cap on each dim alone would not: ``(0, 2**32, 2**32, 2**32)``).
+    """
+    nb = len(s.name.encode("utf-8"))
+    if not 1 <= nb <= limits.max_name_bytes:
+        return f"name: expected 1..{limits.max_name_bytes} UTF-8 bytes, got {nb}"
+    if s.code not in CODE_TO_DTYPE:
+        return f"unknown dtype code {s.code}"
+    if len(s.shape) > limits.max_ndim:
+        return f"expected ndim <= {limits.max_ndim}, got {len(s.shape)}"
+    if s.tflags & ~KNOWN_TFLAGS:
+        return f"unknown tensor flags 0x{s.tflags:x}"
+    if any(d < 0 for d in s.shape):
+        return f"negative dimension in shape {list(s.shape)}"
+    itemsize = CODE_TO_DTYPE[s.code].itemsize
+    expect = math.prod(s.shape) * itemsize  # Python ints: no overflow
+    if s.nbytes != expect:
+        return (
+            f"byte count {s.nbytes} does not match shape {list(s.shape)} × {itemsize} bytes "
+            f"= {expect}"
+        )
+    if s.nbytes > limits.max_message_bytes:
+        return f"expected <= {limits.max_message_bytes} bytes per frame, got {s.nbytes}"
+    extent = math.prod(max(d, 1) for d in s.shape)
+    if extent > limits.max_message_bytes:
+        return (
+            f"shape {list(s.shape)}: expected a product of non-zero dims <= "
+            f"{limits.max_message_bytes} (limits.max_message_bytes), got {extent}"
+        )
+    return None
+
+
 def encode_header(
     kind: int,
     key: str = "",
@@ -313,15 +395,19 @@ def encode_header(
     flags: int = 0,
     *,
     limits: WireLimits = DEFAULT_LIMITS,
+    check: bool = False,
 ) -> bytes:
-    """Prefix + body bytes. Checks representability and the key/meta caps only, so tests can build
-    headers that a receiver must reject (unknown dtype code, huge nbytes)."""
+    """Prefix + body bytes. Checks the key/meta caps; with ``check`` (senders), also every other
+    limit a receiver applying ``limits`` enforces (ValueError naming expected and given). Without
+    it, tests can build headers that a receiver must reject (unknown dtype code, huge nbytes)."""
     if not isinstance(key, str):
         raise TypeError(f"key: expected str, got {type(key).__name__}")
     kb = key.encode("utf-8")
     if len(kb) > limits.max_key_bytes:
         raise ValueError(f"key: expected <= {limits.max_key_bytes} UTF-8 bytes, got {len(kb)}")
     mb = meta if isinstance(meta, bytes) else encode_meta(meta, limits)
+    if check:
+        _check_specs(key, specs, limits)
     parts = [struct.pack("<H", len(kb)), kb, struct.pack("<I", len(mb)), mb]
     parts.append(struct.pack("<H", len(specs)))
     for s in specs:
@@ -332,7 +418,30 @@ def encode_header(
         parts.append(struct.pack(f"<{len(s.shape)}q", *s.shape))
         parts.append(struct.pack("<Q", s.nbytes))
     body = b"".join(parts)
+    if check and len(body) > limits.max_body_bytes:
+        raise ValueError(
+            f"message {key!r}: expected a header body (key, meta, tensor table) <= "
+            f"{limits.max_body_bytes} bytes (limits.max_body_bytes), got {len(body)}"
+        )
     return PREFIX.pack(MAGIC, VERSION, int(kind), flags, len(body)) + body
+
+
+def _check_specs(key: str, specs, limits: WireLimits) -> None:
+    if len(specs) > limits.max_tensors:
+        raise ValueError(
+            f"message {key!r}: expected <= {limits.max_tensors} tensors (limits.max_tensors), "
+            f"got {len(specs)}"
+        )
+    total = sum(s.nbytes for s in specs)
+    if total > limits.max_message_bytes:
+        raise ValueError(
+            f"message {key!r}: expected <= {limits.max_message_bytes} payload bytes "
+            f"(limits.max_message_bytes), got {total}"
+        )
+    for s in specs:
+        problem = _spec_problem(s, limits)
+        if problem is not None:
+            raise ValueError(f"message {key!r}, tensor {_label(s.name)}: {problem}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -404,41 +513,26 @@ def decode_body(kind: Kind, flags: int, body: bytes, limits: WireLimits = DEFAUL
     specs = []
     names = set()
     total = 0
-    for i in range(ntensors):
+    for i in range(ntensors):  # every read is bounded by the body, already capped
         (nlen,) = r.unpack("<H", f"tensor {i} name length")
-        if nlen == 0 or nlen > limits.max_name_bytes:
-            raise ProtocolError(
-                f"tensor {i} name: expected 1..{limits.max_name_bytes} bytes, got {nlen}"
-            )
         name = _utf8(r.take(nlen, f"tensor {i} name"), f"tensor {i} name")
         if name in names:
-            raise ProtocolError(f"tensor name {name!r} appears twice")
+            raise ProtocolError(f"tensor name {_label(name)} appears twice")
         names.add(name)
-        code, ndim, tflags = r.unpack("<BBB", f"tensor {name!r} dtype/ndim/flags")
-        if code not in CODE_TO_DTYPE:
-            raise ProtocolError(f"tensor {name!r}: unknown dtype code {code}")
-        if ndim > limits.max_ndim:
-            raise ProtocolError(f"tensor {name!r}: expected ndim <= {limits.max_ndim}, got {ndim}")
-        if tflags & ~KNOWN_TFLAGS:
-            raise ProtocolError(f"tensor {name!r}: unknown tensor flags 0x{tflags:x}")
-        shape = r.unpack(f"<{ndim}q", f"tensor {name!r} shape")
-        if any(d < 0 for d in shape):
-            raise ProtocolError(f"tensor {name!r}: negative dimension in shape {shape}")
-        (nbytes,) = r.unpack("<Q", f"tensor {name!r} byte count")
-        itemsize = CODE_TO_DTYPE[code].itemsize
-        expect = math.prod(shape) * itemsize  # Python ints: no overflow
-        if nbytes != expect:
-            raise ProtocolError(
-                f"tensor {name!r}: byte count {nbytes} does not match shape {list(shape)} × "
-                f"{itemsize} bytes = {expect}"
-            )
+        code, ndim, tflags = r.unpack("<BBB", f"tensor {i} dtype/ndim/flags")
+        shape = r.unpack(f"<{ndim}q", f"tensor {i} shape")
+        (nbytes,) = r.unpack("<Q", f"tensor {i} byte count")
+        spec = TensorSpec(name, code, tuple(shape), nbytes, tflags)
+        problem = _spec_problem(spec, limits)
+        if problem is not None:
+            raise ProtocolError(f"tensor {i} {_label(name)}: {problem}")
         total += nbytes
         if total > limits.max_message_bytes:
             raise ProtocolError(
                 f"payload: expected <= {limits.max_message_bytes} bytes per frame, header claims "
-                f">= {total} (tensor {name!r}: {nbytes} bytes)"
+                f">= {total} (tensor {_label(name)}: {nbytes} bytes)"
             )
-        specs.append(TensorSpec(name, code, tuple(shape), nbytes, tflags))
+        specs.append(spec)
     if r.pos != len(body):
         raise ProtocolError(f"header body has {len(body) - r.pos} trailing bytes")
     return Header(kind=kind, flags=flags, key=key, meta=meta, specs=tuple(specs))

@@ -14,18 +14,21 @@ from _transport_helpers import Child, assert_bits_equal, assert_entry_equal, big
 import connector.pipe as pipe_mod
 from connector import wire
 from connector.buffer import (
+    MAX_PREFIX_TOKENS,
     BufferFullError,
     KeyMissError,
     KVBuffer,
     KVClient,
     PeerDeadError,
+    PipeClosedError,
     ProtocolError,
     RemoteError,
     TransferError,
     TransferTimeout,
     block_hashes,
 )
-from connector.wire import Kind, TensorSpec, encode_header
+from connector.pipe import connect_pipe
+from connector.wire import Kind, TensorSpec, WireLimits, encode_header
 
 
 def _accounted(s: dict) -> bool:
@@ -85,6 +88,33 @@ def test_bad_inputs_say_expected_and_given():
         KVBuffer(10, ttl_s=0)
     with pytest.raises(TypeError, match="token_ids"):
         buf.match_prefix("abc")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_put_refuses_entries_no_consumer_could_receive():
+    """put checks the DATA reply an entry becomes against the wire limits (a 9-D entry used to be
+    stored, then break every consumer's pipe, and count as delivered)."""
+    buf = KVBuffer(1 << 20)
+    with pytest.raises(ValueError, match=r"tensor 'x': expected ndim <= 8, got 9"):
+        buf.put("k", {"x": torch.zeros([1] * 9)})
+    with pytest.raises(ValueError, match=r"name: expected 1\.\.256 UTF-8 bytes, got 300"):
+        buf.put("k", {"n" * 300: torch.zeros(2)})
+    with pytest.raises(TypeError, match="cannot travel on the wire"):
+        buf.put("k", {"x": torch.zeros(2, dtype=torch.complex32)})
+    assert len(buf) == 0 and buf.stats()["puts"] == 0
+
+
+@pytest.mark.timeout(30)
+def test_put_waiting_for_room_wakes_when_an_entry_expires():
+    """An expiring entry makes room: put waits until then, not until its own deadline."""
+    buf = KVBuffer(100, ttl_s=0.3)
+    buf.put("old", _t(100))
+    t0 = time.monotonic()
+    buf.put("new", _t(100), timeout_s=10)
+    assert time.monotonic() - t0 < 2
+    s = buf.stats()
+    assert s["expirations"] == 1 and "new" in buf and _accounted(s)
 
 
 @pytest.mark.timeout(30)
@@ -210,6 +240,35 @@ def test_match_prefix_longest_block_prefix():
     assert buf.match_prefix(list(range(6))) == (4, "A")
     s = buf.stats()
     assert s["prefix_hits"] == 5 and s["prefix_misses"] == 2
+
+
+@pytest.mark.timeout(60)
+def test_match_prefix_caps_tokens_and_hashes_tensors_without_lists(monkeypatch):
+    """A MATCH carried up to 4 GiB of token ids, which tolist() blew up several times over in
+    server memory: at most MAX_PREFIX_TOKENS are taken, and a tensor is hashed in place."""
+    buf = KVBuffer(1 << 20, block_size=4)
+    buf.put("A", _t(4), token_ids=torch.arange(12), max_reads=0)
+    too_many = torch.zeros(MAX_PREFIX_TOKENS + 1, dtype=torch.int64)
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("tolist() called"))
+        assert buf.match_prefix(torch.arange(14)) == (12, "A")
+        with pytest.raises(ValueError, match=rf"at most {MAX_PREFIX_TOKENS} tokens .*got "):
+            buf.match_prefix(too_many)
+    srv = buf.serve()
+    try:
+        with KVClient("127.0.0.1", srv.port, timeout_s=20) as client:
+            with pytest.raises(ValueError, match="at most"):  # refused before sending
+                client.match_prefix(too_many)
+            assert client.match_prefix(list(range(14))) == (12, "A")
+        pipe = connect_pipe("127.0.0.1", srv.port)  # a raw MATCH: the server refuses it too
+        try:
+            pipe.send("", {"token_ids": too_many}, kind=Kind.MATCH)
+            reply = pipe.recv(20)
+            assert reply.kind == Kind.ERROR and "at most" in reply.meta["error"]
+        finally:
+            pipe.close()
+    finally:
+        srv.close()
 
 
 def test_block_hashes_chain_depends_on_whole_prefix():
@@ -367,6 +426,101 @@ def test_remote_buffer_full_is_reported_and_counted():
         child.kill()
 
 
+@pytest.mark.timeout(60)
+def test_entry_a_consumer_cannot_receive_is_refused_and_kept():
+    """A consumer announcing stricter limits (rank <= 2) gets an error for a 3-D entry before
+    anything is sent: its connection stays up, and the producer counts no delivery (it used to
+    send the entry, break the consumer's pipe and claim the entry as delivered)."""
+    buf = KVBuffer(1 << 20)
+    cube = torch.arange(24.0).reshape(2, 3, 4)
+    buf.put("k", {"x": cube})
+    srv = buf.serve()
+    try:
+        with KVClient("127.0.0.1", srv.port, timeout_s=20, limits=WireLimits(max_ndim=2)) as c:
+            with pytest.raises(RemoteError, match=r"expected ndim <= 2, got 3"):
+                c.get("k")
+            c.put("flat", {"y": torch.ones(3)})
+            assert c.stats()["connects"] == 1
+        s = buf.stats()
+        assert (s["entries"], s["claimed"], s["failed_deliveries"]) == (2, 0, 1)
+        with KVClient("127.0.0.1", srv.port, timeout_s=20) as c:
+            assert torch.equal(c.get("k")[0]["x"], cube)
+    finally:
+        srv.close()
+
+
+class _CountingBuffer(KVBuffer):
+    """Sets ``all_out`` once ``n`` deliveries have started."""
+
+    def __init__(self, n, *a, **kw):
+        super().__init__(*a, **kw)
+        self.n = n
+        self.all_out = threading.Event()
+
+    def _checkout(self, key, wait_s=0.0):
+        e = super()._checkout(key, wait_s)
+        self.n -= 1
+        if self.n == 0:
+            self.all_out.set()
+        return e
+
+
+@pytest.mark.timeout(60)
+def test_server_close_shares_one_deadline_among_stalled_consumers():
+    """Three consumers stopped reading a 32 MiB reply: close(timeout_s=1) takes about 1 s, not
+    about 1 s per consumer."""
+    buf = _CountingBuffer(3, 1 << 30, max_reads=0)
+    buf.put("big", {"x": torch.zeros(32 << 20, dtype=torch.uint8)})
+    srv = buf.serve()
+    socks = []
+    try:
+        for _ in range(3):
+            s = _raw(srv)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            socks.append(s)
+            _hello(s)
+            s.sendall(encode_header(Kind.GET, "big", {"wait_ms": 0}))  # never reads the reply
+        assert buf.all_out.wait(10)
+        t0 = time.monotonic()
+        srv.close(timeout_s=1.0)
+        took = time.monotonic() - t0
+        assert took < 2.0, f"close took {took:.2f} s"
+    finally:
+        for s in socks:
+            s.close()
+        srv.close()
+    assert "big" in buf and buf.stats()["failed_deliveries"] == 3
+
+
+@pytest.mark.timeout(30)
+def test_client_close_interrupts_a_request_in_flight():
+    """close() used to wait for the request lock, i.e. for another thread's request to end."""
+    asked = threading.Event()
+    lsock = _fake_server(lambda conn, req: asked.set())  # then silent for 3 s
+    try:
+        client = KVClient("127.0.0.1", lsock.getsockname()[1], backend="socket", timeout_s=20)
+        result = []
+
+        def get():
+            try:
+                client.get("k")
+            except TransferError as e:
+                result.append(e)
+
+        t = threading.Thread(target=get)
+        t.start()
+        assert asked.wait(10)
+        t0 = time.monotonic()
+        client.close()
+        t.join(10)
+        assert time.monotonic() - t0 < 1.5
+        assert len(result) == 1 and isinstance(result[0], PipeClosedError), result
+        with pytest.raises(PipeClosedError, match="client is closed"):
+            client.get("k")
+    finally:
+        lsock.close()
+
+
 # ------------------------------------------------------------------------------------- faults
 @pytest.mark.timeout(120)
 def test_producer_killed_mid_transfer_consumer_raises_within_deadline():
@@ -487,7 +641,8 @@ def _read_frame(s) -> wire.Header | None:
 def _hello(s) -> None:
     s.sendall(encode_header(Kind.HELLO, "", {"proto": 1, "backend": "socket"}))
     ack = _read_frame(s)
-    assert ack.kind == Kind.HELLO_ACK and ack.meta == {"backend": "socket"}
+    assert ack.kind == Kind.HELLO_ACK and ack.meta["backend"] == "socket"
+    assert wire.limits_from_meta(ack.meta, wire.WireLimits(max_ndim=1)) == wire.DEFAULT_LIMITS
 
 
 def _closed_by_server(s, timeout_s=5.0) -> bool:
@@ -552,8 +707,9 @@ def test_garbage_after_handshake_is_rejected(server):
         TensorSpec("x", 6, (1 << 40,), 1 << 40),  # a 1 TiB tensor
         TensorSpec("x", 250, (4,), 4),  # unknown dtype code
         TensorSpec("x", 1, (4,), 999),  # byte count disagrees with the shape
+        TensorSpec("x", 6, (0, 1 << 40, 1 << 40), 0),  # empty, but its strides overflow torch's
     ],
-    ids=["2^40-bytes", "unknown-dtype", "bad-nbytes"],
+    ids=["2^40-bytes", "unknown-dtype", "bad-nbytes", "empty-with-huge-dims"],
 )
 def test_hostile_put_header_rejected_without_allocation(server, no_big_alloc, spec):
     s = _raw(server)
@@ -563,6 +719,19 @@ def test_hostile_put_header_rejected_without_allocation(server, no_big_alloc, sp
     s.close()
     assert no_big_alloc == []
     assert "evil" not in server.buffer
+    _still_serves(server)
+    assert server.stats()["protocol_errors"] == 1
+
+
+@pytest.mark.timeout(30)
+def test_deeply_nested_meta_is_a_protocol_error(server):
+    """60000 '[' in the meta made json raise RecursionError, which killed the reader thread: the
+    connection then stayed open and its slot taken for good."""
+    s = _raw(server)
+    _hello(s)
+    s.sendall(encode_header(Kind.GET, "k", b"[" * 60000))
+    assert _closed_by_server(s)
+    s.close()
     _still_serves(server)
     assert server.stats()["protocol_errors"] == 1
 
@@ -638,8 +807,10 @@ def _fake_server(behaviour):
         lambda key: b"HTTP/1.1 200 OK\r\n\r\n",
         lambda key: encode_header(Kind.DATA, "other-key", {}),
         lambda key: struct.pack("<4sBBHI", b"TKVT", 1, 4, 0, 1 << 31),
+        # payload announced for a process group this socket-backend pipe does not have
+        lambda key: encode_header(Kind.DATA, key, {}, [TensorSpec("x", 6, (4,), 4)]),
     ],
-    ids=["2^40-bytes", "unknown-dtype", "garbage", "wrong-key", "huge-body"],
+    ids=["2^40-bytes", "unknown-dtype", "garbage", "wrong-key", "huge-body", "not-inline"],
 )
 def test_client_rejects_hostile_replies_fast(reply, no_big_alloc):
     lsock = _fake_server(lambda conn, req: conn.sendall(reply(req.key)))

@@ -5,6 +5,7 @@ quickly; child processes (tests/_transport_helpers.py) cover real peers, killed 
 """
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -13,6 +14,7 @@ import pytest
 import torch
 from _transport_helpers import Child, assert_entry_equal, big_tensor, make_entry
 
+import connector.pipe as pipe_mod
 from connector.pipe import (
     Kind,
     PeerDeadError,
@@ -23,7 +25,7 @@ from connector.pipe import (
     TransferTimeout,
     connect_pipe,
 )
-from connector.wire import WireLimits, encode_header
+from connector.wire import WireLimits, encode_header, spec_of
 
 BACKENDS = ("gloo", "socket")
 
@@ -292,6 +294,188 @@ def test_user_errors_say_expected_and_given():
         pytest.raises(ValueError, match=r"expected <= 100 payload bytes"),
     ):
         client.send("k", {"a": torch.ones(26)})
+
+
+MIB = 1 << 20
+TOO_BIG_FOR_THE_RECEIVER = {
+    "rank-9": ({"x": torch.zeros([1] * 9)}, r"expected ndim <= 8, got 9"),
+    "name-300-bytes": (
+        {"n" * 300: torch.zeros(2)},
+        r"name: expected 1\.\.256 UTF-8 bytes, got 300",
+    ),
+    "name-70000-bytes": (
+        {"n" * 70000: torch.zeros(2)},
+        r"expected 1\.\.256 UTF-8 bytes, got 70000",
+    ),
+    "5000-tensors": (
+        {f"t{i}": torch.zeros(1) for i in range(5000)},
+        r"expected <= 4096 tensors \(limits.max_tensors\), got 5000",
+    ),
+    "table-over-1-MiB": (
+        {f"{i:0250d}": torch.zeros(1) for i in range(4000)},
+        r"header body \(key, meta, tensor table\) <= 1048576 bytes",
+    ),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", list(TOO_BIG_FOR_THE_RECEIVER))
+def test_send_refuses_what_the_receiver_would_reject_and_the_pipe_survives(case):
+    """Every wire limit is checked in send (it used to go out and break the pipe at the receiver,
+    or raise struct.error for a name over 65535 bytes)."""
+    tensors, match = TOO_BIG_FOR_THE_RECEIVER[case]
+    with pipe_pair("socket") as (server, client):
+        with pytest.raises(ValueError, match=match):
+            client.send("k", tensors)
+        assert client.broken is None
+        client.send("next", {"x": torch.ones(3)})
+        m = server.recv(timeout_s=10)
+        assert m.key == "next" and torch.equal(m.tensors["x"], torch.ones(3))
+
+
+@pytest.mark.timeout(60)
+def test_send_applies_the_limits_the_peer_announced():
+    """The handshake carries each end's limits: a sender checks what its peer accepts."""
+    strict = WireLimits(max_ndim=2)
+    with pipe_pair("gloo", listener_kw={"limits": strict}) as (server, client):
+        assert client.peer_limits == strict and server.peer_limits == WireLimits()
+        cube = torch.ones(2, 2, 2)
+        with pytest.raises(ValueError, match=r"expected ndim <= 2, got 3"):
+            client.send("k", {"x": cube})
+        server.send("k", {"x": cube})  # the client accepts rank 3
+        assert torch.equal(client.recv(timeout_s=10).tensors["x"], cube)
+        client.send("k2", {"x": cube[0]})
+        assert torch.equal(server.recv(timeout_s=10).tensors["x"], cube[0])
+
+
+@pytest.mark.timeout(60)
+def test_an_unexpected_reader_error_breaks_the_pipe_at_once(monkeypatch):
+    """Whatever the reader thread raises (torch raised RuntimeError for a shape overflowing its
+    strides) breaks the pipe and wakes recv; the reader used to die silently, recv to wait on."""
+
+    def boom(*args):
+        raise RuntimeError("boom")
+
+    with pipe_pair("socket") as (server, client):
+        monkeypatch.setattr(pipe_mod, "_read_inline_payload", boom)
+        client.send("k", {"x": torch.ones(3)})
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="RuntimeError: boom"):
+            server.recv(timeout_s=20)
+        assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.timeout(60)
+def test_reader_queues_at_most_the_byte_budget():
+    """Without recv calls the reader reads ahead, but holds at most ``max_queued_bytes`` of inline
+    payload (always one message): a peer could park 64 frames of up to 4 GiB each."""
+    x = torch.ones(16 * MIB, dtype=torch.uint8)  # beyond the budget and the socket buffers
+    with pipe_pair("socket", max_queued_bytes=MIB) as (server, client):
+        for i in range(3):
+            client.send(f"m{i}", {"x": x})
+        with pytest.raises(TransferTimeout):  # the receiver holds one, so the rest cannot leave
+            client.flush(timeout_s=1.0)
+        assert len(server._inbox) == 1 and server._queued_bytes == x.numel()
+        for i in range(3):
+            m = server.recv(timeout_s=20)
+            assert m.key == f"m{i}" and torch.equal(m.tensors["x"], x)
+        assert server._queued_bytes == 0
+
+
+class _PostSpy:
+    """A process group whose ``recv`` reports when a receive is posted."""
+
+    def __init__(self, pg):
+        self._pg = pg
+        self.posted = threading.Event()
+
+    def recv(self, *args):
+        work = self._pg.recv(*args)
+        self.posted.set()
+        return work
+
+    def __getattr__(self, name):
+        return getattr(self._pg, name)
+
+
+@pytest.mark.timeout(60)
+def test_nothing_lands_in_out_after_recv_gave_up_on_close():
+    """close() from another thread ends a recv(out=...) whose payload is late. The gloo receive
+    into the caller's tensor is cancelled before recv raises: the late payload must not land there
+    (it did, up to recv's deadline, after recv had raised and close had returned)."""
+    with pipe_pair("gloo") as (server, client):
+        x = torch.full((MIB,), 7, dtype=torch.uint8)
+        # the header as the sender thread writes it, the payload held back (a slow peer)
+        header = encode_header(Kind.MSG, "k", {}, [spec_of("x", x)])
+        pipe_mod._send_all(client._sock, header, time.monotonic() + 5, "header")
+        spy = server.process_group = _PostSpy(server.process_group)
+        out = torch.zeros_like(x)
+        errors = []
+
+        def receive():
+            try:
+                server.recv(timeout_s=30, out={"x": out})
+            except TransferError as e:
+                errors.append(e)
+
+        t = threading.Thread(target=receive)
+        t.start()
+        assert spy.posted.wait(10)
+        server.close(timeout_s=0.5)
+        t.join(10)
+        assert len(errors) == 1 and isinstance(errors[0], PipeClosedError), errors
+        with contextlib.suppress(RuntimeError):  # the late payload (its connection is gone)
+            client.process_group.send([x], client.peer_rank, 0).wait()
+        server._waiter.join(10)  # it ends once the receive it waited for ended either way
+        assert not server._waiter.is_alive()
+        assert int(out.count_nonzero()) == 0, "the late payload landed in the caller's tensor"
+
+
+@pytest.mark.timeout(60)
+def test_close_inside_on_done_ends_every_thread():
+    """on_done runs on the sender thread; close() there used to raise 'cannot join current
+    thread' half-way, leaving the reader and waiter threads behind."""
+    with pipe_pair("gloo") as (server, client):
+        closed = threading.Event()
+        errors = []
+
+        def on_done(exc):
+            try:
+                client.close(timeout_s=1)
+            except BaseException as e:
+                errors.append(e)
+            closed.set()
+
+        client.send("k", {"x": torch.ones(4)}, on_done=on_done)
+        assert closed.wait(10)
+        assert errors == []
+        for t in (client._sender, client._reader, client._waiter):
+            t.join(10)
+            assert not t.is_alive(), t.name
+        assert server.recv(timeout_s=10).key == "k"
+        with pytest.raises(PipeClosedError, match="peer closed the pipe"):  # its goodbye came
+            server.recv(timeout_s=10)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_closed_listeners_release_store_and_descriptors():
+    """close() releases the listener's TCPStore server and its wake pipe (about 11 descriptors
+    per listener stayed open for as long as the object lived)."""
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    PipeListener(backend="gloo").close()  # first-use allocations of the store
+    before = fds()
+    kept = [PipeListener(backend="gloo") for _ in range(5)]
+    ports = [listener._store.port for listener in kept]
+    for listener in kept:
+        listener.close()
+    assert fds() - before < len(kept)
+    for port in ports:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
 
 
 # ------------------------------------------------------------------------------- real processes

@@ -31,6 +31,24 @@ def test_cpus_the_process_may_not_use_are_refused():
     assert transfer_cpus() is None
 
 
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (["0"], TypeError, r"expected int CPU ids, got '0'"),
+        ([True], TypeError, r"expected int CPU ids, got True"),
+        (3, TypeError, r"expected an iterable of int CPU ids, got int"),
+        ([-1], ValueError, r"expected one or more CPU ids >= 0, got \[-1\]"),
+        ([], ValueError, r"expected one or more CPU ids >= 0, got \[\]"),
+    ],
+)
+def test_bad_cpu_ids_are_refused(bad, error, match):
+    """Such ids used to be accepted (the probe thread died of them unseen) and then killed every
+    transfer thread at its first line."""
+    with pytest.raises(error, match=match):
+        set_transfer_cpus(bad)
+    assert transfer_cpus() is None
+
+
 def _affinity(thread: threading.Thread) -> set[int]:
     with open(f"/proc/self/task/{thread.native_id}/status") as f:
         line = next(ln for ln in f if ln.startswith("Cpus_allowed_list:"))
@@ -68,10 +86,11 @@ def test_server_and_client_threads_run_on_the_transfer_cpus():
     assert os.sched_getaffinity(0) == before
 
 
-def test_a_thread_that_cannot_move_still_runs(monkeypatch, caplog):
+@pytest.mark.parametrize("cpus", [[100000], [-1]], ids=["cpu-taken-away", "invalid-id"])
+def test_a_thread_that_cannot_move_still_runs(monkeypatch, caplog, cpus):
     import connector.threads as threads_mod
 
-    monkeypatch.setattr(threads_mod, "_cpus", frozenset([100000]))  # as if taken away since
+    monkeypatch.setattr(threads_mod, "_cpus", frozenset(cpus))  # e.g. taken away since checked
     ran = []
     t = threads_mod.transfer_thread(ran.append, "tkv-test", (1,))
     t.start()

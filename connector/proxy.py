@@ -80,7 +80,8 @@ Errors (JSON bodies shaped like vLLM's ``{"error": {"message", "type", "param", 
 
 Every request gets an id: the client's ``X-Request-Id`` header or a new ``pd-<hex>``. It is sent as
 ``X-Request-Id`` to both backends (vLLM uses it in its own request ids and logs) and returned to the
-client. The client's ``Authorization`` header is forwarded to both backends. One log line per request
+client. The client's ``Authorization`` header and W3C trace context (``traceparent``,
+``tracestate``) are forwarded to both backends. One log line per request
 at INFO: id, prefill server and milliseconds, decode server and time to first byte in milliseconds,
 ``transfer_id`` when the params have one, final status; streams log their end too.
 
@@ -115,6 +116,10 @@ logger = logging.getLogger("tritonkv.proxy")
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
+
+# Client headers passed on to both backends: credentials and W3C trace context (vLLM's tracing
+# continues the client's trace from them).
+_FORWARDED = ("Authorization", "traceparent", "tracestate")
 
 # Fields removed from the prefill body: one sequence, one token, no streaming.
 _PREFILL_DROP = ("stream_options", "best_of", "min_tokens")
@@ -389,9 +394,10 @@ class PDProxy:
     def _headers(self, request: Request, req_id: str) -> dict[str, str]:
         """Returns the headers sent to both backends for one client request."""
         headers = {"Content-Type": "application/json", "X-Request-Id": req_id}
-        auth = request.headers.get("authorization")
-        if auth:
-            headers["Authorization"] = auth
+        for name in _FORWARDED:
+            value = request.headers.get(name)
+            if value:
+                headers[name] = value
         return headers
 
     async def generate(self, request: Request, path: str) -> Response:

@@ -324,6 +324,8 @@ def decode_meta(raw: bytes) -> dict:
     for k, v in meta.items():
         if not isinstance(v, _META_TYPES):
             raise ProtocolError(f"meta[{k!r}]: expected a scalar, got {type(v).__name__}")
+        if isinstance(v, float) and not math.isfinite(v):  # e.g. 1e999: senders never send it
+            raise ProtocolError(f"meta[{k!r}]: expected a finite number, got {v}")
     return meta
 
 

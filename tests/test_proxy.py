@@ -212,8 +212,11 @@ def test_non_streaming(stack: Stack, path: str) -> None:
     extra = {"max_completion_tokens": 21} if path.endswith("chat/completions") else {}
     body = _body(path, max_tokens=17, n=1, min_tokens=2, **extra)
     with stack.main.client() as c:
+        trace = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
         r = c.post(
-            path, json=body, headers={"X-Request-Id": "req-abc", "Authorization": "Bearer k"}
+            path,
+            json=body,
+            headers={"X-Request-Id": "req-abc", "Authorization": "Bearer k", **trace},
         )
     assert r.status_code == 200, r.text
     assert r.headers["x-request-id"] == "req-abc"
@@ -229,12 +232,14 @@ def test_non_streaming(stack: Stack, path: str) -> None:
     assert pre.body == expected_pre
     assert pre.headers["x-request-id"] == "req-abc"
     assert pre.headers["authorization"] == "Bearer k"
+    assert pre.headers["traceparent"] == trace["traceparent"] and "tracestate" not in pre.headers
 
     [issued] = stack.p0.issued
     [dec] = stack.d0.received
     assert dec.path == path
     assert dec.body == {**body, "kv_transfer_params": issued}  # original max_tokens, exact params
     assert dec.headers["x-request-id"] == "req-abc"
+    assert dec.headers["traceparent"] == trace["traceparent"]
     assert out["kv_transfer_params"] == issued  # the fake decode echoes what it got
 
     # One log line per request with the timings and the transfer id.

@@ -101,6 +101,7 @@ BAD_HEADERS = {
     "meta-not-object": lambda: _header([], meta=b"[1,2]"),
     "meta-nested": lambda: _header([], meta=b'{"a":{"b":1}}'),
     "meta-nan": lambda: _header([], meta=b'{"a":NaN}'),
+    "meta-overflowing-number": lambda: _header([], meta=b'{"a":-1e999}'),
     "key-not-utf8": lambda: (lambda h: h[:14] + b"\xff" + h[15:])(_header([], key="abc")),
 }
 

@@ -26,6 +26,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -382,6 +383,10 @@ class Runner:
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
 
+    def drop_point(self) -> None:
+        """Forget the current plan's buffers and point (after a failure)."""
+        self._buffers = self._point = None
+
     def _get_point(self, plan: Plan, x: int) -> Point:
         if self._buffers is None or self._buffers[0] != plan:
             self._buffers = self._point = None
@@ -571,13 +576,19 @@ def main(argv: list[str] | None = None) -> int:
     plans = suite(name, args.dry_run)
     if args.only:
         plans = [p for p in plans if p.op in args.only.split(",")]
-    if combined:
-        lines = launch_check(args.dry_run)
-        (outdir / "profile.txt").write_text("\n".join(lines) + "\n")
-        print(lines[0])
+    failed = []  # one failure must not cost the other figures: each step is tried on its own
     for plan in plans:
-        runner.run(plan)
+        if not _attempt(f"{plan.op} {plan.sweep} {plan.case}", failed, runner.run, plan):
+            runner.drop_point()  # a half-built point must not serve the next plan
+        if combined:  # the CSV so far, in case a later step hangs until the script's timeout
+            common.finish_rows(runner.rows, st)
+            common.write_csv(runner.rows, outdir / "bench.csv")
         sys.stdout.flush()
+    if combined:  # after the plans, whose first launch of each key autotuned at its largest size
+        lines = _attempt("launch check", failed, launch_check, args.dry_run)
+        if lines:
+            (outdir / "profile.txt").write_text("\n".join(lines) + "\n")
+            print(lines[0])
     written = write_results(runner.rows, outdir, st, combined)
     if combined:
         (outdir / "autotune.json").write_text(
@@ -596,7 +607,20 @@ def main(argv: list[str] | None = None) -> int:
             f"{_stamp_line(st)}\n{load}\n" + "\n".join(lines) + "\n"
         )
     print("wrote:", ", ".join(str(p) for p in written))
-    return 0
+    if failed:
+        print(f"FAILED steps ({len(failed)}): {', '.join(failed)} (tracebacks above)")
+    return 1 if failed else 0
+
+
+def _attempt(what: str, failed: list[str], fn, *args):
+    """``fn(*args)``, or None after printing the traceback and adding ``what`` to ``failed``."""
+    try:
+        return fn(*args)
+    except Exception:
+        print(f"FAILED: {what}:", flush=True)
+        traceback.print_exc()
+        failed.append(what)
+        return None
 
 
 if __name__ == "__main__":

@@ -73,6 +73,25 @@ def test_gpu_check_outputs_dry_run(tmp_path):
     assert len(list(tmp_path.iterdir())) <= 8
 
 
+def test_gpu_check_keeps_what_it_measured_when_a_step_fails(tmp_path, monkeypatch, capsys):
+    """A step that raises (here the first plan) is reported and the run goes on: the other
+    plans' rows, the launch check and the files are still written, and the exit status is 1."""
+    real_run = bench_kv.Runner.run
+
+    def run(self, plan):
+        if plan.sweep == "tokens":
+            raise RuntimeError("boom")
+        return real_run(self, plan)
+
+    monkeypatch.setattr(bench_kv.Runner, "run", run)
+    argv = ["--suite", "gpu-check", "--dry-run", "--only", "pack_kv", "--outdir", str(tmp_path)]
+    assert bench_kv.main(argv) == 1
+    assert "FAILED steps (1): pack_kv tokens tiny/NHD" in capsys.readouterr().out
+    rows = _rows(tmp_path / "bench.csv")
+    assert rows and {r["sweep"] for r in rows} == {"seqs"}
+    assert "pack_kv" in (tmp_path / "profile.txt").read_text()
+
+
 def test_suites_are_well_formed():
     for name in ("cpu", "gpu", "gpu-check"):
         plans = bench_kv.suite(name)

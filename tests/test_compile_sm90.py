@@ -31,3 +31,23 @@ def test_kernels_compile_for_sm90_with_vector_accesses(tmp_path):
         # 16-byte vector loads and stores of the copied data (v2 of 8-byte elements).
         assert any(".v2.b64" in op or ".v4.b32" in op for op in v["loads"]), v
         assert any(".v2.b64" in op or ".v4.b32" in op for op in v["stores"]), v
+
+
+@pytest.mark.parametrize("setting,count", [(None, 13), ("1", 13), ("0", 1)])
+def test_autotune_configs_and_the_switch_that_turns_tuning_off(monkeypatch, setting, count):
+    """13 launch configs (one pipeline stage each) to tune on a GPU, or the one default config
+    with ``TRITONKV_AUTOTUNE=0`` (and always under the interpreter)."""
+    from tritonkv import _common
+
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    if setting is None:
+        monkeypatch.delenv("TRITONKV_AUTOTUNE", raising=False)
+    else:
+        monkeypatch.setenv("TRITONKV_AUTOTUNE", setting)
+    configs = _common.autotune_configs()
+    assert len(configs) == count
+    assert len({str(c) for c in configs}) == count
+    if count == 1:
+        assert configs[0].kwargs == {"BLOCK_T": 16} and configs[0].num_warps == 4
+    else:
+        assert all(c.num_stages == 1 for c in configs)

@@ -56,6 +56,30 @@ def test_roundtrip_on_cuda(layout, dtype):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("seq_ids", [None, [2, 0]], ids=["all", "some"])
+def test_non_contiguous_index_tensors_on_cuda(seq_ids):
+    """Index tensors that are columns of bigger ones, already on the GPU (int64 offsets stay as
+    they are there): the kernels read index tensors with stride 1, so they must get contiguous
+    ones. The values between the columns are valid, so a stride-1 read gives wrong rows."""
+    raw, layers = make_cache("flash_attn_nhd", torch.float16, num_layers=3, head_size=12)
+
+    def every_other(t):
+        return torch.stack([t, t.flip(0)], 1)[:, 0]
+
+    slots, qsl = every_other(_slots()), every_other(QSL.long())
+    assert not (slots.is_contiguous() or qsl.is_contiguous())
+    ids = range(3) if seq_ids is None else seq_ids
+    packed, _ = pack_kv(layers, slots, qsl, seq_ids)
+    expected = loop_pack(layers, slots.cpu(), qsl.cpu(), ids)
+    assert_bits_equal(packed.cpu(), expected, "pack")
+    dst_raw, dst_layers = like_with_sentinel(raw, "flash_attn_nhd")
+    exp_raw, exp_layers = like_with_sentinel(raw, "flash_attn_nhd")
+    unpack_kv(packed, dst_layers, slots, qsl, seq_ids)
+    loop_unpack(packed, exp_layers, slots.cpu(), qsl.cpu(), ids)
+    for got, want in zip(storage_bits(dst_raw), storage_bits(exp_raw), strict=True):
+        assert torch.equal(got.cpu(), want.cpu())
+
+
 def test_large_batch_matches_torch_twin():
     """Thousands of tokens, 32 layers, bf16 HND: the kernel equals the twin bit for bit."""
     from tritonkv import pack_kv_torch

@@ -158,20 +158,6 @@ def test_device_index_is_contiguous(dtype, last_only, seq_ids):
     assert torch.equal(got.src_start[: got.num_sel], want.src_start)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_non_contiguous_index_tensors_on_cuda(monkeypatch):
-    """The same on the GPU path, where offsets stay on the device (int64: no dtype copy)."""
-    import kv_cases
-
-    monkeypatch.setattr(kv_cases, "DEVICE", "cuda")
-    monkeypatch.setenv("TRITONKV_BACKEND", "auto")
-    slots = _every_other(_slots(20, 48, seed=14, pad=(5,)).cuda())
-    qsl = _every_other(SEED_QSL.long().cuda())
-    _roundtrip("flash_attn_nhd", torch.float16, slots, qsl, None)
-    _roundtrip("flash_attn_nhd", torch.float16, slots, qsl, _every_other(torch.tensor([2, 0])))
-
-
 def test_seq_ids_must_be_a_sequence(backend):
     """An iterator would be used up by the type check and then select nothing: rejected. Any
     sequence of ints (tuple, range) works like a list."""

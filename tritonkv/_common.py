@@ -63,21 +63,31 @@ def checks_enabled(*tensors: object) -> bool:
 
 
 def autotune_configs(**fixed) -> list[triton.Config]:
-    """Launch configs for the copy kernels: tokens per program × warps (one config when interpreting).
+    """Launch configs for the copy kernels: tokens per program × warps.
+
+    One config (16 tokens, 4 warps) when interpreting, or when ``TRITONKV_AUTOTUNE=0`` is set
+    before tritonkv is imported (no tuning pauses, e.g. for correctness tests); otherwise 13,
+    among which Triton's autotuner picks per key at the key's first launch. One pipeline stage:
+    the kernels have no loop whose loads could be pipelined.
 
     Args:
         fixed: extra constexprs every config carries (none today; kept for kernels that tile a
             second dimension).
     """
-    if interpreting():
+    if interpreting() or os.environ.get("TRITONKV_AUTOTUNE", "1").strip() == "0":
         return [triton.Config({"BLOCK_T": 16, **fixed}, num_warps=4)]
     return [
-        triton.Config({"BLOCK_T": block_t, **fixed}, num_warps=warps, num_stages=stages)
+        triton.Config({"BLOCK_T": block_t, **fixed}, num_warps=warps, num_stages=1)
         for block_t in (4, 8, 16, 32, 64)
         for warps in (2, 4, 8)
-        for stages in (1, 2)
         if not (block_t >= 32 and warps == 2)
     ]
+
+
+def autotune_bench(fn, quantiles=None):
+    """How the autotuner times a config: 5 ms warm-up, 25 ms of runs (Triton's default, 25 + 100
+    ms, makes the first launch of each key pause for seconds on a serving GPU)."""
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
 
 def check_index(name: str, t: torch.Tensor | None, *, allow_none: bool = True) -> None:

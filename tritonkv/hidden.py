@@ -18,6 +18,7 @@ from ._common import (
     SeqIndex,
     _flat_token,
     as_int,
+    autotune_bench,
     autotune_configs,
     checks_enabled,
     seq_index,
@@ -28,7 +29,9 @@ from ._common import (
 __all__ = ["pack_hidden", "pack_hidden_torch", "unpack_hidden", "unpack_hidden_torch"]
 
 
-@triton.autotune(configs=autotune_configs(), key=["hidden_size", "BLOCK_H", "UNPACK"])
+@triton.autotune(
+    configs=autotune_configs(), key=["hidden_size", "BLOCK_H", "UNPACK"], do_bench=autotune_bench
+)
 @triton.jit(do_not_specialize=["num_rows", "num_sel", "search_steps"])
 def _hidden_copy_kernel(
     hidden_ptr,  # [num_tokens, hidden_size] integer view, any strides

@@ -29,6 +29,7 @@ from ._common import (
     SeqIndex,
     _flat_token,
     as_int,
+    autotune_bench,
     autotune_configs,
     check_index,
     checks_enabled,
@@ -107,10 +108,12 @@ def _copy_heads(
         packed_rows += HEAD_SIZE
 
 
-_KEY = ["num_kv_heads", "HEAD_SIZE", "HAS_V", "UNPACK"]
+# stride_kh tells the layouts apart (head_size for NHD, block_size * head_size for HND, ...): it
+# does not change with the number of blocks, so a cache does not retune as it grows.
+_KEY = ["num_kv_heads", "HEAD_SIZE", "HAS_V", "UNPACK", "stride_kh"]
 
 
-@triton.autotune(configs=autotune_configs(), key=_KEY)
+@triton.autotune(configs=autotune_configs(), key=_KEY, do_bench=autotune_bench)
 @triton.jit(do_not_specialize=["num_rows", "num_sel", "search_steps"])
 def _kv_copy_kernel(
     cache_ptr,  # [*] integer view of the first layer's K: base of every address

@@ -417,7 +417,9 @@ class Runner:
         if point.timings is not None:
             p50, p20, p80 = point.timings[provider]
         else:
-            p50, p20, p80 = common.bench(point.fns[provider], quick=self.quick)
+            p50, p20, p80 = common.bench(
+                point.fns[provider], quick=self.quick, wall=sweep == "seqs"
+            )
         gbps = frac_copy = vs_loop = None
         if sweep == "tokens":
             gbps = 2 * point.bytes / (p50 * 1e-3) / 1e9

@@ -183,18 +183,34 @@ def paired_ratio(base_ms: Sequence[float], other_ms: Sequence[float]) -> float:
     return _quantiles([b / o for b, o in zip(base_ms, other_ms, strict=True)], [0.5])[0]
 
 
-def bench(fn: Callable[[], object], *, quick: bool = False, warmed: bool = False) -> list[float]:
+def bench(
+    fn: Callable[[], object], *, quick: bool = False, warmed: bool = False, wall: bool = False
+) -> list[float]:
     """p50, p20, p80 in ms of ``fn``: ``triton.testing.do_bench`` on a GPU, :func:`cpu_bench` else.
 
     ``quick``: shorter runs (GPU: 5 ms warm-up, 20 ms of repeats; CPU: 3 repeats). ``warmed``:
-    ``fn`` has just run (CPU: no warm-up call).
+    ``fn`` has just run (CPU: no warm-up call). ``wall`` (GPU): wall time of each call followed
+    by a device synchronisation instead, so the host's launch overhead counts in full (do_bench
+    times device events after an L2 flush, behind which part of that overhead hides): the
+    measure for the small, launch-bound transfers of the seqs sweep.
     """
-    if on_gpu():
+    if on_gpu() and wall:
+        torch.cuda.synchronize()
+        fn = _synchronised(fn)
+    elif on_gpu():
         warmup, rep = (5, 20) if quick else (25, 100)
         return list(triton.testing.do_bench(fn, warmup=warmup, rep=rep, quantiles=list(QUANTILES)))
     if quick:
         return cpu_bench(fn, warmup_s=0.0, budget_s=0.0, min_reps=3, warmed=warmed)
     return cpu_bench(fn, warmed=warmed)
+
+
+def _synchronised(fn: Callable[[], object]) -> Callable[[], None]:
+    def call() -> None:
+        fn()
+        torch.cuda.synchronize()
+
+    return call
 
 
 # ------------------------------------------------------------------------------------------- rows

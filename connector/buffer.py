@@ -65,6 +65,7 @@ from connector.threads import transfer_thread
 from connector.wire import (
     DEFAULT_LIMITS,
     BufferFullError,
+    ClientBusyError,
     KeyMissError,
     Kind,
     PeerDeadError,
@@ -82,6 +83,7 @@ __all__ = [
     "FULL_POLICIES",
     "MAX_PREFIX_TOKENS",
     "BufferFullError",
+    "ClientBusyError",
     "KVBuffer",
     "KVClient",
     "KVServer",
@@ -811,7 +813,7 @@ class KVClient:
         deadline = t0 + timeout_s
         if not self._lock.acquire(timeout=timeout_s):
             self._c["timeouts"] += 1
-            raise TransferTimeout(
+            raise ClientBusyError(
                 "client busy with other requests", peer=self.peer, key=key, waited_s=_now() - t0
             )
         try:

@@ -85,6 +85,12 @@ client. The client's ``Authorization`` header and W3C trace context (``tracepare
 at INFO: id, prefill server and milliseconds, decode server and time to first byte in milliseconds,
 ``transfer_id`` when the params have one, final status; streams log their end too.
 
+A client that disconnects before its answer is complete has its backend calls cancelled (their
+connections close, so vLLM aborts the request), streamed or not. One case goes unnoticed: a client
+that pipelines several requests on one connection and then leaves, under uvicorn's default
+httptools parser (which marks only the last queued request disconnected); that request then runs
+to completion or to its timeout.
+
 SIGINT/SIGTERM stop the server gracefully: no new connections, in-flight requests get up to
 ``--shutdown-timeout-s`` to finish, the outbound HTTP session is closed, exit status 0.
 

@@ -135,10 +135,12 @@ from vllm.platforms import current_platform
 from vllm.v1.request import RequestStatus
 
 from connector.buffer import (
+    ClientBusyError,
     KVBuffer,
     KVClient,
     KVServer,
     PeerDeadError,
+    PipeClosedError,
     TransferError,
     TransferTimeout,
 )
@@ -347,6 +349,13 @@ class TritonKVConnector(KVConnectorBase_V1):
         self.tp_size = parallel.tensor_parallel_size
         # This engine's first port: DP engines of one producer serve side by side.
         self.engine_port = self.cfg.port + parallel.data_parallel_index * self.tp_size
+        if self.engine_port + self.tp_size > 65536:
+            raise ValueError(
+                f"tritonkv: DP engine {parallel.data_parallel_index} with TP {self.tp_size} "
+                f"would serve on ports {self.engine_port}..{self.engine_port + self.tp_size - 1}: "
+                f"expected ports below 65536, so a lower kv_connector_extra_config port than "
+                f"{self.cfg.port}"
+            )
         model = vllm_config.model_config
         self.fingerprint = "|".join(
             [
@@ -390,6 +399,7 @@ class TritonKVConnector(KVConnectorBase_V1):
             self._buffer: KVBuffer | None = None
             self._server: KVServer | None = None
             self._clients: dict[tuple[str, int], KVClient] = {}
+            self._closed = False  # shutdown() ran: no new clients
             # producers that did not answer: (host, port) -> (monotonic time, why) to retry at
             self._down: dict[tuple[str, int], tuple[float, str]] = {}
             self._load_errors: set[int] = set()
@@ -706,12 +716,24 @@ class TritonKVConnector(KVConnectorBase_V1):
             self._load(spec, t0, future.result)
         return None, set(done) or None
 
+    def _check_up(self, addr: tuple[str, int], transfer_id: str) -> None:
+        """PeerDeadError if the producer at ``addr`` timed out less than connect_timeout_s ago."""
+        retry_at, why = self._down.get(addr, (0.0, ""))
+        if time.monotonic() < retry_at:
+            raise PeerDeadError(
+                f"not tried: this producer timed out ({why}) less than connect_timeout_s "
+                f"({self.cfg.connect_timeout_s:g} s) ago",
+                peer=f"{addr[0]}:{addr[1]}",
+                key=transfer_id,
+            )
+
     def _release(self, releases: list[ReleaseSpec]) -> None:
         """Have the producers drop entries no request here will load (on a thread of its own:
         a dead producer costs the connect deadline, which the worker must not wait out)."""
         for spec in releases:
             port = spec.port + self._tp_rank
             try:
+                self._check_up((spec.host, port), spec.transfer_id)
                 client = self._client(spec.host, port)
                 dropped = client.discard(spec.transfer_id, timeout_s=self.cfg.connect_timeout_s)
             except Exception as exc:  # whatever it is, the entry's TTL drops it later
@@ -737,6 +759,8 @@ class TritonKVConnector(KVConnectorBase_V1):
             return self._client_locked(host, port)
 
     def _client_locked(self, host: str, port: int) -> KVClient:
+        if self._closed:  # a release or async fetch still running after shutdown
+            raise PipeClosedError("connector shut down", peer=f"{host}:{port}")
         client = self._clients.get((host, port))
         if client is None:
             client = KVClient(
@@ -759,20 +783,15 @@ class TritonKVConnector(KVConnectorBase_V1):
         """
         t0 = time.perf_counter()
         addr = (spec.host, spec.port + self._tp_rank)
-        retry_at, why = self._down.get(addr, (0.0, ""))
-        if time.monotonic() < retry_at:
-            raise PeerDeadError(
-                f"not tried: this producer failed {why} less than connect_timeout_s "
-                f"({self.cfg.connect_timeout_s:g} s) ago",
-                peer=f"{addr[0]}:{addr[1]}",
-                key=spec.transfer_id,
-            )
+        self._check_up(addr, spec.transfer_id)
         try:
             tensors, meta = self._client(*addr).get(spec.transfer_id)
-        except (PeerDeadError, TransferTimeout) as exc:
-            # Every further load from it would stall the same way (a sync load stalls the whole
-            # decode batch): fail them at once for a while, then try again.
-            self._down[addr] = (time.monotonic() + self.cfg.connect_timeout_s, f"({exc.detail})")
+        except TransferTimeout as exc:
+            # A producer that did not connect or answer in time: every further load from it
+            # would stall the same way (a sync load stalls the whole decode batch), so they fail
+            # at once for a while. Not for a client busy with this worker's own requests.
+            if not isinstance(exc, ClientBusyError):
+                self._down[addr] = (time.monotonic() + self.cfg.connect_timeout_s, exc.detail)
             raise
         self._down.pop(addr, None)
         wire = meta.get("wire")
@@ -953,8 +972,12 @@ class TritonKVConnector(KVConnectorBase_V1):
         for pool in (getattr(self, "_pool", None), getattr(self, "_release_pool", None)):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
-        for client in getattr(self, "_clients", {}).values():
-            client.close()
+        if hasattr(self, "_clients"):
+            with self._lock:  # load and release threads may still be adding clients
+                self._closed = True
+                clients = list(self._clients.values())
+            for client in clients:
+                client.close()
         if getattr(self, "_server", None) is not None:
             self._server.close()
             self._server = None

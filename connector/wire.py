@@ -96,6 +96,11 @@ class TransferTimeout(TransferError):
     """A deadline expired (the pipe that timed out is closed: a late reply cannot desync it)."""
 
 
+class ClientBusyError(TransferTimeout):
+    """A client's other requests held it past this one's deadline (nothing was sent: the peer may
+    be fine)."""
+
+
 class PeerDeadError(TransferError):
     """The peer went away: socket closed or reset without a goodbye, or its data link broke."""
 

@@ -181,6 +181,7 @@ def _worker(vc, caches, block_size, *, producer, wire="auto", async_load=False):
         _pool=None,
         _release_pool=None,
         _clients={},
+        _closed=False,
         _down={},
         _buffer=None,
         _load_errors=set(),
@@ -449,7 +450,7 @@ def test_releases_drop_unused_entries_on_the_producer_off_the_worker_thread(vc):
     base = free_port_run(2)
     buffer = KVBuffer(1 << 20)
     server = KVServer(buffer, "127.0.0.1", base + 1, backend="gloo")
-    for key in ("unused", "kept"):
+    for key in ("unused", "kept", "late"):
         buffer.put(key, {"kv": torch.zeros(4)})
     conn = _worker(vc, _caches(NHD), 4, producer=False)
     conn._tp_rank = 1
@@ -469,6 +470,10 @@ def test_releases_drop_unused_entries_on_the_producer_off_the_worker_thread(vc):
             buffer.take("unused")
         assert torch.equal(buffer.take("kept")[0]["kv"], torch.zeros(4))
         assert len(callers) == 1 and callers[0] is not threading.current_thread()
+        conn.shutdown()
+        real_release([vc.ReleaseSpec("late", "127.0.0.1", base)])  # e.g. a batch still running
+        assert torch.equal(buffer.take("late")[0]["kv"], torch.zeros(4)), "released after shutdown"
+        assert all(c._closed for c in conn._clients.values())
     finally:
         conn.shutdown()
         server.close()
@@ -482,7 +487,7 @@ def test_a_producer_that_timed_out_is_not_asked_again_for_a_while(vc):
     import time
     from types import SimpleNamespace
 
-    from connector.buffer import TransferTimeout
+    from connector.buffer import ClientBusyError, TransferTimeout
     from tritonkv import layouts, pack_kv
 
     block_size = 4
@@ -495,6 +500,8 @@ def test_a_producer_that_timed_out_is_not_asked_again_for_a_while(vc):
             asked.append(port)
             if port == 1:
                 raise TransferTimeout("deadline passed", peer=f"{host}:{port}", key=transfer_id)
+            if port == 3:  # this worker's own requests held the client: the producer is fine
+                raise ClientBusyError("client busy", peer=f"{host}:{port}", key=transfer_id)
             return {"kv": packed}, {"wire": "tokens"}
 
         return SimpleNamespace(get=get)
@@ -510,8 +517,9 @@ def test_a_producer_that_timed_out_is_not_asked_again_for_a_while(vc):
         conn.start_load_kv(SimpleNamespace())
         return conn.get_block_ids_with_load_errors()
 
-    assert load(1, 1, 2, 1) == {0, 1, 3}
-    assert asked == [1, 2], "the producer that timed out was asked again at once"
+    assert load(1, 1, 2, 1, 3, 3) == {0, 1, 3, 4, 5}
+    assert asked == [1, 2, 3, 3], "the producer that timed out was asked again at once"
+    asked.clear()
     time.sleep(0.35)
     assert load(1) == {0}
-    assert asked == [1, 2, 1], "the producer was not asked again after connect_timeout_s"
+    assert asked == [1], "the producer was not asked again after connect_timeout_s"

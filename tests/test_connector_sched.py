@@ -267,7 +267,8 @@ def test_prompt_embeds_are_not_handed_off_and_never_crash_the_scheduler(vllm_mod
 
 def test_data_parallel_engines_serve_side_by_side_and_say_where(vllm_mods):
     """DP engine d of a TP-2 producer serves from port + 2 d and hands that port off; pipeline
-    parallelism (stages with other layers, which transfers do not tell apart) is refused."""
+    parallelism (stages with other layers, which transfers do not tell apart) and context
+    parallelism (a prompt's tokens spread over ranks) are refused."""
     from types import SimpleNamespace
 
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -292,4 +293,8 @@ def test_data_parallel_engines_serve_side_by_side_and_say_where(vllm_mods):
 
     config.parallel_config.pipeline_parallel_size = 2
     with pytest.raises(ValueError, match="pipeline_parallel_size 2 is not supported"):
+        TritonKVConnector(config, KVConnectorRole.SCHEDULER)
+    config.parallel_config.pipeline_parallel_size = 1
+    config.parallel_config.decode_context_parallel_size = 2
+    with pytest.raises(ValueError, match="decode_context_parallel_size 2 is not supported"):
         TritonKVConnector(config, KVConnectorRole.SCHEDULER)

@@ -161,7 +161,7 @@ def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(vc, mon
 HEAD_SIZE, SENTINEL = 8, 12345
 
 
-def _worker(vc, caches, block_size, *, producer, wire="auto", async_load=False):
+def _worker(vc, caches, block_size, *, producer, wire="auto", async_load=False, use_mla=False):
     """A worker-side connector over ``caches`` (one per layer), without an engine around it."""
     import threading
 
@@ -187,7 +187,7 @@ def _worker(vc, caches, block_size, *, producer, wire="auto", async_load=False):
         _load_errors=set(),
         _stats=vc.TritonKVStats(),
     )
-    conn._use_caches(caches, HEAD_SIZE, use_mla=False)
+    conn._use_caches(caches, HEAD_SIZE, use_mla=use_mla)
     return conn
 
 
@@ -277,6 +277,53 @@ def test_token_rows_on_request_write_only_the_needed_positions(vc):
             k_want[dst_block, :, offset] = k_src[src_block, :, offset]
             v_want[dst_block, :, offset] = v_src[src_block, :, offset]
     assert torch.equal(_bits(dst), _bits(expected))
+
+
+@pytest.mark.parametrize("wire", ["tokens", "pages"])
+def test_caches_in_kernel_blocks_smaller_than_the_scheduler_block(vc, wire):
+    """A backend whose kernel block (4 tokens here, FlashMLA's 64 on a GPU) is smaller than the
+    scheduler's (8): vLLM registers each scheduler block as two consecutive kernel blocks. A
+    13-token prompt in scheduler blocks [3, 1] lands, but for its last token, in blocks [0, 5]:
+    position p of scheduler block b is token p % 4 of kernel block 2 b + p % 8 // 4."""
+    mla = (12, 1, 4, 24)  # [kernel blocks, 1, kernel block size, latent width]
+    src, dst = _caches(mla), _caches(mla, seed=None)
+    producer = _worker(vc, src, 8, producer=True, wire=wire, use_mla=True)
+    consumer = _worker(vc, dst, 8, producer=False, use_mla=True)
+    assert (producer._layout, producer._wire) == ("mla", wire)
+    assert _transfer(vc, producer, consumer, [3, 1], [0, 5], 13, start=0) == set()
+    expected = _caches(mla, seed=None)
+    last = 16 if wire == "pages" else 12  # whole pages: the prompt's blocks, every slot
+    for src_cache, want in zip(src, expected, strict=True):
+        for pos in range(last):
+            s_block, d_block = [3, 1][pos // 8], [0, 5][pos // 8]
+            kernel_offset, token = pos % 8 // 4, pos % 4
+            want[2 * d_block + kernel_offset, 0, token] = src_cache[
+                2 * s_block + kernel_offset, 0, token
+            ]
+    assert torch.equal(_bits(dst), _bits(expected))
+
+
+def test_layers_sharing_one_cache_are_moved_once(vc):
+    """vLLM's cross-layer KV sharing registers one tensor under several layer names."""
+    from types import SimpleNamespace
+
+    a, b = _caches(NHD, num_layers=2)
+    conn = _worker(vc, [a], 4, producer=False)
+    model = SimpleNamespace(get_head_size=lambda: HEAD_SIZE, use_mla=False)
+    vars(conn).update(_vllm_config=SimpleNamespace(model_config=model), tp_size=1)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    conn.register_kv_caches(dict(zip(names, [a, b, a, b], strict=True)))
+    assert [k.data_ptr() for k, _ in conn._layers] == [
+        vc.layer_views(t, HEAD_SIZE, 4, use_mla=False)[0][0].data_ptr() for t in (a, b)
+    ]
+
+
+def test_layers_of_unlike_caches_are_refused_at_start(vc):
+    """One transfer holds every layer alike: caches that differ (DeepSeek-V3.2 registers its
+    indexer caches beside the MLA ones) are refused when registered, not at the first save."""
+    caches = _caches(NHD, num_layers=1) + _caches((2, 6, 4, 1, HEAD_SIZE), num_layers=1)
+    with pytest.raises(ValueError, match="differ in shape or dtype"):
+        _worker(vc, caches, 4, producer=True)
 
 
 @pytest.mark.parametrize(

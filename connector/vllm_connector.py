@@ -102,9 +102,10 @@ key                         default      meaning
                                          (the negative control that proves the KV is used)
 ==========================  ===========  =========================================================
 
-Hidden states are not carried: vLLM 0.32 hands a connector the paged KV cache (``save_kv_layer``)
-but not the model's hidden states, so there is no clean place to pack them from; the decode server
-recomputes the last prompt token instead, which produces them.
+Hidden states are not carried: the decode server recomputes the last prompt token instead, which
+produces them. vLLM 0.32 hands a connector the model's hidden states only through its
+``extract_hidden_states`` speculative method (a cache group of their own, with the hybrid KV cache
+manager), which this connector does not use.
 """
 
 from __future__ import annotations

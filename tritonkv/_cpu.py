@@ -20,12 +20,12 @@ own OpenMP team, and while such a thread lives, libgomp throttles every team in 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 
 import numpy as np
 import torch
@@ -44,14 +44,15 @@ class RowCopies:
     def __init__(self) -> None:
         self.torch_jobs: list[Callable[[], object]] = []
         self.numpy_jobs: list[Callable[[], object]] = []
+        self._np_index: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # one per index tensor
 
     def call(self, fn: Callable[..., object], *args: object) -> None:
         """Any other torch copy ``fn(*args)`` (runs on the calling thread)."""
-        self.torch_jobs.append(partial(fn, *args))
+        self.torch_jobs.append(functools.partial(fn, *args))
 
     def gather(self, src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
         """``out[i] = src[index[i]]`` for ``[rows, ...]`` tensors (``out`` contiguous)."""
-        self.torch_jobs.append(partial(torch.index_select, src, 0, index, out=out))
+        self.torch_jobs.append(functools.partial(torch.index_select, src, 0, index, out=out))
 
     def scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
         """``dst[index[i]] = src[i]`` for ``[rows, width]`` tensors (``src`` contiguous).
@@ -61,11 +62,15 @@ class RowCopies:
         """
         row_bytes = dst.shape[1] * dst.element_size()
         if dst.device.type == "cpu" and row_bytes <= NUMPY_MAX_ROW_BYTES:
-            row = np.dtype((np.void, row_bytes))
+            row = _void(row_bytes)
             dst_rows, src_rows = dst.numpy().view(row)[:, 0], src.numpy().view(row)[:, 0]
-            self.numpy_jobs.append(partial(dst_rows.__setitem__, index.numpy(), src_rows))
+            # every view of a group scatters with the same index: convert it once
+            if id(index) not in self._np_index:
+                self._np_index[id(index)] = (index, index.numpy())
+            np_index = self._np_index[id(index)][1]
+            self.numpy_jobs.append(functools.partial(dst_rows.__setitem__, np_index, src_rows))
         else:
-            self.torch_jobs.append(partial(dst.index_put_, (index,), src))
+            self.torch_jobs.append(functools.partial(dst.index_put_, (index,), src))
 
     def run(self, nbytes: int) -> None:
         """Run every copy; NumPy ones on up to :data:`MAX_WORKERS` threads when ``nbytes`` is big.
@@ -89,6 +94,12 @@ class RowCopies:
         for error in errors:
             if error is not None:
                 raise error
+
+
+@functools.cache
+def _void(row_bytes: int) -> np.dtype:
+    """A NumPy element of ``row_bytes`` opaque bytes (one row: a ``memcpy`` per element)."""
+    return np.dtype((np.void, row_bytes))
 
 
 def _run_all(jobs: Sequence[Callable[[], object]]) -> None:

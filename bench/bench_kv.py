@@ -383,10 +383,6 @@ class Runner:
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
 
-    def drop_point(self) -> None:
-        """Forget the current plan's buffers and point (after a failure)."""
-        self._buffers = self._point = None
-
     def _get_point(self, plan: Plan, x: int) -> Point:
         if self._buffers is None or self._buffers[0] != plan:
             self._buffers = self._point = None
@@ -580,8 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         plans = [p for p in plans if p.op in args.only.split(",")]
     failed = []  # one failure must not cost the other figures: each step is tried on its own
     for plan in plans:
-        if not _attempt(f"{plan.op} {plan.sweep} {plan.case}", failed, runner.run, plan):
-            runner.drop_point()  # a half-built point must not serve the next plan
+        # (a failed plan's buffers and point are rebuilt by the next plan: they are keyed by plan)
+        _attempt(f"{plan.op} {plan.sweep} {plan.case}", failed, runner.run, plan)
         if combined:  # the CSV so far, in case a later step hangs until the script's timeout
             common.finish_rows(runner.rows, st)
             common.write_csv(runner.rows, outdir / "bench.csv")

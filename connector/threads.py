@@ -62,9 +62,11 @@ def set_transfer_cpus(cpus: Iterable[int] | None) -> None:
         except Exception as e:  # reported to the caller below
             error.append(e)
 
-    t = threading.Thread(target=probe, name="tkv-cpu-probe")
+    t = threading.Thread(target=probe, name="tkv-cpu-probe", daemon=True)
     t.start()
-    t.join()
+    t.join(10.0)  # one system call: only a stalled machine takes this long
+    if t.is_alive():
+        raise TimeoutError(f"transfer CPUs {sorted(wanted)}: the affinity probe did not return")
     if error:
         raise ValueError(
             f"transfer CPUs {sorted(wanted)}: this process may not run there ({error[0]}); "

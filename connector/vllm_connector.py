@@ -430,8 +430,9 @@ class TritonKVConnector(KVConnectorBase_V1):
         if not self.is_consumer or not _is_handoff(params):
             return None
         problems = []
-        for key, kind in (("transfer_id", str), ("remote_host", str), ("remote_port", int),
-                          ("num_tokens", int), ("prompt_digest", str), ("fingerprint", str)):  # fmt: skip
+        if _handoff(params) is None:
+            problems.append("transfer_id, remote_host or remote_port missing or of a wrong type")
+        for key, kind in (("num_tokens", int), ("prompt_digest", str), ("fingerprint", str)):
             if not isinstance(params.get(key), kind):
                 problems.append(f"{key} missing or not {kind.__name__}")
         if not problems:

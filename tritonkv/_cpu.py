@@ -20,12 +20,12 @@ own OpenMP team, and while such a thread lives, libgomp throttles every team in 
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import cache, partial
 
 import numpy as np
 import torch
@@ -48,11 +48,11 @@ class RowCopies:
 
     def call(self, fn: Callable[..., object], *args: object) -> None:
         """Any other torch copy ``fn(*args)`` (runs on the calling thread)."""
-        self.torch_jobs.append(functools.partial(fn, *args))
+        self.torch_jobs.append(partial(fn, *args))
 
     def gather(self, src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
         """``out[i] = src[index[i]]`` for ``[rows, ...]`` tensors (``out`` contiguous)."""
-        self.torch_jobs.append(functools.partial(torch.index_select, src, 0, index, out=out))
+        self.torch_jobs.append(partial(torch.index_select, src, 0, index, out=out))
 
     def scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
         """``dst[index[i]] = src[i]`` for ``[rows, width]`` tensors (``src`` contiguous).
@@ -65,12 +65,12 @@ class RowCopies:
             row = _void(row_bytes)
             dst_rows, src_rows = dst.numpy().view(row)[:, 0], src.numpy().view(row)[:, 0]
             # every view of a group scatters with the same index: convert it once
-            if id(index) not in self._np_index:
-                self._np_index[id(index)] = (index, index.numpy())
-            np_index = self._np_index[id(index)][1]
-            self.numpy_jobs.append(functools.partial(dst_rows.__setitem__, np_index, src_rows))
+            known = self._np_index.get(id(index))
+            if known is None:  # the tensor is kept with it: its id cannot be reused meanwhile
+                known = self._np_index[id(index)] = (index, index.numpy())
+            self.numpy_jobs.append(partial(dst_rows.__setitem__, known[1], src_rows))
         else:
-            self.torch_jobs.append(functools.partial(dst.index_put_, (index,), src))
+            self.torch_jobs.append(partial(dst.index_put_, (index,), src))
 
     def run(self, nbytes: int) -> None:
         """Run every copy; NumPy ones on up to :data:`MAX_WORKERS` threads when ``nbytes`` is big.
@@ -96,7 +96,7 @@ class RowCopies:
                 raise error
 
 
-@functools.cache
+@cache
 def _void(row_bytes: int) -> np.dtype:
     """A NumPy element of ``row_bytes`` opaque bytes (one row: a ``memcpy`` per element)."""
     return np.dtype((np.void, row_bytes))

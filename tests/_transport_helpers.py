@@ -34,6 +34,9 @@ ENTRY_DTYPES = (
     torch.int64,
 )
 
+# Requests a store-style test server answers (a producer's default is GET and DISCARD only).
+STORE_REQUESTS = ("GET", "DISCARD", "PUT", "MATCH")
+
 
 def random_tensor(shape, dtype, seed: int) -> torch.Tensor:
     """Tensor with arbitrary (seeded) bit patterns: NaNs and denormals included."""
@@ -186,7 +189,8 @@ def _producer(args) -> None:
         buf.put(f"k{i}", tensors, meta)
     if args.big_mib:
         buf.put("big", {"big": big_tensor(args.big_mib)}, {"mib": args.big_mib})
-    server = buf.serve("127.0.0.1", 0, backend=args.backend)
+    # A store that tests fill remotely: PUT and MATCH too, beyond a producer's GET and DISCARD.
+    server = buf.serve("127.0.0.1", 0, backend=args.backend, allow=STORE_REQUESTS)
     print(f"READY {server.port}", flush=True)
     for line in sys.stdin:
         if line.strip() == "STATS":
@@ -262,3 +266,40 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def raw_authenticate(sock, secret: bytes | None = None) -> None:
+    """The connector's side of :mod:`connector.auth` on a raw socket (blocking, with its timeout):
+    what a hand-written client must do before its first frame."""
+    from connector import auth
+
+    def exact(n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = sock.recv(n - len(out))
+            if not chunk:
+                raise ConnectionError(f"closed after {len(out)}/{n} bytes of the auth exchange")
+            out += chunk
+        return out
+
+    required, nonce_l = auth.parse_challenge(exact(auth.CHALLENGE.size), "raw")
+    response, nonce_c = auth.respond(secret, required, nonce_l, "raw")
+    sock.sendall(response)
+    auth.check_verdict(secret, nonce_l, nonce_c, exact(auth.VERDICT.size), "raw")
+
+
+def raw_listener_authenticate(conn, secret: bytes | None = None) -> bool:
+    """The listener's side of :mod:`connector.auth` on a raw socket; True if the peer passed."""
+    from connector import auth
+
+    challenge, nonce_l = auth.challenge(secret is not None)
+    conn.sendall(challenge)
+    raw = b""
+    while len(raw) < auth.RESPONSE.size:
+        chunk = conn.recv(auth.RESPONSE.size - len(raw))
+        if not chunk:
+            return False
+        raw += chunk
+    accepted, verdict = auth.check_response(secret, nonce_l, raw)
+    conn.sendall(verdict)
+    return accepted

@@ -9,7 +9,16 @@ import time
 
 import pytest
 import torch
-from _transport_helpers import Child, assert_bits_equal, assert_entry_equal, big_tensor, make_entry
+from _transport_helpers import (
+    STORE_REQUESTS,
+    Child,
+    assert_bits_equal,
+    assert_entry_equal,
+    big_tensor,
+    make_entry,
+    raw_authenticate,
+    raw_listener_authenticate,
+)
 
 import connector.pipe as pipe_mod
 from connector import wire
@@ -254,7 +263,7 @@ def test_match_prefix_caps_tokens_and_hashes_tensors_without_lists(monkeypatch):
         assert buf.match_prefix(torch.arange(14)) == (12, "A")
         with pytest.raises(ValueError, match=rf"at most {MAX_PREFIX_TOKENS} tokens .*got "):
             buf.match_prefix(too_many)
-    srv = buf.serve()
+    srv = buf.serve(allow=STORE_REQUESTS)
     try:
         with KVClient("127.0.0.1", srv.port, timeout_s=20) as client:
             with pytest.raises(ValueError, match="at most"):  # refused before sending
@@ -434,7 +443,7 @@ def test_entry_a_consumer_cannot_receive_is_refused_and_kept():
     buf = KVBuffer(1 << 20)
     cube = torch.arange(24.0).reshape(2, 3, 4)
     buf.put("k", {"x": cube})
-    srv = buf.serve()
+    srv = buf.serve(allow=STORE_REQUESTS)
     try:
         with KVClient("127.0.0.1", srv.port, timeout_s=20, limits=WireLimits(max_ndim=2)) as c:
             with pytest.raises(RemoteError, match=r"expected ndim <= 2, got 3"):
@@ -608,7 +617,7 @@ def test_consumer_killed_producer_keeps_serving_and_keeps_the_entry():
 @pytest.fixture
 def server():
     buf = KVBuffer(64 << 20)
-    srv = buf.serve(frame_timeout_s=0.5, connect_timeout_s=2)
+    srv = buf.serve(frame_timeout_s=0.5, connect_timeout_s=2, allow=STORE_REQUESTS)
     try:
         yield srv
     finally:
@@ -616,8 +625,10 @@ def server():
 
 
 def _raw(srv) -> socket.socket:
+    """A raw connection to ``srv``, past authentication (the server has no secret)."""
     s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
     s.settimeout(5)
+    raw_authenticate(s)
     return s
 
 
@@ -784,6 +795,7 @@ def _fake_server(behaviour):
         conn, _ = lsock.accept()
         conn.settimeout(10)
         try:
+            assert raw_listener_authenticate(conn)
             hello = _read_frame(conn)
             assert hello.kind == Kind.HELLO
             conn.sendall(encode_header(Kind.HELLO_ACK, "", {"backend": "socket"}))

@@ -188,6 +188,9 @@ def _worker(
         _closed=False,
         _down={},
         _buffer=None,
+        _server=None,
+        _secret=None,
+        _auth_failures_seen=0,
         _load_errors=set(),
         _stats=vc.TritonKVStats(),
     )

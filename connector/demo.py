@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import secrets
 import signal
 import sys
 import tempfile
@@ -126,7 +127,9 @@ def main(argv=None) -> int:
 
     identical = 0
     with Cluster(workdir) as cluster:
-        producer, consumer, proxy = start_pd(cluster, model)
+        # Both servers share a fresh secret: every KV connection between them authenticates.
+        secret = {"TRITONKV_SECRET": secrets.token_hex(32)}
+        producer, consumer, proxy = start_pd(cluster, model, env=secret)
         for i, prompt in enumerate(prompts):
             rid = f"demo-{i}"
             t1 = time.monotonic()

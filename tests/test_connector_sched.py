@@ -244,6 +244,25 @@ def test_a_handoff_from_a_host_of_another_attention_isa_is_recomputed(vllm_mods,
     assert released == [handoffs["p"]["transfer_id"]]
 
 
+def test_a_producer_tp_size_whose_heads_cannot_map_is_refused_naming_why(
+    vllm_mods, handoff, caplog
+):
+    """A hand-off from a producer of TP 3 (the tiny model has 2 KV heads, which 3 ranks cannot
+    hold by vLLM's rule): no load, the prompt is recomputed, the reason is logged and the entry
+    released; a TP 2 producer's hand-off plans (each of its ranks holds one of the heads)."""
+    m = vllm_mods
+    consumer = m["scheduler"]("kv_consumer")
+    consumer.add_request(m["request"]("c3", params={**handoff, "tp_size": 3}))
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [] and out.num_scheduled_tokens == {"c3": len(PROMPT)}
+    assert "producer TP 3 with 2 KV heads" in caplog.text
+    consumer.add_request(
+        m["request"]("c2", params={**handoff, "transfer_id": "e" * 32, "tp_size": 2})
+    )
+    out, _ = m["step"](consumer)
+    assert [(s.req_id, s.producer_tp) for s in out.kv_connector_metadata.loads] == [("c2", 2)]
+
+
 def test_a_prompt_already_cached_locally_releases_the_entry(vllm_mods, handoff):
     """Two full blocks plus one token: with both blocks in the local prefix cache there is nothing
     to load (the last token is always recomputed); the producer is told to drop the entry."""

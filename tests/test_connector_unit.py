@@ -184,6 +184,8 @@ def _worker(
         _loading={},
         _pool=None,
         _release_pool=None,
+        _gather_pool=None,
+        _sliced={},
         _clients={},
         _closed=False,
         _down={},
@@ -196,6 +198,8 @@ def _worker(
         _stats=vc.TritonKVStats(),
     )
     conn._use_caches(caches, HEAD_SIZE, use_mla=use_mla)
+    # TP 1: this rank's heads are the model's
+    vars(conn).update(tp_size=1, total_kv_heads=conn._layers[0][0].shape[1], use_mla=use_mla)
     return conn
 
 
@@ -529,6 +533,7 @@ def test_an_aborted_prefill_hands_nothing_off_and_its_kv_is_dropped(vc):
         is_producer=True,
         is_consumer=False,
         fingerprint="fp",
+        tp_size=1,
         _watched={},
         _saved={"aborted": "t-aborted", "done": "t-done"},
         _discards=[],
@@ -583,14 +588,14 @@ def test_releases_drop_unused_entries_on_the_producer_off_the_worker_thread(vc):
     for key in ("unused", "kept", "late"):
         buffer.put(key, {"kv": torch.zeros(4)})
     conn = _worker(vc, _caches(NHD), 4, producer=False)
-    conn._tp_rank = 1
+    conn._tp_rank, conn.tp_size = 1, 2  # rank 1 of TP 2 asks producer rank 1 of TP 2
     callers = []
     real_release = conn._release
     conn._release = lambda specs: (callers.append(threading.current_thread()), real_release(specs))
     conn._connector_metadata = vc.TritonKVMetadata(
         releases=[
-            vc.ReleaseSpec("unused", "127.0.0.1", base),
-            vc.ReleaseSpec("elsewhere", "127.0.0.1", free_port_run(2)),  # nobody listens
+            vc.ReleaseSpec("unused", "127.0.0.1", base, 2),
+            vc.ReleaseSpec("elsewhere", "127.0.0.1", free_port_run(2), 2),  # nobody listens
         ]
     )
     try:
@@ -601,7 +606,7 @@ def test_releases_drop_unused_entries_on_the_producer_off_the_worker_thread(vc):
         assert torch.equal(buffer.take("kept")[0]["kv"], torch.zeros(4))
         assert len(callers) == 1 and callers[0] is not threading.current_thread()
         conn.shutdown()
-        real_release([vc.ReleaseSpec("late", "127.0.0.1", base)])  # e.g. a batch still running
+        real_release([vc.ReleaseSpec("late", "127.0.0.1", base, 2)])  # e.g. a batch still running
         assert torch.equal(buffer.take("late")[0]["kv"], torch.zeros(4)), "released after shutdown"
         assert all(c._closed for c in conn._clients.values())
     finally:
@@ -674,6 +679,7 @@ def test_a_producer_off_loopback_needs_a_secret_or_insecure(vc, caplog):
         vars(conn).update(cfg=cfg, engine_port=free_port_run(1), _secret=secret)
         with caplog.at_level(logging.DEBUG):
             conn._serve()
+        assert conn._server.allow == {"GET", "DISCARD"}  # consumers pull and release, nothing else
         conn._server.close()
     assert SECRET.decode() not in caplog.text
     assert "without a shared secret (insecure)" in caplog.text
@@ -710,3 +716,129 @@ def test_loads_over_authenticated_connections_and_a_wrong_secret_recomputes(vc):
         assert not torch.equal(_bits(dst), torch.full_like(_bits(dst), SENTINEL))  # t2 landed
     finally:
         producer.shutdown()
+
+
+def _tp_producers(vc, global_caches, producer_tp, base, transfer="t1"):
+    """Producer ranks of TP ``producer_tp`` (each with its KV heads of ``global_caches``, NHD
+    ``[2, B, N, H, D]``), serving on ``base + rank``, each having saved a 10-token prompt."""
+    from connector.tp_mapping import rank_heads
+
+    heads_total = global_caches[0].shape[3]
+    ranks = []
+    for rank in range(producer_tp):
+        h = rank_heads(heads_total, producer_tp, rank)
+        caches = [c[:, :, :, h.start : h.stop].clone() for c in global_caches]
+        conn = _worker(vc, caches, 4, producer=True, wire="tokens")
+        cfg = vc.ConnectorConfig(wire="tokens")
+        vars(conn).update(cfg=cfg, engine_port=base, _tp_rank=rank, tp_size=producer_tp)
+        vars(conn).update(total_kv_heads=heads_total)
+        conn._serve()
+        conn._connector_metadata = vc.TritonKVMetadata(
+            saves=[vc.SaveSpec("p", transfer, [5, 1, 3], 10)]
+        )
+        conn.wait_for_save()
+        ranks.append(conn)
+    return ranks
+
+
+def _tp_consumer(vc, global_caches, consumer_tp, rank):
+    from connector.tp_mapping import rank_heads
+
+    heads_total = global_caches[0].shape[3]
+    h = rank_heads(heads_total, consumer_tp, rank)
+    caches = [
+        torch.full_like(c[:, :, :, h.start : h.stop], 0)
+        .view(torch.int16)
+        .fill_(SENTINEL)
+        .view(torch.bfloat16)
+        for c in global_caches
+    ]
+    conn = _worker(vc, caches, 4, producer=False)
+    vars(conn).update(_tp_rank=rank, tp_size=consumer_tp, total_kv_heads=heads_total)
+    return conn, caches, h
+
+
+def _want(global_caches, heads, positions=range(9)):
+    """What a consumer rank's caches must hold: positions of the prompt (producer blocks [5, 1,
+    3] -> consumer blocks [0, 4, 2]) for its heads, the sentinel elsewhere."""
+    out = []
+    for c in global_caches:
+        want = torch.full_like(c[:, :, :, heads.start : heads.stop].view(torch.int16), SENTINEL)
+        for pos in positions:
+            s_block, d_block, off = [5, 1, 3][pos // 4], [0, 4, 2][pos // 4], pos % 4
+            want[:, d_block, off] = c[:, s_block, off, heads.start : heads.stop].view(torch.int16)
+        out.append(want)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("producer_tp,consumer_tp", [(2, 1), (1, 2), (4, 2), (2, 4)])
+def test_loads_between_unequal_tensor_parallel_sizes(vc, producer_tp, consumer_tp):
+    """Each consumer rank pulls exactly its KV heads: from one producer rank (only the heads it
+    needs, when that rank holds more) or gathered from several (one unpack each); every rank ends
+    with its heads bit-exact and nothing else written, and the producers' entries are claimed
+    once all their heads went out."""
+    from types import SimpleNamespace
+
+    from connector.launch import free_port_run
+
+    global_caches = _caches((2, 6, 4, 4, HEAD_SIZE))  # 4 KV heads
+    base = free_port_run(producer_tp)
+    producers = _tp_producers(vc, global_caches, producer_tp, base)
+    try:
+        for rank in range(consumer_tp):
+            consumer, caches, heads = _tp_consumer(vc, global_caches, consumer_tp, rank)
+            consumer._connector_metadata = vc.TritonKVMetadata(
+                loads=[vc.LoadSpec("c", "t1", "127.0.0.1", base, [0, 4, 2], 0, 9, 10, producer_tp)]
+            )
+            consumer.start_load_kv(SimpleNamespace())
+            assert consumer.get_block_ids_with_load_errors() == set()
+            assert torch.equal(_bits(caches), _want(global_caches, heads)), rank
+            data = consumer._stats.data
+            per_rank = 2 * 2 * 9 * len(heads) * HEAD_SIZE * 2  # layers, K/V, tokens, heads, D, bf16
+            assert data["bytes_loaded"] == per_rank  # its own share, no more
+            consumer.shutdown()
+        for p in producers:
+            assert p._buffer.stats()["entries"] == 0  # every head delivered: claimed
+    finally:
+        for p in producers:
+            p.shutdown()
+
+
+def test_a_dead_producer_rank_fails_the_whole_gather_and_writes_nothing(vc):
+    from types import SimpleNamespace
+
+    from connector.launch import free_port_run
+
+    global_caches = _caches((2, 6, 4, 2, HEAD_SIZE))
+    base = free_port_run(2)
+    producers = _tp_producers(vc, global_caches, 2, base)
+    producers[1].shutdown()  # rank 1 is gone: its half of the heads cannot come
+    try:
+        consumer, caches, _ = _tp_consumer(vc, global_caches, 1, 0)
+        consumer._connector_metadata = vc.TritonKVMetadata(
+            loads=[vc.LoadSpec("c", "t1", "127.0.0.1", base, [0, 4, 2], 0, 9, 10, 2)]
+        )
+        consumer.start_load_kv(SimpleNamespace())
+        assert consumer.get_block_ids_with_load_errors() == {0, 4, 2}
+        assert consumer._stats.data["loads"] == 0 and consumer._stats.data["load_failures"] == 1
+        assert torch.equal(_bits(caches), torch.full_like(_bits(caches), SENTINEL))
+        consumer.shutdown()
+    finally:
+        producers[0].shutdown()
+
+
+def test_an_unused_transfer_is_released_on_every_producer_rank(vc):
+    """Consumer TP 1, producer TP 2: the one consumer rank asks both producer ranks to drop it."""
+    from connector.launch import free_port_run
+
+    global_caches = _caches((2, 6, 4, 2, HEAD_SIZE))
+    base = free_port_run(2)
+    producers = _tp_producers(vc, global_caches, 2, base)
+    try:
+        consumer, _, _ = _tp_consumer(vc, global_caches, 1, 0)
+        consumer._release([vc.ReleaseSpec("t1", "127.0.0.1", base, 2)])
+        assert [p._buffer.stats()["discards"] for p in producers] == [1, 1]
+        consumer.shutdown()
+    finally:
+        for p in producers:
+            p.shutdown()

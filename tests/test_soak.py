@@ -6,8 +6,10 @@ TTL, and no process may hold more file descriptors than after its warm-up."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from _vllm_fixtures import REPO_ROOT, requires_vllm
@@ -20,16 +22,21 @@ LINE = re.compile(
 )
 
 
-def test_soak_two_minutes_with_three_restarts(tmp_path):
+def test_soak_two_minutes_with_three_restarts():
+    # A short folder: vLLM's RPC socket paths under it must fit in 107 characters.
+    workdir = tempfile.mkdtemp(prefix="tkv-soak-")
     cmd = [sys.executable, "-m", "connector.soak", "--minutes", "2", "--clients", "3"]
-    proc = subprocess.run(
-        [*cmd, "--workdir", str(tmp_path)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1100,
-        check=False,
-    )
+    try:
+        proc = subprocess.run(
+            [*cmd, "--workdir", workdir],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=1100,
+            check=False,
+        )
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     out = proc.stdout + proc.stderr
     last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     m = LINE.match(last)

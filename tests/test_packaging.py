@@ -172,6 +172,37 @@ def test_console_scripts_run_outside_the_checkout(venv, user_env, outside):
         assert out.startswith(f"usage: {script} "), out
 
 
+def test_tritonkv_demo_from_the_wheel(venv, user_env, outside, tmp_path_factory):
+    """``tritonkv-demo`` outside the checkout: ``make demo``'s run from the installed package,
+    its servers naming the connector by the installed module path (the documented fallback)."""
+    workdir = tmp_path_factory.mktemp("demo")
+    log = workdir / "demo.out"
+    with open(log, "wb") as out:
+        demo = subprocess.Popen(
+            [venv / "bin" / "tritonkv-demo", "--workdir", workdir, "--max-tokens", "8"],
+            cwd=outside,
+            env=user_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        try:
+            demo.wait(300)
+        except subprocess.TimeoutExpired:
+            demo.terminate()  # the demo stops its servers on SIGTERM
+            demo.wait(60)
+            raise
+        finally:
+            if demo.poll() is None:
+                demo.kill()
+                demo.wait(10)
+    text = log.read_text(errors="replace")
+    assert demo.returncode == 0, text[-3000:]
+    assert "demo: 5/5 prompts identical to colocated" in text
+    server_log = (workdir / "consumer.log").read_text(errors="replace")
+    assert "kv_connector_module_path='tritonkv_connector.vllm_connector'" in server_log
+
+
 def test_producer_consumer_by_plugin_name_through_tritonkv_proxy(
     venv, user_env, outside, tiny_llama_dir, tmp_path_factory, monkeypatch
 ):

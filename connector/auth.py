@@ -37,7 +37,7 @@ import threading
 import time
 from pathlib import Path
 
-from connector.wire import ProtocolError, TransferError
+from .wire import ProtocolError, TransferError
 
 MAGIC = b"TKVA"
 VERSION = 1

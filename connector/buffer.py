@@ -59,11 +59,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from connector import auth
-from connector.pipe import PipeListener as _PipeListener
-from connector.pipe import TensorPipe, _check_timeout, _send_error_frame, connect_pipe
-from connector.threads import transfer_thread
-from connector.wire import (
+from . import auth
+from .pipe import PipeListener as _PipeListener
+from .pipe import TensorPipe, _check_timeout, _send_error_frame, connect_pipe
+from .threads import transfer_thread
+from .wire import (
     DEFAULT_LIMITS,
     BufferFullError,
     ClientBusyError,

@@ -29,8 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from connector.launch import Cluster, free_port, free_port_run, http_json, transfer_events
-from connector.tiny_model import build_tiny_llama
+from .launch import Cluster, free_port, free_port_run, http_json, transfer_events
+from .tiny_model import build_tiny_llama
 
 # Prompt lengths in tokens: short, exactly one 32-token block, not a multiple of the block size,
 # longer than the producer's --max-num-batched-tokens (chunked prefill), and one that extends the

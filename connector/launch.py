@@ -4,6 +4,11 @@ the P/D proxy. Used by ``make demo`` (``connector.demo``) and the end-to-end tes
 Every process runs in its own session and is stopped by killing its whole process group, so vLLM's
 engine and worker children go too; :class:`Cluster` stops everything on exit, error or Ctrl-C.
 Every wait has a deadline and names what it waited for.
+
+By default servers name the connector by module path (``connector.vllm_connector`` from a checkout,
+``tritonkv_connector.vllm_connector`` where tritonkv is installed: this package's own name), which
+works whether or not the vLLM plugin is installed; ``Cluster(connector_module=None)`` names it by
+the plugin's name alone, as an installed tritonkv allows.
 """
 
 from __future__ import annotations
@@ -185,11 +190,30 @@ def vllm_env(workdir: Path, *, cpu: str | None = None, extra: dict | None = None
     return env
 
 
+#: The connector's module, under this package's name (``connector`` or ``tritonkv_connector``).
+CONNECTOR_MODULE = f"{__package__}.vllm_connector"
+
+
 @dataclass
 class Cluster:
-    """A set of processes started together and stopped together (a context manager)."""
+    """A set of processes started together and stopped together (a context manager).
+
+    Attributes:
+        workdir: Logs and per-server scratch folders go here.
+        python: The interpreter that runs the vLLM servers (and the proxy's ``-m`` form).
+        connector_module: ``kv_connector_module_path`` of the servers; None names the connector
+            by ``"TritonKVConnector"`` alone, which needs tritonkv's vLLM plugin installed.
+        proxy_cmd: The proxy's command, before its arguments (default: ``python -m`` this
+            package's ``proxy``), e.g. ``["/venv/bin/tritonkv-proxy"]``.
+        cwd: The working directory of every process (default: this process's).
+        procs: The processes started so far.
+    """
 
     workdir: Path
+    python: str = sys.executable
+    connector_module: str | None = CONNECTOR_MODULE
+    proxy_cmd: list[str] | None = None
+    cwd: Path | None = None
     procs: list[Proc] = field(default_factory=list)
 
     def __enter__(self) -> Cluster:
@@ -215,6 +239,7 @@ class Cluster:
         try:
             popen = subprocess.Popen(
                 cmd,
+                cwd=self.cwd,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -243,7 +268,7 @@ class Cluster:
     ) -> Proc:
         """Start ``python -m vllm.entrypoints.openai.api_server`` (a TritonKVConnector when ``role``)."""
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", "tiny", "--enforce-eager", "--dtype", "float32",
             "--max-model-len", "2048", "--block-size", "32", "--seed", "0",
@@ -255,11 +280,12 @@ class Cluster:
         if role is not None:
             config = {
                 "kv_connector": "TritonKVConnector",
-                "kv_connector_module_path": "connector.vllm_connector",
                 "kv_role": role,
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"port": kv_port, **(extra_config or {})},
             }
+            if self.connector_module is not None:
+                config["kv_connector_module_path"] = self.connector_module
             cmd += ["--kv-transfer-config", json.dumps(config)]
         cmd += list(args)
         run_env = vllm_env(self.workdir / name, cpu=cpu, extra=env)
@@ -268,7 +294,8 @@ class Cluster:
     def start_proxy(
         self, port: int, prefill: list[str], decode: list[str], args: list[str] = ()
     ) -> Proc:
-        cmd = [sys.executable, "-m", "connector.proxy", "--port", str(port), *args]
+        proxy = self.proxy_cmd or [self.python, "-m", f"{__package__}.proxy"]
+        cmd = [*proxy, "--port", str(port), *args]
         for url in prefill:
             cmd += ["--prefill", url]
         for url in decode:

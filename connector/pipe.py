@@ -86,9 +86,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from connector import auth
-from connector.threads import transfer_thread
-from connector.wire import (
+from . import auth
+from .threads import transfer_thread
+from .wire import (
     DEFAULT_LIMITS,
     FLAG_INLINE,
     MAGIC,

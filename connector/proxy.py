@@ -1,8 +1,8 @@
 """Prefill/decode (P/D) router for disaggregated vLLM serving with the tritonkv connector.
 
-Usage::
+Usage (``tritonkv-proxy`` once tritonkv is installed; ``python -m connector.proxy`` from a checkout)::
 
-    python -m connector.proxy --prefill http://p0:8100 [--prefill http://p1:8100 ...] \\
+    tritonkv-proxy --prefill http://p0:8100 [--prefill http://p1:8100 ...] \\
         --decode http://d0:8200 [--decode http://d1:8200 ...] --port 8000 \\
         [--host 0.0.0.0] [--timeout-s 600] [--prefill-timeout-s S] [--connect-timeout-s 5] \\
         [--health-timeout-s 5] [--shutdown-timeout-s 10] [--log-level info]
@@ -107,10 +107,12 @@ import itertools
 import json
 import logging
 import signal
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -687,8 +689,9 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parses the command line; see the module docstring."""
+    script = Path(sys.argv[0]).name
     p = argparse.ArgumentParser(
-        prog="python -m connector.proxy",
+        prog=script if script.startswith("tritonkv-") else f"python -m {__package__}.proxy",
         description="OpenAI-compatible prefill/decode router for disaggregated vLLM serving.",
     )
     p.add_argument(

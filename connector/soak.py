@@ -41,9 +41,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from connector.demo import make_prompt, vocabulary
-from connector.launch import Cluster, Proc, free_port, free_port_run
-from connector.tiny_model import build_tiny_llama
+from .demo import make_prompt, vocabulary
+from .launch import Cluster, Proc, free_port, free_port_run
+from .tiny_model import build_tiny_llama
 
 LENGTHS = (5, 33, 90, 200, 400)
 MAX_TOKENS = 8

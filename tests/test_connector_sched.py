@@ -244,8 +244,22 @@ def test_a_handoff_from_a_host_of_another_attention_isa_is_recomputed(vllm_mods,
     assert released == [handoffs["p"]["transfer_id"]]
 
 
+@pytest.fixture
+def connector_log():
+    """The connector's warnings (vLLM's logger tree does not propagate to pytest's root)."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.tritonkv.connector")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
 def test_a_producer_tp_size_whose_heads_cannot_map_is_refused_naming_why(
-    vllm_mods, handoff, caplog
+    vllm_mods, handoff, connector_log
 ):
     """A hand-off from a producer of TP 3 (the tiny model has 2 KV heads, which 3 ranks cannot
     hold by vLLM's rule): no load, the prompt is recomputed, the reason is logged and the entry
@@ -255,12 +269,56 @@ def test_a_producer_tp_size_whose_heads_cannot_map_is_refused_naming_why(
     consumer.add_request(m["request"]("c3", params={**handoff, "tp_size": 3}))
     out, _ = m["step"](consumer)
     assert _loads(out) == [] and out.num_scheduled_tokens == {"c3": len(PROMPT)}
-    assert "producer TP 3 with 2 KV heads" in caplog.text
+    assert any("producer TP 3 with 2 KV heads" in r.getMessage() for r in connector_log)
     consumer.add_request(
         m["request"]("c2", params={**handoff, "transfer_id": "e" * 32, "tp_size": 2})
     )
     out, _ = m["step"](consumer)
     assert [(s.req_id, s.producer_tp) for s in out.kv_connector_metadata.loads] == [("c2", 2)]
+
+
+def test_a_handoff_of_another_protocol_is_refused_naming_both(vllm_mods, handoff, connector_log):
+    """An old producer's hand-off (protocol tritonkv-0, no version field) reaching a new
+    consumer: refused before any load with one warning naming both protocols and this consumer's
+    tritonkv version; the prompt is recomputed and the producer's entry released."""
+    import tritonkv
+    from connector.vllm_connector import PROTOCOL
+
+    m = vllm_mods
+    assert handoff["protocol"] == PROTOCOL == "tritonkv-2"
+    assert handoff["tritonkv_version"] == tritonkv.__version__
+    old = {k: v for k, v in handoff.items() if k != "tritonkv_version"}
+    old.update(
+        protocol="tritonkv-0",
+        transfer_id="0" * 32,
+        fingerprint=handoff["fingerprint"].replace(PROTOCOL, "tritonkv-0"),
+    )
+    consumer = m["scheduler"]("kv_consumer")
+    consumer.add_request(m["request"]("old", params=old))
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [] and out.num_scheduled_tokens == {"old": len(PROMPT)}
+    released = []
+    for _ in range(6):
+        out, _ = m["step"](consumer)
+        released += _releases(out)
+    assert released == ["0" * 32]
+    [warning] = [r.getMessage() for r in connector_log]
+    assert "refusing transfer '" + "0" * 32 + "'" in warning
+    assert "hand-off protocol 'tritonkv-0' (tritonkv version not given)" in warning
+    assert f"this consumer 'tritonkv-2' (tritonkv {tritonkv.__version__})" in warning
+
+
+def test_another_connectors_handoff_is_ignored(vllm_mods, connector_log):
+    """Params of another connector (NIXL's also carry do_remote_prefill) are not tritonkv's:
+    no load, no release, no warning."""
+    m = vllm_mods
+    nixl = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1, 2]}
+    consumer = m["scheduler"]("kv_consumer")
+    consumer.add_request(m["request"]("n", params=nixl))
+    for _ in range(6):
+        out, _ = m["step"](consumer)
+        assert _loads(out) == [] and _releases(out) == []
+    assert connector_log == []
 
 
 def test_a_prompt_already_cached_locally_releases_the_entry(vllm_mods, handoff):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 import uuid
@@ -74,3 +75,43 @@ def test_cluster_stop_removes_the_shared_memory_vllm_tp_groups_leave(tmp_path: P
     finally:
         for seg in segments:
             seg.unlink(missing_ok=True)
+
+
+def test_servers_by_plugin_name_with_another_interpreter_proxy_and_cwd(tmp_path: Path) -> None:
+    """What the packaging test starts an installed tritonkv with: the connector named by the
+    plugin's name alone, servers run by another interpreter, the proxy by its console script,
+    everything in a working directory of its own. By default: the module path of this package."""
+    fake = tmp_path / "fake-python"  # records how it was called instead of starting vLLM
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$PWD" "$0" "$@"\n')
+    fake.chmod(0o755)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+
+    def argv(proc) -> list[str]:
+        proc.popen.wait(30)
+        return proc.log_text().splitlines()
+
+    def transfer_config(lines: list[str]) -> dict:
+        return json.loads(lines[lines.index("--kv-transfer-config") + 1])
+
+    with Cluster(tmp_path / "default", python=str(fake)) as cluster:
+        lines = argv(cluster.start_vllm("p", tmp_path, 1, role="kv_producer", kv_port=2))
+        assert transfer_config(lines)["kv_connector_module_path"] == "connector.vllm_connector"
+        proxy = argv(cluster.start_proxy(3, ["http://p"], ["http://d"]))
+        assert proxy[1:4] == [str(fake), "-m", "connector.proxy"]
+    script = str(tmp_path / "tritonkv-proxy")
+    with Cluster(
+        tmp_path / "by-name",
+        python=str(fake),
+        connector_module=None,
+        proxy_cmd=[str(fake), script],
+        cwd=outside,
+    ) as cluster:
+        lines = argv(cluster.start_vllm("c", tmp_path, 1, role="kv_consumer", kv_port=2))
+        assert lines[0] == str(outside)
+        assert lines[1:4] == [str(fake), "-m", "vllm.entrypoints.openai.api_server"]
+        config = transfer_config(lines)
+        assert config["kv_connector"] == "TritonKVConnector" and config["kv_role"] == "kv_consumer"
+        assert "kv_connector_module_path" not in config
+        proxy = argv(cluster.start_proxy(3, ["http://p"], ["http://d"]))
+        assert proxy[0] == str(outside) and proxy[1:5] == [str(fake), script, "--port", "3"]

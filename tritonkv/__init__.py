@@ -9,10 +9,12 @@ See :mod:`tritonkv.layouts` for the view convention every op uses.
 
 from . import layouts
 from ._common import use_triton
+from ._version import __version__
 from .hidden import pack_hidden, pack_hidden_torch, unpack_hidden, unpack_hidden_torch
 from .kv import pack_kv, pack_kv_torch, unpack_kv, unpack_kv_torch
 
 __all__ = [
+    "__version__",
     "layouts",
     "pack_hidden",
     "pack_hidden_torch",
@@ -24,4 +26,3 @@ __all__ = [
     "unpack_kv_torch",
     "use_triton",
 ]
-__version__ = "0.1.0"

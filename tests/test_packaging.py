@@ -270,9 +270,11 @@ def test_producer_consumer_by_plugin_name_through_tritonkv_proxy(
             assert text == pd.colocated(prompt), f"{n}-token prompt differs from colocated"
             assert_token_granular_load(pd, rid, n)
 
+        from connector.vllm_connector import PROTOCOL
+
         prompt = pd.prompt(50, seed=3)
         params = pd.prefill_params(prompt)
-        assert params["protocol"] == "tritonkv-1"
+        assert params["protocol"] == PROTOCOL
         assert params["tritonkv_version"] == tritonkv.__version__
         old = {k: v for k, v in params.items() if k != "tritonkv_version"}
         old["protocol"] = "tritonkv-0"
@@ -283,7 +285,7 @@ def test_producer_consumer_by_plugin_name_through_tritonkv_proxy(
         line = next((ln for ln in consumer.log_text().splitlines() if refusal in ln), None)
         assert line is not None, consumer.log_tail()
         assert "'tritonkv-0' (tritonkv version not given)" in line
-        assert f"this consumer 'tritonkv-1' (tritonkv {tritonkv.__version__})" in line
+        assert f"this consumer '{PROTOCOL}' (tritonkv {tritonkv.__version__})" in line
         # The refused entry is dropped on the producer after the consumer's next step.
         pd.disaggregated(pd.prompt(5, seed=4))
         released = f"released unused transfer {params['transfer_id']} on "

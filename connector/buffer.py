@@ -218,6 +218,7 @@ class _Entry:
     reads_left: int | None  # None: unlimited
     hashes: list
     pins: int = 0
+    part_pins: int = 0  # of the pins, deliveries of parts (they run side by side)
     # Part deliveries (a GET of one slice of one tensor): (tensor, dim) -> indices delivered. A
     # delivery counts once every index of that dim was delivered, by one consumer or several.
     covered: dict = field(default_factory=dict)
@@ -340,16 +341,18 @@ class KVBuffer:
         return self._tombs.get(key, "never put (or forgotten)")
 
     def _servable_locked(self, key: str) -> _Entry | None:
+        """The entry of ``key`` if one more delivery may start: whole deliveries under way count
+        against its reads left; deliveries of parts do not (they add up to one, see Part)."""
         e = self._entries.get(key)
         if e is None:
             return None
-        if e.reads_left is not None and e.reads_left - e.pins <= 0:
+        if e.reads_left is not None and e.reads_left - (e.pins - e.part_pins) <= 0:
             return None
         return e
 
-    def _checkout(self, key: str, wait_s: float = 0.0) -> _Entry:
-        """Pin ``key`` for delivery, waiting up to ``wait_s`` for it to be put. KeyMissError if
-        absent. Pair with ``_checkin``."""
+    def _checkout(self, key: str, wait_s: float = 0.0, part: bool = False) -> _Entry:
+        """Pin ``key`` for delivery (of a part when ``part``), waiting up to ``wait_s`` for it to
+        be put. KeyMissError if absent. Pair with ``_checkin``."""
         t0 = _now()
         deadline = t0 + wait_s
         with self._cond:
@@ -379,11 +382,13 @@ class KVBuffer:
                     "key not in buffer", reason=reason, key=key, waited_s=_now() - t0
                 )
             e.pins += 1
+            e.part_pins += part
             return e
 
     def _checkin(self, e: _Entry, delivered: bool, part: Part | None = None) -> None:
         with self._cond:
             e.pins -= 1
+            e.part_pins -= part is not None
             if delivered and part is not None:
                 self._c["part_deliveries"] += 1
                 done = e.covered.setdefault((part.tensor, part.dim), set())
@@ -790,7 +795,7 @@ class KVServer:
         wait_s = min(wait_ms / 1000.0, self.max_get_wait_s)
         try:
             part = Part.from_meta(msg.meta)
-            entry = self.buffer._checkout(msg.key, wait_s)
+            entry = self.buffer._checkout(msg.key, wait_s, part=part is not None)
         except KeyMissError as e:
             pipe.send(msg.key, kind=Kind.MISS, meta={"reason": e.reason})
             return
@@ -803,7 +808,7 @@ class KVServer:
             try:
                 part.check(tensors)
             except ValueError as e:
-                buf._checkin(entry, delivered=False)
+                buf._checkin(entry, delivered=False, part=part)
                 pipe.send(msg.key, kind=Kind.ERROR, meta={"error": str(e)[:2000]})
                 return
             tensors = dict(tensors)

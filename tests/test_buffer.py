@@ -901,3 +901,32 @@ def test_parts_of_an_entry_are_claimed_once_they_cover_the_dim():
         assert (s["part_deliveries"], s["claimed"], s["failed_deliveries"]) == (2, 1, 1)
     finally:
         srv.close()
+
+
+@pytest.mark.timeout(60)
+def test_parts_are_delivered_side_by_side():
+    """Two consumer ranks pull their halves of one entry at the same time: a part being sent
+    does not make the entry look claimed to the other (a whole delivery would)."""
+    from connector.buffer import Part
+
+    buf = KVBuffer(1 << 24)
+    kv = torch.arange(4 * 64 * 1024, dtype=torch.int16).view(4, 64, 1024)  # heads: dim 0
+    buf.put("t", {"kv": kv})
+    entry = buf._checkout("t", part=True)  # rank 0's part is on its way
+    srv = buf.serve()
+    try:
+        with KVClient("127.0.0.1", srv.port, timeout_s=10) as client:
+            got, _ = client.get("t", part=Part("kv", 0, 2, 4))  # rank 1's, meanwhile
+            assert torch.equal(got["kv"], kv[2:4])
+            buf._checkin(entry, delivered=True, part=Part("kv", 0, 0, 2))
+            with pytest.raises(KeyMissError, match="claimed"):
+                client.get("t", part=Part("kv", 0, 0, 2))
+        assert buf.stats()["claimed"] == 1
+        whole = KVBuffer(1 << 20)
+        whole.put("w", {"kv": torch.ones(4)})
+        pinned = whole._checkout("w")  # a whole delivery under way: parts must wait their turn
+        with pytest.raises(KeyMissError, match="being delivered"):
+            whole._checkout("w", part=True)
+        whole._checkin(pinned, delivered=True)
+    finally:
+        srv.close()

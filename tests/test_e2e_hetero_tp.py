@@ -29,7 +29,15 @@ def test_unequal_tensor_parallel_sizes(tmp_path_factory, tiny_llama_dir, produce
         env={"TORCHDYNAMO_DISABLE": "1"},
         tp=producer_tp,
         consumer_tp=consumer_tp,
-        extra_config={"wire": "tokens", "debug_allow_corrupt": True},
+        # Three workers on two cores: transfer threads may use either core (a consumer rank that
+        # finished its load spins in the next all-reduce on its core while the other rank's pull
+        # still needs the producer's KV server thread), and connects get more time than 5 s.
+        extra_config={
+            "wire": "tokens",
+            "debug_allow_corrupt": True,
+            "transfer_cpus": "0-1",
+            "connect_timeout_s": 20.0,
+        },
     )
     try:
         lengths = [20, 100]

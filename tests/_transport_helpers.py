@@ -172,8 +172,8 @@ def _producer(args) -> None:
     from connector.buffer import KVBuffer
 
     class HookedBuffer(KVBuffer):
-        def _checkout(self, key, wait_s=0.0):
-            e = super()._checkout(key, wait_s)
+        def _checkout(self, key, wait_s=0.0, part=False):
+            e = super()._checkout(key, wait_s, part)
             if args.hook:
                 print(f"CHECKOUT {key}", flush=True)
             return e

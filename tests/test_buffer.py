@@ -466,8 +466,8 @@ class _CountingBuffer(KVBuffer):
         self.n = n
         self.all_out = threading.Event()
 
-    def _checkout(self, key, wait_s=0.0):
-        e = super()._checkout(key, wait_s)
+    def _checkout(self, key, wait_s=0.0, part=False):
+        e = super()._checkout(key, wait_s, part)
         self.n -= 1
         if self.n == 0:
             self.all_out.set()
@@ -574,8 +574,8 @@ class _SignalingBuffer(KVBuffer):
         super().__init__(*a, **kw)
         self.checked_out = threading.Event()
 
-    def _checkout(self, key, wait_s=0.0):
-        e = super()._checkout(key, wait_s)
+    def _checkout(self, key, wait_s=0.0, part=False):
+        e = super()._checkout(key, wait_s, part)
         if key == "big":
             self.checked_out.set()
         return e

@@ -164,6 +164,10 @@ def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(vc, pw,
 # ------------------------------------------------------------- the worker's save and load paths
 
 HEAD_SIZE, SENTINEL = 8, 12345
+# The transport of the in-process KV servers below. Not gloo: with several gloo servers started
+# and stopped in one process, a TCPStore client's connect sometimes timed out (5 s; cause not
+# found, never seen with one server per process as in vLLM); the e2e tests cover gloo.
+TRANSPORT = "socket"
 
 
 def _worker(
@@ -682,7 +686,8 @@ def test_loads_over_authenticated_connections_and_a_wrong_secret_recomputes(vc):
     src, dst = _caches(NHD), _caches(NHD, seed=None)
     producer = _worker(vc, src, 4, producer=True, wire="tokens")
     port = free_port_run(1)
-    vars(producer).update(cfg=vc.ConnectorConfig(wire="tokens"), engine_port=port, _secret=SECRET)
+    cfg = vc.ConnectorConfig(wire="tokens", transport=TRANSPORT)
+    vars(producer).update(cfg=cfg, engine_port=port, _secret=SECRET)
     producer._serve()
     try:
         producer.wait_for_save(
@@ -690,6 +695,7 @@ def test_loads_over_authenticated_connections_and_a_wrong_secret_recomputes(vc):
         )
         for transfer_id, secret, errors in (("t1", b"x" * 32, {0, 4, 2}), ("t2", SECRET, set())):
             consumer = _worker(vc, _caches(NHD, seed=None) if errors else dst, 4, producer=False)
+            consumer.cfg = vc.ConnectorConfig(transport=TRANSPORT)
             consumer._secret = secret
             consumer.start_load_kv(
                 [vc.LoadSpec("c", transfer_id, "127.0.0.1", port, [0, 4, 2], 0, 9, 10)]
@@ -714,7 +720,7 @@ def _tp_producers(vc, global_caches, producer_tp, base, transfer="t1"):
         h = rank_heads(heads_total, producer_tp, rank)
         caches = [c[:, :, :, h.start : h.stop].clone() for c in global_caches]
         conn = _worker(vc, caches, 4, producer=True, wire="tokens")
-        cfg = vc.ConnectorConfig(wire="tokens")
+        cfg = vc.ConnectorConfig(wire="tokens", transport=TRANSPORT)
         vars(conn).update(cfg=cfg, engine_port=base, _tp_rank=rank, tp_size=producer_tp)
         vars(conn).update(total_kv_heads=heads_total)
         conn._serve()
@@ -737,6 +743,7 @@ def _tp_consumer(vc, global_caches, consumer_tp, rank):
     ]
     conn = _worker(vc, caches, 4, producer=False)
     vars(conn).update(_tp_rank=rank, tp_size=consumer_tp, total_kv_heads=heads_total)
+    conn.cfg = vc.ConnectorConfig(transport=TRANSPORT)
     return conn, caches, h
 
 

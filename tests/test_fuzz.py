@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,12 @@ pytestmark = pytest.mark.skipif(
 
 def test_fuzz_wire_short_fixed_seed_pass(tmp_path):
     corpus = tmp_path / "corpus"
+    # Linux carries a process's peak RSS across exec, and libFuzzer reads that peak: a child of
+    # this pytest process (vLLM imported: 2 GB and more) starts out "using" the parent's peak.
+    # The limit is 2 GiB above it (libFuzzer's default budget, on top of what was inherited).
+    inherited_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     cmd = [sys.executable, str(FUZZ), f"-runs={RUNS}", "-seed=1", "-timeout=1", "-max_len=4096"]
+    cmd.append(f"-rss_limit_mb={inherited_mb + 2048}")
     proc = subprocess.run(
         [*cmd, "-print_final_stats=1", str(corpus)],
         capture_output=True,

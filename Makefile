@@ -36,7 +36,7 @@ bench: setup
 	$(PY) -m bench.run_all
 
 # Chaos soak (connector/soak.py): P/D under load while the producer and consumer are killed and
-# restarted; about 9 minutes; ends with one `soak: ...` line. CI runs a 2-minute pass.
+# restarted; about 7 minutes; ends with one `soak: ...` line. CI runs a 2-minute pass.
 soak: setup
 	$(PY) -m connector.soak
 

@@ -308,30 +308,20 @@ class TritonKVConnector(KVConnectorBase_V1):
             )
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        both = {  # what each half knows of this engine
+            "is_producer": self.is_producer,
+            "block_size": self.block_size,
+            "tp_size": self.tp_size,
+            "total_kv_heads": self.total_kv_heads,
+            "use_mla": self.use_mla,
+            "engine_port": self.engine_port,
+            "fingerprint": self.fingerprint,
+        }
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(
-                self.cfg,
-                is_producer=self.is_producer,
-                is_consumer=self.is_consumer,
-                block_size=self.block_size,
-                tp_size=self.tp_size,
-                total_kv_heads=self.total_kv_heads,
-                use_mla=self.use_mla,
-                engine_port=self.engine_port,
-                fingerprint=self.fingerprint,
-            )
+            self._sched = SchedulerSide(self.cfg, is_consumer=self.is_consumer, **both)
         else:
             self._worker = WorkerSide(
-                self.cfg,
-                is_producer=self.is_producer,
-                block_size=self.block_size,
-                tp_size=self.tp_size,
-                total_kv_heads=self.total_kv_heads,
-                use_mla=self.use_mla,
-                engine_port=self.engine_port,
-                fingerprint=self.fingerprint,
-                cpu_attn_isa=self.cpu_attn_isa,
-                on_cpu=current_platform.is_cpu(),
+                self.cfg, cpu_attn_isa=self.cpu_attn_isa, on_cpu=current_platform.is_cpu(), **both
             )
 
     # ============================================================ scheduler side

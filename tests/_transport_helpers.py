@@ -268,18 +268,26 @@ if __name__ == "__main__":
     main()
 
 
+def recv_exact(sock, n: int) -> bytes:
+    """``n`` bytes from a blocking socket, or fewer if the peer closed it first."""
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
 def raw_authenticate(sock, secret: bytes | None = None) -> None:
     """The connector's side of :mod:`connector.auth` on a raw socket (blocking, with its timeout):
     what a hand-written client must do before its first frame."""
     from connector import auth
 
     def exact(n: int) -> bytes:
-        out = b""
-        while len(out) < n:
-            chunk = sock.recv(n - len(out))
-            if not chunk:
-                raise ConnectionError(f"closed after {len(out)}/{n} bytes of the auth exchange")
-            out += chunk
+        out = recv_exact(sock, n)
+        if len(out) < n:
+            raise ConnectionError(f"closed after {len(out)}/{n} bytes of the auth exchange")
         return out
 
     required, nonce_l = auth.parse_challenge(exact(auth.CHALLENGE.size), "raw")
@@ -294,12 +302,9 @@ def raw_listener_authenticate(conn, secret: bytes | None = None) -> bool:
 
     challenge, nonce_l = auth.challenge(secret is not None)
     conn.sendall(challenge)
-    raw = b""
-    while len(raw) < auth.RESPONSE.size:
-        chunk = conn.recv(auth.RESPONSE.size - len(raw))
-        if not chunk:
-            return False
-        raw += chunk
+    raw = recv_exact(conn, auth.RESPONSE.size)
+    if len(raw) < auth.RESPONSE.size:
+        return False
     accepted, verdict = auth.check_response(secret, nonce_l, raw)
     conn.sendall(verdict)
     return accepted

@@ -17,7 +17,9 @@ distributed groups, the global KV-transfer group) that must not leak into other 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import logging
 import os
 from pathlib import Path
 
@@ -56,3 +58,21 @@ def vllm_env(tmp_path_factory) -> dict[str, str]:
         ),
     )
     return env
+
+
+@contextlib.contextmanager
+def captured_log(name: str, level: int = logging.WARNING):
+    """The records logger ``name`` emits at ``level`` or above while the block runs (vLLM's
+    logger tree does not propagate to pytest's root, so caplog misses them)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(level)
+    handler.emit = records.append
+    logger = logging.getLogger(name)
+    saved = logger.level
+    logger.setLevel(min(level, logger.getEffectiveLevel()))
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from _transport_helpers import STORE_REQUESTS, raw_authenticate
+from _transport_helpers import STORE_REQUESTS, raw_authenticate, recv_exact
 
 from connector import auth
 from connector.buffer import KVBuffer, KVClient, KVServer
@@ -76,32 +76,24 @@ def _closed(s) -> bool:
         return True
 
 
-def _exact(s, n) -> bytes:
-    out = b""
-    while len(out) < n:
-        chunk = s.recv(n - len(out))
-        if not chunk:
-            return out
-        out += chunk
-    return out
-
-
 def test_a_replayed_handshake_is_refused(served):
     """A response recorded from an authenticated connection answers that connection's nonce only:
     replayed on a new connection (a new challenge) it is refused, and nothing after it is read."""
     _, srv = served
     first = _connect_raw(srv)
-    required, nonce_l = auth.parse_challenge(_exact(first, auth.CHALLENGE.size), "first")
+    required, nonce_l = auth.parse_challenge(recv_exact(first, auth.CHALLENGE.size), "first")
     recorded, nonce_c = auth.respond(SECRET, required, nonce_l, "first")
     first.sendall(recorded)
-    auth.check_verdict(SECRET, nonce_l, nonce_c, _exact(first, auth.VERDICT.size), "first")
+    auth.check_verdict(SECRET, nonce_l, nonce_c, recv_exact(first, auth.VERDICT.size), "first")
     first.close()
 
     replay = _connect_raw(srv)
-    _exact(replay, auth.CHALLENGE.size)  # a fresh nonce
+    recv_exact(replay, auth.CHALLENGE.size)  # a fresh nonce
     replay.sendall(recorded + encode_header(Kind.HELLO, "", {"proto": 1, "backend": "socket"}))
     with pytest.raises(auth.AuthError, match="refused"):
-        auth.check_verdict(SECRET, nonce_l, nonce_c, _exact(replay, auth.VERDICT.size), "replay")
+        auth.check_verdict(
+            SECRET, nonce_l, nonce_c, recv_exact(replay, auth.VERDICT.size), "replay"
+        )
     assert _closed(replay), "the server kept the connection of a failed handshake"
     replay.close()
     stats = srv.stats()
@@ -112,7 +104,7 @@ def test_a_replayed_handshake_is_refused(served):
 def test_a_half_finished_handshake_ends_at_its_deadline_without_holding_up_others(served):
     _, srv = served
     stalled = _connect_raw(srv)
-    _exact(stalled, auth.CHALLENGE.size)
+    recv_exact(stalled, auth.CHALLENGE.size)
     stalled.sendall(b"TKVA" + bytes(20))  # part of a response, then nothing
     t0 = time.monotonic()
     assert torch.equal(_get(srv, SECRET), torch.arange(10.0))  # meanwhile: served at once
@@ -127,7 +119,7 @@ def test_a_host_holds_at_most_a_few_pending_handshakes(served):
     _, srv = served
     stalled = [_connect_raw(srv) for _ in range(KVServer.MAX_PENDING_PER_HOST)]
     for s in stalled:
-        _exact(s, auth.CHALLENGE.size)
+        recv_exact(s, auth.CHALLENGE.size)
     with pytest.raises(RemoteError, match="too many pending handshakes"):
         _get(srv, SECRET)
     for s in stalled:
@@ -223,7 +215,7 @@ def test_the_raw_helper_speaks_the_exchange(served):
     s = _connect_raw(srv)
     raw_authenticate(s, SECRET)
     s.sendall(encode_header(Kind.HELLO, "", {"proto": 1, "backend": "socket"}))
-    assert _exact(s, 4) == b"TKVT"  # HELLO_ACK's frame follows
+    assert recv_exact(s, 4) == b"TKVT"  # HELLO_ACK's frame follows
     s.close()
 
 

@@ -18,6 +18,7 @@ from _transport_helpers import (
     make_entry,
     raw_authenticate,
     raw_listener_authenticate,
+    recv_exact,
 )
 
 import connector.pipe as pipe_mod
@@ -633,20 +634,11 @@ def _raw(srv) -> socket.socket:
 
 
 def _read_frame(s) -> wire.Header | None:
-    def exact(n):
-        out = b""
-        while len(out) < n:
-            chunk = s.recv(n - len(out))
-            if not chunk:
-                return None
-            out += chunk
-        return out
-
-    prefix = exact(wire.PREFIX_SIZE)
-    if prefix is None:
+    prefix = recv_exact(s, wire.PREFIX_SIZE)
+    if len(prefix) < wire.PREFIX_SIZE:
         return None
     kind, flags, body_len = wire.decode_prefix(prefix)
-    return wire.decode_body(kind, flags, exact(body_len) or b"")
+    return wire.decode_body(kind, flags, recv_exact(s, body_len))
 
 
 def _hello(s) -> None:

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from _vllm_fixtures import requires_vllm
+from _vllm_fixtures import captured_log, requires_vllm
 
 pytestmark = requires_vllm
 
@@ -246,16 +246,9 @@ def test_a_handoff_from_a_host_of_another_attention_isa_is_recomputed(vllm_mods,
 
 @pytest.fixture
 def connector_log():
-    """The connector's warnings (vLLM's logger tree does not propagate to pytest's root)."""
-    import logging
-
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append
-    logger = logging.getLogger("vllm.tritonkv.connector")
-    logger.addHandler(handler)
-    yield records
-    logger.removeHandler(handler)
+    """The connector's warnings."""
+    with captured_log("vllm.tritonkv.connector") as records:
+        yield records
 
 
 def test_a_producer_tp_size_whose_heads_cannot_map_is_refused_naming_why(

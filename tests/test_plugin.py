@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from _vllm_fixtures import REPO_ROOT, requires_vllm
+from _vllm_fixtures import REPO_ROOT, captured_log, requires_vllm
 
 import connector.plugin as plugin
 
@@ -56,17 +56,9 @@ def factory(monkeypatch):
 
 @pytest.fixture
 def plugin_log():
-    """The plugin's log records (vLLM's logger tree does not propagate to pytest's root)."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.DEBUG)
-    handler.emit = records.append
-    logger = logging.getLogger("vllm.tritonkv.plugin")
-    level = logger.level
-    logger.setLevel(logging.DEBUG)
-    logger.addHandler(handler)
-    yield records
-    logger.removeHandler(handler)
-    logger.setLevel(level)
+    """The plugin's log records, from DEBUG up."""
+    with captured_log("vllm.tritonkv.plugin", logging.DEBUG) as records:
+        yield records
 
 
 def _config(name: str = "TritonKVConnector"):

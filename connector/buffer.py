@@ -868,8 +868,9 @@ class KVClient:
     Args: ``host``, ``port``; ``device`` where tensors land (default ``"cpu"``); ``backend``
     (default ``"nccl"`` for a CUDA device, else ``"gloo"``; ``"socket"`` for inline TCP);
     ``timeout_s`` default deadline per request (30 s); ``connect_timeout_s`` (10 s); ``secret``
-    (the server's shared secret, :mod:`connector.auth`); TensorPipe options. Connects lazily and reconnects after a broken connection (every timeout or transport
-    error closes the connection, so a late reply can never answer the wrong request).
+    (the server's shared secret, :mod:`connector.auth`); TensorPipe options. Connects lazily
+    and reconnects after a broken connection (every timeout or transport error closes the
+    connection, so a late reply can never answer the wrong request).
     """
 
     def __init__(

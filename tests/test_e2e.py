@@ -101,9 +101,15 @@ def test_new_request_while_the_decode_server_is_busy(pd):
         finished["text"] = pd.disaggregated(long_prompt, max_tokens=1800)[0]
         finished["at"] = time.monotonic()
 
+    loads_before = pd.consumer.log_text().count("tritonkv: loaded transfer")
     worker = threading.Thread(target=long_run)
     worker.start()
-    time.sleep(1.0)  # let it reach decoding (1800 tokens take several seconds)
+    # Submit as soon as the consumer loaded the long request's KV (it then decodes 1800 tokens):
+    # a fixed sleep raced it on an idle machine, where the whole request took under a second.
+    deadline = time.monotonic() + 120
+    while pd.consumer.log_text().count("tritonkv: loaded transfer") == loads_before:
+        assert time.monotonic() < deadline and worker.is_alive(), "the long request never loaded"
+        time.sleep(0.01)
     prompts = [pd.prompt(n, seed=200 + n) for n in (18, 45, 77)]
     submitted = time.monotonic()
     results = run_concurrently(pd.disaggregated, [(p,) for p in prompts])

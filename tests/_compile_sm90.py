@@ -10,7 +10,9 @@ import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime.autotuner import Autotuner
 
+from tritonkv._common import _INDEX_BLOCK, _seq_index_kernel
 from tritonkv.hidden import _hidden_copy_kernel
 from tritonkv.kv import _kv_copy_kernel
 
@@ -23,7 +25,7 @@ def compile_variant(kernel, pointer_types, constexprs, divisible):
     Integer arguments equal to 1 become constexprs (``constexprs``); pointers and integers that are
     multiples of 16 carry the divisibility hint (``divisible``), as Triton's launcher would add.
     """
-    fn = kernel.fn
+    fn = kernel.fn if isinstance(kernel, Autotuner) else kernel  # (which wraps the JIT function)
     names = fn.arg_names
     signature = {}
     for name in names:
@@ -100,6 +102,17 @@ def main():
         divisible = [*hidden_pointers, "hidden_size", "stride_row"]
         result = compile_variant(_hidden_copy_kernel, hidden_pointers, constexprs, divisible)
         print(json.dumps({"kernel": "hidden", "unpack": unpack, **result}))
+    for offsets in ("*i32", "*i64"):
+        for has_ids in (False, True):
+            for last_only in (False, True):
+                pointers = {
+                    "query_start_loc_ptr": offsets,
+                    "seq_ids_ptr": offsets,
+                    "out_ptr": "*i64",
+                }
+                constexprs = {"HAS_IDS": has_ids, "LAST_ONLY": last_only, "BLOCK": _INDEX_BLOCK}
+                result = compile_variant(_seq_index_kernel, pointers, constexprs, list(pointers))
+                print(json.dumps({"kernel": "index", "offsets": offsets, **result}))
 
 
 if __name__ == "__main__":

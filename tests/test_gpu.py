@@ -158,3 +158,24 @@ def test_hidden_on_cuda():
     hidden = torch.randn(20, 4096, device="cuda", dtype=torch.bfloat16)
     packed, _ = pack_hidden(hidden, QSL, [2, 0], last_only=True)
     assert_bits_equal(packed.cpu(), hidden[[19, 17]].cpu(), "hidden")
+
+
+@pytest.mark.parametrize("last_only", [False, True], ids=["all_rows", "last_only"])
+@pytest.mark.parametrize("where", ["cpu", "cuda"])
+def test_index_of_thousands_of_sequences_on_cuda(where, last_only):
+    """The index for CUDA data: made on the host and copied (offsets on the host) or by the
+    one-program kernel (offsets on the GPU, 1024 sequences a step); both equal the host index."""
+    from tritonkv._common import _host_seq_index, seq_index
+
+    gen = torch.Generator().manual_seed(3)
+    lens = torch.randint(1 if last_only else 0, 6, (2500,), generator=gen)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+    ids = torch.randperm(2500, generator=gen)[:2100]
+    num_tokens = int(qsl[-1])
+    got = seq_index(
+        qsl.to(where), ids.to(where), num_tokens, torch.device("cuda"), last_only=last_only
+    )
+    want = _host_seq_index(qsl, ids, num_tokens, last_only)
+    assert got.cu_seqlens.is_cuda and got.src_start.is_cuda
+    assert torch.equal(got.cu_seqlens.cpu(), want.cu_seqlens)
+    assert torch.equal(got.src_start.cpu(), want.src_start)

@@ -6,6 +6,7 @@ wrong slot, a missed slot, or a stray write between strided elements all fail.
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -155,7 +156,36 @@ def test_device_index_is_contiguous(dtype, last_only, seq_ids):
     assert got.cu_seqlens.is_contiguous() and got.src_start.is_contiguous()
     assert got.num_sel == want.num_sel
     assert torch.equal(got.cu_seqlens, want.cu_seqlens)
-    assert torch.equal(got.src_start[: got.num_sel], want.src_start)
+    assert torch.equal(got.src_start, want.src_start)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lens=st.lists(st.integers(0, 40), min_size=1, max_size=40),
+    repeat=st.sampled_from([1, 60]),
+    data=st.data(),
+    last_only=st.booleans(),
+    dtype=st.sampled_from([torch.int32, torch.int64]),
+)
+def test_device_index_matches_host(lens, repeat, data, last_only, dtype):
+    """The GPU index kernel (one program, 1024 sequences a step; run here under the interpreter)
+    equals the host index for any batch: empty sequences, any selection order, and more than one
+    step's worth of sequences (``repeat=60``: up to 2400)."""
+    lens = (lens * repeat)[:2400]
+    if last_only:
+        lens = [n or 1 for n in lens]
+    qsl = torch.tensor([0, *itertools.accumulate(lens)], dtype=dtype)
+    num_seqs = len(lens)
+    ids = data.draw(st.none() | st.lists(st.integers(0, num_seqs - 1), max_size=30))
+    if ids is not None and repeat > 1:
+        ids = [*ids, *range(num_seqs - 1, -1, -1)]  # every sequence, backwards, after the draw
+    ids_t = None if ids is None else torch.tensor(ids, dtype=dtype)
+    got = _device_seq_index(qsl, ids_t, torch.device("cpu"), last_only)
+    want = _host_seq_index(qsl, ids_t, int(qsl[-1]), last_only)
+    assert got.num_sel == want.num_sel
+    assert got.cu_seqlens.dtype == got.src_start.dtype == torch.int64
+    assert torch.equal(got.cu_seqlens, want.cu_seqlens)
+    assert torch.equal(got.src_start, want.src_start)
 
 
 def test_seq_ids_must_be_a_sequence(backend):

@@ -90,6 +90,31 @@ def autotune_bench(fn, quantiles=None):
     return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
 
+class TunedLaunch:
+    """Launches of an autotuned kernel that skip the autotuner's per-call work once a key is tuned.
+
+    Triton's autotuner rebuilds its key from every argument on every launch (a dict of all of
+    them and the dtype of each tensor): on an H200 host that was about a tenth of a small call's
+    host time. The first launch of each ``key`` goes through the autotuner, which times the
+    configs and picks one; later launches of that key pass the picked config to the JIT function
+    directly, as the autotuner itself would. ``key`` must hold everything the autotuner's key
+    holds (its ``key`` arguments and the dtypes of the tensor arguments).
+    """
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.configs: dict[tuple, triton.Config] = {}
+
+    def __call__(self, key: tuple, grid, *args, **kwargs) -> None:
+        config = self.configs.get(key)
+        if config is None:
+            self.kernel[grid](*args, **kwargs)
+            self.configs[key] = self.kernel.best_config
+        else:
+            self.kernel.best_config = config  # what the autotuner reports for the last launch
+            self.kernel.fn[grid](*args, **kwargs, **config.all_kwargs())
+
+
 def check_index(name: str, t: torch.Tensor | None, *, allow_none: bool = True) -> None:
     """Require a 1-D int32/int64 tensor (or None when allowed)."""
     if t is None:
@@ -122,6 +147,12 @@ class SeqIndex:
     def search_steps(self) -> int:
         """Binary-search steps that find a row's sequence among ``num_sel`` (0 for one sequence)."""
         return max(self.num_sel - 1, 0).bit_length()
+
+    def to(self, device: torch.device) -> SeqIndex:
+        """This index on ``device``, moved in one copy."""
+        both = torch.cat([self.cu_seqlens, self.src_start]).to(device, non_blocking=True)
+        num = self.cu_seqlens.numel()
+        return SeqIndex(both[:num], both[num:], self.num_sel)
 
     def total(self) -> int:
         """Packed rows in all (reads ``cu_seqlens[-1]``: a host sync on CUDA)."""
@@ -197,35 +228,75 @@ def seq_index(
         seq_ids = torch.tensor(list(seq_ids), dtype=torch.int64)
     check_index("seq_ids", seq_ids)
     on_host = [t.device.type == "cpu" for t in (query_start_loc, seq_ids) if t is not None]
-    if device.type == "cpu" and all(on_host):
-        return _host_seq_index(query_start_loc, seq_ids, num_tokens, last_only)
+    if all(on_host):
+        index = _host_seq_index(query_start_loc, seq_ids, num_tokens, last_only)
+        return index if device.type == "cpu" else index.to(device)
     if checks_enabled(query_start_loc, seq_ids):
         _check_offsets(*_host_offsets(query_start_loc, seq_ids), num_tokens, last_only)
+    if device.type == "cpu":  # CPU data, offsets on a GPU: address on the host
+        seq_ids = None if seq_ids is None else seq_ids.cpu()
+        return _host_seq_index(query_start_loc.cpu(), seq_ids, num_tokens, last_only)
     return _device_seq_index(query_start_loc, seq_ids, device, last_only)
 
 
+_INDEX_BLOCK = 1024  # selected sequences per step of the index kernel's loop
+
+
+@triton.jit(do_not_specialize=["num_sel"])
+def _seq_index_kernel(
+    query_start_loc_ptr,  # [num_seqs + 1] int32/int64
+    seq_ids_ptr,  # [num_sel] int32/int64 (read only with HAS_IDS)
+    out_ptr,  # [2 * num_sel + 1] int64: cu_seqlens [num_sel + 1], then src_start [num_sel]
+    num_sel,
+    HAS_IDS: tl.constexpr,
+    LAST_ONLY: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program: the selected sequences' packed-row offsets and first flat tokens."""
+    tl.store(out_ptr, tl.full([], 0, tl.int64))
+    done = tl.full([], 0, tl.int64)  # packed rows of the sequences before this step
+    for first in range(0, num_sel, BLOCK):
+        j = first + tl.arange(0, BLOCK).to(tl.int64)
+        ok = j < num_sel
+        if HAS_IDS:
+            seq = tl.load(seq_ids_ptr + j, mask=ok, other=0).to(tl.int64)
+        else:
+            seq = j
+        end = tl.load(query_start_loc_ptr + seq + 1, mask=ok, other=0).to(tl.int64)
+        if LAST_ONLY:
+            start = end - 1
+            rows = ok.to(tl.int64)
+        else:
+            start = tl.load(query_start_loc_ptr + seq, mask=ok, other=0).to(tl.int64)
+            rows = end - start
+        tl.store(out_ptr + 1 + j, done + tl.cumsum(rows, 0), mask=ok)
+        tl.store(out_ptr + 1 + num_sel + j, start, mask=ok)
+        done += tl.sum(rows, 0)
+
+
 def _device_seq_index(query_start_loc, seq_ids, device: torch.device, last_only: bool) -> SeqIndex:
-    """:func:`seq_index` with device ops only (no host sync), for index tensors on the GPU.
+    """:func:`seq_index` for index tensors on the GPU: one launch of a one-program kernel and no
+    host sync (each torch op of the same work costs the host more than this launch does).
 
     Every tensor of the result is contiguous: the kernels read them with stride 1.
     """
-    num_seqs = query_start_loc.numel() - 1
-    qsl = query_start_loc.to(device=device, dtype=torch.int64, non_blocking=True).contiguous()
-    if seq_ids is None:
-        starts, ends = qsl[:-1], qsl[1:]
-        num_sel = num_seqs
-    else:
-        ids = seq_ids.to(device=device, dtype=torch.int64, non_blocking=True)
-        starts, ends = qsl[ids], qsl[ids + 1]
-        num_sel = ids.numel()
-    cu_seqlens = torch.zeros(num_sel + 1, dtype=torch.int64, device=device)
-    if last_only:
-        torch.arange(1, num_sel + 1, out=cu_seqlens[1:])
-        return SeqIndex(cu_seqlens, ends - 1, num_sel)
-    if seq_ids is None:
-        return SeqIndex(qsl - qsl[0], qsl, num_sel)
-    torch.cumsum(ends - starts, 0, out=cu_seqlens[1:])
-    return SeqIndex(cu_seqlens, starts, num_sel)
+    qsl = query_start_loc.to(device, non_blocking=True).contiguous()
+    num_sel = qsl.numel() - 1 if seq_ids is None else seq_ids.numel()
+    ids = qsl if seq_ids is None else seq_ids.to(device, non_blocking=True).contiguous()
+    if num_sel == 0:  # (an empty tensor has no address to pass)
+        out = torch.zeros(1, dtype=torch.int64, device=device)
+        return SeqIndex(out, out[1:], 0)
+    out = torch.empty(2 * num_sel + 1, dtype=torch.int64, device=device)
+    _seq_index_kernel[(1,)](
+        qsl,
+        ids,
+        out,
+        num_sel,
+        HAS_IDS=seq_ids is not None,
+        LAST_ONLY=last_only,
+        BLOCK=_INDEX_BLOCK,
+    )
+    return SeqIndex(out[: num_sel + 1], out[num_sel + 1 :], num_sel)
 
 
 def _host_offsets(query_start_loc, seq_ids) -> tuple[np.ndarray, np.ndarray]:

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from ._common import (
     SeqIndex,
+    TunedLaunch,
     _flat_token,
     as_int,
     autotune_bench,
@@ -129,7 +130,10 @@ def _launch(hidden: torch.Tensor, index: SeqIndex, packed: torch.Tensor, unpack:
     num_rows, hidden_size = packed.shape
     block_h = min(triton.next_power_of_2(hidden_size), 1024)
     grid = lambda meta: (triton.cdiv(num_rows, meta["BLOCK_T"]), triton.cdiv(hidden_size, block_h))
-    _hidden_copy_kernel[grid](
+    key = (hidden_size, block_h, unpack, hidden.dtype, packed.dtype)  # the autotuner's, in effect
+    _HIDDEN_COPY(
+        key,
+        grid,
         hidden,
         index.cu_seqlens,
         index.src_start,
@@ -143,6 +147,9 @@ def _launch(hidden: torch.Tensor, index: SeqIndex, packed: torch.Tensor, unpack:
         BLOCK_H=block_h,
         UNPACK=unpack,
     )
+
+
+_HIDDEN_COPY = TunedLaunch(_hidden_copy_kernel)
 
 
 def pack_hidden(

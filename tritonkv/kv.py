@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ import triton.language as tl
 
 from ._common import (
     SeqIndex,
+    TunedLaunch,
     _flat_token,
     as_int,
     autotune_bench,
@@ -290,13 +292,24 @@ class _LayerSet:
 _LAYER_SETS: dict[tuple, _LayerSet] = {}  # by the ids of the (k, v) view objects
 
 
-def _signature(layers: Layers) -> tuple:
-    return tuple(
-        (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
-        for pair in layers
-        for t in pair
-        if t is not None
-    )
+# What a layer set's entry is checked against on every call: one pass of each over the flat views
+# (a getter mapped over them costs half of a per-view tuple; the host cost per call is dominated by
+# this for models of many layers).
+_SIGNATURE = (
+    torch.Tensor.data_ptr,
+    operator.attrgetter("shape"),
+    torch.Tensor.stride,
+    operator.attrgetter("dtype"),
+    operator.attrgetter("device"),
+)
+
+
+def _flat(layers: Layers) -> list[torch.Tensor]:
+    return [t for t in itertools.chain.from_iterable(layers) if t is not None]
+
+
+def _signature(tensors: list[torch.Tensor]) -> tuple:
+    return tuple(tuple(map(get, tensors)) for get in _SIGNATURE)
 
 
 def _layer_set(layers: Layers) -> _LayerSet:
@@ -311,16 +324,19 @@ def _layer_set(layers: Layers) -> _LayerSet:
     alive anyway.
     """
     try:
-        key = tuple((id(k), id(v)) for k, v in layers)
+        if isinstance(layers, torch.Tensor):
+            raise TypeError  # (iterating it would make a view of every row)
+        tensors = _flat(layers)
+        key = (len(layers), *map(id, tensors))  # with V in all layers or none, this is the layout
     except (TypeError, ValueError):  # not a sequence of pairs: _check_layers says what is wrong
-        key = None
+        tensors, key = None, None
     entry = _LAYER_SETS.get(key) if key is not None else None
-    if entry is not None and entry.signature == _signature(layers):
+    if entry is not None and entry.signature == _signature(tensors):
         return entry
     shape, dtype, device, has_v = _check_layers(layers)
-    tensors = [t for pair in layers for t in pair if t is not None]
+    tensors = _flat(layers)
     width = widest_int_view(tensors, shape[3] * tensors[0].element_size(), widest=16)
-    entry = _LayerSet(shape, dtype, device, has_v, _signature(layers), width)
+    entry = _LayerSet(shape, dtype, device, has_v, _signature(tensors), width)
     if key is not None:
         drop = partial(_drop_layer_set, _LAYER_SETS, key)
         entry.refs = [weakref.ref(t, drop) for t in tensors]
@@ -400,7 +416,12 @@ def _launch(
     _, num_kv_heads, block_size, head_size = layer_set.views(width, layers)[0][0].shape
     for group in layer_set.launches(width, layers):
         grid = lambda meta: (triton.cdiv(num_rows, meta["BLOCK_T"]), group.stop - group.start)  # noqa: B023
-        _kv_copy_kernel[grid](
+        # _KEY's values and the tensor arguments' dtypes (the rest are int64 tables)
+        key = (num_kv_heads, head_size, layer_set.has_v, unpack, group.k_strides[1])
+        key += (group.base.dtype, slot_mapping.dtype, packed.dtype)
+        _KV_COPY(
+            key,
+            grid,
             group.base,
             group.offsets,
             slot_mapping,
@@ -422,6 +443,9 @@ def _launch(
             BLOCK_D=triton.next_power_of_2(head_size),
             UNPACK=unpack,
         )
+
+
+_KV_COPY = TunedLaunch(_kv_copy_kernel)
 
 
 @dataclass(frozen=True)

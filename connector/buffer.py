@@ -592,7 +592,7 @@ class KVServer:
     connection authenticates first; a non-loopback address needs a secret or ``insecure=True``).
     Failed authentications are counted (``auth_failures``) and logged at most once per host a
     minute; a host may hold at most ``MAX_PENDING_PER_HOST`` connections that have not finished
-    their handshake. ``allow`` names the requests served (default ``GET`` and ``DISCARD``, what a
+    authenticating. ``allow`` names the requests served (default ``GET`` and ``DISCARD``, what a
     producer's consumers need); ``PUT`` and ``MATCH`` are for store-style buffers that clients
     fill. A request not allowed gets an ERROR reply naming it, and the connection stays usable.
     """
@@ -699,23 +699,35 @@ class KVServer:
     def _handle(self, cid: int, sock, peer: str) -> None:
         pipe = None
         host = peer.rsplit(":", 1)[0]
+        pending = [True]  # this connection holds one of its host's handshake slots
+
+        def free_slot() -> None:
+            with self._lock:
+                if pending[0]:
+                    pending[0] = False
+                    self._pending[host] -= 1
+                    if not self._pending[host]:
+                        del self._pending[host]
+
+        def authenticated(error: auth.AuthError | None) -> None:
+            # Before the peer learns the verdict: a refused peer that reconnects at once finds
+            # its failure counted and its slot free.
+            if error is not None and self._auth_failures.failed(peer):
+                log.warning("KVServer: authentication of %s failed: %s", peer, error)
+            free_slot()
+
         try:
             try:
-                pipe = self._listener.handshake(sock, peer)
-            except auth.AuthError as e:
-                if self._auth_failures.failed(peer):
-                    log.warning("KVServer: authentication of %s failed: %s", peer, e)
-                return
+                pipe = self._listener.handshake(sock, peer, on_auth=authenticated)
+            except auth.AuthError:
+                return  # counted and logged by authenticated()
             except TransferError as e:
                 log.warning("KVServer: handshake with %s failed: %s", peer, e)
                 with self._lock:
                     self._c["handshake_errors"] += 1
                 return
             finally:
-                with self._lock:
-                    self._pending[host] -= 1
-                    if not self._pending[host]:
-                        del self._pending[host]
+                free_slot()  # if the handshake ended before authentication was decided
             with self._lock:
                 if self._closed:
                     return

@@ -1439,8 +1439,18 @@ class PipeListener:
                 )
             p.poll(None if left is None else max(1, int(left * 1000)))
 
-    def handshake(self, sock: socket.socket, peer: str) -> TensorPipe:
-        """Listener side of the handshake on an accepted socket (closes it on failure)."""
+    def handshake(
+        self,
+        sock: socket.socket,
+        peer: str,
+        on_auth: Callable[[auth.AuthError | None], None] | None = None,
+    ) -> TensorPipe:
+        """Listener side of the handshake on an accepted socket (closes it on failure).
+
+        ``on_auth`` is called once authentication is decided, before the peer can learn the
+        outcome: with ``None`` when the peer proved the secret, else with the ``AuthError`` about
+        to be raised. A server counts failures and frees handshake slots there, so that a refused
+        peer that reconnects at once finds both done."""
         t0 = _now()
         deadline = t0 + self.connect_timeout_s
         frame_timeout_s = self.pipe_kw.get("frame_timeout_s", 10.0)
@@ -1451,21 +1461,28 @@ class PipeListener:
             challenge, nonce_l = auth.challenge(self.secret is not None)
             auth_deadline = min(deadline, t0 + AUTH_TIMEOUT_S)
             _send_all(sock, challenge, auth_deadline, "auth challenge")
+            refused = verdict = None
             try:
                 raw = _read_fixed(sock, auth.RESPONSE.size, auth_deadline, peer, "auth response")
             except TransferError as e:  # a peer that never finished authenticating
-                raise auth.AuthError(
+                refused = auth.AuthError(
                     f"authentication not completed: {e.detail}", peer=peer, waited_s=_now() - t0
-                ) from None
-            accepted, verdict = auth.check_response(self.secret, nonce_l, raw)
-            with contextlib.suppress(TimeoutError, OSError):
-                _send_all(sock, verdict, auth_deadline, "auth verdict")
-            if not accepted:
-                raise auth.AuthError(
-                    "the connector failed authentication (wrong secret)",
-                    peer=peer,
-                    waited_s=_now() - t0,
                 )
+            else:
+                accepted, verdict = auth.check_response(self.secret, nonce_l, raw)
+                if not accepted:
+                    refused = auth.AuthError(
+                        "the connector failed authentication (wrong secret)",
+                        peer=peer,
+                        waited_s=_now() - t0,
+                    )
+            if on_auth is not None:
+                on_auth(refused)
+            if verdict is not None:
+                with contextlib.suppress(TimeoutError, OSError):
+                    _send_all(sock, verdict, auth_deadline, "auth verdict")
+            if refused is not None:
+                raise refused from None
             h = _read_handshake_frame(sock, self.limits, deadline, frame_timeout_s, peer, "HELLO")
             if h.kind != Kind.HELLO:
                 raise ProtocolError(f"expected HELLO, got {h.kind.name}", peer=peer)

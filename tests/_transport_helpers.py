@@ -268,6 +268,16 @@ if __name__ == "__main__":
     main()
 
 
+def settled_stat(source, key: str, want: int, timeout_s: float = 5.0) -> int:
+    """``source.stats()[key]`` once it equals ``want`` or ``timeout_s`` has passed. A server counts a
+    refused or broken connection in that connection's thread, which may finish after the peer has
+    already seen the refusal or the close; the caller asserts on the value returned."""
+    deadline = time.monotonic() + timeout_s
+    while (got := source.stats()[key]) != want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return got
+
+
 def recv_exact(sock, n: int) -> bytes:
     """``n`` bytes from a blocking socket, or fewer if the peer closed it first."""
     out = b""

@@ -106,6 +106,8 @@ class WorkerSide:
         self._server: KVServer | None = None
         self._clients: dict[tuple[str, int], KVClient] = {}
         self._closed = False  # shutdown() ran: no new clients
+        self._stop_watch = threading.Event()
+        self._watcher: threading.Thread | None = None
         # producers that did not answer: (host, port) -> (monotonic time, why) to retry at
         self._down: dict[tuple[str, int], tuple[float, str]] = {}
         self._load_errors: set[int] = set()
@@ -199,9 +201,10 @@ class WorkerSide:
 
     def _watch_buffer(self, interval_s: float = 2.0) -> None:
         """Log this rank's buffer occupancy when it changes (at most every ``interval_s``), also
-        while no step runs: what an operator, or ``connector.soak``, reads to see KV left over."""
+        while no step runs: what an operator, or ``connector.soak``, reads to see KV left over.
+        Ends as soon as ``shutdown`` sets ``_stop_watch`` (and is joined there)."""
         last = None
-        while not self._closed and self._buffer is not None:
+        while not self._stop_watch.is_set():
             buffer = self._buffer
             if buffer is None:
                 return
@@ -220,7 +223,7 @@ class WorkerSide:
                     s["expirations"],
                     s["evictions"],
                 )
-            time.sleep(interval_s)
+            self._stop_watch.wait(interval_s)
 
     def _use_caches(self, caches: list[torch.Tensor], head_size: int, use_mla: bool) -> None:
         """Views of the registered caches (in layer order), token rows and whole pages, and the
@@ -605,7 +608,13 @@ class WorkerSide:
         return stats
 
     def shutdown(self) -> None:
-        self._closed = True  # stops the buffer watcher too
+        self._closed = True
+        # The watcher is joined, not left to wake after the interpreter began to exit: a daemon
+        # thread that drops the last reference to this object then frees its cache tensors
+        # without the GIL and aborts the process ("terminate called without an active exception").
+        self._stop_watch.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(5.0)
         for pool in (self._pool, self._release_pool, self._gather_pool):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)

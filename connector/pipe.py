@@ -1103,8 +1103,13 @@ def _make_process_group(backend: str, store, rank: int, local_host: str, timeout
     worker.join(timeout_s)
     if worker.is_alive():
         raise TimeoutError(f"{backend} rendezvous not done within {timeout_s:.1f} s")
-    if "error" in result:
-        raise result["error"]
+    error = result.get("error")
+    if isinstance(error, torch.distributed.DistStoreError) and "timeout" in str(error).lower():
+        # gloo's own wait on the store ended first (same deadline): the same TimeoutError
+        msg = f"{backend} rendezvous not done within {timeout_s:.1f} s ({error})"
+        raise TimeoutError(msg) from error
+    if error is not None:
+        raise error
     return result["pg"]
 
 

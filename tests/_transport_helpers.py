@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -276,6 +277,14 @@ def settled_stat(source, key: str, want: int, timeout_s: float = 5.0) -> int:
     while (got := source.stats()[key]) != want and time.monotonic() < deadline:
         time.sleep(0.01)
     return got
+
+
+def waited_s(text: str) -> float:
+    """The ``waited=`` seconds a transport error's text reports."""
+    match = re.search(r"waited=([0-9.]+)s", text)
+    if match is None:
+        raise AssertionError(f"no waited=...s in {text!r}")
+    return float(match.group(1))
 
 
 def recv_exact(sock, n: int) -> bytes:

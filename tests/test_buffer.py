@@ -20,8 +20,10 @@ from _transport_helpers import (
     raw_listener_authenticate,
     recv_exact,
     settled_stat,
+    waited_s,
 )
 
+import connector.buffer as buffer_mod
 import connector.pipe as pipe_mod
 from connector import wire
 from connector.buffer import (
@@ -119,11 +121,11 @@ def test_put_refuses_entries_no_consumer_could_receive():
 @pytest.mark.timeout(30)
 def test_put_waiting_for_room_wakes_when_an_entry_expires():
     """An expiring entry makes room: put waits until then, not until its own deadline."""
-    buf = KVBuffer(100, ttl_s=0.3)
+    buf = KVBuffer(100, ttl_s=1.0)  # long enough that "new" cannot expire before stats() too
     buf.put("old", _t(100))
     t0 = time.monotonic()
     buf.put("new", _t(100), timeout_s=10)
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 3
     s = buf.stats()
     assert s["expirations"] == 1 and "new" in buf and _accounted(s)
 
@@ -200,10 +202,12 @@ def test_key_a_consumer_waits_for_is_not_evicted():
 
 
 @pytest.mark.timeout(30)
-def test_ttl_expires_unclaimed_entries():
+def test_ttl_expires_unclaimed_entries(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(buffer_mod, "_now", lambda: clock[0])
     buf = KVBuffer(1000, ttl_s=0.2)
     buf.put("old", _t(10))
-    time.sleep(0.3)
+    clock[0] += 0.3
     buf.put("new", _t(10))
     s = buf.stats()
     assert (s["expirations"], s["entries"]) == (1, 1) and _accounted(s)
@@ -343,8 +347,9 @@ def test_many_keys_fetched_out_of_order_bit_exact(producer):
             assert_entry_equal(got, want, f"k{i}")
         s = client.stats()
     assert (s["hits"], s["misses"], s["connects"]) == (700, 0, 1)
+    assert settled_stat(child, "claimed", 700) >= 700
     ps = child.stats()
-    assert ps["hits"] >= 700 and ps["claimed"] >= 700 and _accounted(ps)
+    assert ps["hits"] >= 700 and _accounted(ps)
 
 
 @pytest.mark.timeout(120)
@@ -385,6 +390,7 @@ def test_threads_get_and_put_concurrently_across_processes(producer):
 def test_missing_key_is_a_fast_miss_naming_peer_and_key(producer):
     child, port = producer
     with KVClient("127.0.0.1", port, timeout_s=20) as client:
+        client.discard("warm")  # connects first: a fresh gloo rendezvous is not what is timed
         t0 = time.monotonic()
         with pytest.raises(KeyMissError, match="never put") as ei:
             client.get("never-put")
@@ -429,6 +435,7 @@ def test_remote_buffer_full_is_reported_and_counted():
                 client.put("p3", _t(300 << 10))
             assert ei.value.key == "p3"
             client.get("p0")  # the connection is fine; claiming frees room
+            assert settled_stat(child, "claimed", 1) == 1  # once the child's sender is done
             client.put("p3", _t(300 << 10))
         s = child.stats()
         assert (s["puts"], s["full_errors"], s["entries"], s["claimed"]) == (4, 1, 3, 1)
@@ -495,12 +502,12 @@ def test_server_close_shares_one_deadline_among_stalled_consumers():
         t0 = time.monotonic()
         srv.close(timeout_s=1.0)
         took = time.monotonic() - t0
-        assert took < 2.0, f"close took {took:.2f} s"
+        assert took < 3.0, f"close took {took:.2f} s"  # 1 s, plus joins of 0.1 s each
     finally:
         for s in socks:
             s.close()
         srv.close()
-    assert "big" in buf and buf.stats()["failed_deliveries"] == 3
+    assert "big" in buf and settled_stat(buf, "failed_deliveries", 3) == 3
 
 
 @pytest.mark.timeout(30)
@@ -603,6 +610,7 @@ def test_consumer_killed_producer_keeps_serving_and_keeps_the_entry():
         deadline = time.monotonic() + 30
         while buf.stats()["pinned"] and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert settled_stat(server, "peer_errors", 1, timeout_s=10) >= 1  # the handler's count
         s = server.stats()
         assert s["failed_deliveries"] == 1 and s["peer_errors"] >= 1, s
         assert "big" in buf  # the failed delivery did not lose the entry: fetch it now
@@ -756,7 +764,8 @@ def test_truncated_payload_rejected(server, no_big_alloc, then):
         s.close()
     _still_serves(server)
     assert "cut" not in server.buffer
-    assert no_big_alloc[0] == 4096  # the allocation was the validated size, nothing more
+    # the allocation was the validated size, nothing more (_still_serves allocates small ones)
+    assert 4096 in no_big_alloc and max(no_big_alloc) == 4096
     if then == "stall":
         assert server.stats()["protocol_errors"] == 1
 
@@ -842,7 +851,8 @@ def test_client_times_out_on_a_silent_server():
             client.get("slow", timeout_s=0.5)
         assert 0.4 < time.monotonic() - t0 < 2
         text = str(ei.value)
-        assert "'slow'" in text and "peer=127.0.0.1:" in text and "waited=0.5" in text
+        assert "'slow'" in text and "peer=127.0.0.1:" in text
+        assert 0.5 <= waited_s(text) < 2
         assert client.stats()["timeouts"] == 1
         client.close()
     finally:
@@ -888,6 +898,8 @@ def test_parts_of_an_entry_are_claimed_once_they_cover_the_dim():
             assert buf.stats()["entries"] == 1  # heads 2 and 3 not delivered yet
             second, _ = client.get("t", part=Part("kv", 2, 2, 4))
             assert torch.equal(second["kv"], kv[:, :, 2:4])
+            # claimed by the sender thread once the last byte left, maybe after the reply arrived
+            assert settled_stat(buf, "claimed", 1) == 1
             with pytest.raises(KeyMissError, match="claimed"):
                 client.get("t")
         s = buf.stats()
@@ -911,6 +923,7 @@ def test_parts_are_delivered_side_by_side():
         with KVClient("127.0.0.1", srv.port, timeout_s=10) as client:
             got, _ = client.get("t", part=Part("kv", 0, 2, 4))  # rank 1's, meanwhile
             assert torch.equal(got["kv"], kv[2:4])
+            assert settled_stat(buf, "part_deliveries", 1) == 1  # the server's check-in of it
             buf._checkin(entry, delivered=True, part=Part("kv", 0, 0, 2))
             with pytest.raises(KeyMissError, match="claimed"):
                 client.get("t", part=Part("kv", 0, 0, 2))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _transport_helpers import settled_stat
 from _vllm_fixtures import requires_vllm
 
 pytestmark = requires_vllm
@@ -518,6 +519,22 @@ def test_a_taken_port_fails_the_start_naming_the_address_and_the_config_key(vc):
         conn._server.close()
 
 
+def test_shutdown_ends_the_buffer_watcher_before_it_returns(vc):
+    """A watcher left asleep woke after the interpreter began to exit, dropped the last reference
+    to its worker and freed its caches there: the process aborted ("terminate called without an
+    active exception"), pytest's exit code with it."""
+    from connector.launch import free_port_run
+
+    base = free_port_run(1)
+    conn = _worker(vc, _caches(NHD), 4, producer=True)
+    vars(conn).update(cfg=vc.ConnectorConfig(port=base), engine_port=base)
+    conn._serve()
+    watcher = conn._watcher
+    assert watcher.is_alive()
+    conn.shutdown()
+    assert not watcher.is_alive()
+
+
 def test_an_aborted_prefill_hands_nothing_off_and_its_kv_is_dropped(vc):
     """The producer's scheduler side gives an aborted request no hand-off and tells the workers,
     in the next step's metadata, to drop its saved entry; a finished one keeps its entry."""
@@ -785,7 +802,8 @@ def test_loads_between_unequal_tensor_parallel_sizes(vc, producer_tp, consumer_t
             assert data["bytes_loaded"] == per_rank  # its own share, no more
             consumer.shutdown()
         for p in producers:
-            assert p._buffer.stats()["entries"] == 0  # every head delivered: claimed
+            # every head delivered: claimed (by each producer's sender, after the last byte)
+            assert settled_stat(p._buffer, "entries", 0) == 0
     finally:
         for p in producers:
             p.shutdown()

@@ -28,7 +28,7 @@ def test_fuzz_wire_short_fixed_seed_pass(tmp_path):
     # this pytest process (vLLM imported: 2 GB and more) starts out "using" the parent's peak.
     # The limit is 2 GiB above it (libFuzzer's default budget, on top of what was inherited).
     inherited_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
-    cmd = [sys.executable, str(FUZZ), f"-runs={RUNS}", "-seed=1", "-timeout=1", "-max_len=4096"]
+    cmd = [sys.executable, str(FUZZ), f"-runs={RUNS}", "-seed=1", "-timeout=10", "-max_len=4096"]
     cmd.append(f"-rss_limit_mb={inherited_mb + 2048}")
     proc = subprocess.run(
         [*cmd, "-print_final_stats=1", str(corpus)],

@@ -303,7 +303,8 @@ def test_client_leaving_a_non_streamed_request_closes_the_backend_call(
     hanging = (stack.p0, stack.p1) if stage == "prefill" else (stack.d0, stack.d1)
     for b in hanging:
         b.mode = "hang"
-    client = httpx.Client(base_url=stack.rr.url, timeout=1.0, trust_env=False)
+    # 2 s: the whole prefill leg must fit in it for decode to be the stage left hanging
+    client = httpx.Client(base_url=stack.rr.url, timeout=2.0, trust_env=False)
     with client, pytest.raises(httpx.ReadTimeout):
         client.post("/v1/completions", json=_body("/v1/completions"))
     end = time.monotonic() + 5

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -195,17 +196,24 @@ class WorkerSide:
             ) from e
         log.info("tritonkv: rank %d serving KV on %s:%d", self._tp_rank, self.cfg.host, port)
         self._watcher = threading.Thread(
-            target=self._watch_buffer, name="tritonkv-buffer-watch", daemon=True
+            target=WorkerSide._watch_buffer,
+            args=(weakref.ref(self), self._stop_watch),
+            name="tritonkv-buffer-watch",
+            daemon=True,
         )
         self._watcher.start()
 
-    def _watch_buffer(self, interval_s: float = 2.0) -> None:
+    @staticmethod
+    def _watch_buffer(ref, stop: threading.Event, interval_s: float = 2.0) -> None:
         """Log this rank's buffer occupancy when it changes (at most every ``interval_s``), also
         while no step runs: what an operator, or ``connector.soak``, reads to see KV left over.
-        Ends as soon as ``shutdown`` sets ``_stop_watch`` (and is joined there)."""
+        Ends as soon as ``shutdown`` sets ``stop`` (and is joined there). Holds the worker only
+        by ``ref`` between looks: a watcher that dropped the last reference to it at interpreter
+        exit would free its caches there, and that aborts the process."""
         last = None
-        while not self._stop_watch.is_set():
-            buffer = self._buffer
+        while not stop.is_set():
+            self = ref()
+            buffer = None if self is None else self._buffer
             if buffer is None:
                 return
             s = buffer.stats()
@@ -223,7 +231,8 @@ class WorkerSide:
                     s["expirations"],
                     s["evictions"],
                 )
-            self._stop_watch.wait(interval_s)
+            del self, buffer
+            stop.wait(interval_s)
 
     def _use_caches(self, caches: list[torch.Tensor], head_size: int, use_mla: bool) -> None:
         """Views of the registered caches (in layer order), token rows and whole pages, and the

@@ -212,8 +212,8 @@ class WorkerSide:
         exit would free its caches there, and that aborts the process."""
         last = None
         while not stop.is_set():
-            self = ref()
-            buffer = None if self is None else self._buffer
+            worker = ref()
+            buffer = None if worker is None else worker._buffer
             if buffer is None:
                 return
             s = buffer.stats()
@@ -223,7 +223,7 @@ class WorkerSide:
                 log.info(
                     "tritonkv: rank %d KV buffer holds %d entries, %d bytes (claimed %d, "
                     "released %d, expired %d, evicted %d)",
-                    self._tp_rank,
+                    worker._tp_rank,
                     s["entries"],
                     s["bytes"],
                     s["claimed"],
@@ -231,7 +231,7 @@ class WorkerSide:
                     s["expirations"],
                     s["evictions"],
                 )
-            del self, buffer
+            del worker, buffer
             stop.wait(interval_s)
 
     def _use_caches(self, caches: list[torch.Tensor], head_size: int, use_mla: bool) -> None:

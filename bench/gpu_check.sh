@@ -71,7 +71,7 @@ if "$PY" -c "import pytest" 2>/dev/null; then
     # One launch config per kernel key (TRITONKV_AUTOTUNE=0): the tests check correctness, and
     # tuning each of their ~26 keys would not fit the limit; the benchmark below autotunes.
     TRITONKV_AUTOTUNE=0 timeout -k 5 "$TESTS_S" "$PY" -m pytest -m gpu -v -p no:cacheprovider \
-        tests/test_gpu.py >"$OUTDIR/pytest.log" 2>&1 || rc=$?
+        tests/kernels/test_gpu.py >"$OUTDIR/pytest.log" 2>&1 || rc=$?
     tail -n 15 "$OUTDIR/pytest.log"
     if [[ $rc == 124 || $rc == 137 ]]; then
         echo "gpu tests: TIMED OUT after ${TESTS_S} s (pytest.log names the tests that ran)"

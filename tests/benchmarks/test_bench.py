@@ -1,0 +1,175 @@
+"""Smoke test of the benchmarks: a tiny configuration end to end on the CPU (no timed assertions).
+
+Every provider's result is checked bit for bit inside the benchmark before it is timed, so a run
+that finishes also says the loop / torch / copy baselines and tritonkv agree.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+
+from bench import bench_kv, common
+
+PROVIDERS = set(bench_kv.PROVIDERS)
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == common.COLUMNS
+        return list(reader)
+
+
+def _check_row(row: dict) -> None:
+    assert row["provider"] in PROVIDERS
+    for col in ("p50_ms", "p20_ms", "p80_ms"):
+        value = float(row[col])
+        assert math.isfinite(value) and value > 0, (col, row)
+    assert float(row["p20_ms"]) <= float(row["p50_ms"]) <= float(row["p80_ms"]), row
+    assert int(row["x"]) > 0 and int(row["bytes"]) > 0
+    assert row["device"] and row["torch"] and row["triton"] and row["git_sha"] and row["date"]
+    if row["sweep"] == "tokens":
+        assert float(row["gbps"]) > 0 and float(row["frac_copy"]) > 0, row
+    else:
+        assert row["gbps"] == "" and row["frac_copy"] == "", row
+    assert float(row["vs_loop"]) > 0, row
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU suite's file layout")
+def test_cpu_suite_tiny(tmp_path):
+    assert bench_kv.main(["--suite", "cpu", "--dry-run", "--outdir", str(tmp_path)]) == 0
+    names = {p.name for p in tmp_path.iterdir()}
+    for op in ("pack_kv", "unpack_kv", "pack_hidden"):
+        for sweep in ("tokens", "seqs"):
+            rows = _rows(tmp_path / f"{op}-{sweep}.csv")
+            assert {(r["op"], r["sweep"]) for r in rows} == {(op, sweep)}
+            assert {r["provider"] for r in rows} == PROVIDERS
+            assert len({r["x"] for r in rows}) == 2
+            for row in rows:
+                _check_row(row)
+            copies = [r for r in rows if r["provider"] == "copy" and r["sweep"] == "tokens"]
+            assert all(float(r["frac_copy"]) == 1 for r in copies)
+            if common.have_matplotlib():
+                assert f"{op}-{sweep}.png" in names
+    assert "summary.txt" in names
+
+
+def test_gpu_check_outputs_dry_run(tmp_path):
+    """The gpu-check mode's files (what bench/gpu_check.sh collects), from a tiny CPU run."""
+    argv = ["--suite", "gpu-check", "--dry-run", "--only", "pack_kv", "--outdir", str(tmp_path)]
+    assert bench_kv.main(argv) == 0
+    rows = _rows(tmp_path / "bench.csv")
+    assert {r["sweep"] for r in rows} == {"tokens", "seqs"}
+    for row in rows:
+        _check_row(row)
+    configs = json.loads((tmp_path / "autotune.json").read_text())["configs"]
+    assert configs and all(isinstance(v, str) for v in configs.values())
+    assert "pack_kv" in (tmp_path / "profile.txt").read_text()
+    assert len(list(tmp_path.iterdir())) <= 8
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for machines without a GPU")
+def test_gpu_check_script_dry_run(tmp_path):
+    """bench/gpu_check.sh itself (bash, the steps, the file list) on the CPU with tiny sizes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.sh"
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run(
+        [str(script), "--dry-run", str(tmp_path / "out dir")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    files = {p.name for p in (tmp_path / "out dir").iterdir()}
+    assert {"gpu_check.log", "pytest.log", "bench.csv", "autotune.json", "profile.txt"} <= files
+    assert len(files) <= 8
+    log = (tmp_path / "out dir" / "gpu_check.log").read_text()
+    assert "gpu tests: passed" in log and "(exit 0)" in log
+
+
+def test_gpu_check_keeps_what_it_measured_when_a_step_fails(tmp_path, monkeypatch, capsys):
+    """A step that raises (here the first plan) is reported and the run goes on: the other
+    plans' rows, the launch check and the files are still written, and the exit status is 1."""
+    real_run = bench_kv.Runner.run
+
+    def run(self, plan):
+        if plan.sweep == "tokens":
+            raise RuntimeError("boom")
+        return real_run(self, plan)
+
+    monkeypatch.setattr(bench_kv.Runner, "run", run)
+    argv = ["--suite", "gpu-check", "--dry-run", "--only", "pack_kv", "--outdir", str(tmp_path)]
+    assert bench_kv.main(argv) == 1
+    assert "FAILED steps (1): pack_kv tokens tiny/NHD" in capsys.readouterr().out
+    rows = _rows(tmp_path / "bench.csv")
+    assert rows and {r["sweep"] for r in rows} == {"seqs"}
+    assert "pack_kv" in (tmp_path / "profile.txt").read_text()
+
+
+def test_suites_are_well_formed():
+    for name in ("cpu", "gpu", "gpu-check"):
+        plans = bench_kv.suite(name)
+        assert plans and all(p.model in bench_kv.MODELS for p in plans)
+        assert {p.op for p in plans} == {"pack_kv", "unpack_kv", "pack_hidden"}
+        cases = {(p.model, p.layout) for p in plans if p.op == "pack_kv" and p.sweep == "tokens"}
+        assert set(bench_kv.KV_CASES) <= cases
+    assert max(bench_kv.suite("gpu")[0].xs) == 32768
+    assert max(bench_kv.suite("cpu")[0].xs) <= 8192
+    cpu_cases = {(p.model, p.layout) for p in bench_kv.suite("cpu")}
+    assert {("llama3-8b", "vllm_cpu"), ("llama3-8b", "vllm_cpu_pages")} <= cpu_cases
+
+
+@pytest.mark.parametrize("layout", ["vllm_cpu", "vllm_cpu_pages"])
+@pytest.mark.parametrize("op", ["pack_kv", "unpack_kv"])
+def test_vllm_cpu_case_points_check_every_provider(op, layout):
+    """The vllm-cpu layout cases: building a point runs all four providers and compares bits."""
+    plan = bench_kv.Plan(op, "tokens", "tiny", layout, (64,))
+    point = bench_kv.CaseBuffers(plan, torch.device("cpu")).point(64)
+    assert set(point.fns) == PROVIDERS and point.bytes == 64 * 4 * 2 * 2 * 64 * 2
+
+
+def test_batch_layout_is_block_by_block():
+    """Consecutive tokens of a sequence share blocks; unselected 1-token decodes sit in between."""
+    table = torch.tensor([5, 2, 7, 0, 3, 1, 6, 4])
+    batch = bench_kv.make_batch(40, "tokens", 16, table, "cpu")
+    assert batch.query_start_loc.tolist() == [0, 40, 41]
+    assert batch.seq_ids.tolist() == [0]
+    slots = batch.slot_mapping.tolist()
+    assert slots[:16] == list(range(80, 96)) and slots[16:32] == list(range(32, 48))
+    assert slots[32:40] == list(range(112, 120)) and slots[40] == 8 * 16
+
+
+def test_paired_ratio_follows_each_round_not_the_medians():
+    # Four of five rounds the provider took twice copy's time (0.5 x copy); the medians of the two
+    # columns come from different rounds and would say 2 x copy.
+    copy = [1.0, 1.0, 4.0, 4.0, 4.0]
+    mine = [2.0, 2.0, 2.0, 8.0, 8.0]
+    assert common.paired_ratio(copy, mine) == 0.5
+    assert sorted(copy)[2] / sorted(mine)[2] == 2.0
+    assert common.paired_ratio(copy, copy) == 1.0
+
+
+def test_bench_rows_measures_every_primitive_and_checks_them():
+    from bench import bench_rows
+
+    rows = bench_rows.measure(256, 1 << 20, quick=True)
+    got = {(r.op, r.provider) for r in rows}
+    assert ("rows_gather", "index_select") in got
+    scatters = {"index_copy_ 8B", "index_copy_ 16B", "index_put_ 16B", "numpy rows"}
+    scatters.add("numpy rows 2 threads")
+    assert {("rows_scatter", name) for name in scatters} <= got
+    assert all(r.p50_ms > 0 and r.frac_copy > 0 for r in rows)
+    assert all(r.frac_copy == 1 for r in rows if r.provider == "copy")

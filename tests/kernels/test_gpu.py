@@ -1,0 +1,181 @@
+"""The kernel cases on CUDA (skipped without a GPU), plus CUDA-graph capture and launch counting."""
+
+from __future__ import annotations
+
+import pytest
+import support.kv_cases as kv_cases
+import torch
+from support.kv_cases import (
+    DTYPE_IDS,
+    DTYPES,
+    LAYOUT_IDS,
+    assert_bits_equal,
+    like_with_sentinel,
+    loop_pack,
+    loop_unpack,
+    make_cache,
+    random_bits_,
+    storage_bits,
+)
+
+from tritonkv import pack_hidden, pack_kv, unpack_kv
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+QSL = torch.tensor([0, 18, 19, 20], device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def on_cuda(monkeypatch):
+    monkeypatch.setattr(kv_cases, "DEVICE", "cuda")
+    monkeypatch.setenv("TRITONKV_BACKEND", "auto")
+
+
+def _slots(n=20, num_slots=48, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(num_slots, generator=gen)[:n]
+    slots[3] = -1
+    return slots.cuda()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("layout", LAYOUT_IDS)
+def test_roundtrip_on_cuda(layout, dtype):
+    raw, layers = make_cache(layout, dtype, num_layers=3, head_size=12)
+    slots = _slots()
+    packed, _ = pack_kv(layers, slots, QSL, [2, 0])
+    expected = loop_pack(layers, slots.cpu(), QSL.cpu(), [2, 0])
+    assert_bits_equal(packed.cpu(), expected, f"pack {layout}")
+    dst_raw, dst_layers = like_with_sentinel(raw, layout)
+    exp_raw, exp_layers = like_with_sentinel(raw, layout)
+    unpack_kv(packed, dst_layers, slots, QSL, [2, 0])
+    loop_unpack(packed, exp_layers, slots.cpu(), QSL.cpu(), [2, 0])
+    for got, want in zip(storage_bits(dst_raw), storage_bits(exp_raw), strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("seq_ids", [None, [2, 0]], ids=["all", "some"])
+def test_non_contiguous_index_tensors_on_cuda(seq_ids):
+    """Index tensors that are columns of bigger ones, already on the GPU (int64 offsets stay as
+    they are there): the kernels read index tensors with stride 1, so they must get contiguous
+    ones. The values between the columns are valid, so a stride-1 read gives wrong rows."""
+    raw, layers = make_cache("flash_attn_nhd", torch.float16, num_layers=3, head_size=12)
+
+    def every_other(t):
+        return torch.stack([t, t.flip(0)], 1)[:, 0]
+
+    slots, qsl = every_other(_slots()), every_other(QSL.long())
+    assert not (slots.is_contiguous() or qsl.is_contiguous())
+    ids = range(3) if seq_ids is None else seq_ids
+    packed, _ = pack_kv(layers, slots, qsl, seq_ids)
+    expected = loop_pack(layers, slots.cpu(), qsl.cpu(), ids)
+    assert_bits_equal(packed.cpu(), expected, "pack")
+    dst_raw, dst_layers = like_with_sentinel(raw, "flash_attn_nhd")
+    exp_raw, exp_layers = like_with_sentinel(raw, "flash_attn_nhd")
+    unpack_kv(packed, dst_layers, slots, qsl, seq_ids)
+    loop_unpack(packed, exp_layers, slots.cpu(), qsl.cpu(), ids)
+    for got, want in zip(storage_bits(dst_raw), storage_bits(exp_raw), strict=True):
+        assert torch.equal(got.cpu(), want.cpu())
+
+
+def test_large_batch_matches_torch_twin():
+    """Thousands of tokens, 32 layers, bf16 HND: the kernel equals the twin bit for bit."""
+    from tritonkv import pack_kv_torch
+
+    raw, layers = make_cache(
+        "flash_attn_hnd",
+        torch.bfloat16,
+        num_layers=32,
+        num_blocks=512,
+        block_size=16,
+        num_kv_heads=8,
+        head_size=128,
+    )
+    slots = torch.randperm(512 * 16, device="cuda")[:4000]
+    qsl = torch.tensor([0, 1000, 1001, 3000, 4000], device="cuda")
+    packed, _ = pack_kv(layers, slots, qsl, [3, 0, 2])
+    twin, _ = pack_kv_torch(layers, slots, qsl, [3, 0, 2])
+    assert_bits_equal(packed, twin, "large batch")
+
+
+def test_cuda_graph_capture_pack_and_unpack():
+    """With out= and device-resident indices, pack_kv/unpack_kv capture and replay in a graph."""
+    raw, layers = make_cache("flash_attn_nhd", torch.float16, num_layers=4)
+    dst_raw, dst_layers = like_with_sentinel(raw, "flash_attn_nhd")
+    slots, ids = _slots(), torch.tensor([0, 2], device="cuda")
+    out = torch.empty(4, 2, 19, 2, 8, dtype=torch.float16, device="cuda")
+    pack_kv(layers, slots, QSL, ids, out=out)  # warm-up: autotune + address table
+    unpack_kv(out, dst_layers, slots, QSL, ids)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pack_kv(layers, slots, QSL, ids, out=out)
+        unpack_kv(out, dst_layers, slots, QSL, ids)
+    gen = torch.Generator().manual_seed(5)
+    for r in raw:
+        random_bits_(r, gen)  # new contents, same addresses
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = loop_pack(layers, slots.cpu(), QSL.cpu(), [0, 2])
+    assert_bits_equal(out.cpu(), expected, "replayed pack")
+    unpacked = loop_pack(dst_layers, slots.cpu(), QSL.cpu(), [0, 2])
+    assert_bits_equal(unpacked, expected, "replayed unpack")
+
+
+def test_one_launch_for_all_layers():
+    """32 layers, K and V: the profiler sees exactly one copy kernel per pack_kv call."""
+    raw, layers = make_cache(
+        "flash_attn_nhd",
+        torch.bfloat16,
+        num_layers=32,
+        num_blocks=64,
+        block_size=16,
+        num_kv_heads=8,
+        head_size=128,
+    )
+    slots = torch.arange(512, device="cuda")
+    qsl = torch.tensor([0, 256, 512], device="cuda")
+    out = torch.empty(32, 2, 512, 8, 128, dtype=torch.bfloat16, device="cuda")
+    pack_kv(layers, slots, qsl, out=out)  # autotune outside the profile
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        pack_kv(layers, slots, qsl, out=out)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if "_kv_copy_kernel" in e.name]
+    assert len(names) == 1, names
+
+
+def test_check_env_catches_bad_slots_on_gpu(monkeypatch):
+    _, layers = make_cache("flash_attn_nhd", torch.float16)
+    monkeypatch.setenv("TRITONKV_CHECK", "1")
+    with pytest.raises(ValueError, match="slot_mapping"):
+        pack_kv(layers, torch.full((20,), 10_000, device="cuda"), QSL)
+
+
+def test_hidden_on_cuda():
+    hidden = torch.randn(20, 4096, device="cuda", dtype=torch.bfloat16)
+    packed, _ = pack_hidden(hidden, QSL, [2, 0], last_only=True)
+    assert_bits_equal(packed.cpu(), hidden[[19, 17]].cpu(), "hidden")
+
+
+@pytest.mark.parametrize("last_only", [False, True], ids=["all_rows", "last_only"])
+@pytest.mark.parametrize("where", ["cpu", "cuda"])
+def test_index_of_thousands_of_sequences_on_cuda(where, last_only):
+    """The index for CUDA data: made on the host and copied (offsets on the host) or by the
+    one-program kernel (offsets on the GPU, 1024 sequences a step); both equal the host index."""
+    from tritonkv._common import _host_seq_index, seq_index
+
+    gen = torch.Generator().manual_seed(3)
+    lens = torch.randint(1 if last_only else 0, 6, (2500,), generator=gen)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+    ids = torch.randperm(2500, generator=gen)[:2100]
+    num_tokens = int(qsl[-1])
+    got = seq_index(
+        qsl.to(where), ids.to(where), num_tokens, torch.device("cuda"), last_only=last_only
+    )
+    want = _host_seq_index(qsl, ids, num_tokens, last_only)
+    assert got.cu_seqlens.is_cuda and got.src_start.is_cuda
+    assert torch.equal(got.cu_seqlens.cpu(), want.cu_seqlens)
+    assert torch.equal(got.src_start.cpu(), want.src_start)

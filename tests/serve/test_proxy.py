@@ -1,0 +1,489 @@
+"""Tests of the P/D proxy (``connector/serve/proxy.py``) against fake prefill/decode servers.
+
+The fakes (``tests/support/fake_openai.py``) run in-process on loopback ports; each proxy runs as a real
+``python -m connector.serve.proxy`` subprocess, so the command line, logging and signal handling are
+exercised too. No vLLM engine is involved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("aiohttp")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from support.fake_openai import FakeBackend, LoopThread  # noqa: E402
+
+from connector.serve.launch import free_port  # noqa: E402
+from connector.serve.proxy import ProxyConfig, decode_body, prefill_body  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 1.5  # the main proxy's --timeout-s, kept short so that the hang tests stay fast
+PATHS = ["/v1/completions", "/v1/chat/completions"]
+
+
+class ProxyProcess:
+    """A ``python -m connector.serve.proxy`` subprocess logging to a file."""
+
+    def __init__(self, log_path: Path, prefill: list[str], decode: list[str], *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        args = [sys.executable, "-m", "connector.serve.proxy", "--port", str(self.port)]
+        for u in prefill:
+            args += ["--prefill", u]
+        for u in decode:
+            args += ["--decode", u]
+        args += list(extra)
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_ready(self, deadline_s: float = 20.0) -> None:
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                pytest.fail(f"proxy exited with {self.proc.returncode}:\n{self.log()}")
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), 0.2),
+            ):
+                return
+            time.sleep(0.05)
+        pytest.fail(f"proxy did not start within {deadline_s} s:\n{self.log()}")
+
+    def stop(self, sig: int = signal.SIGTERM, wait_s: float = 10.0) -> int | None:
+        """Signals the proxy and returns its exit status (None if it had to be killed)."""
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(sig)
+                try:
+                    return self.proc.wait(wait_s)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(5)
+                    return None
+            return self.proc.returncode
+        finally:
+            self._log.close()
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=10.0, trust_env=False)
+
+
+class Stack:
+    """Two prefill and two decode fakes plus three proxies in front of them."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.lt = LoopThread()
+        self.p0 = FakeBackend(self.lt, "P0", "prefill")
+        self.p1 = FakeBackend(self.lt, "P1", "prefill")
+        self.d0 = FakeBackend(self.lt, "D0", "decode")
+        self.d1 = FakeBackend(self.lt, "D1", "decode")
+        self.backends = [self.p0, self.p1, self.d0, self.d1]
+        for b in self.backends:
+            b.start()
+        short = ["--timeout-s", str(TIMEOUT_S), "--connect-timeout-s", "1"]
+        short += ["--health-timeout-s", "1", "--shutdown-timeout-s", "1"]
+        # Main proxy: one prefill, one decode, short timeouts.
+        self.main = ProxyProcess(tmp / "main.log", [self.p0.url], [self.d0.url], *short)
+        # Round-robin proxy: two of each (trailing slash on purpose).
+        self.rr = ProxyProcess(
+            tmp / "rr.log", [self.p0.url, self.p1.url + "/"], [self.d0.url, self.d1.url]
+        )
+        # A prefill URL where nothing listens.
+        self.dead_url = f"http://127.0.0.1:{free_port()}"
+        self.dead = ProxyProcess(tmp / "dead.log", [self.dead_url], [self.d0.url], *short)
+        self.proxies = [self.main, self.rr, self.dead]
+        for p in self.proxies:
+            p.wait_ready()
+
+    def close(self) -> None:
+        for p in self.proxies:
+            p.stop()
+        for b in self.backends:
+            b.stop()
+        self.lt.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(tmp_path_factory.mktemp("proxy"))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture(autouse=True)
+def _reset(request: pytest.FixtureRequest) -> None:
+    if "stack" in request.fixturenames:
+        for b in request.getfixturevalue("stack").backends:
+            b.reset()
+
+
+def _events(raw: bytes) -> list[Any]:
+    """Parses SSE ``data:`` events; ``[DONE]`` stays a string."""
+    out: list[Any] = []
+    for block in raw.decode().split("\n\n"):
+        if block.startswith("data: "):
+            data = block[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def _body(path: str, **kw: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"model": "fake-model", "temperature": 0.0, "seed": 3}
+    if path == "/v1/completions":
+        base["prompt"] = "The quick brown fox"
+    else:
+        base["messages"] = [{"role": "user", "content": "The quick brown fox"}]
+    base.update(kw)
+    return base
+
+
+# ---------------------------------------------------------------------------- pure body builders
+
+
+def test_prefill_and_decode_bodies() -> None:
+    body = _body(
+        "/v1/chat/completions",
+        max_tokens=50,
+        max_completion_tokens=40,
+        n=3,
+        best_of=3,
+        min_tokens=5,
+        stream=True,
+        stream_options={"include_usage": True},
+        kv_transfer_params={"from": "client"},
+    )
+    snapshot = json.loads(json.dumps(body))
+    p = prefill_body(body, "/v1/chat/completions")
+    assert p["max_tokens"] == 1 and p["max_completion_tokens"] == 1 and p["n"] == 1
+    assert p["stream"] is False
+    assert "stream_options" not in p and "best_of" not in p and "min_tokens" not in p
+    assert p["kv_transfer_params"] == {"do_remote_decode": True}
+    assert p["messages"] == body["messages"]
+    # Completions: max_completion_tokens is not added where it was absent.
+    pc = prefill_body(_body("/v1/completions", max_tokens=9), "/v1/completions")
+    assert "max_completion_tokens" not in pc and "n" not in pc and pc["max_tokens"] == 1
+    kv = {"do_remote_prefill": True, "transfer_id": "t", "nested": {"a": [1, 2]}}
+    d = decode_body(body, kv)
+    assert d["kv_transfer_params"] is kv
+    assert {k: v for k, v in d.items() if k != "kv_transfer_params"} == {
+        k: v for k, v in body.items() if k != "kv_transfer_params"
+    }
+    assert "kv_transfer_params" not in decode_body(body, None)
+    assert body == snapshot  # the client's body is never mutated
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError):
+        ProxyConfig(prefill_urls=(), decode_urls=("http://x",))
+    with pytest.raises(ValueError):
+        ProxyConfig(prefill_urls=("x:1",), decode_urls=("http://x",))
+    with pytest.raises(ValueError):
+        ProxyConfig(prefill_urls=("http://x",), decode_urls=("http://y",), timeout_s=0)
+    assert ProxyConfig(("http://x",), ("http://y",), timeout_s=7).prefill_limit_s == 7
+
+
+# ---------------------------------------------------------------------------- happy paths
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_non_streaming(stack: Stack, path: str) -> None:
+    extra = {"max_completion_tokens": 21} if path.endswith("chat/completions") else {}
+    body = _body(path, max_tokens=17, n=1, min_tokens=2, **extra)
+    with stack.main.client() as c:
+        trace = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+        r = c.post(
+            path,
+            json=body,
+            headers={"X-Request-Id": "req-abc", "Authorization": "Bearer k", **trace},
+        )
+    assert r.status_code == 200, r.text
+    assert r.headers["x-request-id"] == "req-abc"
+    out = r.json()
+    assert out["served_by"] == "D0"
+
+    [pre] = stack.p0.received
+    assert pre.path == path
+    expected_pre = {k: v for k, v in body.items() if k != "min_tokens"}
+    expected_pre.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    if extra:
+        expected_pre["max_completion_tokens"] = 1
+    assert pre.body == expected_pre
+    assert pre.headers["x-request-id"] == "req-abc"
+    assert pre.headers["authorization"] == "Bearer k"
+    assert pre.headers["traceparent"] == trace["traceparent"] and "tracestate" not in pre.headers
+
+    [issued] = stack.p0.issued
+    [dec] = stack.d0.received
+    assert dec.path == path
+    assert dec.body == {**body, "kv_transfer_params": issued}  # original max_tokens, exact params
+    assert dec.headers["x-request-id"] == "req-abc"
+    assert dec.headers["traceparent"] == trace["traceparent"]
+    assert out["kv_transfer_params"] == issued  # the fake decode echoes what it got
+
+    # One log line per request with the timings and the transfer id.
+    end = time.monotonic() + 3
+    while issued["transfer_id"] not in stack.main.log() and time.monotonic() < end:
+        time.sleep(0.05)
+    line = next(ln for ln in stack.main.log().splitlines() if issued["transfer_id"] in ln)
+    assert "req-abc" in line and "prefill" in line and "ttfb" in line and " ms" in line
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_streaming_relayed_in_order_without_buffering(stack: Stack, path: str) -> None:
+    body = _body(path, max_tokens=9, stream=True, stream_options={"include_usage": True})
+    stack.d0.make_gate()  # the fake sends chunk 0, then waits until the client has seen it
+    with stack.main.client() as c, c.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        chunks = r.iter_raw()
+        got = b""
+        while b"\n\n" not in got:
+            got += next(chunks)
+        first = _events(got)
+        assert [e["seq"] for e in first] == [0]  # relayed before the backend sent the rest
+        stack.d0.open_gate()
+        for chunk in chunks:
+            got += chunk
+    events = _events(got)
+    assert events[-1] == "[DONE]"
+    assert [e["seq"] for e in events[:-1]] == [0, 1, 2, 3]
+    key = "text" if path == "/v1/completions" else "delta"
+    assert events[1]["choices"][0][key] in ("tok1", {"content": "tok1"})
+
+    [pre] = stack.p0.received
+    assert pre.body["stream"] is False and "stream_options" not in pre.body
+    assert pre.body["max_tokens"] == 1
+    assert pre.body["kv_transfer_params"] == {"do_remote_decode": True}
+    [dec] = stack.d0.received
+    assert dec.body == {**body, "kv_transfer_params": stack.p0.issued[0]}
+
+
+def test_client_disconnect_closes_decode_stream(stack: Stack) -> None:
+    # The round-robin proxy has the default 600 s timeout: only the disconnect can end the stream.
+    for d in (stack.d0, stack.d1):
+        d.make_gate()
+    body = _body("/v1/completions", max_tokens=100, stream=True)
+    with stack.rr.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        assert b"tok0" in next(r.iter_raw())
+    end = time.monotonic() + 5
+    while stack.d0.disconnects + stack.d1.disconnects == 0 and time.monotonic() < end:
+        time.sleep(0.02)
+    assert stack.d0.disconnects + stack.d1.disconnects == 1
+
+
+@pytest.mark.parametrize("stage", ["prefill", "decode"])
+def test_client_leaving_a_non_streamed_request_closes_the_backend_call(
+    stack: Stack, stage: str
+) -> None:
+    """The round-robin proxy has the default 600 s timeout: only the client leaving can end a
+    call to a backend that never answers; decode is never called after a prefill left behind."""
+    hanging = (stack.p0, stack.p1) if stage == "prefill" else (stack.d0, stack.d1)
+    for b in hanging:
+        b.mode = "hang"
+    # 2 s: the whole prefill leg must fit in it for decode to be the stage left hanging
+    client = httpx.Client(base_url=stack.rr.url, timeout=2.0, trust_env=False)
+    with client, pytest.raises(httpx.ReadTimeout):
+        client.post("/v1/completions", json=_body("/v1/completions"))
+    end = time.monotonic() + 5
+    while sum(b.disconnects for b in hanging) == 0 and time.monotonic() < end:
+        time.sleep(0.02)
+    assert sum(b.disconnects for b in hanging) == 1
+    if stage == "prefill":
+        assert stack.d0.received == stack.d1.received == []
+
+
+def test_round_robin(stack: Stack) -> None:
+    served = []
+    with stack.rr.client() as c:
+        for i in range(4):
+            r = c.post("/v1/completions", json=_body("/v1/completions", max_tokens=4 + i))
+            assert r.status_code == 200, r.text
+            served.append(r.json()["served_by"])
+    # The cursors may start anywhere (other tests use this proxy too), but must alternate.
+    assert sorted(served[:2]) == ["D0", "D1"] and served[2:] == served[:2]
+    assert len(stack.p0.received) == len(stack.p1.received) == 2
+    assert len(stack.d0.received) == len(stack.d1.received) == 2
+    # Every decode got exactly the params one prefill issued, each transfer used once.
+    issued = {kv["transfer_id"]: kv for kv in stack.p0.issued + stack.p1.issued}
+    got = [d.body["kv_transfer_params"] for d in stack.d0.received + stack.d1.received]
+    assert sorted(kv["transfer_id"] for kv in got) == sorted(issued)
+    assert all(kv == issued[kv["transfer_id"]] for kv in got)
+    by_tokens = {d.body["max_tokens"]: d for d in stack.d0.received + stack.d1.received}
+    assert sorted(by_tokens) == [4, 5, 6, 7]  # original max_tokens reached the decode servers
+
+
+def test_prefill_without_params_decodes_without_them(stack: Stack) -> None:
+    stack.p0.mode = "no_kv"
+    body = _body("/v1/completions", max_tokens=5, kv_transfer_params={"client": "junk"})
+    with stack.main.client() as c:
+        r = c.post("/v1/completions", json=body)
+    assert r.status_code == 200
+    [dec] = stack.d0.received
+    assert "kv_transfer_params" not in dec.body
+    assert dec.body["max_tokens"] == 5
+
+
+def test_models_and_health(stack: Stack) -> None:
+    with stack.main.client() as c:
+        r = c.get("/v1/models")
+        assert r.status_code == 200 and r.json()["by"] == "D0"
+        r = c.get("/health")
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+        stack.d0.healthy = False
+        r = c.get("/health")
+        assert r.status_code == 503
+        bad = [b for b in r.json()["backends"] if not b["ok"]]
+        assert [(b["role"], b["url"]) for b in bad] == [("decode", stack.d0.url)]
+        stack.d0.healthy = True
+        stack.p0.mode = "hang"  # a backend that never answers /health: 503 within the limit
+        t0 = time.monotonic()
+        r = c.get("/health")
+        assert r.status_code == 503 and time.monotonic() - t0 < 4
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_prefill_error_propagated_and_decode_not_called(stack: Stack, path: str) -> None:
+    stack.p0.mode = "error"
+    stack.p0.error_status = 422
+    with stack.main.client() as c:
+        r = c.post(path, json=_body(path, max_tokens=8, stream=True))
+    assert r.status_code == 422
+    assert r.json()["error"]["message"] == "P0 refuses"
+    assert len(stack.p0.received) == 1
+    assert stack.d0.received == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prefill_timeout_is_504(stack: Stack, stream: bool) -> None:
+    stack.p0.mode = "hang"
+    t0 = time.monotonic()
+    with stack.main.client() as c:
+        r = c.post("/v1/completions", json=_body("/v1/completions", stream=stream))
+    elapsed = time.monotonic() - t0
+    assert r.status_code == 504
+    err = r.json()["error"]
+    assert err["stage"] == "prefill" and err["server"] == stack.p0.url
+    assert err["timeout_s"] == TIMEOUT_S
+    assert stack.p0.url in err["message"] and "1.5 s" in err["message"]
+    assert TIMEOUT_S - 0.1 < elapsed < TIMEOUT_S + 3
+    assert stack.d0.received == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_timeout_is_504(stack: Stack, stream: bool) -> None:
+    stack.d0.mode = "hang"
+    t0 = time.monotonic()
+    with stack.main.client() as c:
+        r = c.post("/v1/chat/completions", json=_body("/v1/chat/completions", stream=stream))
+    assert r.status_code == 504
+    err = r.json()["error"]
+    assert err["stage"] == "decode" and err["server"] == stack.d0.url
+    assert stack.d0.url in err["message"]
+    assert time.monotonic() - t0 < TIMEOUT_S + 3
+    assert len(stack.p0.received) == len(stack.d0.received) == 1
+
+
+def test_stream_stall_ends_with_error_event(stack: Stack) -> None:
+    stack.d0.mode = "stall"
+    t0 = time.monotonic()
+    with stack.main.client() as c:
+        r = c.post("/v1/completions", json=_body("/v1/completions", stream=True))
+    assert r.status_code == 200  # headers were sent with the first chunk
+    events = _events(r.content)
+    assert events[0]["seq"] == 0
+    assert events[1]["error"]["code"] == 504 and events[1]["error"]["stage"] == "decode"
+    assert events[2] == "[DONE]" and len(events) == 3
+    assert time.monotonic() - t0 < TIMEOUT_S + 3
+
+
+def test_dead_prefill_fails_fast(stack: Stack) -> None:
+    t0 = time.monotonic()
+    with stack.dead.client() as c:
+        r = c.post("/v1/completions", json=_body("/v1/completions"))
+        assert r.status_code == 502
+        err = r.json()["error"]
+        assert err["stage"] == "prefill" and err["server"] == stack.dead_url
+        assert time.monotonic() - t0 < TIMEOUT_S
+        r = c.get("/health")
+        assert r.status_code == 503
+        states = {b["url"]: b["ok"] for b in r.json()["backends"]}
+        assert states == {stack.dead_url: False, stack.d0.url: True}
+    assert stack.d0.received == []
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"{not json", b"[1, 2]", b'"text"', b"", b"\xff\xfe"],
+    ids=["garbage", "array", "string", "empty", "not-utf8"],
+)
+def test_bad_json_is_400(stack: Stack, content: bytes) -> None:
+    with stack.main.client() as c:
+        for path in PATHS:
+            r = c.post(path, content=content, headers={"Content-Type": "application/json"})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["code"] == 400
+    assert stack.p0.received == [] and stack.d0.received == []
+
+
+def test_batched_prompt_is_400(stack: Stack) -> None:
+    with stack.main.client() as c:
+        r = c.post("/v1/completions", json=_body("/v1/completions", prompt=["a", "b"]))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        r = c.post("/v1/completions", json=_body("/v1/completions", prompt=[1, 2, 3]))
+        assert r.status_code == 200  # one tokenized prompt is fine
+    assert len(stack.p0.received) == 1
+
+
+# ---------------------------------------------------------------------------- shutdown
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_clean_shutdown_on_signal(stack: Stack, tmp_path: Path, sig: signal.Signals) -> None:
+    proxy = ProxyProcess(
+        tmp_path / "sig.log", [stack.p0.url], [stack.d0.url], "--shutdown-timeout-s", "2"
+    )
+    try:
+        proxy.wait_ready()
+        with proxy.client() as c:
+            assert c.post("/v1/completions", json=_body("/v1/completions")).status_code == 200
+    finally:
+        rc = proxy.stop(sig, wait_s=8)
+    assert rc == 0, proxy.log()
+    assert f"stopped (signal: {sig.name})" in proxy.log()
+
+
+def test_cli_requires_both_roles() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "connector.serve.proxy", "--prefill", "http://127.0.0.1:1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert r.returncode == 2 and "--decode" in r.stderr

@@ -1,0 +1,90 @@
+"""Shared pieces of the end-to-end tests: a P/D cluster fixture factory and the comparison helpers.
+
+Each e2e module starts its servers once (module scope) and stops them at its end, so at most one
+producer/consumer pair runs at a time on this 2-core machine.
+"""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from connector.serve.demo import completion, make_prompt, start_pd, vocabulary
+from connector.serve.launch import Cluster, Proc, http_json, transfer_events
+
+MAX_TOKENS = 12
+
+
+@dataclass
+class PD:
+    """A running producer/consumer/proxy trio plus the model's vocabulary."""
+
+    producer: Proc
+    consumer: Proc
+    proxy: Proc
+    words: list[str]
+
+    def prompt(self, num_tokens: int, seed: int) -> str:
+        return make_prompt(self.words, num_tokens, seed)
+
+    def events(self, request_id: str) -> dict[str, list[dict]]:
+        return transfer_events(self.producer.log_text() + self.consumer.log_text(), request_id)
+
+    def colocated(self, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
+        """Reference: prefill and decode on one server (the producer, no transfer params)."""
+        rid = f"ref-{uuid.uuid4().hex[:12]}"
+        return completion(self.producer.url, prompt, max_tokens, rid)["choices"][0]["text"]
+
+    def disaggregated(self, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[str, str, dict]:
+        """Through the proxy; returns (text, request id, usage)."""
+        rid = f"pd-{uuid.uuid4().hex[:12]}"
+        reply = completion(self.proxy.url, prompt, max_tokens, rid)
+        return reply["choices"][0]["text"], rid, reply["usage"]
+
+    def prefill_params(self, prompt: str) -> dict:
+        """Run only the prefill leg on the producer and return its kv_transfer_params."""
+        reply = completion(
+            self.producer.url,
+            prompt,
+            1,
+            f"prefill-{uuid.uuid4().hex[:12]}",
+            kv_transfer_params={"do_remote_decode": True},
+        )
+        return reply["kv_transfer_params"]
+
+    def decode_with(self, prompt: str, params: dict, max_tokens: int = MAX_TOKENS):
+        """Run only the decode leg on the consumer with the given params; (text, request id)."""
+        rid = f"decode-{uuid.uuid4().hex[:12]}"
+        reply = completion(self.consumer.url, prompt, max_tokens, rid, kv_transfer_params=params)
+        return reply["choices"][0]["text"], rid
+
+
+def start_cluster(workdir: Path, model: Path, **kw) -> tuple[Cluster, PD]:
+    cluster = Cluster(workdir)
+    try:
+        producer, consumer, proxy = start_pd(cluster, model, progress=lambda *_: None, **kw)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster, PD(producer, consumer, proxy, vocabulary(model))
+
+
+def assert_token_granular_load(pd: PD, rid: str, prompt_tokens: int) -> dict:
+    """The consumer loaded everything but the last prompt token (minus its own prefix-cache hit)."""
+    events = pd.events(rid)
+    assert not events["failed"], events
+    assert len(events["loaded"]) >= 1, f"no load logged for {rid}: {events}"
+    for ld in events["loaded"]:  # one per TP rank
+        recomputed = prompt_tokens - int(ld["local"]) - int(ld["tokens"])
+        assert recomputed == 1, f"{rid}: recomputed {recomputed} prompt tokens, expected 1: {ld}"
+    return events
+
+
+def run_concurrently(fn, args_list):
+    with ThreadPoolExecutor(len(args_list)) as pool:
+        return list(pool.map(lambda a: fn(*a), args_list))
+
+
+__all__ = ["PD", "assert_token_granular_load", "http_json", "run_concurrently", "start_cluster"]

@@ -1,0 +1,167 @@
+"""Coverage-guided fuzz target (atheris, libFuzzer) for what a tritonkv listener or client reads from
+the network: the authentication exchange, frame prefixes, header bodies, metadata and inline
+payloads, through the same functions the pipe's threads call.
+
+    python tests/transport/fuzz_wire.py [libFuzzer options] CORPUS_DIR      # `make fuzz`: 10 minutes
+
+An input's first byte picks the target:
+
+0. frames: the bytes arrive on a socket; ``pipe._read_frame`` reads headers one after another
+   and ``pipe._read_inline_payload`` the inline payloads (the reader thread's loop);
+1. the listener's side of the authentication: a 68-byte RESPONSE to a known challenge;
+2. the connector's side: a 38-byte CHALLENGE, then a 37-byte VERDICT;
+3. metadata: ``wire.decode_meta`` and the limits a peer announces in it.
+
+A finding is any exception other than the transport's own refusals (ProtocolError, AuthError, end
+of stream), an input that takes over a second (``-timeout=1``), an allocation above the limits
+announced (checked: every payload the decoder lets through fits ``LIMITS``), or a forged
+authentication accepted. ``CORPUS_DIR`` is seeded with valid frames and exchanges when empty.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import time
+
+import atheris
+import torch  # imported before instrumenting: only tritonkv's modules are instrumented
+
+# Run as a script: the checkout's connector/ (installed as tritonkv_connector) from the repo root.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+with atheris.instrument_imports():
+    from connector.kvstore.protocol import Op
+    from connector.transport import auth, errors, pipe
+    from connector.transport import frame as wire
+
+# Small announced limits, so that anything the decoder accepts is cheap to allocate and check.
+LIMITS = wire.FrameLimits(
+    max_body_bytes=1 << 16,
+    max_key_bytes=256,
+    max_meta_bytes=1 << 12,
+    max_tensors=64,
+    max_name_bytes=64,
+    max_message_bytes=1 << 20,
+)
+SECRET = b"fuzz-shared-secret-0123456789abc"
+NONCE_L = bytes(range(32))
+REFUSALS = (errors.ProtocolError, auth.AuthError, pipe._EOF)
+
+
+def _frames(data: bytes) -> None:
+    a, b = socket.socketpair()
+    try:
+        for s in (a, b):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        a.sendall(data)
+        a.shutdown(socket.SHUT_WR)
+        b.setblocking(False)
+        while True:
+            deadline = time.monotonic() + 0.5  # all bytes are there: a wait is a hang
+            header = pipe._read_frame(b, LIMITS, deadline, 0.5)
+            if header is None:
+                return
+            assert header.payload_bytes <= LIMITS.max_message_bytes, header
+            if header.kind in (wire.Kind.HELLO, wire.Kind.HELLO_ACK):
+                wire.limits_from_meta(header.meta, LIMITS)
+            if header.inline:
+                tensors = pipe._read_inline_payload(b, header, 0.5)
+                assert sum(t.nbytes for t in tensors.values()) == header.payload_bytes
+            else:
+                chunks = wire.plan_chunks(header.specs)
+                assert sum(c.nbytes for c in chunks) <= 2 * LIMITS.max_message_bytes + 4096
+    finally:
+        a.close()
+        b.close()
+
+
+def _listener_auth(data: bytes) -> None:
+    raw = data[: auth.RESPONSE.size].ljust(auth.RESPONSE.size, b"\0")
+    accepted, verdict = auth.check_response(SECRET, NONCE_L, raw)
+    assert not accepted, "a forged response was accepted"
+    assert len(verdict) == auth.VERDICT.size
+    accepted, _ = auth.check_response(None, NONCE_L, raw)  # no secret: any well-formed response
+    assert accepted == raw.startswith(auth.MAGIC)
+
+
+def _connector_auth(data: bytes) -> None:
+    challenge = data[: auth.CHALLENGE.size].ljust(auth.CHALLENGE.size, b"\0")
+    verdict = data[auth.CHALLENGE.size :][: auth.VERDICT.size].ljust(auth.VERDICT.size, b"\0")
+    required, nonce_l = auth.parse_challenge(challenge, "fuzz")
+    for secret in (SECRET, None):
+        try:
+            response, nonce_c = auth.respond(secret, required, nonce_l, "fuzz")
+        except auth.AuthError:
+            continue
+        assert len(response) == auth.RESPONSE.size
+        try:
+            auth.check_verdict(secret, nonce_l, nonce_c, verdict, "fuzz")
+        except REFUSALS:
+            continue
+        assert secret is None, "a forged verdict was accepted"
+
+
+def _meta(data: bytes) -> None:
+    meta = wire.decode_meta(data)
+    assert isinstance(meta, dict)
+    wire.limits_from_meta(meta, LIMITS)
+
+
+TARGETS = (_frames, _listener_auth, _connector_auth, _meta)
+
+
+def one_input(data: bytes) -> None:
+    if not data:
+        return
+    with contextlib.suppress(*REFUSALS):
+        TARGETS[data[0] % len(TARGETS)](data[1:])
+
+
+def seeds() -> list[bytes]:
+    """Valid inputs for every target: frames of each kind (inline payloads included), a correct
+    authentication exchange, announced limits."""
+    frames = [
+        wire.encode_header(wire.Kind.HELLO, "", {"proto": 1, **wire.limits_meta(LIMITS)}),
+        wire.encode_header(wire.Kind.HELLO_ACK, "", {"backend": "gloo", "store_port": 1}),
+        wire.encode_header(Op.GET, "transfer-1", {"wait_ms": 100}),
+        wire.encode_header(Op.MISS, "k", {"reason": "expired"}),
+        wire.encode_header(wire.Kind.ERROR, "k", {"error": "no"}),
+        wire.encode_header(Op.DISCARD, "k"),
+        wire.encode_header(wire.Kind.BYE, ""),
+    ]
+    kv = {"kv": torch.arange(24, dtype=torch.int16).view(2, 3, 4), "cu": torch.tensor([0, 3])}
+    specs = [wire.spec_of(name, t) for name, t in kv.items()]
+    payload = b"".join(t.numpy().tobytes() for t in kv.values())
+    data = wire.encode_header(Op.DATA, "k", {"wire": "tokens"}, specs, wire.FLAG_INLINE)
+    frames.append(data + payload)
+    frames.append(wire.encode_header(Op.PUT, "k", {}, specs))  # payload on the group
+    challenge, nonce_l = auth.challenge(True)
+    response, nonce_c = auth.respond(SECRET, True, nonce_l, "seed")
+    _, verdict = auth.check_response(SECRET, nonce_l, response)
+    return [
+        b"\0" + b"".join(frames),
+        *[b"\0" + f for f in frames],
+        b"\1" + response,
+        b"\2" + challenge + verdict,
+        b"\3" + wire.encode_meta(wire.limits_meta(LIMITS)),
+    ]
+
+
+def main(argv: list[str]) -> None:
+    corpus = next((a for a in argv[1:] if not a.startswith("-")), None)
+    if corpus is not None:
+        os.makedirs(corpus, exist_ok=True)
+        if not os.listdir(corpus):
+            for i, seed in enumerate(seeds()):
+                with open(os.path.join(corpus, f"seed-{i:02d}"), "wb") as f:
+                    f.write(seed)
+    atheris.Setup(argv, one_input)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,256 @@
+"""The trust boundary: every KV connection authenticates by a shared secret before anything else is
+read, listeners refuse to face the network without one, and a producer's server grants only what
+consumers need (GET, DISCARD)."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from support.transport import STORE_REQUESTS, raw_authenticate, recv_exact, settled_stat
+from support.vllm_fixtures import captured_log
+
+from connector.kvstore.store import KVBuffer, KVClient, KVServer
+from connector.transport import auth
+from connector.transport.errors import RemoteError
+from connector.transport.frame import Kind, encode_header
+from connector.transport.pipe import PipeListener
+
+SECRET = b"s3cret-for-tests-only-0123456789"
+OTHER = b"another-secret-of-32-bytes-00000"
+
+
+@pytest.fixture
+def served():
+    """A producer-style server (default allow) holding entry "k", with SECRET."""
+    buf = KVBuffer(1 << 24)
+    buf.put("k", {"x": torch.arange(10.0)}, max_reads=0)
+    srv = KVServer(buf, secret=SECRET, connect_timeout_s=3)
+    try:
+        yield buf, srv
+    finally:
+        srv.close()
+
+
+def _get(srv, secret, key="k", **kw):
+    with KVClient("127.0.0.1", srv.port, secret=secret, timeout_s=5, **kw) as client:
+        return client.get(key)[0]["x"]
+
+
+def test_the_right_secret_works_and_wrong_or_missing_ones_are_refused(served):
+    buf, srv = served
+    assert torch.equal(_get(srv, SECRET), torch.arange(10.0))
+    with pytest.raises(auth.AuthError, match="secrets differ"):
+        _get(srv, OTHER)
+    with pytest.raises(auth.AuthError, match="requires the shared secret and this side has none"):
+        _get(srv, None)
+    assert settled_stat(srv, "auth_failures", 2) == 2
+    assert srv.stats()["requests"] == 1  # nothing of the refused ones was read as a request
+    assert torch.equal(_get(srv, SECRET), torch.arange(10.0))  # others are not disturbed
+
+
+def test_a_refusal_is_counted_and_its_slot_freed_before_the_peer_hears_of_it(served, monkeypatch):
+    """Even when the server is slow to record a failure, a refused peer that reconnects at once
+    finds it counted and its handshake slot free (no "too many pending handshakes")."""
+    _, srv = served
+    record = auth.FailureLog.failed
+
+    def slow_record(self, peer):
+        time.sleep(0.1)
+        return record(self, peer)
+
+    monkeypatch.setattr(auth.FailureLog, "failed", slow_record)
+    for n in range(1, KVServer.MAX_PENDING_PER_HOST + 3):
+        with pytest.raises(auth.AuthError, match="secrets differ"):
+            _get(srv, OTHER)
+        assert srv.stats()["auth_failures"] == n  # read at once, no waiting
+    assert torch.equal(_get(srv, SECRET), torch.arange(10.0))
+
+
+def test_a_client_with_a_secret_refuses_a_listener_without_one():
+    buf = KVBuffer(1 << 20)
+    buf.put("k", {"x": torch.ones(1)}, max_reads=0)
+    with KVServer(buf) as srv, pytest.raises(auth.AuthError, match="does not authenticate"):
+        _get(srv, SECRET)
+
+
+def _connect_raw(srv) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+    s.settimeout(5)
+    return s
+
+
+def _closed(s) -> bool:
+    """Whether the server closed ``s`` (end of stream or reset), reading at most one byte."""
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_a_replayed_handshake_is_refused(served):
+    """A response recorded from an authenticated connection answers that connection's nonce only:
+    replayed on a new connection (a new challenge) it is refused, and nothing after it is read."""
+    _, srv = served
+    first = _connect_raw(srv)
+    required, nonce_l = auth.parse_challenge(recv_exact(first, auth.CHALLENGE.size), "first")
+    recorded, nonce_c = auth.respond(SECRET, required, nonce_l, "first")
+    first.sendall(recorded)
+    auth.check_verdict(SECRET, nonce_l, nonce_c, recv_exact(first, auth.VERDICT.size), "first")
+    first.close()
+
+    replay = _connect_raw(srv)
+    recv_exact(replay, auth.CHALLENGE.size)  # a fresh nonce
+    replay.sendall(recorded + encode_header(Kind.HELLO, "", {"proto": 1, "backend": "socket"}))
+    with pytest.raises(auth.AuthError, match="refused"):
+        auth.check_verdict(
+            SECRET, nonce_l, nonce_c, recv_exact(replay, auth.VERDICT.size), "replay"
+        )
+    assert _closed(replay), "the server kept the connection of a failed handshake"
+    replay.close()
+    assert settled_stat(srv, "auth_failures", 1) == 1
+    assert srv.stats()["connections"] == 0  # the HELLO behind the replay was never answered
+
+
+def test_a_half_finished_handshake_ends_at_its_deadline_without_holding_up_others(served):
+    _, srv = served
+    stalled = _connect_raw(srv)
+    recv_exact(stalled, auth.CHALLENGE.size)
+    stalled.sendall(b"TKVA" + bytes(20))  # part of a response, then nothing
+    t0 = time.monotonic()
+    # meanwhile: served at once (over the socket backend: no gloo rendezvous in the time)
+    assert torch.equal(_get(srv, SECRET, backend="socket"), torch.arange(10.0))
+    assert time.monotonic() - t0 < 2
+    stalled.settimeout(10)
+    assert _closed(stalled)  # closed by the server at its authentication deadline
+    assert time.monotonic() - t0 < 8
+    stalled.close()
+
+
+def test_a_host_holds_at_most_a_few_pending_handshakes(served):
+    _, srv = served
+    stalled = [_connect_raw(srv) for _ in range(KVServer.MAX_PENDING_PER_HOST)]
+    for s in stalled:
+        recv_exact(s, auth.CHALLENGE.size)
+    with pytest.raises(RemoteError, match="too many pending handshakes"):
+        _get(srv, SECRET)
+    for s in stalled:
+        s.close()
+    # the server sees the closed sockets fail their handshakes
+    assert settled_stat(srv, "auth_failures", len(stalled), timeout_s=10) == len(stalled)
+    assert torch.equal(_get(srv, SECRET), torch.arange(10.0))
+
+
+def test_a_stranger_at_the_rendezvous_store_cannot_join_or_disturb_a_pipe(served):
+    """The store port is reachable, but each connection's keys sit under a prefix of 128 random
+    bits told only to the authenticated peer (in HELLO_ACK): a stranger writing keys and trying to
+    join a group under a guessed prefix gets nowhere, and real connections go on working."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    from connector.transport.pipe import _make_process_group
+
+    _, srv = served
+    store_port = srv._listener._store.port
+    stranger = TCPStore("127.0.0.1", store_port, None, False, datetime.timedelta(seconds=2))
+    stranger.set("tkv/0-guess/0", b"junk")
+    with pytest.raises(TimeoutError):
+        _make_process_group("gloo", PrefixStore("tkv/0-guess/", stranger), 1, "127.0.0.1", 1.0)
+    for _ in range(3):
+        assert torch.equal(_get(srv, SECRET), torch.arange(10.0))
+    assert srv.stats()["connections"] == 3
+
+
+@pytest.mark.parametrize("op", ["PUT", "MATCH"])
+def test_a_producer_server_answers_get_and_discard_only(served, op):
+    buf, srv = served
+    assert srv.allow == {"GET", "DISCARD"}
+    with KVClient("127.0.0.1", srv.port, secret=SECRET, timeout_s=5) as client:
+        with pytest.raises(RemoteError, match=f"{op} is not allowed on this server"):
+            if op == "PUT":
+                client.put("planted", {"x": torch.ones(4)})
+            else:
+                client.match_prefix(list(range(8)))
+        assert torch.equal(client.get("k")[0]["x"], torch.arange(10.0))  # same connection
+        assert client.discard("k") is True
+        assert client.stats()["connects"] == 1
+    assert "planted" not in buf.stats() and srv.stats()["refused_requests"] == 1
+
+
+def test_a_store_server_may_allow_put_and_match():
+    buf = KVBuffer(1 << 20)
+    srv = KVServer(buf, allow=STORE_REQUESTS)
+    with srv, KVClient("127.0.0.1", srv.port, timeout_s=5) as client:
+        client.put("a", {"x": torch.ones(2)})
+        assert buf.take("a")[0]["x"].tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="allow: expected a set of"):
+        KVServer(buf, allow="GET")
+
+
+def test_listening_off_loopback_needs_a_secret_or_insecure(caplog):
+    with pytest.raises(ValueError, match=r"without a shared secret .* insecure=True"):
+        PipeListener("0.0.0.0", 0)
+    with captured_log("vllm.tritonkv.transport") as records:
+        PipeListener("0.0.0.0", 0, insecure=True).close()
+    assert any("insecure" in r.getMessage() for r in records)
+    PipeListener("0.0.0.0", 0, secret=SECRET).close()
+    PipeListener("127.0.0.1", 0).close()  # loopback: only this machine can connect
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        PipeListener("127.0.0.1", 0, secret="short")
+
+
+def test_secrets_come_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    assert auth.load_secret() is None
+    monkeypatch.setenv(auth.SECRET_ENV, SECRET.decode())
+    assert auth.load_secret() == SECRET
+    path = tmp_path / "secret"
+    path.write_bytes(OTHER + b"\n")
+    assert auth.load_secret(path) == OTHER  # the file wins; its trailing newline is not secret
+    with pytest.raises(ValueError, match="cannot read"):
+        auth.load_secret(tmp_path / "missing")
+    assert auth.is_loopback("::1") and auth.is_loopback("localhost")
+    assert not auth.is_loopback("0.0.0.0") and not auth.is_loopback("10.0.0.1")
+
+
+def test_failures_are_logged_at_most_once_per_host_a_minute():
+    log = auth.FailureLog(interval_s=60.0, max_hosts=2)
+    assert log.failed("10.0.0.1:5000") and not log.failed("10.0.0.1:5001")
+    assert log.failed("10.0.0.2:1") and not log.failed("10.0.0.3:1")  # table full: not logged
+    assert log.count == 4
+
+
+def test_the_raw_helper_speaks_the_exchange(served):
+    """The hand-written client of the raw-socket tests authenticates like connect_pipe does."""
+    _, srv = served
+    s = _connect_raw(srv)
+    raw_authenticate(s, SECRET)
+    s.sendall(encode_header(Kind.HELLO, "", {"proto": 1, "backend": "socket"}))
+    assert recv_exact(s, 4) == b"TKVT"  # HELLO_ACK's frame follows
+    s.close()
+
+
+def test_concurrent_wrong_secrets_do_not_disturb_a_right_one(served):
+    _, srv = served
+    errors = []
+
+    def intruder():
+        for _ in range(5):
+            try:
+                _get(srv, OTHER)
+            except auth.AuthError:
+                continue
+            errors.append("an intruder got in")
+
+    threads = [threading.Thread(target=intruder) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for _ in range(5):
+        assert torch.equal(_get(srv, SECRET), torch.arange(10.0))
+    for t in threads:
+        t.join(30)
+    assert not errors
+    assert settled_stat(srv, "auth_failures", 10) == 10

@@ -1,0 +1,66 @@
+"""The connector's two halves and what they share import without vLLM: only
+``connector/vllm_connector/connector.py`` may import it (it adapts vLLM's calls to them)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from support.vllm_fixtures import REPO_ROOT
+
+pytestmark = pytest.mark.timeout(120)
+
+HALVES = (
+    "connector.vllm_connector.common",
+    "connector.vllm_connector.scheduler",
+    "connector.vllm_connector.worker",
+)
+
+# Any ``import vllm`` (or of a submodule) fails, as where vLLM is not installed.
+BLOCK_VLLM = """
+import importlib.abc, sys
+
+class NoVllm(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "vllm" or name.startswith("vllm."):
+            raise ImportError(f"blocked: {name}")
+        return None
+
+sys.meta_path.insert(0, NoVllm())
+"""
+
+
+def test_the_halves_import_without_vllm() -> None:
+    script = (
+        BLOCK_VLLM
+        + f"import importlib\nfor name in {HALVES!r}:\n    importlib.import_module(name)\n"
+        + "from connector.vllm_connector.scheduler import SchedulerSide\n"
+        + "from connector.vllm_connector.worker import WorkerSide\n"
+        + "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules)\n"
+        + "try:\n    import vllm\nexcept ImportError:\n    print('blocked')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=90
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("blocked")  # the blocker held
+
+
+def test_only_the_facade_imports_vllm() -> None:
+    """Statically: no module of ``connector/`` but ``vllm_connector`` (and the plugin, which
+    registers it with vLLM, lazily) names vLLM in an import."""
+    import ast
+
+    offenders = []
+    for path in sorted((REPO_ROOT / "connector").glob("*.py")):
+        if path.name in ("vllm_connector.py", "plugin.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "vllm"]
+    assert offenders == []

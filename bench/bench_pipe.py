@@ -1,6 +1,6 @@
 """Transport benchmark: tensor pipe vs raw torch.distributed send/recv, and KV buffer latency.
 
-    python -m bench.bench_pipe [--quick] [--backend gloo|nccl]
+    python -m bench.bench_pipe [--quick] [--transport gloo|nccl]
 
 Throughput: this process listens, a child process (this module, ``--role child``) connects; the
 pipe's own two-rank process group carries both providers, in the same run, interleaved:
@@ -35,6 +35,7 @@ import time
 import torch
 
 from connector.kvstore.store import KVBuffer, KVClient
+from connector.transport.options import PipeOptions
 from connector.transport.pipe import PipeListener, connect_pipe
 
 MIB = 1 << 20
@@ -46,10 +47,16 @@ def _wait(work, timeout_s: float = 300.0) -> None:
 
 
 # ------------------------------------------------------------------------------------ child side
-def child(port: int, backend: str, device: str) -> None:
+def child(port: int, transport: str, device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    pipe = connect_pipe("127.0.0.1", port, backend=backend, device=device, recv_timeout_s=300)
+    pipe = connect_pipe(
+        "127.0.0.1",
+        port,
+        transport=transport,
+        device=device,
+        options=PipeOptions(recv_timeout_s=300),
+    )
     pg = pipe.process_group
     try:
         while True:
@@ -98,11 +105,11 @@ def _measure(pipe, provider: str, buf: torch.Tensor, reps: int) -> float:
     return time.perf_counter() - t0
 
 
-def throughput(sizes_mib, rounds: int, backend: str, device: str, child_device: str):
-    listener = PipeListener(backend=backend, device=device)
+def throughput(sizes_mib, rounds: int, transport: str, device: str, child_device: str):
+    listener = PipeListener(transport=transport, device=device)
     proc = subprocess.Popen(
         [sys.executable, "-m", "bench.bench_pipe", "--role", "child", "--port",
-         str(listener.port), "--backend", backend, "--device", child_device],
+         str(listener.port), "--transport", transport, "--device", child_device],
     )  # fmt: skip
     rows = []
     try:
@@ -183,26 +190,26 @@ def latency(counts, ops: int):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes and rounds (< 2 min)")
-    ap.add_argument("--backend", default=None, help="gloo (default without 2 GPUs) or nccl")
+    ap.add_argument("--transport", default=None, help="gloo (default without 2 GPUs) or nccl")
     ap.add_argument("--role", default="main", choices=("main", "child"), help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.role == "child":
-        child(args.port, args.backend, args.device)
+        child(args.port, args.transport, args.device)
         return
-    backend = args.backend or ("nccl" if torch.cuda.device_count() >= 2 else "gloo")
-    device, child_device = ("cuda:0", "cuda:1") if backend == "nccl" else ("cpu", "cpu")
+    transport = args.transport or ("nccl" if torch.cuda.device_count() >= 2 else "gloo")
+    device, child_device = ("cuda:0", "cuda:1") if transport == "nccl" else ("cpu", "cpu")
     sizes = (1, 16, 64) if args.quick else (1, 4, 16, 64, 256, 512)
     rounds = 7 if args.quick else 9
     counts = (10, 1_000, 100_000)
     ops = 2_000 if args.quick else 10_000
-    print(f"# bench_pipe backend={backend} torch={torch.__version__} quick={args.quick}")
+    print(f"# bench_pipe transport={transport} torch={torch.__version__} quick={args.quick}")
     print("## KV buffer latency (median)")
     latency(counts, ops)
-    print(f"## throughput, {backend}, median of {rounds} rounds")
-    rows = throughput(sizes, rounds, backend, device, child_device)
+    print(f"## throughput, {transport}, median of {rounds} rounds")
+    rows = throughput(sizes, rounds, transport, device, child_device)
     print()
     print("| size | raw GB/s | pipe GB/s | pipe/raw | pipe(out=) GB/s | pipe(out=)/raw |")
     print("|-----:|---------:|----------:|---------:|----------------:|---------------:|")

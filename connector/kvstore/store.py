@@ -73,6 +73,7 @@ from ..transport.errors import (
     TransferTimeout,
 )
 from ..transport.frame import DEFAULT_LIMITS, FrameLimits, Kind, encode_header, spec_of
+from ..transport.options import PipeOptions, default_transport
 from ..transport.threads import transfer_thread
 from .protocol import Op, op_name
 
@@ -577,12 +578,12 @@ class KVServer:
     """Serves a :class:`KVBuffer` to consumers over tensor pipes (background threads).
 
     One accept thread; per connection one handler thread (handshake, then request/reply). A
-    consumer that dies or misbehaves only loses its own connection. Args: ``backend`` (``"gloo"``
+    consumer that dies or misbehaves only loses its own connection. Args: ``transport`` (``"gloo"``
     default, ``"nccl"`` for CUDA), ``allow_socket`` (also accept inline-TCP clients, default True),
     ``device`` (where PUT payloads land), ``max_connections`` (64), ``max_get_wait_s`` (60 s cap
-    on a GET's wait for a key), ``connect_timeout_s`` (10 s handshake), plus TensorPipe options
-    (``io_timeout_s`` 60 s per payload, ``frame_timeout_s`` 10 s, ``max_inflight_bytes`` 1 GiB,
-    ``limits`` default ``buffer.limits``...).
+    on a GET's wait for a key), ``connect_timeout_s`` (10 s handshake), ``options``: the
+    pipes' :class:`~connector.transport.options.PipeOptions` (default: the defaults, with
+    ``limits=buffer.limits``).
 
     Trust: ``secret`` / ``insecure`` as for :class:`~connector.pipe.PipeListener` (every
     connection authenticates first; a non-loopback address needs a secret or ``insecure=True``).
@@ -603,7 +604,7 @@ class KVServer:
         host: str = "127.0.0.1",
         port: int = 0,
         *,
-        backend: str = "gloo",
+        transport: str = "gloo",
         allow_socket: bool = True,
         device: str | torch.device = "cpu",
         max_connections: int = 64,
@@ -612,7 +613,7 @@ class KVServer:
         secret: bytes | str | None = None,
         insecure: bool = False,
         allow: Sequence[str] | frozenset[str] = ALLOW_DEFAULT,
-        **pipe_kw,
+        options: PipeOptions | None = None,
     ):
         if not isinstance(buffer, KVBuffer):
             raise TypeError(f"buffer: expected a KVBuffer, got {type(buffer).__name__}")
@@ -622,18 +623,18 @@ class KVServer:
         self.buffer = buffer
         self.max_connections = max_connections
         self.max_get_wait_s = check_timeout("max_get_wait_s", max_get_wait_s)
-        self.io_timeout_s = pipe_kw.get("io_timeout_s", 60.0)
-        pipe_kw.setdefault("limits", buffer.limits)
+        options = PipeOptions(limits=buffer.limits) if options is None else options
+        self.io_timeout_s = options.io_timeout_s
         self._listener = _PipeListener(
             host,
             port,
-            backend=backend,
+            transport=transport,
             allow_socket=allow_socket,
             device=device,
             connect_timeout_s=connect_timeout_s,
             secret=secret,
             insecure=insecure,
-            **pipe_kw,
+            options=options,
         )
         self.host, self.port = self._listener.address
         self._auth_failures = auth.FailureLog()
@@ -875,10 +876,10 @@ class KVServer:
 class KVClient:
     """Consumer side: pulls entries from a :class:`KVServer`.
 
-    Args: ``host``, ``port``; ``device`` where tensors land (default ``"cpu"``); ``backend``
+    Args: ``host``, ``port``; ``device`` where tensors land (default ``"cpu"``); ``transport``
     (default ``"nccl"`` for a CUDA device, else ``"gloo"``; ``"socket"`` for inline TCP);
     ``timeout_s`` default deadline per request (30 s); ``connect_timeout_s`` (10 s); ``secret``
-    (the server's shared secret, :mod:`connector.transport.auth`); TensorPipe options. Connects lazily
+    (the server's shared secret, :mod:`connector.transport.auth`); ``options`` (PipeOptions). Connects lazily
     and reconnects after a broken connection (every timeout or transport error closes the
     connection, so a late reply can never answer the wrong request).
     """
@@ -889,23 +890,21 @@ class KVClient:
         port: int,
         *,
         device: str | torch.device = "cpu",
-        backend: str | None = None,
+        transport: str | None = None,
         timeout_s: float = 30.0,
         connect_timeout_s: float = 10.0,
         secret: bytes | str | None = None,
-        **pipe_kw,
+        options: PipeOptions | None = None,
     ):
         self.secret = auth.check_secret(secret)
         self.host = host
         self.port = port
         self.peer = f"{host}:{port}"
         self.device = torch.device(device)
-        if backend is None:
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self.backend = backend
+        self.transport = default_transport(self.device) if transport is None else transport
         self.timeout_s = check_timeout("timeout_s", timeout_s)
         self.connect_timeout_s = check_timeout("connect_timeout_s", connect_timeout_s)
-        self.pipe_kw = pipe_kw
+        self.options = options
         self._lock = threading.Lock()
         self._pipe: TensorPipe | None = None
         self._closed = False
@@ -930,11 +929,11 @@ class KVClient:
         self._pipe = connect_pipe(
             self.host,
             self.port,
-            backend=self.backend,
+            transport=self.transport,
             device=self.device,
             connect_timeout_s=min(self.connect_timeout_s, left),
             secret=self.secret,
-            **self.pipe_kw,
+            options=self.options,
         )
         self._c["connects"] += 1
         if self._closed:  # close() ran meanwhile and may have missed this pipe

@@ -16,10 +16,12 @@ from .errors import (
     error_text,
 )
 from .frame import DEFAULT_LIMITS, FrameLimits, Kind, encode_header, spec_of
+from .options import TRANSPORTS, PipeOptions, default_transport
 from .pipe import Message, PipeListener, TensorPipe, check_timeout, connect_pipe, send_error_frame
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "TRANSPORTS",
     "BufferFullError",
     "ClientBusyError",
     "FrameLimits",
@@ -29,6 +31,7 @@ __all__ = [
     "PeerDeadError",
     "PipeClosedError",
     "PipeListener",
+    "PipeOptions",
     "ProtocolError",
     "RemoteError",
     "TensorPipe",
@@ -36,6 +39,7 @@ __all__ = [
     "TransferTimeout",
     "check_timeout",
     "connect_pipe",
+    "default_transport",
     "encode_header",
     "error_text",
     "send_error_frame",

@@ -16,8 +16,8 @@ Protocol of one connection::
 
     listener ↔ connector   CHALLENGE / RESPONSE / VERDICT: fixed-size mutual authentication by a
                            shared secret, before anything else is read (:mod:`connector.transport.auth`)
-    connector → listener   HELLO      {"proto": 1, "backend": "gloo", "limit.*": its FrameLimits}
-    listener  → connector  HELLO_ACK  {"backend", "store_port", "prefix", "limit.*"}
+    connector → listener   HELLO      {"proto": 1, "transport": "gloo", "limit.*": its FrameLimits}
+    listener  → connector  HELLO_ACK  {"transport", "store_port", "prefix", "limit.*"}
                                       (or ERROR {"error"}); "prefix" is 128 random bits, told
                                       only to an authenticated peer: the store's keys of this
                                       connection cannot be guessed by anyone else
@@ -98,7 +98,6 @@ from .errors import (
     TransferTimeout,
 )
 from .frame import (
-    DEFAULT_LIMITS,
     FLAG_INLINE,
     MAGIC,
     PREFIX_SIZE,
@@ -116,10 +115,18 @@ from .frame import (
     plan_chunks,
     spec_of,
 )
+from .options import (
+    DEFAULT_OPTIONS,
+    TRANSPORTS,
+    PipeOptions,
+    check_options,
+    check_timeout,
+    check_transport,
+)
 from .threads import transfer_thread
 
 __all__ = [
-    "BACKENDS",
+    "TRANSPORTS",
     "BufferFullError",
     "KeyMissError",
     "Message",
@@ -136,7 +143,6 @@ __all__ = [
 
 log = get_logger("transport")
 
-BACKENDS = ("gloo", "nccl", "socket")
 _TAG = 0
 _IO_CHUNK = 4 << 20  # socket read/write slice
 
@@ -153,14 +159,6 @@ class Message:
 
 def _now() -> float:
     return time.monotonic()
-
-
-def check_timeout(name: str, value: float | None, allow_none: bool = False) -> float | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
-    return float(value)
 
 
 def _classify(exc: BaseException, *, peer: str, key: str | None, waited: float) -> TransferError:
@@ -404,53 +402,36 @@ class TensorPipe:
         sock: socket.socket,
         *,
         peer: str,
-        backend: str,
+        transport: str,
         process_group=None,
         peer_rank: int = 0,
         device: str | torch.device = "cpu",
-        limits: FrameLimits = DEFAULT_LIMITS,
-        max_inflight_bytes: int = 1 << 30,
-        send_timeout_s: float = 30.0,
-        recv_timeout_s: float = 30.0,
-        io_timeout_s: float = 60.0,
-        frame_timeout_s: float = 10.0,
-        dead_grace_s: float = 1.0,
-        close_timeout_s: float = 5.0,
-        inline_max_bytes: int = 64 << 10,
-        pack_max_bytes: int = 1 << 20,
-        max_queued_frames: int = 64,
-        max_queued_bytes: int = 64 << 20,
+        options: PipeOptions = DEFAULT_OPTIONS,
         peer_limits: FrameLimits | None = None,
         extra_refs: tuple = (),
     ):
-        if backend not in BACKENDS:
-            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-        if backend != "socket" and process_group is None:
-            raise ValueError(f"backend {backend!r} needs a process_group, got None")
-        for name, value in (
-            ("max_inflight_bytes", max_inflight_bytes),
-            ("max_queued_bytes", max_queued_bytes),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        check_transport(transport)
+        if transport != "socket" and process_group is None:
+            raise ValueError(f"transport {transport!r} needs a process_group, got None")
         self.peer = peer
-        self.backend = backend
+        self.transport = transport
         self.process_group = process_group
         self.peer_rank = peer_rank
         self.device = torch.device(device)
-        self.limits = limits  # what this end accepts
-        self.peer_limits = limits if peer_limits is None else peer_limits  # what the peer accepts
-        self.max_inflight_bytes = max_inflight_bytes
-        self.send_timeout_s = check_timeout("send_timeout_s", send_timeout_s)
-        self.recv_timeout_s = check_timeout("recv_timeout_s", recv_timeout_s)
-        self.io_timeout_s = check_timeout("io_timeout_s", io_timeout_s)
-        self.frame_timeout_s = check_timeout("frame_timeout_s", frame_timeout_s)
-        self.dead_grace_s = check_timeout("dead_grace_s", dead_grace_s)
-        self.close_timeout_s = check_timeout("close_timeout_s", close_timeout_s)
-        self.inline_max_bytes = inline_max_bytes
-        self.pack_max_bytes = pack_max_bytes
-        self._max_queued = max_queued_frames
-        self._max_queued_bytes = max_queued_bytes
+        self.options = options = check_options(options)
+        self.limits = options.limits  # what this end accepts
+        self.peer_limits = options.limits if peer_limits is None else peer_limits  # the peer's
+        self.max_inflight_bytes = options.max_inflight_bytes
+        self.send_timeout_s = options.send_timeout_s
+        self.recv_timeout_s = options.recv_timeout_s
+        self.io_timeout_s = options.io_timeout_s
+        self.frame_timeout_s = options.frame_timeout_s
+        self.dead_grace_s = options.dead_grace_s
+        self.close_timeout_s = options.close_timeout_s
+        self.inline_max_bytes = options.inline_max_bytes
+        self.pack_max_bytes = options.pack_max_bytes
+        self._max_queued = options.max_queued_frames
+        self._max_queued_bytes = options.max_queued_bytes
         self._refs = extra_refs  # keeps the pipe's own TCPStore client alive as long as the pipe
 
         self._sock = sock
@@ -556,13 +537,13 @@ class TensorPipe:
         for n in names:
             spec_of(n, tensors[n])  # type checks
             t = tensors[n]
-            if self.backend == "socket" and t.device.type != "cpu":
+            if self.transport == "socket" and t.device.type != "cpu":
                 t = t.cpu()
-            elif self.backend == "nccl" and t.device.type != "cuda":
+            elif self.transport == "nccl" and t.device.type != "cuda":
                 t = t.to(self.device)
             flat.append(t.contiguous())
         total = sum(t.numel() * t.element_size() for t in flat)
-        inline = self.backend == "socket" or (
+        inline = self.transport == "socket" or (
             total <= self.inline_max_bytes and all(t.device.type == "cpu" for t in flat)
         )
         small = [
@@ -701,7 +682,7 @@ class TensorPipe:
                 raise TimeoutError(f"timed out before sending payload of {item.key!r}")
             work = pg.send([buf], self.peer_rank, _TAG)
             work.wait(datetime.timedelta(seconds=left))
-            if self.backend == "nccl":
+            if self.transport == "nccl":
                 torch.cuda.current_stream(buf.device).synchronize()
 
     # ----------------------------------------------------------------------------------- recv
@@ -716,7 +697,7 @@ class TensorPipe:
                         self._peer_gone = "bye"
                         self._cond.notify_all()
                     return
-                if not header.inline and header.payload_bytes and self.backend == "socket":
+                if not header.inline and header.payload_bytes and self.transport == "socket":
                     raise ProtocolError(
                         f"{kind_name(header.kind)} {header.key!r}: {header.payload_bytes} payload bytes "
                         "announced off the socket, but this pipe has no process group ('socket')"
@@ -978,7 +959,7 @@ class TensorPipe:
         nccl: the group is aborted.
         """
         try:
-            if self.backend == "nccl":
+            if self.transport == "nccl":
                 pg = self.process_group
                 if pg is not None:
                     pg.abort()
@@ -998,7 +979,7 @@ class TensorPipe:
             exc = None
             try:
                 slot.work.wait(datetime.timedelta(seconds=slot.timeout_s))
-                if self.backend == "nccl":
+                if self.transport == "nccl":
                     torch.cuda.current_stream(self.device).synchronize()
             except BaseException as e:
                 exc = e
@@ -1051,7 +1032,7 @@ class TensorPipe:
         _join(self._waiter, deadline)
         with contextlib.suppress(OSError):
             self._sock.close()
-        if self.backend == "nccl" and self._fatal is not None:
+        if self.transport == "nccl" and self._fatal is not None:
             # a pending NCCL op with a dead peer never finishes on its own
             with contextlib.suppress(Exception):
                 self.process_group.abort()
@@ -1080,13 +1061,13 @@ class TensorPipe:
         self.close()
 
     def __repr__(self):
-        return f"TensorPipe(peer={self.peer}, backend={self.backend}, closed={self.closed})"
+        return f"TensorPipe(peer={self.peer}, transport={self.transport}, closed={self.closed})"
 
 
 # ----------------------------------------------------------------------------------------------
 # Process groups and handshake
 # ----------------------------------------------------------------------------------------------
-def _make_process_group(backend: str, store, rank: int, local_host: str, timeout_s: float):
+def _make_process_group(transport: str, store, rank: int, local_host: str, timeout_s: float):
     """Two-rank process group on ``store`` (never the default group), built within ``timeout_s``.
 
     Gloo's rendezvous does not always honour its own timeout (a connect inside a busy vLLM TP
@@ -1097,7 +1078,7 @@ def _make_process_group(backend: str, store, rank: int, local_host: str, timeout
 
     def build() -> None:
         try:
-            result["pg"] = _build_process_group(backend, store, rank, local_host, timeout_s)
+            result["pg"] = _build_process_group(transport, store, rank, local_host, timeout_s)
         except BaseException as e:  # handed to the caller below
             result["error"] = e
 
@@ -1105,33 +1086,33 @@ def _make_process_group(backend: str, store, rank: int, local_host: str, timeout
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
-        raise TimeoutError(f"{backend} rendezvous not done within {timeout_s:.1f} s")
+        raise TimeoutError(f"{transport} rendezvous not done within {timeout_s:.1f} s")
     error = result.get("error")
     if isinstance(error, torch.distributed.DistStoreError) and "timeout" in str(error).lower():
         # gloo's own wait on the store ended first (same deadline): the same TimeoutError
-        msg = f"{backend} rendezvous not done within {timeout_s:.1f} s ({error})"
+        msg = f"{transport} rendezvous not done within {timeout_s:.1f} s ({error})"
         raise TimeoutError(msg) from error
     if error is not None:
         raise error
     return result["pg"]
 
 
-def _build_process_group(backend: str, store, rank: int, local_host: str, timeout_s: float):
+def _build_process_group(transport: str, store, rank: int, local_host: str, timeout_s: float):
     from torch.distributed import ProcessGroupGloo
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "gloo":
+    if transport == "gloo":
         opts = ProcessGroupGloo._Options()
         opts._devices = [ProcessGroupGloo.create_device(hostname=local_host)]
         opts._timeout = timeout
         return ProcessGroupGloo(store, rank, 2, opts)
-    if backend == "nccl":  # pragma: no cover - needs two GPUs
+    if transport == "nccl":  # pragma: no cover - needs two GPUs
         from torch.distributed import ProcessGroupNCCL
 
         opts = ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return ProcessGroupNCCL(store, rank, 2, opts)
-    raise ValueError(f"backend: expected 'gloo' or 'nccl' for a process group, got {backend!r}")
+    raise ValueError(f"transport: expected 'gloo' or 'nccl' for a process group, got {transport!r}")
 
 
 def send_error_frame(sock: socket.socket, message: str) -> None:
@@ -1143,29 +1124,6 @@ def send_error_frame(sock: socket.socket, message: str) -> None:
 
 def _peer_name(addr) -> str:
     return f"{addr[0]}:{addr[1]}"
-
-
-_PIPE_KW = (
-    "limits",
-    "max_inflight_bytes",
-    "send_timeout_s",
-    "recv_timeout_s",
-    "io_timeout_s",
-    "frame_timeout_s",
-    "dead_grace_s",
-    "close_timeout_s",
-    "inline_max_bytes",
-    "pack_max_bytes",
-    "max_queued_frames",
-    "max_queued_bytes",
-)
-
-
-def _pipe_kwargs(kw: dict) -> dict:
-    bad = set(kw) - set(_PIPE_KW)
-    if bad:
-        raise TypeError(f"unexpected pipe options {sorted(bad)}; expected some of {list(_PIPE_KW)}")
-    return kw
 
 
 def _read_handshake_frame(sock, limits, deadline, frame_timeout_s, peer, what) -> Header:
@@ -1213,11 +1171,11 @@ def connect_pipe(
     host: str,
     port: int,
     *,
-    backend: str = "gloo",
+    transport: str = "gloo",
     device: str | torch.device = "cpu",
     connect_timeout_s: float = 10.0,
     secret: bytes | str | None = None,
-    **pipe_kw,
+    options: PipeOptions | None = None,
 ) -> TensorPipe:
     """Connect to a :class:`PipeListener` and return the connector-side pipe (rank 1).
 
@@ -1226,15 +1184,13 @@ def connect_pipe(
 
     Raises PeerDeadError (refused / closed), TransferTimeout (no answer within
     ``connect_timeout_s``), AuthError (secrets differ, or only one side has one), RemoteError
-    (the listener refused the backend) or ProtocolError.
+    (the listener refused the transport) or ProtocolError.
     """
     secret = auth.check_secret(secret)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    check_transport(transport)
     connect_timeout_s = check_timeout("connect_timeout_s", connect_timeout_s)
-    pipe_kw = _pipe_kwargs(pipe_kw)
-    limits = pipe_kw.get("limits", DEFAULT_LIMITS)
-    frame_timeout_s = pipe_kw.get("frame_timeout_s", 10.0)
+    options = check_options(options)
+    limits, frame_timeout_s = options.limits, options.frame_timeout_s
     peer = f"{host}:{port}"
     t0 = _now()
     deadline = t0 + connect_timeout_s
@@ -1266,7 +1222,7 @@ def connect_pipe(
         raw = _read_fixed(sock, auth.VERDICT.size, deadline, peer, "auth verdict")
         auth.check_verdict(secret, nonce_l, nonce_c, raw, peer)
         try:
-            hello = {"proto": 1, "backend": backend, **limits_meta(limits)}
+            hello = {"proto": 1, "transport": transport, **limits_meta(limits)}
             _send_all(sock, encode_header(Kind.HELLO, "", hello), deadline, "HELLO")
         except (TimeoutError, OSError) as e:
             raise PeerDeadError(
@@ -1277,15 +1233,15 @@ def connect_pipe(
             raise RemoteError(
                 f"listener refused: {h.meta.get('error')}", peer=peer, waited_s=_now() - t0
             )
-        if h.kind != Kind.HELLO_ACK or h.meta.get("backend") != backend:
+        if h.kind != Kind.HELLO_ACK or h.meta.get("transport") != transport:
             raise ProtocolError(
-                f"expected HELLO_ACK for backend {backend!r}, got {kind_name(h.kind)} {h.meta}",
+                f"expected HELLO_ACK for transport {transport!r}, got {kind_name(h.kind)} {h.meta}",
                 peer=peer,
             )
         peer_limits = limits_from_meta(h.meta, limits)
         pg = None
         refs = ()
-        if backend != "socket":
+        if transport != "socket":
             store_port = h.meta.get("store_port")
             prefix = h.meta.get("prefix")
             if not isinstance(store_port, int) or not isinstance(prefix, str) or not prefix:
@@ -1296,7 +1252,7 @@ def connect_pipe(
             try:
                 store = TCPStore(host, store_port, None, False, datetime.timedelta(seconds=left))
                 pg = _make_process_group(
-                    backend,
+                    transport,
                     PrefixStore(prefix, store),
                     1,
                     sock.getsockname()[0],
@@ -1308,13 +1264,13 @@ def connect_pipe(
         pipe = TensorPipe(
             sock,
             peer=peer,
-            backend=backend,
+            transport=transport,
             process_group=pg,
             peer_rank=0,
             device=device,
             peer_limits=peer_limits,
             extra_refs=refs,
-            **pipe_kw,
+            options=options,
         )
         ok = True
         return pipe
@@ -1327,8 +1283,8 @@ class PipeListener:
     """Listening endpoint: accepts connections and performs the listener side of the handshake.
 
     Hosts the ``TCPStore`` (on a free port, announced in HELLO_ACK) from which every connection's
-    two-rank process group is built under its own prefix. Accepts clients asking for ``backend``
-    and, when ``allow_socket`` (default), clients asking for the inline ``socket`` backend.
+    two-rank process group is built under its own prefix. Accepts clients asking for ``transport``
+    and, when ``allow_socket`` (default), clients asking for the inline ``socket`` transport.
 
     ``secret`` (at least 16 bytes): every connection must prove it holds it before anything else
     is read (:mod:`connector.transport.auth`). Listening on a non-loopback address without one raises
@@ -1341,17 +1297,16 @@ class PipeListener:
         host: str = "127.0.0.1",
         port: int = 0,
         *,
-        backend: str = "gloo",
+        transport: str = "gloo",
         allow_socket: bool = True,
         device: str | torch.device = "cpu",
         connect_timeout_s: float = 10.0,
         backlog: int = 64,
         secret: bytes | str | None = None,
         insecure: bool = False,
-        **pipe_kw,
+        options: PipeOptions | None = None,
     ):
-        if backend not in BACKENDS:
-            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        check_transport(transport)
         self.secret = auth.check_secret(secret)
         if self.secret is None and not auth.is_loopback(host):
             if not insecure:
@@ -1366,12 +1321,12 @@ class PipeListener:
                 "port can read and write KV",
                 host,
             )
-        self.backend = backend
+        self.transport = transport
         self.device = device
         self.connect_timeout_s = check_timeout("connect_timeout_s", connect_timeout_s)
-        self.pipe_kw = _pipe_kwargs(pipe_kw)
-        self.limits = pipe_kw.get("limits", DEFAULT_LIMITS)
-        self.allowed = {backend} | ({"socket"} if allow_socket else set())
+        self.options = check_options(options)
+        self.limits = self.options.limits
+        self.allowed = {transport} | ({"socket"} if allow_socket else set())
         self._lock = threading.Lock()
         self._closed = False
         self._released = False
@@ -1383,7 +1338,7 @@ class PipeListener:
         self.host, self.port = self._sock.getsockname()[:2]
         self._wake_r, self._wake_w = os.pipe()
         self._store_host = self.host if self.host != "0.0.0.0" else "127.0.0.1"
-        if backend != "socket":
+        if transport != "socket":
             from torch.distributed import TCPStore
 
             try:
@@ -1462,7 +1417,7 @@ class PipeListener:
         peer that reconnects at once finds both done."""
         t0 = _now()
         deadline = t0 + self.connect_timeout_s
-        frame_timeout_s = self.pipe_kw.get("frame_timeout_s", 10.0)
+        frame_timeout_s = self.options.frame_timeout_s
         ok = False
         try:
             sock.setblocking(False)
@@ -1495,28 +1450,28 @@ class PipeListener:
             h = _read_handshake_frame(sock, self.limits, deadline, frame_timeout_s, peer, "HELLO")
             if h.kind != Kind.HELLO:
                 raise ProtocolError(f"expected HELLO, got {kind_name(h.kind)}", peer=peer)
-            backend = h.meta.get("backend")
-            if h.meta.get("proto") != 1 or backend not in self.allowed:
+            transport = h.meta.get("transport")
+            if h.meta.get("proto") != 1 or transport not in self.allowed:
                 msg = (
-                    f"expected proto 1 and backend in {sorted(self.allowed)}, got proto "
-                    f"{h.meta.get('proto')!r} backend {backend!r}"
+                    f"expected proto 1 and transport in {sorted(self.allowed)}, got proto "
+                    f"{h.meta.get('proto')!r} transport {transport!r}"
                 )
                 send_error_frame(sock, msg)
                 raise ProtocolError(msg, peer=peer)
             peer_limits = limits_from_meta(h.meta, self.limits)
             store_server = self._store  # None once closed
             pg = None
-            if backend == "socket":
-                ack = {"backend": "socket"}
+            if transport == "socket":
+                ack = {"transport": "socket"}
             elif store_server is None:
                 raise PipeClosedError("listener closed during the handshake", peer=peer)
             else:
                 prefix = f"tkv/{next(self._ids)}-{secrets.token_hex(16)}/"
-                ack = {"backend": backend, "store_port": store_server.port, "prefix": prefix}
+                ack = {"transport": transport, "store_port": store_server.port, "prefix": prefix}
             ack.update(limits_meta(self.limits))
             _send_all(sock, encode_header(Kind.HELLO_ACK, "", ack), deadline, "HELLO_ACK")
             refs = ()
-            if backend != "socket":
+            if transport != "socket":
                 from torch.distributed import PrefixStore, TCPStore
 
                 try:
@@ -1526,7 +1481,7 @@ class PipeListener:
                     store = TCPStore(self._store_host, store_server.port, None, False, left)
                     refs = (store,)
                     pg = _make_process_group(
-                        backend,
+                        transport,
                         PrefixStore(ack["prefix"], store),
                         0,
                         sock.getsockname()[0],
@@ -1537,13 +1492,13 @@ class PipeListener:
             pipe = TensorPipe(
                 sock,
                 peer=peer,
-                backend=backend,
+                transport=transport,
                 process_group=pg,
                 peer_rank=1,
                 device=self.device,
                 peer_limits=peer_limits,
                 extra_refs=refs,
-                **self.pipe_kw,
+                options=self.options,
             )
             ok = True
             return pipe

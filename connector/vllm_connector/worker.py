@@ -32,6 +32,7 @@ from ..transport.errors import (
     TransferError,
     TransferTimeout,
 )
+from ..transport.options import default_transport
 from ..transport.threads import pin_current_thread
 from .common import ConnectorConfig, LoadSpec, ReleaseSpec, SaveSpec, _ceil_div, log
 from .tp_mapping import HeadSource, plan_heads, rank_heads
@@ -179,7 +180,7 @@ class WorkerSide:
                 self._buffer,
                 self.cfg.host,
                 port,
-                backend=self._transport(),
+                transport=self._transport(),
                 device=self._device,
                 secret=self._secret,
                 insecure=self.cfg.insecure,
@@ -266,7 +267,7 @@ class WorkerSide:
     def _transport(self) -> str:
         if self.cfg.transport != "auto":
             return self.cfg.transport
-        return "nccl" if self._device.type == "cuda" else "gloo"
+        return default_transport(self._device)
 
     def _slots(self, block_ids: list[int], start: int, stop: int, rows: int) -> torch.Tensor:
         """``[rows]`` slot of each prompt position in ``[start, stop)``, -1 elsewhere."""
@@ -360,7 +361,7 @@ class WorkerSide:
                 host,
                 port,
                 device=self._device,
-                backend=self._transport(),
+                transport=self._transport(),
                 timeout_s=self.cfg.fetch_timeout_s,
                 connect_timeout_s=self.cfg.connect_timeout_s,
                 secret=self._secret,

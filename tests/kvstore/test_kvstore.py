@@ -43,6 +43,7 @@ from connector.kvstore.store import (
 )
 from connector.transport import frame as wire
 from connector.transport.frame import FrameLimits, Kind, TensorSpec, encode_header
+from connector.transport.options import PipeOptions
 from connector.transport.pipe import connect_pipe
 
 
@@ -456,7 +457,9 @@ def test_entry_a_consumer_cannot_receive_is_refused_and_kept():
     buf.put("k", {"x": cube})
     srv = buf.serve(allow=STORE_REQUESTS)
     try:
-        with KVClient("127.0.0.1", srv.port, timeout_s=20, limits=FrameLimits(max_ndim=2)) as c:
+        with KVClient(
+            "127.0.0.1", srv.port, timeout_s=20, options=PipeOptions(limits=FrameLimits(max_ndim=2))
+        ) as c:
             with pytest.raises(RemoteError, match=r"expected ndim <= 2, got 3"):
                 c.get("k")
             c.put("flat", {"y": torch.ones(3)})
@@ -518,7 +521,7 @@ def test_client_close_interrupts_a_request_in_flight():
     asked = threading.Event()
     lsock = _fake_server(lambda conn, req: asked.set())  # then silent for 3 s
     try:
-        client = KVClient("127.0.0.1", lsock.getsockname()[1], backend="socket", timeout_s=20)
+        client = KVClient("127.0.0.1", lsock.getsockname()[1], transport="socket", timeout_s=20)
         result = []
 
         def get():
@@ -627,7 +630,11 @@ def test_consumer_killed_producer_keeps_serving_and_keeps_the_entry():
 @pytest.fixture
 def server():
     buf = KVBuffer(64 << 20)
-    srv = buf.serve(frame_timeout_s=0.5, connect_timeout_s=2, allow=STORE_REQUESTS)
+    srv = buf.serve(
+        options=PipeOptions(limits=buf.limits, frame_timeout_s=0.5),
+        connect_timeout_s=2,
+        allow=STORE_REQUESTS,
+    )
     try:
         yield srv
     finally:
@@ -651,9 +658,9 @@ def _read_frame(s) -> wire.Header | None:
 
 
 def _hello(s) -> None:
-    s.sendall(encode_header(Kind.HELLO, "", {"proto": 1, "backend": "socket"}))
+    s.sendall(encode_header(Kind.HELLO, "", {"proto": 1, "transport": "socket"}))
     ack = _read_frame(s)
-    assert ack.kind == Kind.HELLO_ACK and ack.meta["backend"] == "socket"
+    assert ack.kind == Kind.HELLO_ACK and ack.meta["transport"] == "socket"
     assert wire.limits_from_meta(ack.meta, wire.FrameLimits(max_ndim=1)) == wire.DEFAULT_LIMITS
 
 
@@ -790,7 +797,7 @@ def test_a_legit_raw_put_then_get_works(server):
 
 
 def _fake_server(behaviour):
-    """A raw listener that handshakes (socket backend) then runs ``behaviour(conn, get_frame)``."""
+    """A raw listener that handshakes (socket transport) then runs ``behaviour(conn, get_frame)``."""
     lsock = socket.create_server(("127.0.0.1", 0))
 
     def run():
@@ -800,7 +807,7 @@ def _fake_server(behaviour):
             assert raw_listener_authenticate(conn)
             hello = _read_frame(conn)
             assert hello.kind == Kind.HELLO
-            conn.sendall(encode_header(Kind.HELLO_ACK, "", {"backend": "socket"}))
+            conn.sendall(encode_header(Kind.HELLO_ACK, "", {"transport": "socket"}))
             behaviour(conn, _read_frame(conn))
             time.sleep(3)
         except Exception:
@@ -821,7 +828,7 @@ def _fake_server(behaviour):
         lambda key: b"HTTP/1.1 200 OK\r\n\r\n",
         lambda key: encode_header(Op.DATA, "other-key", {}),
         lambda key: struct.pack("<4sBBHI", b"TKVT", 1, 4, 0, 1 << 31),
-        # payload announced for a process group this socket-backend pipe does not have
+        # payload announced for a process group this socket-transport pipe does not have
         lambda key: encode_header(Op.DATA, key, {}, [TensorSpec("x", 6, (4,), 4)]),
     ],
     ids=["2^40-bytes", "unknown-dtype", "garbage", "wrong-key", "huge-body", "not-inline"],
@@ -829,7 +836,7 @@ def _fake_server(behaviour):
 def test_client_rejects_hostile_replies_fast(reply, no_big_alloc):
     lsock = _fake_server(lambda conn, req: conn.sendall(reply(req.key)))
     try:
-        client = KVClient("127.0.0.1", lsock.getsockname()[1], backend="socket", timeout_s=20)
+        client = KVClient("127.0.0.1", lsock.getsockname()[1], transport="socket", timeout_s=20)
         t0 = time.monotonic()
         with pytest.raises(ProtocolError) as ei:
             client.get("mine")
@@ -845,7 +852,7 @@ def test_client_rejects_hostile_replies_fast(reply, no_big_alloc):
 def test_client_times_out_on_a_silent_server():
     lsock = _fake_server(lambda conn, req: None)
     try:
-        client = KVClient("127.0.0.1", lsock.getsockname()[1], backend="socket", timeout_s=20)
+        client = KVClient("127.0.0.1", lsock.getsockname()[1], transport="socket", timeout_s=20)
         t0 = time.monotonic()
         with pytest.raises(TransferTimeout) as ei:
             client.get("slow", timeout_s=0.5)
@@ -867,7 +874,7 @@ def test_too_many_connections_are_refused_cleanly():
         with KVClient("127.0.0.1", srv.port, timeout_s=5) as a:
             buf.put("k", {"x": torch.ones(1)})
             a.get("k")
-            b = KVClient("127.0.0.1", srv.port, timeout_s=5, backend="socket")
+            b = KVClient("127.0.0.1", srv.port, timeout_s=5, transport="socket")
             with pytest.raises(RemoteError, match="too many connections"):
                 b.get("k2")
             b.close()

@@ -191,7 +191,7 @@ def _producer(args) -> None:
     if args.big_mib:
         buf.put("big", {"big": big_tensor(args.big_mib)}, {"mib": args.big_mib})
     # A store that tests fill remotely: PUT and MATCH too, beyond a producer's GET and DISCARD.
-    server = buf.serve("127.0.0.1", 0, backend=args.backend, allow=STORE_REQUESTS)
+    server = buf.serve("127.0.0.1", 0, transport=args.transport, allow=STORE_REQUESTS)
     print(f"READY {server.port}", flush=True)
     for line in sys.stdin:
         if line.strip() == "STATS":
@@ -202,7 +202,7 @@ def _producer(args) -> None:
 def _consumer(args) -> None:
     from connector.kvstore.store import KVClient
 
-    client = KVClient("127.0.0.1", args.port, backend=args.backend, timeout_s=60)
+    client = KVClient("127.0.0.1", args.port, transport=args.transport, timeout_s=60)
     print("READY 0", flush=True)
     try:
         client.get(args.key)
@@ -220,7 +220,7 @@ def _pipe_echo(args) -> None:
 
     if args.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(args.device))
-    pipe = connect_pipe("127.0.0.1", args.port, backend=args.backend, device=args.device)
+    pipe = connect_pipe("127.0.0.1", args.port, transport=args.transport, device=args.device)
     print("READY 0", flush=True)
     try:
         while True:
@@ -250,15 +250,15 @@ def main(argv=None) -> None:
     pr.add_argument("--policy", default="wait")
     pr.add_argument("--put-timeout", type=float, default=10.0)
     pr.add_argument("--max-reads", type=int, default=1)
-    pr.add_argument("--backend", default="gloo")
+    pr.add_argument("--transport", default="gloo")
     pr.add_argument("--hook", action="store_true")
     co = sub.add_parser("consumer")
     co.add_argument("--port", type=int, required=True)
     co.add_argument("--key", required=True)
-    co.add_argument("--backend", default="gloo")
+    co.add_argument("--transport", default="gloo")
     pe = sub.add_parser("pipe")
     pe.add_argument("--port", type=int, required=True)
-    pe.add_argument("--backend", default="gloo")
+    pe.add_argument("--transport", default="gloo")
     pe.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
     torch.set_num_threads(1)

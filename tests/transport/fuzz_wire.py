@@ -126,7 +126,7 @@ def seeds() -> list[bytes]:
     authentication exchange, announced limits."""
     frames = [
         wire.encode_header(wire.Kind.HELLO, "", {"proto": 1, **wire.limits_meta(LIMITS)}),
-        wire.encode_header(wire.Kind.HELLO_ACK, "", {"backend": "gloo", "store_port": 1}),
+        wire.encode_header(wire.Kind.HELLO_ACK, "", {"transport": "gloo", "store_port": 1}),
         wire.encode_header(Op.GET, "transfer-1", {"wait_ms": 100}),
         wire.encode_header(Op.MISS, "k", {"reason": "expired"}),
         wire.encode_header(wire.Kind.ERROR, "k", {"error": "no"}),

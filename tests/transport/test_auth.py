@@ -105,7 +105,7 @@ def test_a_replayed_handshake_is_refused(served):
 
     replay = _connect_raw(srv)
     recv_exact(replay, auth.CHALLENGE.size)  # a fresh nonce
-    replay.sendall(recorded + encode_header(Kind.HELLO, "", {"proto": 1, "backend": "socket"}))
+    replay.sendall(recorded + encode_header(Kind.HELLO, "", {"proto": 1, "transport": "socket"}))
     with pytest.raises(auth.AuthError, match="refused"):
         auth.check_verdict(
             SECRET, nonce_l, nonce_c, recv_exact(replay, auth.VERDICT.size), "replay"
@@ -122,8 +122,8 @@ def test_a_half_finished_handshake_ends_at_its_deadline_without_holding_up_other
     recv_exact(stalled, auth.CHALLENGE.size)
     stalled.sendall(b"TKVA" + bytes(20))  # part of a response, then nothing
     t0 = time.monotonic()
-    # meanwhile: served at once (over the socket backend: no gloo rendezvous in the time)
-    assert torch.equal(_get(srv, SECRET, backend="socket"), torch.arange(10.0))
+    # meanwhile: served at once (over the socket transport: no gloo rendezvous in the time)
+    assert torch.equal(_get(srv, SECRET, transport="socket"), torch.arange(10.0))
     assert time.monotonic() - t0 < 2
     stalled.settimeout(10)
     assert _closed(stalled)  # closed by the server at its authentication deadline
@@ -228,7 +228,7 @@ def test_the_raw_helper_speaks_the_exchange(served):
     _, srv = served
     s = _connect_raw(srv)
     raw_authenticate(s, SECRET)
-    s.sendall(encode_header(Kind.HELLO, "", {"proto": 1, "backend": "socket"}))
+    s.sendall(encode_header(Kind.HELLO, "", {"proto": 1, "transport": "socket"}))
     assert recv_exact(s, 4) == b"TKVT"  # HELLO_ACK's frame follows
     s.close()
 

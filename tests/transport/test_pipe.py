@@ -23,6 +23,7 @@ from support.transport import (
 
 import connector.transport.pipe as pipe_mod
 from connector.transport.frame import FrameLimits, encode_header, spec_of
+from connector.transport.options import PipeOptions
 from connector.transport.pipe import (
     Kind,
     PeerDeadError,
@@ -34,19 +35,20 @@ from connector.transport.pipe import (
     connect_pipe,
 )
 
-BACKENDS = ("gloo", "socket")
+TRANSPORTS = ("gloo", "socket")
 
 
 @contextlib.contextmanager
-def pipe_pair(backend="gloo", listener_kw=None, **kw):
-    """(listener-side pipe, connector-side pipe) in this process."""
-    listener = PipeListener(backend=backend, **(listener_kw or {}), **kw)
+def pipe_pair(transport="gloo", listener_kw=None, **options):
+    """(listener-side pipe, connector-side pipe) in this process; ``options``: PipeOptions fields."""
+    kw = {"options": PipeOptions(**options)} if options else {}
+    listener = PipeListener(transport=transport, **(listener_kw or {}), **kw)
     got = {}
     t = threading.Thread(target=lambda: got.setdefault("p", listener.accept(timeout_s=20)))
     t.start()
     client = None
     try:
-        client = connect_pipe("127.0.0.1", listener.port, backend=backend, **kw)
+        client = connect_pipe("127.0.0.1", listener.port, transport=transport, **kw)
         t.join(20)
         yield got["p"], client
     finally:
@@ -60,10 +62,10 @@ def pipe_pair(backend="gloo", listener_kw=None, **kw):
 
 @pytest.fixture
 def child_pipe(request):
-    """Listener here, echo child connected (backend from the test's parameter, default gloo)."""
-    backend = getattr(request, "param", "gloo")
-    listener = PipeListener(backend=backend)
-    child = Child("pipe", "--port", str(listener.port), "--backend", backend)
+    """Listener here, echo child connected (transport from the test's parameter, default gloo)."""
+    transport = getattr(request, "param", "gloo")
+    listener = PipeListener(transport=transport)
+    child = Child("pipe", "--port", str(listener.port), "--transport", transport)
     pipe = None
     try:
         pipe = listener.accept(timeout_s=60)
@@ -78,9 +80,9 @@ def child_pipe(request):
 
 # ------------------------------------------------------------------------------------ in process
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_mixed_entries_arrive_bit_exact_and_in_order(backend):
-    with pipe_pair(backend) as (server, client):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_mixed_entries_arrive_bit_exact_and_in_order(transport):
+    with pipe_pair(transport) as (server, client):
         ids = [*range(0, 200, 7), 24, 99, 199]  # inline, packed and single chunks
         for i in ids:
             tensors, meta = make_entry(i)
@@ -142,9 +144,9 @@ def test_inflight_budget_blocks_send_then_raises():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_recv_timeout_names_peer_key_and_wait_and_breaks_pipe(backend):
-    with pipe_pair(backend) as (server, client):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_recv_timeout_names_peer_key_and_wait_and_breaks_pipe(transport):
+    with pipe_pair(transport) as (server, client):
         t0 = time.monotonic()
         with pytest.raises(TransferTimeout) as ei:
             client.recv(timeout_s=0.3, expect_key="req-9")
@@ -157,9 +159,9 @@ def test_recv_timeout_names_peer_key_and_wait_and_breaks_pipe(backend):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_close_is_clean_on_both_sides_and_idempotent(backend):
-    with pipe_pair(backend) as (server, client):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_close_is_clean_on_both_sides_and_idempotent(transport):
+    with pipe_pair(transport) as (server, client):
         client.send("last", {"x": torch.ones(100)})
         client.close()
         client.close()
@@ -229,7 +231,7 @@ def test_peer_gone_after_hello_does_not_hold_up_other_handshakes():
     """A peer that vanishes after HELLO leaves its rendezvous waiting until the listener's deadline
     (8 s); another client (4 s deadline) must connect meanwhile. Each connection's rendezvous has
     a store client of its own: through a shared one, it waited behind the stray's."""
-    listener = PipeListener(backend="gloo", connect_timeout_s=8)
+    listener = PipeListener(transport="gloo", connect_timeout_s=8)
     accepted = []
 
     def accept():
@@ -244,9 +246,9 @@ def test_peer_gone_after_hello_does_not_hold_up_other_handshakes():
     stray = socket.create_connection(("127.0.0.1", listener.port))
     try:
         raw_authenticate(stray)
-        stray.sendall(encode_header(Kind.HELLO, "", {"proto": 1, "backend": "gloo"}))
+        stray.sendall(encode_header(Kind.HELLO, "", {"proto": 1, "transport": "gloo"}))
         assert stray.recv(1), "no HELLO_ACK"  # the stray's rendezvous has begun; it never joins
-        client = connect_pipe("127.0.0.1", listener.port, backend="gloo", connect_timeout_s=4)
+        client = connect_pipe("127.0.0.1", listener.port, transport="gloo", connect_timeout_s=4)
         client.close(timeout_s=1)
     finally:
         stray.close()
@@ -260,8 +262,8 @@ def test_peer_gone_after_hello_does_not_hold_up_other_handshakes():
 
 
 @pytest.mark.timeout(30)
-def test_listener_refuses_backend_it_does_not_speak():
-    listener = PipeListener(backend="gloo", allow_socket=False)
+def test_listener_refuses_a_transport_it_does_not_speak():
+    listener = PipeListener(transport="gloo", allow_socket=False)
     errors = []
 
     def accept():
@@ -273,12 +275,12 @@ def test_listener_refuses_backend_it_does_not_speak():
     t = threading.Thread(target=accept)
     t.start()
     try:
-        with pytest.raises(RemoteError, match="backend"):
-            connect_pipe("127.0.0.1", listener.port, backend="socket", connect_timeout_s=5)
+        with pytest.raises(RemoteError, match="transport"):
+            connect_pipe("127.0.0.1", listener.port, transport="socket", connect_timeout_s=5)
     finally:
         t.join(10)
         listener.close()
-    assert errors and "backend" in str(errors[0])
+    assert errors and "transport" in str(errors[0])
 
 
 @pytest.mark.timeout(30)
@@ -293,10 +295,16 @@ def test_user_errors_say_expected_and_given():
         with pytest.raises(ValueError, match="positive number of seconds"):
             client.recv(timeout_s=-1)
         assert client.broken is None  # nothing was sent
-    with pytest.raises(ValueError, match="backend"):
-        connect_pipe("127.0.0.1", 1, backend="mpi")
-    with pytest.raises(TypeError, match="unexpected pipe options"):
-        PipeListener(backend="socket", max_inflight=3)
+    with pytest.raises(ValueError, match="transport"):
+        connect_pipe("127.0.0.1", 1, transport="mpi")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_inflight'"):
+        PipeOptions(max_inflight=3)
+    with pytest.raises(ValueError, match="max_inflight_bytes: expected a positive int, got 0"):
+        PipeOptions(max_inflight_bytes=0)
+    with pytest.raises(ValueError, match="io_timeout_s: expected a positive number of seconds"):
+        PipeOptions(io_timeout_s=0)
+    with pytest.raises(TypeError, match="options: expected PipeOptions, got dict"):
+        PipeListener(transport="socket", options={"max_inflight_bytes": 3})
     limits = FrameLimits(max_message_bytes=100)
     with (
         pipe_pair("socket", limits=limits) as (server, client),
@@ -346,7 +354,7 @@ def test_send_refuses_what_the_receiver_would_reject_and_the_pipe_survives(case)
 def test_send_applies_the_limits_the_peer_announced():
     """The handshake carries each end's limits: a sender checks what its peer accepts."""
     strict = FrameLimits(max_ndim=2)
-    with pipe_pair("gloo", listener_kw={"limits": strict}) as (server, client):
+    with pipe_pair("gloo", listener_kw={"options": PipeOptions(limits=strict)}) as (server, client):
         assert client.peer_limits == strict and server.peer_limits == FrameLimits()
         cube = torch.ones(2, 2, 2)
         with pytest.raises(ValueError, match=r"expected ndim <= 2, got 3"):
@@ -479,9 +487,9 @@ def test_closed_listeners_release_store_and_descriptors():
     def fds() -> int:
         return len(os.listdir("/proc/self/fd"))
 
-    PipeListener(backend="gloo").close()  # first-use allocations of the store
+    PipeListener(transport="gloo").close()  # first-use allocations of the store
     before = fds()
-    kept = [PipeListener(backend="gloo") for _ in range(5)]
+    kept = [PipeListener(transport="gloo") for _ in range(5)]
     ports = [listener._store.port for listener in kept]
     for listener in kept:
         listener.close()
@@ -493,7 +501,7 @@ def test_closed_listeners_release_store_and_descriptors():
 
 # ------------------------------------------------------------------------------- real processes
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("child_pipe", BACKENDS, indirect=True)
+@pytest.mark.parametrize("child_pipe", TRANSPORTS, indirect=True)
 def test_two_processes_echo(child_pipe):
     pipe, child = child_pipe
     ids = [0, 1, 2, 3, 4, 5, 24, 99]
@@ -554,8 +562,8 @@ def test_receiver_killed_sender_reports_on_next_call(child_pipe):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL pipe needs two GPUs")
 def test_nccl_two_gpus_round_trip():  # pragma: no cover - needs two GPUs
     torch.cuda.set_device(0)
-    listener = PipeListener(backend="nccl", device="cuda:0")
-    child = Child("pipe", "--port", str(listener.port), "--backend", "nccl", "--device", "cuda:1")
+    listener = PipeListener(transport="nccl", device="cuda:0")
+    child = Child("pipe", "--port", str(listener.port), "--transport", "nccl", "--device", "cuda:1")
     pipe = None
     try:
         pipe = listener.accept(timeout_s=120)

@@ -596,7 +596,7 @@ def test_releases_drop_unused_entries_on_the_producer_off_the_worker_thread(vc):
 
     base = free_port_run(2)
     buffer = KVBuffer(1 << 20)
-    server = KVServer(buffer, "127.0.0.1", base + 1, backend="gloo")
+    server = KVServer(buffer, "127.0.0.1", base + 1, transport="gloo")
     for key in ("unused", "kept", "late"):
         buffer.put(key, {"kv": torch.zeros(4)})
     conn = _worker(vc, _caches(NHD), 4, producer=False)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "compile_sm90.py"
+ROOT = SCRIPT.parents[2]  # the checkout whose kernels are compiled (not an installed tritonkv)
 
 
 @pytest.mark.slow
@@ -21,6 +22,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "support" / "compile_sm90.py"
 def test_kernels_compile_for_sm90_with_vector_accesses(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     run = subprocess.run(
         [sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=540
     )

@@ -109,6 +109,12 @@ def seq_index(
         num_tokens: tokens in the flat batch (rows of ``slot_mapping`` / ``hidden_states``).
         device: where the kernels run; index tensors are moved there.
         last_only: select only each sequence's last query token.
+
+    Raises:
+        TypeError: ``query_start_loc`` / ``seq_ids`` of the wrong type or dtype.
+        ValueError: empty, decreasing or out-of-range offsets; ``seq_ids`` out of range; with
+            ``last_only``, a selected sequence without query tokens. Values are checked when the
+            offsets are on the host, or with ``TRITONKV_CHECK=1``.
     """
     check_index("query_start_loc", query_start_loc)
     if query_start_loc is None:

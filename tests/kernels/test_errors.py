@@ -152,5 +152,7 @@ def test_bad_input(call, error, match):
 
 def test_unknown_kernels_name(monkeypatch):
     monkeypatch.setenv("TRITONKV_KERNELS", "cuda-please")
-    with pytest.raises(ValueError, match=r"auto.*torch.*triton"):
+    with pytest.raises(
+        ValueError, match=r"TRITONKV_KERNELS: expected one of .*auto.*torch.*triton.*cuda-please"
+    ):
         pack_kv(LAYERS, SLOTS)

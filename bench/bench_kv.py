@@ -36,9 +36,9 @@ import torch
 import triton
 
 import tritonkv
-import tritonkv.hidden
-import tritonkv.kv
 from tritonkv import layouts
+from tritonkv._hidden_triton import _hidden_copy_kernel
+from tritonkv._kv_triton import _kv_copy_kernel
 
 from . import baselines, common
 from .common import Row
@@ -268,9 +268,7 @@ def winning_config(op: str) -> str:
     """The config Triton's autotuner picked for the last launch of ``op``'s kernel, or the path."""
     if not common.on_gpu():
         return "torch twin (CPU)"
-    kernel = (
-        tritonkv.hidden._hidden_copy_kernel if op == "pack_hidden" else tritonkv.kv._kv_copy_kernel
-    )
+    kernel = _hidden_copy_kernel if op == "pack_hidden" else _kv_copy_kernel
     best = getattr(kernel, "best_config", None)
     if best is None:
         return "?"

@@ -36,7 +36,7 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 # pytest from `make gpu-deps`, for a GPU machine without it (appended: an installed one wins)
 [[ -d "$REPO/.gpu_deps" ]] && export PYTHONPATH="$PYTHONPATH:$REPO/.gpu_deps"
 export MPLBACKEND=Agg
-unset TRITONKV_BACKEND TRITON_INTERPRET
+unset TRITONKV_KERNELS TRITON_INTERPRET
 
 echo "== tritonkv gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) dry_run=$DRY"
 echo "command: bench/gpu_check.sh $([[ $DRY == 1 ]] && echo '--dry-run ')$OUTDIR"

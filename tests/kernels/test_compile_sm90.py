@@ -1,7 +1,8 @@
 """The Triton kernels compile for sm_90 (H100/H200) on a machine without a GPU, with 16-byte accesses.
 
 The interpreter never runs Triton's compiler, so without this test a kernel that only fails to
-compile (an int argument specialised to 1, a type error) would first show on a GPU.
+compile (an int argument specialised to 1, a type error) would first show on a GPU. The kernels are
+private (``tritonkv._kv_triton``, ``_hidden_triton``, ``_index``), compiled here on purpose.
 """
 
 import json
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "compile_sm90.py"
+ROOT = SCRIPT.parents[2]  # the checkout whose kernels are compiled (not an installed tritonkv)
 
 
 @pytest.mark.slow
@@ -20,6 +22,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "support" / "compile_sm90.py"
 def test_kernels_compile_for_sm90_with_vector_accesses(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     run = subprocess.run(
         [sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=540
     )
@@ -39,15 +42,16 @@ def test_kernels_compile_for_sm90_with_vector_accesses(tmp_path):
 @pytest.mark.parametrize("setting,count", [(None, 13), ("1", 13), ("0", 1)])
 def test_autotune_configs_and_the_switch_that_turns_tuning_off(monkeypatch, setting, count):
     """13 launch configs (one pipeline stage each) to tune on a GPU, or the one default config
-    with ``TRITONKV_AUTOTUNE=0`` (and always under the interpreter)."""
-    from tritonkv import _common
+    with ``TRITONKV_AUTOTUNE=0`` (and always under the interpreter). The configs are internal
+    (``tritonkv._autotune``): the ops' results do not depend on them."""
+    from tritonkv import _autotune
 
-    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    monkeypatch.setattr(_autotune, "interpreting", lambda: False)
     if setting is None:
         monkeypatch.delenv("TRITONKV_AUTOTUNE", raising=False)
     else:
         monkeypatch.setenv("TRITONKV_AUTOTUNE", setting)
-    configs = _common.autotune_configs()
+    configs = _autotune.autotune_configs()
     assert len(configs) == count
     assert len({str(c) for c in configs}) == count
     if count == 1:

@@ -1,4 +1,8 @@
-"""The CPU twins' row copies (tritonkv._cpu): every primitive bit-exact, the thread runner safe."""
+"""The CPU twins' row copies (tritonkv._cpu): every primitive bit-exact, the thread runner safe.
+
+The private module is tested directly on purpose: which primitive a row size gets and when copies
+go to threads are invisible in the ops' results (those are checked through ``pack_kv_torch``).
+"""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ HIDDEN = torch.zeros(20, 16)
 
 
 @pytest.fixture(params=("torch", "triton"), autouse=True)
-def backend(request, monkeypatch):
-    monkeypatch.setenv("TRITONKV_BACKEND", request.param)
+def kernels(request, monkeypatch):
+    monkeypatch.setenv("TRITONKV_KERNELS", request.param)
 
 
 def _k_other_dtype():
@@ -150,7 +150,9 @@ def test_bad_input(call, error, match):
         call()
 
 
-def test_unknown_backend_name(monkeypatch):
-    monkeypatch.setenv("TRITONKV_BACKEND", "cuda-please")
-    with pytest.raises(ValueError, match=r"auto.*torch.*triton"):
+def test_unknown_kernels_name(monkeypatch):
+    monkeypatch.setenv("TRITONKV_KERNELS", "cuda-please")
+    with pytest.raises(
+        ValueError, match=r"TRITONKV_KERNELS: expected one of .*auto.*torch.*triton.*cuda-please"
+    ):
         pack_kv(LAYERS, SLOTS)

@@ -30,7 +30,7 @@ QSL = torch.tensor([0, 18, 19, 20], device="cuda" if torch.cuda.is_available() e
 @pytest.fixture(autouse=True)
 def on_cuda(monkeypatch):
     monkeypatch.setattr(kv_cases, "DEVICE", "cuda")
-    monkeypatch.setenv("TRITONKV_BACKEND", "auto")
+    monkeypatch.setenv("TRITONKV_KERNELS", "auto")
 
 
 def _slots(n=20, num_slots=48, seed=0):
@@ -164,8 +164,9 @@ def test_hidden_on_cuda():
 @pytest.mark.parametrize("where", ["cpu", "cuda"])
 def test_index_of_thousands_of_sequences_on_cuda(where, last_only):
     """The index for CUDA data: made on the host and copied (offsets on the host) or by the
-    one-program kernel (offsets on the GPU, 1024 sequences a step); both equal the host index."""
-    from tritonkv._common import _host_seq_index, seq_index
+    one-program kernel (offsets on the GPU, 1024 sequences a step); both equal the host index
+    (``tritonkv._index``, called directly: the ops do not return the index's ``src_start``)."""
+    from tritonkv._index import host_seq_index, seq_index
 
     gen = torch.Generator().manual_seed(3)
     lens = torch.randint(1 if last_only else 0, 6, (2500,), generator=gen)
@@ -175,7 +176,7 @@ def test_index_of_thousands_of_sequences_on_cuda(where, last_only):
     got = seq_index(
         qsl.to(where), ids.to(where), num_tokens, torch.device("cuda"), last_only=last_only
     )
-    want = _host_seq_index(qsl, ids, num_tokens, last_only)
+    want = host_seq_index(qsl, ids, num_tokens, last_only)
     assert got.cu_seqlens.is_cuda and got.src_start.is_cuda
     assert torch.equal(got.cu_seqlens.cpu(), want.cu_seqlens)
     assert torch.equal(got.src_start.cpu(), want.src_start)

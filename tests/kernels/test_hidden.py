@@ -1,4 +1,4 @@
-"""pack_hidden / unpack_hidden on both backends, bit-exact against plain row indexing."""
+"""pack_hidden / unpack_hidden on both kernels (Triton and the torch twin), bit-exact against plain row indexing."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ SEED_QSL = torch.tensor([0, 18, 19, 20])
 
 
 @pytest.fixture(params=("torch", "triton"))
-def backend(request, monkeypatch):
-    monkeypatch.setenv("TRITONKV_BACKEND", request.param)
+def kernels(request, monkeypatch):
+    monkeypatch.setenv("TRITONKV_KERNELS", request.param)
     return request.param
 
 
@@ -37,7 +37,7 @@ def _expected_rows(seq_ids, last_only):
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("last_only", [False, True], ids=["all_rows", "last_only"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_pack_unpack_hidden(backend, dtype, last_only, strided):
+def test_pack_unpack_hidden(kernels, dtype, last_only, strided):
     hidden = _hidden(dtype, strided=strided)
     seq_ids = [2, 0]
     rows = _expected_rows(seq_ids, last_only)
@@ -57,7 +57,7 @@ def test_pack_unpack_hidden(backend, dtype, last_only, strided):
         )
 
 
-def test_out_argument(backend):
+def test_out_argument(kernels):
     hidden = _hidden(torch.bfloat16)
     out = torch.zeros(3, 40, dtype=torch.bfloat16)
     packed, _ = pack_hidden(hidden, SEED_QSL, last_only=True, out=out)
@@ -65,7 +65,7 @@ def test_out_argument(backend):
     assert_bits_equal(out, hidden[[17, 18, 19]], "out=")
 
 
-def test_wide_hidden_spans_several_column_tiles(backend):
+def test_wide_hidden_spans_several_column_tiles(kernels):
     hidden = _hidden(torch.float32, rows=20, width=2500)  # > 1024 columns per program
     packed, _ = pack_hidden(hidden, SEED_QSL, [1, 0])
     assert_bits_equal(packed, hidden[[18, *range(18)]], "wide")
@@ -73,7 +73,7 @@ def test_wide_hidden_spans_several_column_tiles(backend):
 
 @pytest.mark.parametrize("num_seqs", [3, 40, 200], ids=lambda n: f"{n}seqs")
 @pytest.mark.parametrize("order", ["ascending", "shuffled"])
-def test_many_sequences(backend, num_seqs, order):
+def test_many_sequences(kernels, num_seqs, order):
     """Few stretches (slice copies on CPU) and many (the row gather): the same rows either way."""
     gen = torch.Generator().manual_seed(num_seqs)
     lens = torch.randint(0, 4, (num_seqs,), generator=gen)  # 0-token sequences included
@@ -94,13 +94,13 @@ def test_many_sequences(backend, num_seqs, order):
     assert_bits_equal(dst, expected, "unpack_hidden")
 
 
-def test_seq_ids_must_be_a_sequence(backend):
+def test_seq_ids_must_be_a_sequence(kernels):
     """An iterator would be used up by the type check and then select nothing: rejected."""
     with pytest.raises(TypeError, match=r"expected a list of ints .*, got map"):
         pack_hidden(_hidden(torch.float16), SEED_QSL, map(int, "20"))
 
 
-def test_zero_hidden_size_is_rejected_and_zero_rows_work(backend):
+def test_zero_hidden_size_is_rejected_and_zero_rows_work(kernels):
     with pytest.raises(ValueError, match=r"hidden_size > 0, got shape \(3, 0\)"):
         pack_hidden(torch.zeros(3, 0), torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="hidden_size > 0"):

@@ -1,4 +1,5 @@
-"""pack_kv / unpack_kv: every layout × dtype, both backends, against the loop oracle, bit-exact.
+"""pack_kv / unpack_kv: every layout × dtype, on both kernels (Triton and the torch twin), against
+the loop oracle, bit-exact.
 
 Unpack always lands in a sentinel-filled cache and the *whole storage* is compared, so a write to a
 wrong slot, a missed slot, or a stray write between strided elements all fail.
@@ -6,7 +7,6 @@ wrong slot, a missed slot, or a stray write between strided elements all fail.
 
 from __future__ import annotations
 
-import itertools
 import re
 
 import pytest
@@ -18,6 +18,7 @@ from support.kv_cases import (
     DTYPES,
     LAYOUT_IDS,
     assert_bits_equal,
+    every_other,
     like_with_sentinel,
     loop_pack,
     loop_unpack,
@@ -25,19 +26,18 @@ from support.kv_cases import (
     storage_bits,
 )
 
-from tritonkv import kv, pack_kv, unpack_kv
-from tritonkv._common import _device_seq_index, _host_seq_index
+from tritonkv import pack_kv, unpack_kv
 
-BACKENDS = ("torch", "triton")
+KERNELS = ("torch", "triton")
 
 # The seed's batch (NOTES §1): one 18-token prefill batched with two decodes. seq_lens would be
 # [18, 17, 16]; the query lengths are [18, 1, 1].
 SEED_QSL = torch.tensor([0, 18, 19, 20], dtype=torch.int32)
 
 
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    monkeypatch.setenv("TRITONKV_BACKEND", request.param)
+@pytest.fixture(params=KERNELS)
+def kernels(request, monkeypatch):
+    monkeypatch.setenv("TRITONKV_KERNELS", request.param)
     return request.param
 
 
@@ -70,21 +70,21 @@ def _roundtrip(layout, dtype, slot_mapping, qsl, seq_ids, **shape):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("layout", LAYOUT_IDS)
-def test_every_layout_and_dtype(backend, layout, dtype):
+def test_every_layout_and_dtype(kernels, layout, dtype):
     # An odd head size and three layers; the mixed batch of the seed, padding inside sequence 0.
     slots = _slots(20, 6 * 8, seed=1, pad=(3,))
     _roundtrip(layout, dtype, slots, SEED_QSL, [2, 0], num_layers=3, head_size=12)
 
 
 @pytest.mark.parametrize("layout", ["flash_attn_nhd", "vllm_cpu", "mla"])
-def test_layers_in_one_buffer(backend, layout):
+def test_layers_in_one_buffer(kernels, layout):
     _raw, layers = make_cache(layout, torch.bfloat16, one_buffer=True, num_layers=3)
     slots = _slots(20, 48, seed=2)
     packed, _ = pack_kv(layers, slots, SEED_QSL)
     assert_bits_equal(packed, loop_pack(layers, slots, SEED_QSL, range(3)), "one buffer")
 
 
-def test_seed_batch_packs_exactly_the_prefill(backend):
+def test_seed_batch_packs_exactly_the_prefill(kernels):
     """Sequence 0 of [18-token prefill, decode, decode] packs its 18 tokens, not seq_lens' 18..35."""
     raw, layers = make_cache("flash_attn_nhd", torch.float16, num_blocks=8, block_size=16)
     slots = torch.cat([torch.arange(16, 34), torch.tensor([70, 101])])  # prefill spans 2 blocks
@@ -107,7 +107,7 @@ def test_seed_batch_packs_exactly_the_prefill(backend):
         assert int(changed) <= 2 * 18 * 2 * 8 * 2  # K and V bytes of 18 tokens, at most
 
 
-def test_padding_inside_and_after_sequences(backend):
+def test_padding_inside_and_after_sequences(kernels):
     """-1 slots pack as zeros and are never written; tokens past query_start_loc[-1] are never read."""
     slots = _slots(24, 48, seed=3, pad=(0, 7, 18))
     slots[20:] = 10**12  # CUDA-graph padding past the batch: reading it would crash or fail
@@ -116,79 +116,28 @@ def test_padding_inside_and_after_sequences(backend):
 
 
 @pytest.mark.parametrize("seq_ids", [[2, 1, 0], [1], [0, 0], []], ids=str)
-def test_seq_id_subsets_in_any_order(backend, seq_ids):
+def test_seq_id_subsets_in_any_order(kernels, seq_ids):
     slots = _slots(20, 48, seed=4)
     _roundtrip("vllm_pages_lbnhc", torch.bfloat16, slots, SEED_QSL, seq_ids)
 
 
-def test_seq_ids_as_tensor_and_int32(backend):
+def test_seq_ids_as_tensor_and_int32(kernels):
     slots = _slots(20, 48, seed=5).to(torch.int32)
     ids = torch.tensor([2, 0], dtype=torch.int32)
     _roundtrip("flashinfer_nhd", torch.float16, slots, SEED_QSL, ids)
 
 
-def _every_other(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s values with stride 2 (a column of a 2-D tensor); the elements between are ``t``
-    reversed, valid values too, so reading with stride 1 gives wrong values, never a crash."""
-    return torch.stack([t, t.flip(0)], 1)[:, 0]
-
-
-def test_non_contiguous_index_tensors(backend):
+def test_non_contiguous_index_tensors(kernels):
     """Columns of bigger tensors as slot_mapping, query_start_loc and seq_ids: kernels read index
     tensors with stride 1, so they must get contiguous ones."""
-    slots = _every_other(_slots(20, 48, seed=14, pad=(5,)))
-    qsl, seq_ids = _every_other(SEED_QSL), _every_other(torch.tensor([2, 0]))
+    slots = every_other(_slots(20, 48, seed=14, pad=(5,)))
+    qsl, seq_ids = every_other(SEED_QSL), every_other(torch.tensor([2, 0]))
     assert not (slots.is_contiguous() or qsl.is_contiguous() or seq_ids.is_contiguous())
     _roundtrip("flash_attn_nhd", torch.float16, slots, qsl, seq_ids)
-    _roundtrip("flash_attn_hnd", torch.float16, slots, _every_other(SEED_QSL.long()), None)
+    _roundtrip("flash_attn_hnd", torch.float16, slots, every_other(SEED_QSL.long()), None)
 
 
-@pytest.mark.parametrize("seq_ids", [None, [2, 0]], ids=["all", "some"])
-@pytest.mark.parametrize("last_only", [False, True], ids=["all_rows", "last_only"])
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
-def test_device_index_is_contiguous(dtype, last_only, seq_ids):
-    """The GPU path's index (device ops only; run here on CPU tensors) equals the host path's and
-    is contiguous even for non-contiguous offsets (an int64 query_start_loc was used as it is)."""
-    qsl = _every_other(SEED_QSL.to(dtype))
-    ids = None if seq_ids is None else _every_other(torch.tensor(seq_ids))
-    got = _device_seq_index(qsl, ids, torch.device("cpu"), last_only)
-    want = _host_seq_index(qsl, ids, 20, last_only)
-    assert got.cu_seqlens.is_contiguous() and got.src_start.is_contiguous()
-    assert got.num_sel == want.num_sel
-    assert torch.equal(got.cu_seqlens, want.cu_seqlens)
-    assert torch.equal(got.src_start, want.src_start)
-
-
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    lens=st.lists(st.integers(0, 40), min_size=1, max_size=40),
-    repeat=st.sampled_from([1, 60]),
-    data=st.data(),
-    last_only=st.booleans(),
-    dtype=st.sampled_from([torch.int32, torch.int64]),
-)
-def test_device_index_matches_host(lens, repeat, data, last_only, dtype):
-    """The GPU index kernel (one program, 1024 sequences a step; run here under the interpreter)
-    equals the host index for any batch: empty sequences, any selection order, and more than one
-    step's worth of sequences (``repeat=60``: up to 2400)."""
-    lens = (lens * repeat)[:2400]
-    if last_only:
-        lens = [n or 1 for n in lens]
-    qsl = torch.tensor([0, *itertools.accumulate(lens)], dtype=dtype)
-    num_seqs = len(lens)
-    ids = data.draw(st.none() | st.lists(st.integers(0, num_seqs - 1), max_size=30))
-    if ids is not None and repeat > 1:
-        ids = [*ids, *range(num_seqs - 1, -1, -1)]  # every sequence, backwards, after the draw
-    ids_t = None if ids is None else torch.tensor(ids, dtype=dtype)
-    got = _device_seq_index(qsl, ids_t, torch.device("cpu"), last_only)
-    want = _host_seq_index(qsl, ids_t, int(qsl[-1]), last_only)
-    assert got.num_sel == want.num_sel
-    assert got.cu_seqlens.dtype == got.src_start.dtype == torch.int64
-    assert torch.equal(got.cu_seqlens, want.cu_seqlens)
-    assert torch.equal(got.src_start, want.src_start)
-
-
-def test_seq_ids_must_be_a_sequence(backend):
+def test_seq_ids_must_be_a_sequence(kernels):
     """An iterator would be used up by the type check and then select nothing: rejected. Any
     sequence of ints (tuple, range) works like a list."""
     _raw, layers = make_cache("flash_attn_nhd", torch.float16)
@@ -203,21 +152,24 @@ def test_seq_ids_must_be_a_sequence(backend):
         assert_bits_equal(pack_kv(layers, slots, SEED_QSL, seq_ids)[0], want, str(seq_ids))
 
 
-@pytest.mark.parametrize("dim", range(4), ids=kv._VIEW_DIMS)
-def test_zero_size_cache_dims_are_rejected(backend, dim):
+VIEW_DIMS = ("num_blocks", "num_kv_heads", "block_size", "head_size")
+
+
+@pytest.mark.parametrize("dim", range(4), ids=VIEW_DIMS)
+def test_zero_size_cache_dims_are_rejected(kernels, dim):
     """A cache with a dimension of size 0 holds nothing: rejected, naming the dimension."""
     shape = [6, 2, 8, 8]
     shape[dim] = 0
     k, v = torch.zeros(shape, dtype=torch.float16), torch.zeros(shape, dtype=torch.float16)
     slots = torch.full((3,), -1)
-    message = re.escape(f"expected {kv._VIEW_DIMS[dim]} > 0, got views of shape {tuple(shape)}")
+    message = re.escape(f"expected {VIEW_DIMS[dim]} > 0, got views of shape {tuple(shape)}")
     with pytest.raises(ValueError, match=message):
         pack_kv([(k, v)], slots)
     with pytest.raises(ValueError, match=message):
         unpack_kv(torch.zeros(1, 2, 3, 2, 8, dtype=torch.float16), [(k, v)], slots)
 
 
-def test_no_tokens_pack_an_empty_tensor(backend):
+def test_no_tokens_pack_an_empty_tensor(kernels):
     """An empty batch, or a selection of empty sequences, packs ``[L, 2, 0, H, D]``; unpacking it
     writes nothing."""
     raw, layers = make_cache("flash_attn_nhd", torch.float16)
@@ -237,7 +189,7 @@ def test_no_tokens_pack_an_empty_tensor(backend):
             assert torch.equal(got, want)
 
 
-def test_one_sequence_when_query_start_loc_is_none(backend):
+def test_one_sequence_when_query_start_loc_is_none(kernels):
     _raw, layers = make_cache("flash_attn_nhd", torch.float32)
     slots = _slots(11, 48, seed=6)
     packed, cu_seqlens = pack_kv(layers, slots)
@@ -245,7 +197,7 @@ def test_one_sequence_when_query_start_loc_is_none(backend):
     assert_bits_equal(packed, loop_pack(layers, slots, torch.tensor([0, 11]), [0]), "all tokens")
 
 
-def test_layers_with_different_strides(backend):
+def test_layers_with_different_strides(kernels):
     """Layer 0 NHD, layer 1 HND: the launcher groups layers by strides; results stay exact."""
     _raw0, (l0,) = make_cache("flash_attn_nhd", torch.float16, num_layers=1, seed=7)
     _raw1, (l1,) = make_cache("flash_attn_hnd", torch.float16, num_layers=1, seed=8)
@@ -254,7 +206,7 @@ def test_layers_with_different_strides(backend):
     assert_bits_equal(packed, loop_pack([l0, l1], slots, SEED_QSL, [0, 2]), "mixed strides")
 
 
-def test_out_argument_is_filled_and_returned(backend):
+def test_out_argument_is_filled_and_returned(kernels):
     _raw, layers = make_cache("flash_attn_nhd", torch.bfloat16)
     slots = _slots(20, 48, seed=10)
     out = torch.full((2, 2, 19, 2, 8), 3.0, dtype=torch.bfloat16)
@@ -264,7 +216,7 @@ def test_out_argument_is_filled_and_returned(backend):
 
 
 @pytest.mark.parametrize("layout", ["flash_attn_nhd", "mla", "vllm_cpu"])
-def test_whole_block_runs_next_to_loose_rows(backend, layout):
+def test_whole_block_runs_next_to_loose_rows(kernels, layout):
     """The CPU twin copies runs of whole blocks as one row each and the other rows one by one:
     two whole blocks, a partial one, then a sequence that starts mid-block."""
     runs = [torch.arange(b * 8, b * 8 + 8) for b in (3, 1)]
@@ -276,7 +228,7 @@ def test_whole_block_runs_next_to_loose_rows(backend, layout):
 
 
 @pytest.mark.parametrize("change", ["strides", "dtype"])
-def test_views_changed_in_place_between_calls_are_seen(backend, change):
+def test_views_changed_in_place_between_calls_are_seen(kernels, change):
     """Calls reuse what they derived from the same view objects (checked, widened, planned) only
     while those keep their address, shape, strides and dtype: here the same objects are re-strided
     in place into HND views of the same memory, or given another dtype of the same size (``.data``),
@@ -297,38 +249,8 @@ def test_views_changed_in_place_between_calls_are_seen(backend, change):
     assert_bits_equal(packed, loop_pack(layers, slots, SEED_QSL, range(3)), f"changed {change}")
 
 
-def test_what_calls_derive_from_views_goes_with_them():
-    """The per-view-set cache keeps nothing once the caller's views are gone (no memory held)."""
-    import gc
-
-    gc.collect()
-    before = set(kv._LAYER_SETS)
-    raw, layers = make_cache("vllm_cpu", torch.bfloat16)
-    pack_kv(layers, _slots(20, 48, seed=12), SEED_QSL)
-    assert set(kv._LAYER_SETS) - before, "the call made no entry"
-    del raw, layers
-    gc.collect()
-    assert set(kv._LAYER_SETS) <= before
-
-
-def test_what_calls_derive_from_views_lives_as_long_as_they_do():
-    """The address table a CUDA graph replays with stays while its views live, however many other
-    layer sets are used meanwhile (they were evicted oldest first after 16, freeing the table)."""
-    _raw, hot = make_cache("flash_attn_nhd", torch.float16)
-    slots = _slots(20, 48, seed=13)
-    pack_kv(hot, slots, SEED_QSL)
-    entry = kv._layer_set(hot)
-    table = entry.launches(entry.width, hot)[0].offsets
-    others = [make_cache("flash_attn_nhd", torch.float16, seed=i)[1] for i in range(20)]
-    for layers in others:
-        pack_kv(layers, slots, SEED_QSL)
-        pack_kv(hot, slots, SEED_QSL)
-    assert kv._layer_set(hot) is entry
-    assert entry.launches(entry.width, hot)[0].offsets is table
-
-
 @pytest.mark.slow
-def test_cache_past_2_pow_31_elements(backend):
+def test_cache_past_2_pow_31_elements(kernels):
     """int64 offsets: slots in blocks beyond 2^31 elements are addressed right (no wrap-around)."""
     # head 63 (odd bytes) keeps the copy at 1-byte elements, so offsets really pass 2^31.
     block_size, heads, head = 16, 1, 63
@@ -413,11 +335,11 @@ _PROPERTY = settings(
 
 
 @pytest.mark.parametrize(
-    "backend_name,examples", [("torch", 150), ("triton", 40)], ids=["torch", "triton"]
+    "kernels_name,examples", [("torch", 150), ("triton", 40)], ids=["torch", "triton"]
 )
-def test_property_roundtrip(monkeypatch, backend_name, examples):
+def test_property_roundtrip(monkeypatch, kernels_name, examples):
     """Random batch compositions: pack then unpack into a sentinel cache equals the loop oracle."""
-    monkeypatch.setenv("TRITONKV_BACKEND", backend_name)
+    monkeypatch.setenv("TRITONKV_KERNELS", kernels_name)
 
     @settings(_PROPERTY, max_examples=examples)
     @given(batches())

@@ -1,4 +1,4 @@
-"""Tests of the P/D proxy (``connector/serve/proxy.py``) against fake prefill/decode servers.
+"""Tests of the P/D proxy (``connector/serve/``: proxy, router, bodies) against fake servers.
 
 The fakes (``tests/support/fake_openai.py``) run in-process on loopback ports; each proxy runs as a real
 ``python -m connector.serve.proxy`` subprocess, so the command line, logging and signal handling are
@@ -25,10 +25,11 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from support.fake_openai import FakeBackend, LoopThread  # noqa: E402
+from support.fake_openai import FakeServer, LoopThread  # noqa: E402
 
+from connector.serve.bodies import decode_body, handoff_params, prefill_body  # noqa: E402
 from connector.serve.launch import free_port  # noqa: E402
-from connector.serve.proxy import ProxyConfig, decode_body, prefill_body  # noqa: E402
+from connector.serve.router import ProxyConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -93,12 +94,12 @@ class Stack:
 
     def __init__(self, tmp: Path) -> None:
         self.lt = LoopThread()
-        self.p0 = FakeBackend(self.lt, "P0", "prefill")
-        self.p1 = FakeBackend(self.lt, "P1", "prefill")
-        self.d0 = FakeBackend(self.lt, "D0", "decode")
-        self.d1 = FakeBackend(self.lt, "D1", "decode")
-        self.backends = [self.p0, self.p1, self.d0, self.d1]
-        for b in self.backends:
+        self.p0 = FakeServer(self.lt, "P0", "prefill")
+        self.p1 = FakeServer(self.lt, "P1", "prefill")
+        self.d0 = FakeServer(self.lt, "D0", "decode")
+        self.d1 = FakeServer(self.lt, "D1", "decode")
+        self.servers = [self.p0, self.p1, self.d0, self.d1]
+        for b in self.servers:
             b.start()
         short = ["--timeout-s", str(TIMEOUT_S), "--connect-timeout-s", "1"]
         short += ["--health-timeout-s", "1", "--shutdown-timeout-s", "1"]
@@ -118,7 +119,7 @@ class Stack:
     def close(self) -> None:
         for p in self.proxies:
             p.stop()
-        for b in self.backends:
+        for b in self.servers:
             b.stop()
         self.lt.stop()
 
@@ -135,7 +136,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 @pytest.fixture(autouse=True)
 def _reset(request: pytest.FixtureRequest) -> None:
     if "stack" in request.fixturenames:
-        for b in request.getfixturevalue("stack").backends:
+        for b in request.getfixturevalue("stack").servers:
             b.reset()
 
 
@@ -192,6 +193,16 @@ def test_prefill_and_decode_bodies() -> None:
     }
     assert "kv_transfer_params" not in decode_body(body, None)
     assert body == snapshot  # the client's body is never mutated
+
+
+def test_handoff_is_the_prefill_answers_kv_transfer_params_as_is() -> None:
+    kv = {"do_remote_prefill": True, "transfer_id": "t", "remote_prefill_cached_tokens": 3}
+    assert handoff_params(json.dumps({"id": "x", "kv_transfer_params": kv}).encode()) == kv
+    assert handoff_params(b'{"kv_transfer_params": null}') is None
+    assert handoff_params(b'{"choices": []}') is None
+    for bad in (b"not json", b"[1, 2]", b'{"kv_transfer_params": "t"}', b"\xff"):
+        with pytest.raises(ValueError, match="kv_transfer_params"):
+            handoff_params(bad)
 
 
 def test_config_validation() -> None:
@@ -262,7 +273,7 @@ def test_streaming_relayed_in_order_without_buffering(stack: Stack, path: str) -
         while b"\n\n" not in got:
             got += next(chunks)
         first = _events(got)
-        assert [e["seq"] for e in first] == [0]  # relayed before the backend sent the rest
+        assert [e["seq"] for e in first] == [0]  # relayed before the server sent the rest
         stack.d0.open_gate()
         for chunk in chunks:
             got += chunk
@@ -295,11 +306,11 @@ def test_client_disconnect_closes_decode_stream(stack: Stack) -> None:
 
 
 @pytest.mark.parametrize("stage", ["prefill", "decode"])
-def test_client_leaving_a_non_streamed_request_closes_the_backend_call(
+def test_client_leaving_a_non_streamed_request_closes_the_server_call(
     stack: Stack, stage: str
 ) -> None:
     """The round-robin proxy has the default 600 s timeout: only the client leaving can end a
-    call to a backend that never answers; decode is never called after a prefill left behind."""
+    call to a server that never answers; decode is never called after a prefill left behind."""
     hanging = (stack.p0, stack.p1) if stage == "prefill" else (stack.d0, stack.d1)
     for b in hanging:
         b.mode = "hang"
@@ -355,10 +366,10 @@ def test_models_and_health(stack: Stack) -> None:
         stack.d0.healthy = False
         r = c.get("/health")
         assert r.status_code == 503
-        bad = [b for b in r.json()["backends"] if not b["ok"]]
+        bad = [b for b in r.json()["servers"] if not b["ok"]]
         assert [(b["role"], b["url"]) for b in bad] == [("decode", stack.d0.url)]
         stack.d0.healthy = True
-        stack.p0.mode = "hang"  # a backend that never answers /health: 503 within the limit
+        stack.p0.mode = "hang"  # a server that never answers /health: 503 within the limit
         t0 = time.monotonic()
         r = c.get("/health")
         assert r.status_code == 503 and time.monotonic() - t0 < 4
@@ -432,7 +443,7 @@ def test_dead_prefill_fails_fast(stack: Stack) -> None:
         assert time.monotonic() - t0 < TIMEOUT_S
         r = c.get("/health")
         assert r.status_code == 503
-        states = {b["url"]: b["ok"] for b in r.json()["backends"]}
+        states = {b["url"]: b["ok"] for b in r.json()["servers"]}
         assert states == {stack.dead_url: False, stack.d0.url: True}
     assert stack.d0.received == []
 

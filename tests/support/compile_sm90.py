@@ -12,9 +12,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.autotuner import Autotuner
 
-from tritonkv._common import _INDEX_BLOCK, _seq_index_kernel
-from tritonkv.hidden import _hidden_copy_kernel
-from tritonkv.kv import _kv_copy_kernel
+from tritonkv._hidden_triton import _hidden_copy_kernel
+from tritonkv._index import INDEX_BLOCK, _seq_index_kernel
+from tritonkv._kv_triton import _kv_copy_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -110,7 +110,7 @@ def main():
                     "seq_ids_ptr": offsets,
                     "out_ptr": "*i64",
                 }
-                constexprs = {"HAS_IDS": has_ids, "LAST_ONLY": last_only, "BLOCK": _INDEX_BLOCK}
+                constexprs = {"HAS_IDS": has_ids, "LAST_ONLY": last_only, "BLOCK": INDEX_BLOCK}
                 result = compile_variant(_seq_index_kernel, pointers, constexprs, list(pointers))
                 print(json.dumps({"kernel": "index", "offsets": offsets, **result}))
 

@@ -49,7 +49,7 @@ class Received:
     headers: dict[str, str]  # lower-case names
 
 
-class FakeBackend:
+class FakeServer:
     """A fake prefill or decode server.
 
     Attributes:

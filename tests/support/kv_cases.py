@@ -87,6 +87,12 @@ def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -
         raise AssertionError(f"{what}: {int(diff.sum())} elements differ, first at {where}")
 
 
+def every_other(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values with stride 2 (a column of a 2-D tensor); the elements between are ``t``
+    reversed, valid values too, so reading with stride 1 gives wrong values, never a crash."""
+    return torch.stack([t, t.flip(0)], 1)[:, 0]
+
+
 def make_cache(
     layout: str,
     dtype: torch.dtype,

@@ -1,18 +1,22 @@
-"""Shared plumbing for the kernel modules: backend choice, input checks, sequence addressing.
+"""Sequence addressing, used by every op: where each selected sequence's rows come from and go to.
 
-Sequence addressing (used by every op)
-    The flat batch holds ``num_tokens`` tokens; sequence ``i`` owns flat tokens
-    ``query_start_loc[i] : query_start_loc[i + 1]`` (never ``seq_lens``: a decoding sequence of
-    length 17 owns one flat token). Packing selects sequences ``seq_ids`` (in output order) and lays
-    their tokens back to back: selected sequence ``j`` owns packed rows
-    ``cu_seqlens[j] : cu_seqlens[j + 1]``, and packed row ``t`` of it comes from flat token
-    ``src_start[j] + (t - cu_seqlens[j])``. Kernels find ``j`` for each row by a binary search over
-    ``cu_seqlens``, so the index preparation is a few tiny device ops and no host synchronisation.
+The flat batch holds ``num_tokens`` tokens; sequence ``i`` owns flat tokens
+``query_start_loc[i] : query_start_loc[i + 1]`` (never ``seq_lens``: a decoding sequence of length
+17 owns one flat token). Packing selects sequences ``seq_ids`` (in output order) and lays their
+tokens back to back: selected sequence ``j`` owns packed rows ``cu_seqlens[j] : cu_seqlens[j + 1]``,
+and packed row ``t`` of it comes from flat token ``src_start[j] + (t - cu_seqlens[j])``.
+
+Example: ``query_start_loc = [0, 18, 19, 20]`` (an 18-token prefill, two decodes) and
+``seq_ids = [2, 0]`` give ``cu_seqlens = [0, 1, 19]`` and ``src_start = [19, 0]``: packed row 5
+is flat token ``0 + (5 - 1) = 4``.
+
+:func:`seq_index` builds the :class:`SeqIndex` (NumPy on the host, or one launch of
+``_seq_index_kernel`` for offsets on the GPU: no host sync); kernels find ``j`` for each row with
+:func:`flat_token`, a binary search over ``cu_seqlens``.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,112 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-_INT_DTYPES = (torch.int32, torch.int64)
-_BACKENDS = ("auto", "torch", "triton")
-# Integer dtype of each width: copies move integer views, so every float format is copied bit-exactly.
-# 16 bytes (CPU twins only, never a kernel): complex128, moved by plain loads and stores, whose bits
-# are never interpreted.
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}
-
-
-def interpreting() -> bool:
-    """Whether Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def use_triton(device: torch.device) -> bool:
-    """Pick the backend for tensors on ``device`` from ``TRITONKV_BACKEND`` (auto|torch|triton).
-
-    ``auto`` (default): Triton kernels for CUDA tensors, the torch twin otherwise. ``triton`` forces
-    the kernels (on CPU tensors only valid with ``TRITON_INTERPRET=1``); ``torch`` forces the twin.
-    """
-    choice = os.environ.get("TRITONKV_BACKEND", "auto").strip().lower() or "auto"
-    if choice not in _BACKENDS:
-        raise ValueError(f"TRITONKV_BACKEND: expected one of {_BACKENDS}, got {choice!r}")
-    if choice == "torch":
-        return False
-    if choice == "triton":
-        if device.type != "cuda" and not interpreting():
-            raise ValueError(
-                "TRITONKV_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 set before "
-                "tritonkv is imported"
-            )
-        return True
-    return device.type == "cuda"
-
-
-def checks_enabled(*tensors: object) -> bool:
-    """Value checks (offsets, slots) run when they cost no device sync, or if ``TRITONKV_CHECK=1``."""
-    if os.environ.get("TRITONKV_CHECK", "0") not in ("", "0"):
-        return True
-    return all(not isinstance(t, torch.Tensor) or t.device.type == "cpu" for t in tensors)
-
-
-def autotune_configs(**fixed) -> list[triton.Config]:
-    """Launch configs for the copy kernels: tokens per program × warps.
-
-    One config (16 tokens, 4 warps) when interpreting, or when ``TRITONKV_AUTOTUNE=0`` is set
-    before tritonkv is imported (no tuning pauses, e.g. for correctness tests); otherwise 13,
-    among which Triton's autotuner picks per key at the key's first launch. One pipeline stage:
-    the kernels have no loop whose loads could be pipelined.
-
-    Args:
-        fixed: extra constexprs every config carries (none today; kept for kernels that tile a
-            second dimension).
-    """
-    if interpreting() or os.environ.get("TRITONKV_AUTOTUNE", "1").strip() == "0":
-        return [triton.Config({"BLOCK_T": 16, **fixed}, num_warps=4)]
-    return [
-        triton.Config({"BLOCK_T": block_t, **fixed}, num_warps=warps, num_stages=1)
-        for block_t in (4, 8, 16, 32, 64)
-        for warps in (2, 4, 8)
-        if not (block_t >= 32 and warps == 2)
-    ]
-
-
-def autotune_bench(fn, quantiles=None):
-    """How the autotuner times a config: 5 ms warm-up, 25 ms of runs (Triton's default, 25 + 100
-    ms, makes the first launch of each key pause for seconds on a serving GPU)."""
-    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
-
-
-class TunedLaunch:
-    """Launches of an autotuned kernel that skip the autotuner's per-call work once a key is tuned.
-
-    Triton's autotuner rebuilds its key from every argument on every launch (a dict of all of
-    them and the dtype of each tensor): on an H200 host that was about a tenth of a small call's
-    host time. The first launch of each ``key`` goes through the autotuner, which times the
-    configs and picks one; later launches of that key pass the picked config to the JIT function
-    directly, as the autotuner itself would. ``key`` must hold everything the autotuner's key
-    holds (its ``key`` arguments and the dtypes of the tensor arguments).
-    """
-
-    def __init__(self, kernel) -> None:
-        self.kernel = kernel
-        self.configs: dict[tuple, triton.Config] = {}
-
-    def __call__(self, key: tuple, grid, *args, **kwargs) -> None:
-        config = self.configs.get(key)
-        if config is None:
-            self.kernel[grid](*args, **kwargs)
-            self.configs[key] = self.kernel.best_config
-        else:
-            self.kernel.best_config = config  # what the autotuner reports for the last launch
-            self.kernel.fn[grid](*args, **kwargs, **config.all_kwargs())
-
-
-def check_index(name: str, t: torch.Tensor | None, *, allow_none: bool = True) -> None:
-    """Require a 1-D int32/int64 tensor (or None when allowed)."""
-    if t is None:
-        if allow_none:
-            return
-        raise TypeError(f"{name}: expected a 1-D int32/int64 tensor, got None")
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a 1-D int32/int64 tensor, got {type(t).__name__}")
-    if t.dtype not in _INT_DTYPES:
-        raise TypeError(f"{name}: expected dtype int32 or int64, got {t.dtype}")
-    if t.dim() != 1:
-        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(t.shape)}")
+from ._checks import check_index, checks_enabled
 
 
 @dataclass
@@ -210,6 +109,12 @@ def seq_index(
         num_tokens: tokens in the flat batch (rows of ``slot_mapping`` / ``hidden_states``).
         device: where the kernels run; index tensors are moved there.
         last_only: select only each sequence's last query token.
+
+    Raises:
+        TypeError: ``query_start_loc`` / ``seq_ids`` of the wrong type or dtype.
+        ValueError: empty, decreasing or out-of-range offsets; ``seq_ids`` out of range; with
+            ``last_only``, a selected sequence without query tokens. Values are checked when the
+            offsets are on the host, or with ``TRITONKV_CHECK=1``.
     """
     check_index("query_start_loc", query_start_loc)
     if query_start_loc is None:
@@ -229,17 +134,17 @@ def seq_index(
     check_index("seq_ids", seq_ids)
     on_host = [t.device.type == "cpu" for t in (query_start_loc, seq_ids) if t is not None]
     if all(on_host):
-        index = _host_seq_index(query_start_loc, seq_ids, num_tokens, last_only)
+        index = host_seq_index(query_start_loc, seq_ids, num_tokens, last_only)
         return index if device.type == "cpu" else index.to(device)
     if checks_enabled(query_start_loc, seq_ids):
         _check_offsets(*_host_offsets(query_start_loc, seq_ids), num_tokens, last_only)
     if device.type == "cpu":  # CPU data, offsets on a GPU: address on the host
         seq_ids = None if seq_ids is None else seq_ids.cpu()
-        return _host_seq_index(query_start_loc.cpu(), seq_ids, num_tokens, last_only)
-    return _device_seq_index(query_start_loc, seq_ids, device, last_only)
+        return host_seq_index(query_start_loc.cpu(), seq_ids, num_tokens, last_only)
+    return device_seq_index(query_start_loc, seq_ids, device, last_only)
 
 
-_INDEX_BLOCK = 1024  # selected sequences per step of the index kernel's loop
+INDEX_BLOCK = 1024  # selected sequences per step of the index kernel's loop
 
 
 @triton.jit(do_not_specialize=["num_sel"])
@@ -274,7 +179,7 @@ def _seq_index_kernel(
         done += tl.sum(rows, 0)
 
 
-def _device_seq_index(query_start_loc, seq_ids, device: torch.device, last_only: bool) -> SeqIndex:
+def device_seq_index(query_start_loc, seq_ids, device: torch.device, last_only: bool) -> SeqIndex:
     """:func:`seq_index` for index tensors on the GPU: one launch of a one-program kernel and no
     host sync (each torch op of the same work costs the host more than this launch does).
 
@@ -294,7 +199,7 @@ def _device_seq_index(query_start_loc, seq_ids, device: torch.device, last_only:
         num_sel,
         HAS_IDS=seq_ids is not None,
         LAST_ONLY=last_only,
-        BLOCK=_INDEX_BLOCK,
+        BLOCK=INDEX_BLOCK,
     )
     return SeqIndex(out[: num_sel + 1], out[num_sel + 1 :], num_sel)
 
@@ -329,7 +234,7 @@ def _check_offsets(qsl: np.ndarray, chosen: np.ndarray, num_tokens: int, last_on
             )
 
 
-def _host_seq_index(query_start_loc, seq_ids, num_tokens: int, last_only: bool) -> SeqIndex:
+def host_seq_index(query_start_loc, seq_ids, num_tokens: int, last_only: bool) -> SeqIndex:
     """:func:`seq_index` for CPU tensors, with NumPy (tiny arrays: a fraction of torch's cost)."""
     qsl, chosen = _host_offsets(query_start_loc, seq_ids)
     _check_offsets(qsl, chosen, num_tokens, last_only)
@@ -343,39 +248,16 @@ def _host_seq_index(query_start_loc, seq_ids, num_tokens: int, last_only: bool) 
     return SeqIndex(torch.from_numpy(cu_seqlens), torch.from_numpy(starts), int(chosen.size))
 
 
-def widest_int_view(tensors: Sequence[torch.Tensor], row_bytes: int, widest: int = 8) -> int:
-    """Largest access width in bytes (16, 8, 4, 2 or 1; at most ``widest``) that every tensor's last
-    dim allows.
-
-    A width wider than the element size qualifies when each tensor's last dim has stride 1 and the
-    width divides ``row_bytes`` (the last dim's size in bytes), every other byte stride and every
-    tensor's address, so integer views of that width address exactly the same bytes. The element
-    size itself always qualifies.
-    """
-    itemsize = tensors[0].element_size()
-    patterns = {(t.stride(), t.element_size()) for t in tensors}  # few: every layer is alike
-    addresses = [t.data_ptr() for t in tensors]
-    for w in (16, 8, 4, 2):
-        if w > widest or w <= itemsize or row_bytes % w:
-            continue
-        if all(a % w == 0 for a in addresses) and all(
-            strides[-1] == 1 and all(s * size % w == 0 for s in strides[:-1])
-            for strides, size in patterns
-        ):
-            return w
-    return itemsize
-
-
-def as_int(t: torch.Tensor, width: int) -> torch.Tensor:
-    """View ``t`` as integers of ``width`` bytes (same bytes, last dim rescaled)."""
-    if width < t.element_size():
-        raise ValueError(f"as_int: width {width} below the element size {t.element_size()}")
-    return t.view(_INT_OF_SIZE[width])
-
-
 @triton.jit
-def _flat_token(rows, row_ok, cu_seqlens_ptr, src_start_ptr, num_sel, search_steps):
-    """Flat-batch token index of each packed row (see ``_common``'s addressing note)."""
+def flat_token(
+    rows,  # [BLOCK_T] int64 packed rows
+    row_ok,  # [BLOCK_T] whether each row exists (< num_rows)
+    cu_seqlens_ptr,  # [num_sel + 1] int64
+    src_start_ptr,  # [num_sel] int64
+    num_sel,
+    search_steps,
+):
+    """``[BLOCK_T]`` int64 flat-batch token of each packed row (see the module docstring)."""
     # Binary search, one bit at a time: the largest seq with cu_seqlens[seq] <= row.
     seq = tl.zeros_like(rows)
     for i in range(search_steps):

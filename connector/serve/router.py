@@ -1,0 +1,516 @@
+"""The P/D router behind :mod:`connector.serve.proxy`: its settings and the calls to the upstream
+vLLM servers ("servers": prefill and decode) for each client request.
+
+A generation request goes through small steps, each raising :class:`_Failure` with the answer for
+the client when it cannot go on: the prefill call, the hand-off taken from its answer, the decode
+call, then the decode answer relayed whole or as a stream. The bodies sent and the error bodies are
+built by the pure functions of :mod:`connector.serve.bodies`; what the client sees for each failure
+is listed in :mod:`connector.serve.proxy`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..logs import get_logger
+from .bodies import (
+    COMPLETIONS,
+    decode_body,
+    describe_failure,
+    error_body,
+    handoff_params,
+    is_batch,
+    prefill_body,
+    sse_error,
+)
+
+logger = get_logger("proxy")
+
+# Client headers passed on to both servers: credentials and W3C trace context (vLLM's tracing
+# continues the client's trace from them).
+_FORWARDED = ("Authorization", "traceparent", "tracestate")
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Settings of one proxy instance.
+
+    Attributes:
+        prefill_urls: Base URLs of the prefill servers (e.g. ``http://10.0.0.1:8100``).
+        decode_urls: Base URLs of the decode servers.
+        timeout_s: Limit for one whole decode call, streamed generation included.
+        prefill_timeout_s: Limit for one whole prefill call; None means ``timeout_s``.
+        connect_timeout_s: Limit for opening a connection to any server.
+        health_timeout_s: Limit for each server's ``/health`` and for ``/v1/models``.
+    """
+
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    timeout_s: float = 600.0
+    prefill_timeout_s: float | None = None
+    connect_timeout_s: float = 5.0
+    health_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        """Validates the URLs and limits.
+
+        Raises:
+            ValueError: No prefill or no decode URL, a URL without http(s) scheme, or a limit <= 0.
+        """
+        if not self.prefill_urls or not self.decode_urls:
+            raise ValueError("at least one prefill and one decode URL are required")
+        for url in (*self.prefill_urls, *self.decode_urls):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"server URL must start with http:// or https://: {url!r}")
+        limits = (self.timeout_s, self.connect_timeout_s, self.health_timeout_s)
+        if any(t <= 0 for t in limits) or (
+            self.prefill_timeout_s is not None and self.prefill_timeout_s <= 0
+        ):
+            raise ValueError("timeouts must be > 0")
+
+    @property
+    def prefill_limit_s(self) -> float:
+        """The effective prefill timeout in seconds."""
+        return self.timeout_s if self.prefill_timeout_s is None else self.prefill_timeout_s
+
+
+class _Failure(Exception):
+    """A step of a request cannot go on; carries the response to give the client."""
+
+    def __init__(self, response: Response, summary: str) -> None:
+        super().__init__(summary)
+        self.response = response
+        self.summary = summary
+
+    @classmethod
+    def of(
+        cls, exc: BaseException, stage: str, url: str, limit_s: float, connect_s: float
+    ) -> _Failure:
+        """The failure of an outbound call that raised ``exc`` (see ``describe_failure``)."""
+        status, msg, err_type, extra = describe_failure(exc, stage, url, limit_s, connect_s)
+        return cls(_error(status, msg, err_type, **extra), f"{status} {msg}")
+
+
+def _error(status: int, message: str, err_type: str, **extra: Any) -> JSONResponse:
+    """Returns an error JSONResponse; see :func:`~connector.serve.bodies.error_body`."""
+    return JSONResponse(error_body(status, message, err_type, **extra), status_code=status)
+
+
+def _strip(url: str) -> str:
+    """Returns ``url`` without trailing slashes."""
+    return url.rstrip("/")
+
+
+def _parse_body(raw: bytes, path: str) -> dict[str, Any] | JSONResponse:
+    """The client's JSON object, or the 400 response that refuses it."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return _error(400, f"request body is not valid JSON: {exc}", "BadRequestError")
+    if not isinstance(body, dict):
+        return _error(400, "request body must be a JSON object", "BadRequestError")
+    if path == COMPLETIONS and is_batch(body.get("prompt")):
+        return _error(
+            400,
+            "batched prompts are not supported by disaggregated serving: send one prompt "
+            "per request",
+            "BadRequestError",
+            param="prompt",
+        )
+    return body
+
+
+@dataclass
+class _Exchange:
+    """One client request on its way through prefill and decode: what its calls and logs need."""
+
+    req_id: str
+    path: str
+    headers: dict[str, str]  # sent to both servers
+    prefill_url: str = ""
+    prefill_ms: float = 0.0
+    transfer_id: Any = None
+    decode_url: str = ""
+    decode_t0: float = 0.0  # perf_counter() when the decode call started
+
+    @property
+    def id_header(self) -> dict[str, str]:
+        return {"X-Request-Id": self.req_id}
+
+    def log_done(self, status: int, note: str = "") -> None:
+        """The request's INFO line, once the decode server answered (or failed)."""
+        logger.info(
+            "req %s prefill %s %.1f ms | decode %s ttfb %.1f ms | transfer_id %s | status %d%s",
+            self.req_id,
+            self.prefill_url,
+            self.prefill_ms,
+            self.decode_url,
+            (time.perf_counter() - self.decode_t0) * 1e3,
+            self.transfer_id,
+            status,
+            note,
+        )
+
+
+class PDProxy:
+    """The router: owns the outbound HTTP session and the round-robin cursors.
+
+    Args:
+        config: The proxy settings.
+    """
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self._prefill_urls = tuple(_strip(u) for u in config.prefill_urls)
+        self._decode_urls = tuple(_strip(u) for u in config.decode_urls)
+        self._prefill_rr = itertools.cycle(self._prefill_urls)
+        self._decode_rr = itertools.cycle(self._decode_urls)
+        self._session: aiohttp.ClientSession | None = None
+        self._warned_no_remote_prefill = False
+
+    async def start(self) -> None:
+        """Opens the outbound session (call inside the serving event loop)."""
+        # No connection cap: a capped pool would make requests wait for a slot inside their timeout.
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+        self._session = aiohttp.ClientSession(connector=connector, trust_env=False)
+
+    async def close(self) -> None:
+        """Closes the outbound session."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The open outbound session.
+
+        Raises:
+            RuntimeError: :meth:`start` was not called.
+        """
+        if self._session is None:
+            raise RuntimeError("PDProxy.start() was not called")
+        return self._session
+
+    def _timeout(self, total_s: float) -> aiohttp.ClientTimeout:
+        """Returns an aiohttp timeout with the given total and the configured connect limit."""
+        return aiohttp.ClientTimeout(total=total_s, connect=self.config.connect_timeout_s)
+
+    def _failure(self, exc: BaseException, stage: str, url: str, limit_s: float) -> _Failure:
+        """Wraps an outbound exception into a :class:`_Failure` with the client response."""
+        return _Failure.of(exc, stage, url, limit_s, self.config.connect_timeout_s)
+
+    async def _get(self, stage: str, url: str, path: str) -> tuple[int, bytes, str | None]:
+        """GETs ``url + path`` within the health timeout.
+
+        Returns:
+            ``(status, body, content type)``.
+
+        Raises:
+            _Failure: The server could not be reached in time.
+        """
+        limit = self.config.health_timeout_s
+        try:
+            async with self.session.get(url + path, timeout=self._timeout(limit)) as resp:
+                return resp.status, await resp.read(), resp.headers.get("Content-Type")
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise self._failure(exc, stage, url, limit) from exc
+
+    async def health(self) -> JSONResponse:
+        """Checks every server's ``/health``.
+
+        Returns:
+            200 ``{"status": "ok", "servers": [...]}`` when all answer 2xx, else 503 with
+            ``"status": "unhealthy"`` and each server's state.
+        """
+        servers = [("prefill", u) for u in self._prefill_urls] + [
+            ("decode", u) for u in self._decode_urls
+        ]
+
+        async def probe(role: str, url: str) -> dict[str, Any]:
+            try:
+                status, _, _ = await self._get("health", url, "/health")
+            except _Failure as failure:
+                return {"role": role, "url": url, "ok": False, "error": failure.summary}
+            return {"role": role, "url": url, "ok": 200 <= status < 300, "status": status}
+
+        states = await asyncio.gather(*(probe(r, u) for r, u in servers))
+        ok = all(s["ok"] for s in states)
+        body = {"status": "ok" if ok else "unhealthy", "servers": states}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def models(self) -> Response:
+        """Forwards ``GET /v1/models`` to the next decode server."""
+        url = next(self._decode_rr)
+        try:
+            status, body, ctype = await self._get("models", url, "/v1/models")
+        except _Failure as failure:
+            return failure.response
+        return Response(body, status_code=status, media_type=ctype)
+
+    def _headers(self, request: Request, req_id: str) -> dict[str, str]:
+        """Returns the headers sent to both servers for one client request."""
+        headers = {"Content-Type": "application/json", "X-Request-Id": req_id}
+        for name in _FORWARDED:
+            value = request.headers.get(name)
+            if value:
+                headers[name] = value
+        return headers
+
+    async def generate(self, request: Request, path: str) -> Response:
+        """Serves one completions or chat completions request: prefill, then decode.
+
+        Args:
+            request: The client's request.
+            path: ``/v1/completions`` or ``/v1/chat/completions``.
+
+        Returns:
+            The decode server's response (relayed as a stream when the client asked to stream), or
+            an error response as described in the module docstring.
+        """
+        req_id = request.headers.get("x-request-id") or f"pd-{uuid.uuid4().hex}"
+        raw = await request.body()
+        # Starlette does not cancel a handler whose client left: race the work against the
+        # disconnect, so that the servers' connections close and vLLM aborts the request
+        # instead of generating for nobody until the timeout.
+        work = asyncio.ensure_future(self._generate(request, path, req_id, raw))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                logger.warning("req %s: the client left; server calls cancelled", req_id)
+        if work.cancelled():
+            return Response(status_code=499, headers={"X-Request-Id": req_id})
+        return work.result()
+
+    async def _generate(self, request: Request, path: str, req_id: str, raw: bytes) -> Response:
+        """:meth:`generate`'s work once the body is read: prefill, hand-off, decode."""
+        body = _parse_body(raw, path)
+        if not isinstance(body, dict):
+            return body
+        ex = _Exchange(req_id, path, self._headers(request, req_id))
+        try:
+            prefill_raw = await self._prefill(ex, prefill_body(body, path))
+            kv = self._handoff(ex, prefill_raw)
+            resp = await self._decode_call(ex, decode_body(body, kv))
+            limits = (self.config.timeout_s, self.config.connect_timeout_s)
+            if body.get("stream") and 200 <= resp.status < 300:
+                return await _relay_stream(ex, resp, *limits)
+            return await _relay_whole(ex, resp, *limits)
+        except _Failure as failure:
+            failure.response.headers.update(ex.id_header)
+            return failure.response
+
+    async def _prefill(self, ex: _Exchange, body: dict[str, Any]) -> bytes:
+        """Calls the next prefill server; returns its 2xx response body.
+
+        Raises:
+            _Failure: The call failed (502/504), or the server answered non-2xx (that answer).
+        """
+        url = ex.prefill_url = next(self._prefill_rr)
+        limit = self.config.prefill_limit_s
+        t0 = time.perf_counter()
+        try:
+            async with self.session.post(
+                url + ex.path, json=body, headers=ex.headers, timeout=self._timeout(limit)
+            ) as resp:
+                status = resp.status
+                raw = await resp.read()
+                ctype = resp.headers.get("Content-Type")
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            failure = self._failure(exc, "prefill", url, limit)
+            logger.warning("req %s prefill %s: %s", ex.req_id, url, failure.summary)
+            raise failure from exc
+        ex.prefill_ms = (time.perf_counter() - t0) * 1e3
+        if not 200 <= status < 300:
+            logger.warning(
+                "req %s prefill %s answered %d in %.1f ms; decode not called",
+                ex.req_id,
+                url,
+                status,
+                ex.prefill_ms,
+            )
+            response = Response(raw, status_code=status, media_type=ctype, headers=ex.id_header)
+            raise _Failure(response, f"{status} from prefill {url}")
+        return raw
+
+    def _handoff(self, ex: _Exchange, prefill_raw: bytes) -> dict[str, Any] | None:
+        """The prefill response's ``kv_transfer_params`` (None when null or absent).
+
+        Raises:
+            _Failure: 502, the response is not a JSON object with an object or null hand-off.
+        """
+        url = ex.prefill_url
+        try:
+            kv = handoff_params(prefill_raw)
+        except ValueError:
+            msg = (
+                f"prefill server {url} returned a body that is not a JSON object with an "
+                "object or null kv_transfer_params"
+            )
+            logger.warning("req %s: %s", ex.req_id, msg)
+            raise _Failure(
+                _error(502, msg, "BadGateway", stage="prefill", server=url), msg
+            ) from None
+        if kv is None:
+            logger.warning(
+                "req %s prefill %s returned no kv_transfer_params; the decode server will "
+                "recompute the prompt",
+                ex.req_id,
+                url,
+            )
+        elif not kv.get("do_remote_prefill") and not self._warned_no_remote_prefill:
+            self._warned_no_remote_prefill = True
+            logger.warning(
+                "prefill %s returned kv_transfer_params without do_remote_prefill=true; passed on "
+                "unchanged, but vLLM's decode-side cleanup of rejected transfers keys on it",
+                url,
+            )
+        ex.transfer_id = kv.get("transfer_id") if kv else None
+        return kv
+
+    async def _decode_call(self, ex: _Exchange, body: dict[str, Any]) -> aiohttp.ClientResponse:
+        """Starts the call to the next decode server; returns its response, headers read.
+
+        Raises:
+            _Failure: The server could not be reached or did not answer in time.
+        """
+        url = ex.decode_url = next(self._decode_rr)
+        limit = self.config.timeout_s
+        ex.decode_t0 = time.perf_counter()
+        try:
+            return await self.session.post(
+                url + ex.path, json=body, headers=ex.headers, timeout=self._timeout(limit)
+            )
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            failure = self._failure(exc, "decode", url, limit)
+            logger.warning(
+                "req %s prefill %s %.1f ms transfer_id %s; decode %s: %s",
+                ex.req_id,
+                ex.prefill_url,
+                ex.prefill_ms,
+                ex.transfer_id,
+                url,
+                failure.summary,
+            )
+            raise failure from exc
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client of ``request`` (whose body was read) disconnects."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _relay(
+    resp: aiohttp.ClientResponse,
+    first: bytes,
+    ex: _Exchange,
+    limit_s: float,
+    connect_s: float,
+) -> AsyncIterator[bytes]:
+    """Yields a decode stream's bytes as they arrive; closes the upstream response at the end.
+
+    If the client goes away the generator is closed, which closes the upstream connection, so
+    the decode server sees the disconnect and aborts the request.
+    """
+    n_bytes = len(first)
+    end = "complete"
+    try:
+        if first:
+            yield first
+        while True:
+            try:
+                chunk = await resp.content.readany()
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                status, msg, err_type, extra = describe_failure(
+                    exc, "decode", ex.decode_url, limit_s, connect_s
+                )
+                end = f"failed: {msg}"
+                yield sse_error(status, msg, err_type, **extra)
+                return
+            if not chunk:
+                return
+            n_bytes += len(chunk)
+            yield chunk
+    except (asyncio.CancelledError, GeneratorExit):
+        end = "closed by the client"
+        raise
+    finally:
+        resp.close()
+        logger.log(
+            logging.INFO if end == "complete" else logging.WARNING,
+            "req %s stream %s: %d bytes in %.1f ms",
+            ex.req_id,
+            end,
+            n_bytes,
+            (time.perf_counter() - ex.decode_t0) * 1e3,
+        )
+
+
+async def _relay_whole(
+    ex: _Exchange, resp: aiohttp.ClientResponse, limit_s: float, connect_s: float
+) -> Response:
+    """The decode answer read whole (not streamed, or not 2xx), given back unchanged.
+
+    Raises:
+        _Failure: Reading it failed or passed the decode limit.
+    """
+    ctype = resp.headers.get("Content-Type")
+    try:
+        raw = await resp.read()
+    except asyncio.CancelledError:
+        resp.close()
+        raise
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        failure = _Failure.of(exc, "decode", ex.decode_url, limit_s, connect_s)
+        ex.log_done(failure.response.status_code, f" ({failure.summary})")
+        raise failure from exc
+    finally:
+        resp.release()
+    ex.log_done(resp.status)
+    return Response(raw, status_code=resp.status, media_type=ctype, headers=ex.id_header)
+
+
+async def _relay_stream(
+    ex: _Exchange, resp: aiohttp.ClientResponse, limit_s: float, connect_s: float
+) -> Response:
+    """The decode stream, relayed once its first bytes came (a silent server still gets 504).
+
+    Raises:
+        _Failure: The first bytes did not come, or not within the decode limit.
+    """
+    try:
+        first = await resp.content.readany()
+    except (TimeoutError, aiohttp.ClientError, asyncio.CancelledError) as exc:
+        resp.close()
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        failure = _Failure.of(exc, "decode", ex.decode_url, limit_s, connect_s)
+        ex.log_done(failure.response.status_code, f" ({failure.summary})")
+        raise failure from exc
+    ex.log_done(resp.status, " (stream started)")
+    headers = {**ex.id_header, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(
+        _relay(resp, first, ex, limit_s, connect_s),
+        status_code=resp.status,
+        media_type=resp.headers.get("Content-Type") or "text/event-stream",
+        headers=headers,
+    )

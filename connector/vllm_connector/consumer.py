@@ -1,0 +1,417 @@
+"""The consumer half of a worker: pulls of producers' entries, and their unpacking into this
+rank's caches.
+
+A consumer rank pulls the KV heads it holds from the producer rank(s) that hold them
+(:func:`~.tp_mapping.plan_heads`; concurrently when several) and writes them into the allocated
+slots with **one** :func:`tritonkv.unpack_kv` call per pull, before the step's forward pass, or,
+with ``async_load``, fetches on load threads and unpacks in the first ``get_finished`` after, on
+the worker's own thread. It asks producers, on a thread of its own, to drop entries nobody here
+will load, and stops asking a producer that timed out for a while (:class:`ProducerBackoff`).
+Every failure is logged and its blocks go to the error set: vLLM recomputes them. No vLLM import.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from functools import partial
+
+import torch
+
+from tritonkv import unpack_kv
+
+from ..kvstore import KVClient, Part
+from ..logs import get_logger
+from ..transport.errors import (
+    ClientBusyError,
+    PeerDeadError,
+    PipeClosedError,
+    RemoteError,
+    TransferError,
+    TransferTimeout,
+)
+from ..transport.threads import pin_current_thread
+from .cache_views import PAGES_ONLY, RankCaches
+from .config import ConnectorConfig
+from .metadata import LoadSpec, ReleaseSpec
+from .stats import TransferStats
+from .tp_mapping import HeadSource, plan_heads, rank_heads
+
+log = get_logger("connector")
+
+Addr = tuple[str, int]
+# ([(source, packed KV)], whether they hold whole pages, fetch ms): what one load's pulls got
+Fetched = tuple[list[tuple[HeadSource, torch.Tensor]], bool, float]
+
+
+class ProducerBackoff:
+    """Producers that did not connect or answer in time, not asked again for ``hold_s``.
+
+    Sync loads stall the whole decode batch: after one pull from a producer timed out, further
+    pulls from it fail at once (and are recomputed) until ``hold_s`` has passed.
+    """
+
+    def __init__(self, hold_s: float):
+        self.hold_s = hold_s
+        self._down: dict[Addr, tuple[float, str]] = {}  # addr -> (monotonic retry time, why)
+
+    def check(self, addr: Addr, transfer_id: str) -> None:
+        """PeerDeadError if the producer at ``addr`` timed out less than ``hold_s`` ago."""
+        retry_at, why = self._down.get(addr, (0.0, ""))
+        if time.monotonic() < retry_at:
+            raise PeerDeadError(
+                f"not tried: this producer timed out ({why}) less than connect_timeout_s "
+                f"({self.hold_s:g} s) ago",
+                peer=f"{addr[0]}:{addr[1]}",
+                key=transfer_id,
+            )
+
+    def timed_out(self, addr: Addr, why: str) -> None:
+        self._down[addr] = (time.monotonic() + self.hold_s, why)
+
+    def answered(self, addr: Addr) -> None:
+        self._down.pop(addr, None)
+
+
+class ProducerClients:
+    """One client per producer rank, made on first use by ``connect(host, port)`` and shared by
+    the load threads (a KVClient serialises its requests); none are made after :meth:`close`."""
+
+    def __init__(self, connect: Callable[[str, int], KVClient]):
+        self._connect = connect
+        self._clients: dict[Addr, KVClient] = {}
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def get(self, host: str, port: int) -> KVClient:
+        with self._lock:
+            if self._closed:  # a release or async fetch still running after shutdown
+                raise PipeClosedError("connector shut down", peer=f"{host}:{port}")
+            client = self._clients.get((host, port))
+            if client is None:
+                client = self._clients[(host, port)] = self._connect(host, port)
+            return client
+
+    def close(self) -> None:
+        with self._lock:  # load and release threads may still be adding clients
+            self._closed = True
+            clients = list(self._clients.values())
+        for client in clients:
+            client.close()
+
+
+class Consumer:
+    """Loads producers' KV into one rank's caches (see the module docstring).
+
+    Args:
+        cfg: the parsed ``kv_connector_extra_config``.
+        caches: this rank's registered caches.
+        tp_rank: this rank's tensor-parallel rank; it pulls from ``port + producer rank``.
+        tp_size: this engine's tensor-parallel size.
+        total_kv_heads: the model's KV heads (all ranks).
+        use_mla: whether the model uses MLA (one latent row per token, on every rank).
+        secret: the shared secret of every KV connection (None: none; never logged).
+        stats: where loads and failures are counted.
+        connect: ``connect(host, port)`` makes the client of one producer rank (default: a
+            :class:`~connector.kvstore.KVClient` with the config's transport and deadlines);
+            each is made once, shared by the load threads, and closed at :meth:`shutdown`.
+    """
+
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        caches: RankCaches,
+        *,
+        tp_rank: int,
+        tp_size: int,
+        total_kv_heads: int,
+        use_mla: bool,
+        secret: bytes | None,
+        stats: TransferStats,
+        connect: Callable[[str, int], KVClient] | None = None,
+    ):
+        self.cfg, self.caches = cfg, caches
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.total_kv_heads, self.use_mla = total_kv_heads, use_mla
+        self.stats = stats
+        self._secret = secret
+        self.backoff = ProducerBackoff(cfg.connect_timeout_s)
+        self._clients = ProducerClients(connect or self._new_client)
+        self._lock = threading.Lock()  # guards the pools (load threads start the gather pool)
+        self._load_errors: set[int] = set()
+        # async fetches in flight, by request id: (spec, start time, future of _fetch)
+        self._loading: dict[str, tuple[LoadSpec, float, Future]] = {}
+        self._releasing: list[Future] = []
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+
+    def _pool(self, name: str, workers: int) -> ThreadPoolExecutor:
+        """The ``tritonkv-<name>`` threads (load: async fetches; release; gather: concurrent
+        pulls of one load), started on first use on the transfer CPUs."""
+        with self._lock:
+            if name not in self._pools:
+                self._pools[name] = ThreadPoolExecutor(
+                    workers, thread_name_prefix=f"tritonkv-{name}", initializer=pin_current_thread
+                )
+            return self._pools[name]
+
+    def start_load_kv(self, loads: list[LoadSpec], releases: list[ReleaseSpec] = ()) -> None:
+        """Start this step's loads (a sync one completes here, before the forward pass) and hand
+        ``releases`` to the release thread."""
+        if releases:
+            self._releasing = [f for f in self._releasing if not f.done()]
+            self._releasing.append(self._pool("release", 1).submit(self.release, releases))
+        for spec in loads:
+            if not self.cfg.async_load:
+                self._load(spec, time.perf_counter(), partial(self._fetch, spec))
+                continue
+            future = self._pool("load", 2).submit(self._fetch, spec)
+            self._loading[spec.req_id] = (spec, time.perf_counter(), future)
+
+    def get_finished(self) -> set[str] | None:
+        """Async loads whose fetch completed: unpacked here, on the worker's own thread (or, when
+        the fetch failed, their blocks put in the error set)."""
+        done = [req_id for req_id, (_, _, future) in self._loading.items() if future.done()]
+        for req_id in done:
+            spec, t0, future = self._loading.pop(req_id)
+            self._load(spec, t0, future.result)
+        return set(done) or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        # A failed async load adds its blocks in the get_finished call that reports the request,
+        # which vLLM makes before this one in the same step (its rule: no later than that step).
+        failed, self._load_errors = self._load_errors, set()
+        return failed
+
+    def wait_for_releases(self, timeout_s: float = 30.0) -> None:
+        """Wait until the releases handed to the release thread so far are done."""
+        wait_futures(self._releasing, timeout=timeout_s)
+
+    def release(self, releases: list[ReleaseSpec]) -> None:
+        """Have the producers drop entries no request here will load, now (on the release thread
+        when given to :meth:`start_load_kv`: a dead producer costs the connect deadline, which
+        the worker must not wait out). Failures are logged: the entry's TTL drops it later."""
+        targets = [  # each producer rank is asked by one rank here
+            (spec, spec.port + rank)
+            for spec in releases
+            for rank in range(self.tp_rank, spec.producer_tp, self.tp_size)
+        ]
+        for spec, port in targets:
+            try:
+                self.backoff.check((spec.host, port), spec.transfer_id)
+                client = self._clients.get(spec.host, port)
+                dropped = client.discard(spec.transfer_id, timeout_s=self.cfg.connect_timeout_s)
+            except Exception as exc:  # whatever it is, the entry's TTL drops it later
+                log.info(
+                    "tritonkv: could not release transfer %s on %s:%d (%s: %s); its TTL will",
+                    spec.transfer_id,
+                    spec.host,
+                    port,
+                    type(exc).__name__,
+                    exc,
+                )
+                continue
+            log.info(
+                "tritonkv: released unused transfer %s on %s:%d (%s)",
+                spec.transfer_id,
+                spec.host,
+                port,
+                "dropped" if dropped else "already gone",
+            )
+
+    def _new_client(self, host: str, port: int) -> KVClient:
+        return KVClient(
+            host,
+            port,
+            device=self.caches.device,
+            transport=self.cfg.transport_for(self.caches.device),
+            timeout_s=self.cfg.fetch_timeout_s,
+            connect_timeout_s=self.cfg.connect_timeout_s,
+            secret=self._secret,
+        )
+
+    def _fetch(self, spec: LoadSpec) -> Fetched:
+        """What ``spec``'s transfer holds for this rank (:data:`Fetched`): one pull per producer
+        rank holding heads of this rank (one, the same rank, under equal TP), made concurrently,
+        each checked against this cache (kv_format, page kind, shape, dtype).
+
+        Network only, no copies: with ``async_load`` it runs on a load thread, and a torch op
+        there would give that thread an OpenMP team, which on CPU slows every team in the process.
+        """
+        t0 = time.perf_counter()
+        sources = plan_heads(
+            self.total_kv_heads, spec.producer_tp, self.tp_size, self.tp_rank, mla=self.use_mla
+        )
+        if len(sources) == 1:
+            got = [self._fetch_part(spec, sources[0])]
+        else:  # gather: all pulls at once, each within its own deadline
+            gather = self._pool("gather", 8)
+            futures = [gather.submit(self._fetch_part, spec, s) for s in sources]
+            got = [f.result() for f in futures]  # the first failure fails the whole load
+        paged = {kv_format for kv_format, _ in got} == {"pages"}
+        parts = [(source, packed) for source, (_, packed) in zip(sources, got, strict=True)]
+        return parts, paged, 1e3 * (time.perf_counter() - t0)
+
+    def _fetch_part(self, spec: LoadSpec, source: HeadSource) -> tuple[str, torch.Tensor]:
+        """``(kv_format, packed)`` of one pull: ``source``'s heads of producer rank
+        ``source.rank``."""
+        addr = (spec.host, spec.port + source.rank)
+        self.backoff.check(addr, spec.transfer_id)
+        held = (
+            1
+            if self.use_mla
+            else len(rank_heads(self.total_kv_heads, spec.producer_tp, source.rank))
+        )
+        part = Part("kv", 3, *source.src) if source.num_heads < held else None
+        try:
+            client = self._clients.get(*addr)
+            got = client.get(spec.transfer_id, part=part) if part else client.get(spec.transfer_id)
+            tensors, meta = got
+        except TransferTimeout as exc:
+            # A producer that did not connect or answer in time: every further load from it
+            # would stall the same way (a sync load stalls the whole decode batch), so they fail
+            # at once for a while. Not for a client busy with this worker's own requests.
+            if not isinstance(exc, ClientBusyError):
+                self.backoff.timed_out(addr, exc.detail)
+            raise
+        except RemoteError as exc:
+            if part is not None:  # e.g. whole pages, which have no head dim to slice
+                raise RemoteError(
+                    f"{exc.detail}; a producer of another TP size must send token rows: set "
+                    '"kv_format": "tokens" on it',
+                    peer=exc.peer,
+                    key=exc.key,
+                ) from None
+            raise
+        self.backoff.answered(addr)
+        return check_entry(self.caches, self.tp_size, spec, source, meta, tensors.get("kv"))
+
+    def _load(self, spec: LoadSpec, t0: float, fetch: Callable[[], Fetched]) -> None:
+        """Unpack what ``fetch()`` returns (see :meth:`_fetch`) into ``spec``'s slots, on the
+        worker's thread; a failure of either is logged and its blocks go to the error set.
+
+        Token rows fill positions ``[start, start + count)``. Whole pages fill every block from
+        the one holding ``start`` (a block boundary: local prefix-cache hits are whole blocks) to
+        the last allocated one of the prompt: that writes the last prompt token too, which vLLM
+        then recomputes, and slots past the prompt in its block, which only later tokens use.
+
+        ``t0`` is when the load started. On CUDA the unpack runs on the current stream and is
+        waited for, so the received tensor is not freed under a running copy and ``unpack_ms``
+        is the copy's time, not its launch's.
+        """
+        caches, block_size = self.caches, self.caches.block_size
+        port = spec.port + self.tp_rank
+        try:
+            parts, paged, fetch_ms = fetch()
+            t1 = time.perf_counter()
+            nbytes = 0
+            for source, packed in parts:  # every pull arrived: now write (one unpack each)
+                if spec.corrupt:
+                    packed = _corrupted(packed)
+                rows = packed.shape[2]
+                if paged:
+                    views, first = caches.pages, spec.start // block_size * block_size
+                    stop = min(len(spec.block_ids) * block_size, rows)
+                else:
+                    views = caches.head_views(source.dst)
+                    first, stop = spec.start, spec.start + spec.count
+                unpack_kv(packed, views, caches.slots(spec.block_ids, first, stop, rows))
+                nbytes += packed.numel() * packed.element_size() * (stop - first) // max(rows, 1)
+            if caches.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            t2 = time.perf_counter()
+        except (TransferError, ValueError, TypeError, OSError) as exc:
+            failed = {
+                spec.block_ids[p // block_size] for p in range(spec.start, spec.start + spec.count)
+            }
+            self._load_errors |= failed
+            self.stats.record_load_failure()
+            log.warning(
+                "tritonkv: load of transfer %s for %s from %s:%d failed after %.1f ms (%s: %s); "
+                "its %d blocks will be recomputed",
+                spec.transfer_id,
+                spec.req_id,
+                spec.host,
+                port,
+                1e3 * (time.perf_counter() - t0),
+                type(exc).__name__,
+                exc,
+                len(failed),
+            )
+            return
+        self.stats.record_load(
+            nbytes=nbytes, num_tokens=spec.count, fetch_ms=fetch_ms, unpack_ms=1e3 * (t2 - t1)
+        )
+        log.info(
+            "tritonkv: loaded transfer %s for %s: %d tokens (positions %d..%d; %d local), %d bytes, "
+            "fetch %.2f ms, unpack %.2f ms, kv_format %s, from %s:%d ranks %s",
+            spec.transfer_id,
+            spec.req_id,
+            spec.count,
+            spec.start,
+            spec.start + spec.count - 1,
+            spec.start,
+            nbytes,
+            fetch_ms,
+            1e3 * (t2 - t1),
+            "pages" if paged else "tokens",
+            spec.host,
+            spec.port,
+            ",".join(f"{s.rank}[{s.src[0]}:{s.src[1]}]" for s, _ in parts),
+        )
+
+    def shutdown(self) -> None:
+        with self._lock:
+            pools = list(self._pools.values())
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=True)
+        self._clients.close()
+
+
+def check_entry(
+    caches: RankCaches, tp_size: int, spec: LoadSpec, source: HeadSource, meta: dict, packed
+) -> tuple[str, torch.Tensor]:
+    """``(kv_format, packed)`` if a pulled entry (its ``meta`` and ``packed`` KV) fits ``caches``
+    for ``source``'s heads, else ValueError saying what differs (``tp_size``: this side's)."""
+    block_size = caches.block_size
+    kv_format = meta.get("kv_format")
+    if kv_format == "pages":
+        if spec.producer_tp != tp_size:
+            raise ValueError(
+                f"the producer (TP {spec.producer_tp}) sent whole pages, which hold another "
+                f"TP size's heads than this cache's (TP {tp_size}): set \"kv_format\": "
+                '"tokens" on the producer'
+            )
+        if meta.get("page_kind") != caches.page_kind:
+            raise ValueError(
+                f"the producer sent whole pages of kind {meta.get('page_kind')!r}, this "
+                f"cache's pages are {caches.page_kind!r} (layout {caches.layout}): set "
+                '"kv_format": "tokens" on the producer to move KV between unlike caches'
+            )
+        views, rows = caches.pages, -(-spec.num_tokens // block_size) * block_size
+    elif kv_format == "tokens":
+        if caches.layout in PAGES_ONLY:
+            raise ValueError(
+                f"the producer sent token rows, which cannot be placed in this cache "
+                f'({PAGES_ONLY[caches.layout]}): set "kv_format": "pages" (or "auto") on '
+                "the producer"
+            )
+        views, rows = caches.head_views(source.dst), spec.num_tokens
+    else:
+        raise ValueError(f"entry's kv_format is {kv_format!r}, expected 'tokens' or 'pages'")
+    k0 = views[0][0]
+    want = (len(views), 1 + (views[0][1] is not None), rows, k0.shape[1], k0.shape[3])
+    if packed is None or tuple(packed.shape) != want or packed.dtype != k0.dtype:
+        got = "nothing" if packed is None else f"{tuple(packed.shape)} {packed.dtype}"
+        raise ValueError(f"entry holds {got}, expected {want} {k0.dtype}")
+    return kv_format, packed
+
+
+def _corrupted(packed: torch.Tensor) -> torch.Tensor:
+    """A copy of ``packed`` with every value's bits scrambled (negative-control test hook)."""
+    raw = packed.contiguous().view(torch.uint8).clone()
+    gen = torch.Generator().manual_seed(1234)
+    noise = torch.randint(1, 255, raw.shape, generator=gen, dtype=torch.uint8)
+    return (raw ^ noise.to(raw.device)).view(packed.dtype).view(packed.shape)

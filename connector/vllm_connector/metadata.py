@@ -1,0 +1,46 @@
+"""What the scheduler side tells the workers each step (plain data: vLLM may serialise it).
+
+The facade wraps a step's lists in its ``TritonKVMetadata`` (vLLM's ``KVConnectorMetadata``
+type); these are the items. No vLLM import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SaveSpec:
+    """Producer worker: pack prompt positions ``[0, num_tokens)`` of ``block_ids`` as ``transfer_id``."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class LoadSpec:
+    """Consumer worker: pull ``transfer_id`` and write its rows ``[start, start + count)``."""
+
+    req_id: str
+    transfer_id: str
+    host: str
+    port: int
+    block_ids: list[int]
+    start: int
+    count: int
+    num_tokens: int
+    producer_tp: int = 1  # the producer's TP size: which of its ranks hold this rank's heads
+    corrupt: bool = False
+
+
+@dataclass
+class ReleaseSpec:
+    """Consumer worker: tell ``host:port + tp_rank`` to drop ``transfer_id``, which no request
+    here will load."""
+
+    transfer_id: str
+    host: str
+    port: int
+    producer_tp: int = 1

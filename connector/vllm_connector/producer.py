@@ -1,0 +1,253 @@
+"""The producer half of a worker: this rank's KV buffer, its server, and the saves into it.
+
+After a step's forward pass, :meth:`Producer.wait_for_save` packs each finished prompt's KV for
+every layer with **one** :func:`tritonkv.pack_kv` call (token rows or whole pages: the
+``kv_format`` option) into the rank's :class:`~connector.kvstore.KVBuffer` under its transfer id;
+a :class:`~connector.kvstore.KVServer` serves the buffer on ``engine_port + tp_rank`` (GET and
+DISCARD only), and a :class:`BufferWatcher` logs the buffer's occupancy. No vLLM import.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+
+import torch
+
+from tritonkv import pack_kv
+
+from ..kvstore import KVBuffer, KVServer
+from ..logs import get_logger
+from ..transport.auth import MIN_SECRET_BYTES, SECRET_ENV, is_loopback
+from ..transport.errors import TransferError
+from .cache_views import RankCaches
+from .config import ConnectorConfig
+from .metadata import SaveSpec
+from .stats import TransferStats
+
+log = get_logger("connector")
+
+
+class Producer:
+    """Saves prompts' KV of one rank and serves it (see the module docstring).
+
+    Args:
+        cfg: the parsed ``kv_connector_extra_config``.
+        caches: this rank's registered caches.
+        tp_rank: this rank's tensor-parallel rank.
+        engine_port: this engine's first KV port; this rank serves on ``engine_port + tp_rank``.
+        fingerprint: what a producer's and a consumer's caches must share (in every entry).
+        secret: the shared secret of every KV connection (None: none; never logged).
+        stats: where saves are counted.
+
+    Raises:
+        ValueError: ``kv_format`` asks for what these caches cannot give.
+    """
+
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        caches: RankCaches,
+        *,
+        tp_rank: int,
+        engine_port: int,
+        fingerprint: str,
+        secret: bytes | None,
+        stats: TransferStats,
+    ):
+        self.cfg, self.caches, self.tp_rank = cfg, caches, tp_rank
+        self.engine_port, self.fingerprint = engine_port, fingerprint
+        self.stats = stats
+        self._secret = secret
+        #: what this producer sends: ``tokens`` or ``pages``
+        self.kv_format = caches.kv_format(cfg.kv_format)
+        self._buffer: KVBuffer | None = None
+        self._server: KVServer | None = None
+        self._watcher: BufferWatcher | None = None
+        self._auth_failures_seen = 0
+
+    @property
+    def buffer(self) -> KVBuffer | None:
+        """The KV buffer (None before :meth:`serve` and after :meth:`shutdown`)."""
+        return self._buffer
+
+    @property
+    def server(self) -> KVServer | None:
+        """The KV server (None before :meth:`serve` and after :meth:`shutdown`)."""
+        return self._server
+
+    @property
+    def watcher(self) -> BufferWatcher | None:
+        """The buffer watcher (None before :meth:`serve`)."""
+        return self._watcher
+
+    def attach_buffer(self, buffer: KVBuffer) -> None:
+        """Store entries in ``buffer``, without serving them: an in-process consumer takes them
+        (tests, benchmarks). The caller closes it."""
+        self._buffer = buffer
+
+    def serve(self) -> None:
+        """Start this rank's KV buffer and its server on ``engine_port + tp_rank``: it answers
+        GET and DISCARD only, and only to peers holding the shared secret (when one is set;
+        without one only on a loopback address, unless ``insecure``)."""
+        if self._secret is None and not is_loopback(self.cfg.host) and not self.cfg.insecure:
+            raise ValueError(
+                f"tritonkv: the producer would serve KV on {self.cfg.host!r} to anyone who can "
+                f"reach it: set a shared secret of at least {MIN_SECRET_BYTES} bytes on both "
+                f"servers, in the {SECRET_ENV} environment variable or in a file named by "
+                '"secret_file" in kv_connector_extra_config (e.g. `openssl rand -hex 32`), or '
+                'listen on a loopback address, or set "insecure": true to accept that'
+            )
+        self._buffer = KVBuffer(
+            self.cfg.buffer_bytes,
+            ttl_s=self.cfg.ttl_s,
+            full_policy=self.cfg.full_policy,
+            put_timeout_s=self.cfg.put_timeout_s,
+        )
+        port = self.engine_port + self.tp_rank
+        try:
+            self._server = KVServer(
+                self._buffer,
+                self.cfg.host,
+                port,
+                transport=self.cfg.transport_for(self.caches.device),
+                device=self.caches.device,
+                secret=self._secret,
+                insecure=self.cfg.insecure,
+            )
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"tritonkv: rank {self.tp_rank} cannot serve KV on {self.cfg.host}:{port} "
+                f"(kv_connector_extra_config port {self.cfg.port} + DP index * TP size + TP "
+                f"rank): {e.strerror}",
+            ) from e
+        log.info("tritonkv: rank %d serving KV on %s:%d", self.tp_rank, self.cfg.host, port)
+        self._watcher = BufferWatcher(self)
+
+    def wait_for_save(self, saves: list[SaveSpec], discards: list[str] = ()) -> None:
+        """Drop the entries of ``discards`` (aborted requests) and pack and store ``saves``, after
+        the forward pass."""
+        if self._buffer is None:
+            return
+        for transfer_id in discards:  # saved in an earlier step (ids are never reused)
+            if self._buffer.discard(transfer_id):
+                log.info("tritonkv: discarded transfer %s (its request was aborted)", transfer_id)
+        paged = self.kv_format == "pages"
+        views = self.caches.pages if paged else self.caches.layers
+        block_size = self.caches.block_size
+        entry_meta = {"fingerprint": self.fingerprint, "kv_format": self.kv_format}
+        if paged:
+            entry_meta["page_kind"] = self.caches.page_kind
+        for spec in saves:
+            t0 = time.perf_counter()
+            # Whole pages: every slot of the prompt's blocks, the last one's past the prompt too.
+            rows = len(spec.block_ids) * block_size if paged else spec.num_tokens
+            packed, _ = pack_kv(views, self.caches.slots(spec.block_ids, 0, rows, rows))
+            if self.caches.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            t1 = time.perf_counter()
+            try:
+                self._buffer.put(
+                    spec.transfer_id, {"kv": packed}, {**entry_meta, "num_tokens": spec.num_tokens}
+                )
+            except TransferError as exc:
+                log.error(
+                    "tritonkv: could not store transfer %s for %s (%s): the decode side will "
+                    "recompute it",
+                    spec.transfer_id,
+                    spec.req_id,
+                    exc,
+                )
+                continue
+            nbytes = packed.numel() * packed.element_size()
+            self.stats.record_save(
+                nbytes=nbytes, num_tokens=spec.num_tokens, pack_ms=1e3 * (t1 - t0)
+            )
+            log.info(
+                "tritonkv: saved transfer %s for %s: %d tokens, %d bytes, pack %.2f ms, "
+                "kv_format %s",
+                spec.transfer_id,
+                spec.req_id,
+                spec.num_tokens,
+                nbytes,
+                1e3 * (t1 - t0),
+                self.kv_format,
+            )
+
+    def count_auth_failures(self) -> None:
+        """Add the failed authentications on this rank's KV server since the last call to the
+        stats."""
+        if self._server is not None:
+            failures = self._server.stats()["auth_failures"]
+            self.stats.record_auth_failures(failures - self._auth_failures_seen)
+            self._auth_failures_seen = failures
+
+    def shutdown(self) -> None:
+        # The watcher is joined, not left to wake after the interpreter began to exit: a daemon
+        # thread that drops the last reference to this object then frees its cache tensors
+        # without the GIL and aborts the process ("terminate called without an active exception").
+        if self._watcher is not None:
+            self._watcher.stop()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._buffer is not None:
+            self._buffer.close()
+            self._buffer = None
+
+
+class BufferWatcher:
+    """Logs a producer's buffer occupancy when it changes (at most every ``interval_s``), also
+    while no step runs: what an operator, or ``connector.serve.soak``, reads to see KV left over.
+
+    Its thread holds the producer only by a weak reference between looks: a watcher that dropped
+    the last reference to it at interpreter exit would free its caches there, and that aborts the
+    process. :meth:`stop` ends the thread and joins it.
+    """
+
+    def __init__(self, producer: Producer, interval_s: float = 2.0):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=BufferWatcher._watch,
+            args=(weakref.ref(producer), self._stop, interval_s),
+            name="tritonkv-buffer-watch",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """End the thread; waits up to ``timeout_s`` for it (not when called on it)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    @staticmethod
+    def _watch(ref, stop: threading.Event, interval_s: float) -> None:
+        last = None
+        while not stop.is_set():
+            producer = ref()
+            buffer = None if producer is None else producer.buffer
+            if buffer is None:
+                return
+            s = buffer.stats()
+            now = (s["entries"], s["bytes"], s["claimed"], s["discards"], s["expirations"])
+            if now != last:
+                last = now
+                log.info(
+                    "tritonkv: rank %d KV buffer holds %d entries, %d bytes (claimed %d, "
+                    "released %d, expired %d, evicted %d)",
+                    producer.tp_rank,
+                    s["entries"],
+                    s["bytes"],
+                    s["claimed"],
+                    s["discards"],
+                    s["expirations"],
+                    s["evictions"],
+                )
+            del producer, buffer
+            stop.wait(interval_s)

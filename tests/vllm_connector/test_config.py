@@ -1,0 +1,49 @@
+"""``kv_connector_extra_config`` parsing (:mod:`connector.vllm_connector.config`), without vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from connector.vllm_connector.config import ConnectorConfig, describe_keys
+
+
+def test_config_defaults_and_overrides():
+    cfg = ConnectorConfig.from_extra({"port": 15000, "fetch_timeout_s": 3, "kernels": "torch"})
+    assert (cfg.port, cfg.fetch_timeout_s, cfg.kernels) == (15000, 3.0, "torch")
+    assert ConnectorConfig.from_extra(None) == ConnectorConfig()
+    assert ConnectorConfig().async_load is False
+
+
+@pytest.mark.parametrize(
+    "extra,error,match",
+    [
+        ({"prot": 1}, ValueError, "unknown keys \\['prot'\\]"),
+        ({"port": "14600"}, TypeError, "expected int, got str"),
+        ({"port": True}, TypeError, "expected int, got bool"),
+        ({"async_load": 1}, TypeError, "expected bool"),
+        ({"full_policy": "drop"}, ValueError, "evict\\|wait\\|error"),
+        ({"transport": "tcp"}, ValueError, "auto\\|gloo\\|nccl\\|socket"),
+        ({"kernels": "cuda"}, ValueError, "kernels: expected auto\\|torch\\|triton"),
+        ({"kv_format": "blocks"}, ValueError, "kv_format: expected auto\\|tokens\\|pages"),
+        ({"backend": "torch"}, ValueError, "unknown keys \\['backend'\\]"),  # now "kernels"
+        ({"wire": "tokens"}, ValueError, "unknown keys \\['wire'\\]"),  # now "kv_format"
+        ({"fetch_timeout_s": 0}, ValueError, "fetch_timeout_s: expected > 0"),
+        ({"port": 70000}, ValueError, "out of range"),
+        ({"transfer_cpus": "3-1"}, ValueError, "expected ids and ranges"),
+        ({"transfer_cpus": 3}, TypeError, "expected str, got int"),
+    ],
+)
+def test_config_rejects_bad_values(extra, error, match):
+    with pytest.raises(error, match=match):
+        ConnectorConfig.from_extra(extra)
+
+
+def test_every_key_is_documented_once_beside_its_field():
+    """The defaults and meanings live in the dataclass only; the table is generated from it."""
+    keys = describe_keys()
+    assert [k for k, _, _ in keys] == [f.name for f in dataclasses.fields(ConnectorConfig)]
+    undocumented = [k for k, _, meaning in keys if not meaning]
+    assert undocumented == []
+    assert dict((k, d) for k, d, _ in keys)["port"] == "14600"

@@ -1,0 +1,173 @@
+"""A consumer rank's loads and releases against fake and real producers (no vLLM): which thread
+does what, back-off from a producer that timed out, releases off the worker's thread."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+from support.connector_halves import NHD, caches, consumer, fake_client
+
+import connector.transport.threads as threads_mod
+import connector.vllm_connector.consumer as consumer_mod
+from connector.kvstore import KVBuffer, KVClient, KVServer
+from connector.serve.launch import free_port_run
+from connector.transport.errors import (
+    ClientBusyError,
+    KeyMissError,
+    PipeClosedError,
+    TransferTimeout,
+)
+from connector.vllm_connector.config import ConnectorConfig
+from connector.vllm_connector.metadata import LoadSpec, ReleaseSpec
+from tritonkv import layouts, pack_kv
+
+
+@pytest.fixture
+def transfer_cpu():
+    """One CPU of this process for the transfer threads, for the test's duration."""
+    before = threads_mod.transfer_cpus()
+    cpu = max(os.sched_getaffinity(0))
+    threads_mod.set_transfer_cpus([cpu])
+    yield cpu
+    threads_mod.set_transfer_cpus(before)
+
+
+def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(monkeypatch, transfer_cpu):
+    """The load thread only fetches, on the transfer CPUs when set; the unpack (torch copies: on
+    CPU an OpenMP team on another thread slows every team in the process) runs in get_finished, on
+    the worker's thread. A failed fetch still reports its request, with its blocks in the same
+    step's load errors."""
+    block_size, num_blocks = 4, 6
+    src = torch.randint(-(2**15), 2**15, (2, num_blocks, block_size, 2, 8), dtype=torch.int16)
+    dst = torch.full_like(src, 12345)  # sentinel: rows outside the load must keep it
+    src_layers = [layouts.flash_attn(src)]
+    prompt_slots = torch.tensor([8, 9, 10, 11, 20, 21])  # blocks 2 and 5 of a 6-token prompt
+    packed, _ = pack_kv(src_layers, prompt_slots)
+
+    threads = {"fetch": set(), "unpack": set()}
+    cpus = {"main": os.sched_getaffinity(0), "fetch": set()}
+
+    def get(transfer_id):
+        threads["fetch"].add(threading.current_thread())
+        cpus["fetch"] |= os.sched_getaffinity(0)
+        if transfer_id == "gone":
+            raise ValueError("unknown transfer id")
+        return {"kv": packed}, {"kv_format": "tokens"}
+
+    real_unpack = consumer_mod.unpack_kv
+
+    def unpack(*args, **kwargs):
+        threads["unpack"].add(threading.current_thread())
+        return real_unpack(*args, **kwargs)
+
+    monkeypatch.setattr(consumer_mod, "unpack_kv", unpack)
+    conn = consumer(
+        [dst],
+        block_size,
+        cfg=ConnectorConfig(async_load=True),
+        connect=lambda host, port: fake_client(get),
+    )
+    spec = dict(host="h", port=1, block_ids=[2, 5], start=0, count=5, num_tokens=6)
+    conn.start_load_kv(
+        [LoadSpec("ok", "t1", **spec), LoadSpec("bad", "gone", **{**spec, "block_ids": [3, 4]})]
+    )
+    finished, errors, deadline = set(), set(), time.monotonic() + 10
+    while finished != {"ok", "bad"} and time.monotonic() < deadline:
+        finished |= conn.get_finished() or set()
+        errors |= conn.get_block_ids_with_load_errors()
+        time.sleep(0.01)
+    conn.shutdown()
+    assert finished == {"ok", "bad"}, f"loads reported finished: {finished}"
+    assert errors == {3, 4}, f"blocks of the failed fetch: {errors}"
+    assert threading.main_thread() not in threads["fetch"]
+    assert threads["unpack"] == {threading.main_thread()}
+    assert cpus["fetch"] == {transfer_cpu} and os.sched_getaffinity(0) == cpus["main"]
+    by_slot_src, by_slot_dst = src.view(2, -1, 2, 8), dst.view(2, -1, 2, 8)  # [K/V, slot, H, D]
+    want = torch.full_like(by_slot_dst, 12345)
+    want[:, prompt_slots[:5]] = by_slot_src[:, prompt_slots[:5]]
+    assert torch.equal(by_slot_dst, want), "loaded rows (and only those) must match the source"
+
+
+def test_a_producer_that_timed_out_is_not_asked_again_for_a_while():
+    """Sync loads stall the whole decode batch: after one load from a producer times out, the
+    step's other loads from it fail at once (and are recomputed) until connect_timeout_s has
+    passed; other producers are still asked."""
+    block_size = 4
+    src = torch.randint(-(2**15), 2**15, (2, 6, block_size, 2, 8), dtype=torch.int16)
+    packed, _ = pack_kv([layouts.flash_attn(src)], torch.arange(4))  # a 4-token prompt
+    asked = []
+
+    def client(host, port):
+        def get(transfer_id):
+            asked.append(port)
+            if port == 1:
+                raise TransferTimeout("deadline passed", peer=f"{host}:{port}", key=transfer_id)
+            if port == 3:  # this worker's own requests held the client: the producer is fine
+                raise ClientBusyError("client busy", peer=f"{host}:{port}", key=transfer_id)
+            return {"kv": packed}, {"kv_format": "tokens"}
+
+        return fake_client(get)
+
+    conn = consumer(
+        [torch.zeros_like(src)],
+        block_size,
+        cfg=ConnectorConfig(connect_timeout_s=0.3),
+        connect=client,
+    )
+
+    def load(*ports):
+        conn.start_load_kv(
+            [LoadSpec(f"r{i}", "t", "h", p, [i], 0, 3, 4) for i, p in enumerate(ports)]
+        )
+        return conn.get_block_ids_with_load_errors()
+
+    assert load(1, 1, 2, 1, 3, 3) == {0, 1, 3, 4, 5}
+    assert asked == [1, 2, 3, 3], "the producer that timed out was asked again at once"
+    asked.clear()
+    time.sleep(0.35)
+    assert load(1) == {0}
+    assert asked == [1], "the producer was not asked again after connect_timeout_s"
+
+
+def test_releases_drop_unused_entries_on_the_producer_off_the_worker_thread():
+    """Each rank asks ``port + rank`` to drop a released transfer, on a thread of its own; a
+    producer that is gone is logged, never raised; shutdown closes every client."""
+    base = free_port_run(2)
+    buffer = KVBuffer(1 << 20)
+    server = KVServer(buffer, "127.0.0.1", base + 1, transport="gloo")
+    for key in ("unused", "kept", "late"):
+        buffer.put(key, {"kv": torch.zeros(4)})
+    callers, clients = [], []
+
+    def connect(host, port):  # on the thread that releases
+        callers.append(threading.current_thread())
+        clients.append(KVClient(host, port, transport="gloo", connect_timeout_s=5.0))
+        return clients[-1]
+
+    # rank 1 of TP 2 asks producer rank 1 of TP 2
+    conn = consumer(caches(NHD), 4, tp_rank=1, tp_size=2, connect=connect)
+    releases = [
+        ReleaseSpec("unused", "127.0.0.1", base, 2),
+        ReleaseSpec("elsewhere", "127.0.0.1", free_port_run(2), 2),  # nobody listens
+    ]
+    try:
+        conn.start_load_kv([], releases)
+        conn.wait_for_releases()
+        with pytest.raises(KeyMissError, match="discarded"):
+            buffer.take("unused")
+        assert torch.equal(buffer.take("kept")[0]["kv"], torch.zeros(4))
+        assert len(set(callers)) == 1 and callers[0] is not threading.current_thread()
+        conn.shutdown()
+        conn.release([ReleaseSpec("late", "127.0.0.1", base, 2)])  # e.g. a batch still running
+        assert torch.equal(buffer.take("late")[0]["kv"], torch.zeros(4)), "released after shutdown"
+        for client in clients:
+            with pytest.raises(PipeClosedError, match="client is closed"):
+                client.discard("late", timeout_s=1.0)
+    finally:
+        conn.shutdown()
+        server.close()
+        buffer.close()

@@ -35,6 +35,7 @@ from connector.transport import (
     encode_header,
 )
 from connector.transport.buffers import RECV_POOL, RecvPool
+from connector.transport.errors import classify_failure
 
 TRANSPORTS = ("gloo", "socket")
 
@@ -283,6 +284,40 @@ def test_listener_refuses_a_transport_it_does_not_speak():
         t.join(10)
         listener.close()
     assert errors and "transport" in str(errors[0])
+
+
+@pytest.mark.timeout(30)
+def test_threads_are_named_by_pipe_and_role_and_listeners_show_their_store():
+    with pipe_pair("socket") as (server, client):
+        assert set(client.threads) == {"send", "read"}  # no process group: no waiter
+        for role, t in client.threads.items():
+            assert t.name == f"tkv-pipe[{client.peer}]-{role}" and t.is_alive()
+        assert client.stats()["queued_frames"] == 0
+    socket_only = PipeListener(transport="socket")
+    assert socket_only.store_port is None
+    socket_only.close()
+    listener = PipeListener(transport="gloo")
+    assert listener.store_port > 0
+    listener.close()
+    assert listener.store_port is None
+
+
+FAILURES = {
+    "timeout": (TimeoutError(), TransferTimeout, "data transfer timed out"),
+    "gloo-timeout": (RuntimeError("Timed out waiting 5ms"), TransferTimeout, "timed out"),
+    "reset": (ConnectionResetError("reset"), PeerDeadError, "peer connection broke"),
+    "gloo-closed": (RuntimeError("Connection closed by peer [x]"), PeerDeadError, "broke"),
+    "other": (ValueError("odd"), TransferError, "data transfer failed: ValueError: odd"),
+}
+
+
+@pytest.mark.parametrize("case", list(FAILURES))
+def test_failures_of_the_group_or_socket_become_transfer_errors(case):
+    exc, want, match = FAILURES[case]
+    err = classify_failure(exc, peer="h:1", key="k", waited=0.5)
+    assert type(err) is want and match in str(err)
+    assert (err.peer, err.key, err.waited_s) == ("h:1", "k", 0.5)
+    assert classify_failure(err, peer="other", key=None, waited=1.0) is err
 
 
 @pytest.mark.timeout(30)

@@ -35,8 +35,8 @@ import time
 import torch
 
 from connector.kvstore.store import KVBuffer, KVClient
+from connector.transport import PipeListener, connect_pipe
 from connector.transport.options import PipeOptions
-from connector.transport.pipe import PipeListener, connect_pipe
 
 MIB = 1 << 20
 RAW_TAG = 7

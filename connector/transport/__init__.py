@@ -3,6 +3,7 @@
 What other rooms use is exported here; the modules behind these names may move.
 """
 
+from .connect import connect_pipe
 from .errors import (
     BufferFullError,
     ClientBusyError,
@@ -16,8 +17,10 @@ from .errors import (
     error_text,
 )
 from .frame import DEFAULT_LIMITS, FrameLimits, Kind, encode_header, spec_of
-from .options import TRANSPORTS, PipeOptions, default_transport
-from .pipe import Message, PipeListener, TensorPipe, check_timeout, connect_pipe, send_error_frame
+from .listener import PipeListener
+from .options import TRANSPORTS, PipeOptions, check_timeout, default_transport
+from .pipe import Message, TensorPipe
+from .sockio import send_error_frame
 
 __all__ = [
     "DEFAULT_LIMITS",

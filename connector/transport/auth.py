@@ -1,7 +1,8 @@
 """Mutual authentication of a tritonkv connection by a shared secret, before any frame is read.
 
-Every connection to a :class:`~connector.pipe.PipeListener` (so every KV server) starts with three
-fixed-size messages, before HELLO and before the listener reads or allocates anything else::
+Every connection to a :class:`~connector.transport.listener.PipeListener` (so every KV server)
+starts with three fixed-size messages, before HELLO and before the listener reads or allocates
+anything else (the whole protocol of a connection: :mod:`connector.transport.handshake`)::
 
     listener  → connector  CHALLENGE  "TKVA" | version (1) | flags | nonce_l (32 bytes)   38 bytes
     connector → listener   RESPONSE   "TKVA" | nonce_c (32 bytes) | mac_c (32 bytes)       68 bytes

@@ -88,3 +88,42 @@ class RemoteError(TransferError):
 
 class BufferFullError(TransferError):
     """The KV buffer could not make room for an entry within the put deadline."""
+
+
+_DEAD_WORDS = (
+    "closed by peer",
+    "connection reset",
+    "pair closure",
+    "broken pipe",
+    "connection refused",
+    "end of file",
+    "eof",
+)
+
+
+def classify_failure(
+    exc: BaseException, *, peer: str, key: str | None, waited: float
+) -> TransferError:
+    """A process-group or socket failure as the transport's error: ``exc`` itself if it is a
+    :class:`TransferError`, else :class:`TransferTimeout` for a timeout, :class:`PeerDeadError`
+    for a closed or reset connection (torch and gloo say so only in their messages, hence the
+    words), else :class:`TransferError` naming the exception's type."""
+    if isinstance(exc, TransferError):
+        return exc
+    text = str(exc)
+    low = text.lower()
+    first_line = text.splitlines()[0][:200] if text else ""
+    if isinstance(exc, TimeoutError) or "timed out" in low or "timeout" in low:
+        return TransferTimeout(
+            f"data transfer timed out ({first_line})", peer=peer, key=key, waited_s=waited
+        )
+    if isinstance(exc, ConnectionError) or any(w in low for w in _DEAD_WORDS):
+        return PeerDeadError(
+            f"peer connection broke ({first_line})", peer=peer, key=key, waited_s=waited
+        )
+    return TransferError(
+        f"data transfer failed: {type(exc).__name__}: {text[:300]}",
+        peer=peer,
+        key=key,
+        waited_s=waited,
+    )

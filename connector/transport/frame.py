@@ -403,7 +403,9 @@ def decode_prefix(raw: bytes, limits: FrameLimits = DEFAULT_LIMITS) -> tuple[Kin
     return kind, flags, body_len
 
 
-class _Reader:
+class _BodyCursor:
+    """Reads a header body front to back; ProtocolError where it ends too soon."""
+
     def __init__(self, buf: bytes):
         self.buf = buf
         self.pos = 0
@@ -434,7 +436,7 @@ def decode_body(
     kind: Kind, flags: int, body: bytes, limits: FrameLimits = DEFAULT_LIMITS
 ) -> Header:
     """Validate and decode a header body. Raises ProtocolError naming the offending field."""
-    r = _Reader(body)
+    r = _BodyCursor(body)
     (klen,) = r.unpack("<H", "key length")
     if klen > limits.max_key_bytes:
         raise ProtocolError(f"key: expected <= {limits.max_key_bytes} bytes, got {klen}")

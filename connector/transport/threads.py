@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 from ..logs import get_logger
@@ -118,3 +119,10 @@ def transfer_thread(target: Callable[..., object], name: str, args: tuple = ()) 
         target(*args)
 
     return threading.Thread(target=run, name=name, daemon=True)
+
+
+def join_until(thread: threading.Thread | None, deadline: float) -> None:
+    """Join ``thread`` until ``deadline`` (``time.monotonic``; at least 0.1 s), unless it is None
+    or the calling thread."""
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(max(0.1, deadline - time.monotonic()))

@@ -25,7 +25,7 @@ from support.transport import (
 from support.vllm_fixtures import captured_log
 
 import connector.kvstore.store as buffer_mod
-import connector.transport.pipe as pipe_mod
+import connector.transport.receiving as pipe_mod
 from connector.kvstore.protocol import Op
 from connector.kvstore.store import (
     MAX_PREFIX_TOKENS,
@@ -41,10 +41,10 @@ from connector.kvstore.store import (
     TransferTimeout,
     block_hashes,
 )
+from connector.transport import connect_pipe
 from connector.transport import frame as wire
 from connector.transport.frame import FrameLimits, Kind, TensorSpec, encode_header
 from connector.transport.options import PipeOptions
-from connector.transport.pipe import connect_pipe
 
 
 def _accounted(s: dict) -> bool:

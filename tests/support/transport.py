@@ -215,8 +215,8 @@ def _consumer(args) -> None:
 def _pipe_echo(args) -> None:
     """Connect to a PipeListener and echo every message; ``{"cmd": "big", "mib": m}`` makes it send
     a ``big_tensor(m)`` instead (printing SENDING first); ``{"cmd": "sleep"}`` stops reading."""
+    from connector.transport import connect_pipe
     from connector.transport.errors import TransferError
-    from connector.transport.pipe import connect_pipe
 
     if args.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(args.device))

@@ -6,8 +6,9 @@ payloads, through the same functions the pipe's threads call.
 
 An input's first byte picks the target:
 
-0. frames: the bytes arrive on a socket; ``pipe._read_frame`` reads headers one after another
-   and ``pipe._read_inline_payload`` the inline payloads (the reader thread's loop);
+0. frames: the bytes arrive on a socket; ``sockio.read_frame`` reads headers one after another
+   and ``receiving._read_inline_payload`` the inline payloads (what the reader thread's loop
+   calls; the target drives these private functions directly, without a pipe around them);
 1. the listener's side of the authentication: a 68-byte RESPONSE to a known challenge;
 2. the connector's side: a 38-byte CHALLENGE, then a 37-byte VERDICT;
 3. metadata: ``wire.decode_meta`` and the limits a peer announces in it.
@@ -34,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 with atheris.instrument_imports():
     from connector.kvstore.protocol import Op
-    from connector.transport import auth, errors, pipe
+    from connector.transport import auth, errors, receiving, sockio
     from connector.transport import frame as wire
 
 # Small announced limits, so that anything the decoder accepts is cheap to allocate and check.
@@ -48,7 +49,7 @@ LIMITS = wire.FrameLimits(
 )
 SECRET = b"fuzz-shared-secret-0123456789abc"
 NONCE_L = bytes(range(32))
-REFUSALS = (errors.ProtocolError, auth.AuthError, pipe._EOF)
+REFUSALS = (errors.ProtocolError, auth.AuthError, sockio.PeerClosed)
 
 
 def _frames(data: bytes) -> None:
@@ -62,14 +63,14 @@ def _frames(data: bytes) -> None:
         b.setblocking(False)
         while True:
             deadline = time.monotonic() + 0.5  # all bytes are there: a wait is a hang
-            header = pipe._read_frame(b, LIMITS, deadline, 0.5)
+            header = sockio.read_frame(b, LIMITS, deadline, 0.5)
             if header is None:
                 return
             assert header.payload_bytes <= LIMITS.max_message_bytes, header
             if header.kind in (wire.Kind.HELLO, wire.Kind.HELLO_ACK):
                 wire.limits_from_meta(header.meta, LIMITS)
             if header.inline:
-                tensors = pipe._read_inline_payload(b, header, 0.5)
+                tensors = receiving._read_inline_payload(b, header, 0.5)
                 assert sum(t.nbytes for t in tensors.values()) == header.payload_bytes
             else:
                 chunks = wire.plan_chunks(header.specs)

@@ -15,10 +15,9 @@ from support.transport import STORE_REQUESTS, raw_authenticate, recv_exact, sett
 from support.vllm_fixtures import captured_log
 
 from connector.kvstore.store import KVBuffer, KVClient, KVServer
-from connector.transport import auth
+from connector.transport import PipeListener, auth
 from connector.transport.errors import RemoteError
 from connector.transport.frame import Kind, encode_header
-from connector.transport.pipe import PipeListener
 
 SECRET = b"s3cret-for-tests-only-0123456789"
 OTHER = b"another-secret-of-32-bytes-00000"
@@ -151,14 +150,14 @@ def test_a_stranger_at_the_rendezvous_store_cannot_join_or_disturb_a_pipe(served
     join a group under a guessed prefix gets nowhere, and real connections go on working."""
     from torch.distributed import PrefixStore, TCPStore
 
-    from connector.transport.pipe import _make_process_group
+    from connector.transport.handshake import make_process_group
 
     _, srv = served
-    store_port = srv._listener._store.port
+    store_port = srv._listener.store_port
     stranger = TCPStore("127.0.0.1", store_port, None, False, datetime.timedelta(seconds=2))
     stranger.set("tkv/0-guess/0", b"junk")
     with pytest.raises(TimeoutError):
-        _make_process_group("gloo", PrefixStore("tkv/0-guess/", stranger), 1, "127.0.0.1", 1.0)
+        make_process_group("gloo", PrefixStore("tkv/0-guess/", stranger), 1, "127.0.0.1", 1.0)
     for _ in range(3):
         assert torch.equal(_get(srv, SECRET), torch.arange(10.0))
     assert srv.stats()["connections"] == 3

@@ -21,19 +21,21 @@ from support.transport import (
     waited_s,
 )
 
-import connector.transport.pipe as pipe_mod
-from connector.transport.frame import FrameLimits, encode_header, spec_of
-from connector.transport.options import PipeOptions
-from connector.transport.pipe import (
+from connector.transport import (
+    FrameLimits,
     Kind,
     PeerDeadError,
     PipeClosedError,
     PipeListener,
+    PipeOptions,
     RemoteError,
     TransferError,
     TransferTimeout,
     connect_pipe,
+    encode_header,
 )
+from connector.transport.buffers import RECV_POOL, RecvPool
+from connector.transport.errors import classify_failure
 
 TRANSPORTS = ("gloo", "socket")
 
@@ -196,8 +198,9 @@ def test_close_with_unreceived_send_is_bounded_and_reported():
         while not done and time.monotonic() < deadline:
             time.sleep(0.05)
         assert done and isinstance(done[0], TransferError)
-    client._sender.join(10)  # the peer is gone now: the stuck send fails
-    assert not client._sender.is_alive(), "sender thread outlived its pipe"
+    sender = client.threads["send"]
+    sender.join(10)  # the peer is gone now: the stuck send fails
+    assert not sender.is_alive(), "sender thread outlived its pipe"
     gc.collect()
     assert payload_ref() is None, "the payload of a failed send is still held"
 
@@ -281,6 +284,40 @@ def test_listener_refuses_a_transport_it_does_not_speak():
         t.join(10)
         listener.close()
     assert errors and "transport" in str(errors[0])
+
+
+@pytest.mark.timeout(30)
+def test_threads_are_named_by_pipe_and_role_and_listeners_show_their_store():
+    with pipe_pair("socket") as (server, client):
+        assert set(client.threads) == {"send", "read"}  # no process group: no waiter
+        for role, t in client.threads.items():
+            assert t.name == f"tkv-pipe[{client.peer}]-{role}" and t.is_alive()
+        assert client.stats()["queued_frames"] == 0
+    socket_only = PipeListener(transport="socket")
+    assert socket_only.store_port is None
+    socket_only.close()
+    listener = PipeListener(transport="gloo")
+    assert listener.store_port > 0
+    listener.close()
+    assert listener.store_port is None
+
+
+FAILURES = {
+    "timeout": (TimeoutError(), TransferTimeout, "data transfer timed out"),
+    "gloo-timeout": (RuntimeError("Timed out waiting 5ms"), TransferTimeout, "timed out"),
+    "reset": (ConnectionResetError("reset"), PeerDeadError, "peer connection broke"),
+    "gloo-closed": (RuntimeError("Connection closed by peer [x]"), PeerDeadError, "broke"),
+    "other": (ValueError("odd"), TransferError, "data transfer failed: ValueError: odd"),
+}
+
+
+@pytest.mark.parametrize("case", list(FAILURES))
+def test_failures_of_the_group_or_socket_become_transfer_errors(case):
+    exc, want, match = FAILURES[case]
+    err = classify_failure(exc, peer="h:1", key="k", waited=0.5)
+    assert type(err) is want and match in str(err)
+    assert (err.peer, err.key, err.waited_s) == ("h:1", "k", 0.5)
+    assert classify_failure(err, peer="other", key=None, waited=1.0) is err
 
 
 @pytest.mark.timeout(30)
@@ -368,14 +405,15 @@ def test_send_applies_the_limits_the_peer_announced():
 @pytest.mark.timeout(60)
 def test_an_unexpected_reader_error_breaks_the_pipe_at_once(monkeypatch):
     """Whatever the reader thread raises (torch raised RuntimeError for a shape overflowing its
-    strides) breaks the pipe and wakes recv; the reader used to die silently, recv to wait on."""
+    strides) breaks the pipe and wakes recv; the reader used to die silently, recv to wait on.
+    Here the allocation of an inline payload (from the receive pool: 4 MiB and more) raises."""
 
     def boom(*args):
         raise RuntimeError("boom")
 
     with pipe_pair("socket") as (server, client):
-        monkeypatch.setattr(pipe_mod, "_read_inline_payload", boom)
-        client.send("k", {"x": torch.ones(3)})
+        monkeypatch.setattr(RECV_POOL, "alloc", boom)
+        client.send("k", {"x": torch.ones(RECV_POOL.min_bytes, dtype=torch.uint8)})
         t0 = time.monotonic()
         with pytest.raises(TransferError, match="RuntimeError: boom"):
             server.recv(timeout_s=20)
@@ -393,14 +431,15 @@ def test_reader_queues_at_most_the_byte_budget():
         with pytest.raises(TransferTimeout):  # the receiver holds one, so the rest cannot leave
             client.flush(timeout_s=1.0)
         deadline = time.monotonic() + 10  # the reader may still be reading the first one in
-        while not server._inbox and time.monotonic() < deadline:
+        while not server.stats()["queued_frames"] and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.2)  # room for a wrong second one to show
-        assert len(server._inbox) == 1 and server._queued_bytes == x.numel()
+        s = server.stats()
+        assert s["queued_frames"] == 1 and s["queued_bytes"] == x.numel()
         for i in range(3):
             m = server.recv(timeout_s=20)
             assert m.key == f"m{i}" and torch.equal(m.tensors["x"], x)
-        assert server._queued_bytes == 0
+        assert server.stats()["queued_bytes"] == 0
 
 
 class _PostSpy:
@@ -419,6 +458,22 @@ class _PostSpy:
         return getattr(self._pg, name)
 
 
+class _HeldSend:
+    """A process group whose ``send`` waits for ``release`` before it posts (a slow peer: the
+    header has left, the payload has not)."""
+
+    def __init__(self, pg):
+        self._pg = pg
+        self.release = threading.Event()
+
+    def send(self, *args):
+        self.release.wait(30)
+        return self._pg.send(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._pg, name)
+
+
 @pytest.mark.timeout(60)
 def test_nothing_lands_in_out_after_recv_gave_up_on_close():
     """close() from another thread ends a recv(out=...) whose payload is late. The gloo receive
@@ -426,9 +481,8 @@ def test_nothing_lands_in_out_after_recv_gave_up_on_close():
     (it did, up to recv's deadline, after recv had raised and close had returned)."""
     with pipe_pair("gloo") as (server, client):
         x = torch.full((MIB,), 7, dtype=torch.uint8)
-        # the header as the sender thread writes it, the payload held back (a slow peer)
-        header = encode_header(Kind.MSG, "k", {}, [spec_of("x", x)])
-        pipe_mod._send_all(client._sock, header, time.monotonic() + 5, "header")
+        held = client.process_group = _HeldSend(client.process_group)
+        client.send("k", {"x": x})  # the header leaves, the payload is held back
         spy = server.process_group = _PostSpy(server.process_group)
         out = torch.zeros_like(x)
         errors = []
@@ -445,10 +499,12 @@ def test_nothing_lands_in_out_after_recv_gave_up_on_close():
         server.close(timeout_s=0.5)
         t.join(10)
         assert len(errors) == 1 and isinstance(errors[0], PipeClosedError), errors
-        with contextlib.suppress(RuntimeError):  # the late payload (its connection is gone)
-            client.process_group.send([x], client.peer_rank, 0).wait()
-        server._waiter.join(10)  # it ends once the receive it waited for ended either way
-        assert not server._waiter.is_alive()
+        held.release.set()  # the late payload (its connection is gone)
+        with contextlib.suppress(TransferError):
+            client.flush(timeout_s=30)
+        waiter = server.threads["wait"]
+        waiter.join(10)  # it ends once the receive it waited for ended either way
+        assert not waiter.is_alive()
         assert int(out.count_nonzero()) == 0, "the late payload landed in the caller's tensor"
 
 
@@ -470,7 +526,8 @@ def test_close_inside_on_done_ends_every_thread():
         client.send("k", {"x": torch.ones(4)}, on_done=on_done)
         assert closed.wait(10)
         assert errors == []
-        for t in (client._sender, client._reader, client._waiter):
+        assert set(client.threads) == {"send", "read", "wait"}
+        for t in client.threads.values():
             t.join(10)
             assert not t.is_alive(), t.name
         assert server.recv(timeout_s=10).key == "k"
@@ -490,7 +547,7 @@ def test_closed_listeners_release_store_and_descriptors():
     PipeListener(transport="gloo").close()  # first-use allocations of the store
     before = fds()
     kept = [PipeListener(transport="gloo") for _ in range(5)]
-    ports = [listener._store.port for listener in kept]
+    ports = [listener.store_port for listener in kept]
     for listener in kept:
         listener.close()
     assert fds() - before < len(kept)
@@ -519,9 +576,9 @@ def test_sender_killed_mid_transfer_raises_peer_dead_fast(child_pipe):
     pipe.send("go", None, {"cmd": "big", "mib": 768})
     child.wait_line("SENDING", 60)
     deadline = time.monotonic() + 10
-    while not pipe._inbox and time.monotonic() < deadline:  # header here: payload under way
-        time.sleep(0.001)
-    assert pipe._inbox, "the big message's header never arrived"
+    while not pipe.stats()["queued_frames"] and time.monotonic() < deadline:  # header here
+        time.sleep(0.001)  # (the payload under way)
+    assert pipe.stats()["queued_frames"], "the big message's header never arrived"
     child.proc.kill()
     t0 = time.monotonic()
     with pytest.raises(PeerDeadError) as ei:
@@ -588,8 +645,6 @@ def test_nccl_two_gpus_round_trip():  # pragma: no cover - needs two GPUs
 
 # --------------------------------------------------------------------------------- receive pool
 def test_recv_pool_reuses_a_buffer_only_when_nothing_references_it():
-    from connector.transport.pipe import RecvPool
-
     pool = RecvPool(max_bytes=64 << 20, min_bytes=1 << 20)
     assert pool.alloc(1000) is None  # small: not pooled
     a = pool.alloc(8 << 20)

@@ -1,0 +1,232 @@
+"""The listener side: :class:`PipeListener` accepts connections and runs the listener's half of
+the handshake on each (the protocol: :mod:`connector.transport.handshake`)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import itertools
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..logs import get_logger
+from . import auth
+from .errors import PeerDeadError, PipeClosedError, TransferTimeout
+from .handshake import Offer, authenticate_listener, open_pipe
+from .options import PipeOptions, check_options, check_timeout, check_transport
+from .pipe import TensorPipe
+from .sockio import configure, peer_name
+
+log = get_logger("transport")
+
+
+class PipeListener:
+    """Listening endpoint: accepts connections and performs the listener side of the handshake.
+
+    Hosts the ``TCPStore`` (on a free port, announced in HELLO_ACK) from which every connection's
+    two-rank process group is built under its own prefix. Accepts clients asking for ``transport``
+    and, when ``allow_socket`` (default), clients asking for the inline ``socket`` transport.
+
+    ``secret`` (at least 16 bytes): every connection must prove it holds it before anything else
+    is read (:mod:`connector.transport.auth`). Listening on a non-loopback address without one
+    raises ValueError unless ``insecure=True`` (then it warns once): anyone who can reach the port
+    could read and write entries.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        transport: str = "gloo",
+        allow_socket: bool = True,
+        device: str | torch.device = "cpu",
+        connect_timeout_s: float = 10.0,
+        backlog: int = 64,
+        secret: bytes | str | None = None,
+        insecure: bool = False,
+        options: PipeOptions | None = None,
+    ):
+        check_transport(transport)
+        self.secret = auth.check_secret(secret)
+        if self.secret is None and not auth.is_loopback(host):
+            if not insecure:
+                raise ValueError(
+                    f"listening on {host!r} without a shared secret would let anyone who can reach "
+                    f"the port read and write KV: expected a secret (secret=..., or "
+                    f"{auth.SECRET_ENV} / secret_file for the vLLM connector), a loopback address, "
+                    "or insecure=True"
+                )
+            log.warning(
+                "listening on %r without a shared secret (insecure): anyone who can reach the "
+                "port can read and write KV",
+                host,
+            )
+        self.transport = transport
+        self.device = device
+        self.connect_timeout_s = check_timeout("connect_timeout_s", connect_timeout_s)
+        self.options = check_options(options)
+        self.limits = self.options.limits
+        self.allowed = {transport} | ({"socket"} if allow_socket else set())
+        self._lock = threading.Lock()
+        self._closed = False
+        self._released = False
+        self._accepting = 0  # accept_socket calls polling the socket and the wake pipe
+        self._ids = itertools.count()
+        self._store = None
+        self._sock = socket.create_server((host, port), backlog=backlog)
+        self._sock.setblocking(False)
+        self.host, self.port = self._sock.getsockname()[:2]
+        self._wake_r, self._wake_w = os.pipe()
+        self._store_host = self.host if self.host != "0.0.0.0" else "127.0.0.1"
+        if transport != "socket":
+            from torch.distributed import TCPStore
+
+            try:
+                self._store = TCPStore(
+                    self._store_host,
+                    0,
+                    None,
+                    True,
+                    datetime.timedelta(seconds=self.connect_timeout_s),
+                    wait_for_workers=False,
+                )
+            except BaseException:
+                self.close()
+                raise
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    @property
+    def store_port(self) -> int | None:
+        """Port of the rendezvous ``TCPStore`` server; None for a ``socket`` listener or once
+        closed."""
+        store = self._store
+        return None if store is None else store.port
+
+    def accept_socket(self, timeout_s: float | None = None):
+        """Wait for one TCP connection (None: until ``close``). Returns (socket, peer name) or
+        None when closed; raises TransferTimeout at the deadline."""
+        with self._lock:
+            if self._closed:
+                return None
+            self._accepting += 1
+        try:
+            return self._accept_socket(timeout_s)
+        finally:
+            with self._lock:
+                self._accepting -= 1
+            self._release_if_idle()
+
+    def _accept_socket(self, timeout_s: float | None):
+        t0 = time.monotonic()
+        deadline = None if timeout_s is None else t0 + timeout_s
+        p = select.poll()
+        p.register(self._sock, select.POLLIN)
+        p.register(self._wake_r, select.POLLIN)
+        while True:
+            if self._closed:
+                return None
+            try:
+                conn, addr = self._sock.accept()
+                configure(conn)
+                return conn, peer_name(addr)
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError as e:
+                if self._closed or e.errno in (errno.EBADF, errno.EINVAL):
+                    return None
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ECONNABORTED):
+                    log.warning("accept failed: %s", e)
+                    time.sleep(0.05)  # back off on descriptor exhaustion, then retry
+                    continue
+                raise
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TransferTimeout(
+                    "no connection arrived",
+                    peer=f"{self.host}:{self.port}",
+                    waited_s=time.monotonic() - t0,
+                )
+            p.poll(None if left is None else max(1, int(left * 1000)))
+
+    def handshake(
+        self,
+        sock: socket.socket,
+        peer: str,
+        on_auth: Callable[[auth.AuthError | None], None] | None = None,
+    ) -> TensorPipe:
+        """Listener side of the handshake on an accepted socket (closes it on failure).
+
+        ``on_auth`` is called once authentication is decided, before the peer can learn the
+        outcome: with ``None`` when the peer proved the secret, else with the ``AuthError`` about
+        to be raised. A server counts failures and frees handshake slots there, so that a refused
+        peer that reconnects at once finds both done."""
+        t0 = time.monotonic()
+        deadline = t0 + self.connect_timeout_s
+        try:
+            sock.setblocking(False)
+            authenticate_listener(sock, self.secret, t0, deadline, peer, on_auth)
+            offer = Offer(
+                frozenset(self.allowed), self._store_host, lambda: self._store, next(self._ids)
+            )
+            return open_pipe(
+                sock,
+                peer,
+                offer,
+                device=self.device,
+                options=self.options,
+                t0=t0,
+                deadline=deadline,
+            )
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                sock.close()
+            if isinstance(e, (TimeoutError, OSError)):
+                raise PeerDeadError(
+                    f"handshake failed: {e}", peer=peer, waited_s=time.monotonic() - t0
+                ) from None
+            raise
+
+    def accept(self, timeout_s: float | None = None) -> TensorPipe:
+        """Accept one connection and complete its handshake."""
+        got = self.accept_socket(timeout_s)
+        if got is None:
+            raise PipeClosedError("listener closed", peer=f"{self.host}:{self.port}")
+        return self.handshake(*got)
+
+    def close(self) -> None:
+        """Stop listening (idempotent); established pipes stay open. Releases the socket, the wake
+        pipe and the ``TCPStore`` server as soon as no ``accept_socket`` call is polling them (a
+        descriptor closed under a poller could be reused by another connection meanwhile)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._store = None  # built pipes no longer use it; a handshake under way keeps its own
+            if not self._released:
+                with contextlib.suppress(OSError):
+                    os.write(self._wake_w, b"x")
+        self._release_if_idle()
+
+    def _release_if_idle(self) -> None:
+        with self._lock:
+            if not self._closed or self._accepting or self._released:
+                return
+            self._released = True
+        self._sock.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.close()

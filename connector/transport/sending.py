@@ -1,0 +1,262 @@
+"""The sending half of a :class:`~connector.transport.pipe.TensorPipe` (part of the pipe, not
+exported): the queue of outgoing messages, the in-flight byte budget and the sender thread."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..logs import get_logger
+from .buffers import flat_bytes
+from .errors import PeerDeadError, PipeClosedError, TransferTimeout, classify_failure
+from .frame import FLAG_INLINE, Kind, encode_header, encode_meta, plan_chunks, spec_of
+from .sockio import PeerClosed, send_all
+from .state import _PipeState
+from .threads import join_until, transfer_thread
+
+log = get_logger("transport")
+
+TAG = 0  # the process-group tag of every payload chunk
+
+
+@dataclass
+class _Outgoing:
+    """One queued message: its encoded header and the tensors of its payload."""
+
+    header: bytes
+    key: str
+    specs: tuple
+    tensors: list  # contiguous tensors in spec order
+    inline: bool
+    nbytes: int
+    on_done: Callable[[BaseException | None], None] | None
+    bye: bool = False
+    reported: bool = False  # on_done already called (exactly once per message)
+
+
+def _outgoing(
+    pipe,
+    kind: Kind,
+    key: str,
+    tensors: dict[str, torch.Tensor] | None,
+    meta: dict | None,
+    on_done: Callable[[BaseException | None], None] | None,
+) -> _Outgoing:
+    """One message as ``pipe``'s sender writes it: tensors made contiguous (on the CPU for
+    ``socket``, on the pipe's device for ``nccl``), inline or not, small ones packed. Raises
+    TypeError for what is not a tensor dict, ValueError for what the peer's limits refuse."""
+    tensors = {} if tensors is None else tensors
+    if not isinstance(tensors, dict):
+        raise TypeError(
+            f"tensors: expected dict[str, Tensor] or None, got {type(tensors).__name__}"
+        )
+    meta_bytes = encode_meta(meta, pipe.peer_limits)
+    names = list(tensors)
+    flat = []
+    for n in names:
+        spec_of(n, tensors[n])  # type checks
+        t = tensors[n]
+        if pipe.transport == "socket" and t.device.type != "cpu":
+            t = t.cpu()
+        elif pipe.transport == "nccl" and t.device.type != "cuda":
+            t = t.to(pipe.device)
+        flat.append(t.contiguous())
+    total = sum(t.numel() * t.element_size() for t in flat)
+    inline = pipe.transport == "socket" or (
+        total <= pipe.inline_max_bytes and all(t.device.type == "cpu" for t in flat)
+    )
+    small = [
+        i for i, t in enumerate(flat) if 0 < t.numel() * t.element_size() <= pipe.pack_max_bytes
+    ]
+    pack = set(small) if (not inline and len(small) >= 2) else set()
+    specs = tuple(
+        spec_of(n, t, packed=i in pack) for i, (n, t) in enumerate(zip(names, flat, strict=False))
+    )
+    flags = FLAG_INLINE if inline else 0
+    # what the peer would refuse raises here (ValueError): it never breaks the pipe
+    header = encode_header(kind, key, meta_bytes, specs, flags, limits=pipe.peer_limits, check=True)
+    return _Outgoing(header, key, specs, flat, inline, total, on_done)
+
+
+class _Sender:
+    """The sender thread (``tkv-pipe[peer]-send``) and what it sends.
+
+    ``submit`` only queues (within the pipe's ``max_inflight_bytes`` of queued or in-flight
+    payload); the thread writes each header on the control socket, then the payload inline or
+    as process-group sends (``pipe.process_group``, read per message), within ``io_timeout_s``.
+    A failure breaks the pipe (``state.fatal``); every message's ``on_done`` runs exactly once.
+    """
+
+    def __init__(self, pipe, state: _PipeState, sock, name: str):
+        self._pipe = pipe
+        self._state = state
+        self._sock = sock
+        self.max_inflight_bytes = pipe.max_inflight_bytes
+        self.io_timeout_s = pipe.io_timeout_s
+        self.outq: collections.deque[_Outgoing] = collections.deque()
+        self.inflight = 0  # payload bytes queued or in flight
+        self.current: _Outgoing | None = None  # the message the thread is writing
+        self.thread = transfer_thread(self._loop, name)
+
+    @property
+    def busy(self) -> bool:
+        """Messages are queued or in flight. Holds ``state.cond``."""
+        return bool(self.outq or self.inflight)
+
+    def submit(self, item: _Outgoing, timeout_s: float, check_usable: Callable[[str], None]):
+        """Queue ``item`` once the in-flight budget has room for it (a message larger than the
+        budget is admitted when nothing else is in flight); TransferTimeout after ``timeout_s``.
+        ``check_usable(key)`` raises if the pipe cannot be used (checked on every wake-up)."""
+        st = self._state
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        total = item.nbytes
+        with st.cond:
+            while True:
+                check_usable(item.key)
+                if self.inflight == 0 or self.inflight + total <= self.max_inflight_bytes:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    st.counters["send_timeouts"] += 1
+                    raise TransferTimeout(
+                        f"send blocked: {self.inflight} bytes in flight, budget "
+                        f"{self.max_inflight_bytes}, message {total} bytes",
+                        peer=st.peer,
+                        key=item.key,
+                        waited_s=time.monotonic() - t0,
+                    )
+                st.cond.wait(left)
+            self.inflight += total
+            self.outq.append(item)
+            st.cond.notify_all()
+
+    def flush(self, timeout_s: float) -> None:
+        """Wait until every queued message has left; raises the pipe's error or TransferTimeout."""
+        st = self._state
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        with st.cond:
+            while self.busy:
+                st.raise_fatal()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeout(
+                        f"flush: {self.inflight} bytes still in flight",
+                        peer=st.peer,
+                        waited_s=time.monotonic() - t0,
+                    )
+                st.cond.wait(left)
+            st.raise_fatal()
+
+    def _loop(self) -> None:
+        st = self._state
+        while True:
+            with st.cond:
+                while not self.outq:
+                    if st.closed:  # close() gave up on a send stuck here and dropped the BYE
+                        return
+                    st.cond.wait()
+                item = self.outq.popleft()
+                self.current = item
+            if item.bye:
+                self.send_bye()
+                return
+            err = None
+            if st.fatal is not None:
+                err = PipeClosedError(
+                    f"not sent, pipe is broken: {st.fatal}", peer=st.peer, key=item.key
+                )
+            else:
+                t0 = time.monotonic()
+                try:
+                    self._write(item, t0 + self.io_timeout_s)
+                except BaseException as e:
+                    waited = time.monotonic() - t0
+                    err = classify_failure(e, peer=st.peer, key=item.key, waited=waited)
+                    if isinstance(e, PeerClosed):
+                        err = PeerDeadError(str(e), peer=st.peer, key=item.key, waited_s=waited)
+                    log.warning("tensor pipe send failed: %s", err)
+                    st.set_fatal(err)
+            with st.cond:
+                self.inflight -= item.nbytes
+                self.current = None
+                if err is None:
+                    st.counters["msgs_sent"] += 1
+                    st.counters["bytes_sent"] += item.nbytes
+                st.cond.notify_all()
+            self.report(item, err)
+
+    def send_bye(self) -> None:
+        """Say goodbye on the control socket (best effort, within 1 s; not on a broken pipe)."""
+        if self._state.fatal is None:
+            with contextlib.suppress(Exception):
+                send_all(self._sock, encode_header(Kind.BYE), time.monotonic() + 1.0, "BYE")
+
+    def report(self, item: _Outgoing, err: BaseException | None) -> None:
+        """Run ``item.on_done`` exactly once."""
+        with self._state.cond:
+            if item.reported or item.on_done is None:
+                return
+            item.reported = True
+        try:
+            item.on_done(err)
+        except Exception:
+            log.exception("tensor pipe on_done callback failed")
+
+    def _write(self, item: _Outgoing, deadline: float) -> None:
+        send_all(self._sock, item.header, deadline, f"header of {item.key!r}")
+        if item.inline:
+            for t in item.tensors:
+                if t.numel():
+                    what = f"inline payload of {item.key!r}"
+                    send_all(self._sock, flat_bytes(t).numpy(), deadline, what)
+            return
+        pipe = self._pipe
+        pg = pipe.process_group
+        for chunk in plan_chunks(item.specs):
+            if chunk.members:
+                buf = torch.empty(chunk.nbytes, dtype=torch.uint8, device=item.tensors[0].device)
+                for i, off in chunk.members:
+                    src = flat_bytes(item.tensors[i])
+                    buf[off : off + src.numel()].copy_(src)
+            else:
+                buf = flat_bytes(item.tensors[chunk.index])
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"timed out before sending payload of {item.key!r}")
+            work = pg.send([buf], pipe.peer_rank, TAG)
+            work.wait(datetime.timedelta(seconds=left))
+            if pipe.transport == "nccl":
+                torch.cuda.current_stream(buf.device).synchronize()
+
+    # ------------------------------------------------------------------------- for close()
+    def on_thread(self) -> bool:
+        """The caller is the sender thread (an ``on_done`` callback)."""
+        return threading.current_thread() is self.thread
+
+    def queue_bye(self) -> None:
+        """Queue the goodbye behind every message queued so far. Holds ``state.cond``."""
+        self.outq.append(_Outgoing(b"", "", (), [], True, 0, None, bye=True))
+
+    def join(self, deadline: float) -> None:
+        join_until(self.thread, deadline)
+
+    def take_unsent(self) -> list[_Outgoing]:
+        """Messages that never left, and the one stuck on the thread (if it still runs): the
+        queue is emptied and their bytes leave the budget; the caller reports them."""
+        with self._state.cond:
+            pending = [it for it in self.outq if not it.bye]
+            self.outq.clear()
+            for it in pending:
+                self.inflight -= it.nbytes
+            if self.current is not None and self.thread.is_alive():
+                pending.insert(0, self.current)
+        return pending

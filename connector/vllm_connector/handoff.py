@@ -8,6 +8,8 @@ a request's params are a tritonkv hand-off at all (:func:`is_handoff`), refuses 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
+import re
 
 import numpy as np
 
@@ -22,6 +24,18 @@ from .metadata import ReleaseSpec
 #      Before 0.1.0 (unreleased) the entries' meta key "wire" became "kv_format"; a consumer of
 #      the older name reads no format and recomputes (logged).
 PROTOCOL = "tritonkv-2"
+
+#: A transfer id as a producer mints it (``uuid4().hex``): nothing else is ever dialed for.
+TRANSFER_ID = re.compile(r"[0-9a-f]{32}")
+#: The largest producer TP size a hand-off may name (its ports run up to ``remote_port +
+#: tp_size - 1``, and a consumer rank may ask each of them to release an entry).
+MAX_TP_SIZE = 256
+MAX_FINGERPRINT_CHARS = 1024
+_DIGEST = re.compile(r"[0-9a-f]{32}")
+_HOSTNAME = re.compile(
+    r"(?=.{1,253}\Z)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?"
+)
 
 
 def prompt_digest(token_ids) -> str:
@@ -64,6 +78,65 @@ def build_handoff(
     }
 
 
+def shown(value, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: how a client's value goes into a log line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def _is_int(value) -> bool:
+    return type(value) is int
+
+
+def _host_ok(host) -> bool:
+    if not isinstance(host, str) or not 0 < len(host) <= 253:
+        return False
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return _HOSTNAME.fullmatch(host) is not None
+
+
+def handoff_problems(params: dict) -> list[str]:
+    """What is wrong with a hand-off of this :data:`PROTOCOL` (``kv_transfer_params``, which any
+    client of vLLM's API can set), before anything is dialed or allocated: every key must be of
+    exactly the type and format :func:`build_handoff` writes, every number in range. Empty when
+    it is well formed (whether it fits this consumer is the scheduler's to check)."""
+    problems = []
+    if not isinstance(params.get("transfer_id"), str) or not TRANSFER_ID.fullmatch(
+        params["transfer_id"]
+    ):
+        problems.append(f"transfer_id {shown(params.get('transfer_id'))} is not 32 hex digits")
+    if not _host_ok(params.get("remote_host")):
+        problems.append(
+            f"remote_host {shown(params.get('remote_host'))} is not an IP address or host name"
+        )
+    tp_size = params.get("tp_size")
+    if not _is_int(tp_size) or not 1 <= tp_size <= MAX_TP_SIZE:
+        problems.append(f"tp_size {shown(tp_size)} is not an int in [1, {MAX_TP_SIZE}]")
+        tp_size = 1
+    port = params.get("remote_port")
+    if not _is_int(port) or not 1 <= port <= 65536 - tp_size:
+        problems.append(
+            f"remote_port {shown(port)} is not an int in [1, {65536 - tp_size}] (its TP ranks "
+            "listen on remote_port + rank, at most 65535)"
+        )
+    if not _is_int(params.get("num_tokens")) or params["num_tokens"] < 1:
+        problems.append(f"num_tokens {shown(params.get('num_tokens'))} is not a positive int")
+    if not isinstance(params.get("prompt_digest"), str) or not _DIGEST.fullmatch(
+        params["prompt_digest"]
+    ):
+        problems.append(f"prompt_digest {shown(params.get('prompt_digest'))} is not 32 hex digits")
+    fingerprint = params.get("fingerprint")
+    if not isinstance(fingerprint, str) or len(fingerprint) > MAX_FINGERPRINT_CHARS:
+        problems.append(
+            f"fingerprint {shown(fingerprint)} is not a string of at most "
+            f"{MAX_FINGERPRINT_CHARS} characters"
+        )
+    return problems
+
+
 def is_handoff(params) -> bool:
     """Whether a request's ``kv_transfer_params`` are a tritonkv producer's hand-off, of this
     protocol or another (``"tritonkv-<n>"``: the consumer refuses other ones)."""
@@ -76,16 +149,11 @@ def is_handoff(params) -> bool:
 
 
 def parse_handoff(params) -> ReleaseSpec | None:
-    """Where the entry of a hand-off lives, or None if ``params`` is not a usable hand-off."""
-    if not is_handoff(params):
+    """Where the entry of a well-formed hand-off of this :data:`PROTOCOL` lives; None for
+    anything else (another protocol, any of :func:`handoff_problems`): a consumer dials, and asks
+    to release, only what it could have been handed by a producer."""
+    if not is_handoff(params) or params["protocol"] != PROTOCOL or handoff_problems(params):
         return None
-    producer_tp = params.get("tp_size")
-    spec = ReleaseSpec(
-        params.get("transfer_id"),
-        params.get("remote_host"),
-        params.get("remote_port"),
-        producer_tp if type(producer_tp) is int and producer_tp > 0 else 1,
+    return ReleaseSpec(
+        params["transfer_id"], params["remote_host"], params["remote_port"], params["tp_size"]
     )
-    if isinstance(spec.transfer_id, str) and isinstance(spec.host, str) and type(spec.port) is int:
-        return spec
-    return None

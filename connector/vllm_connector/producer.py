@@ -20,7 +20,7 @@ from tritonkv import pack_kv
 from ..kvstore import KVBuffer, KVServer
 from ..logs import get_logger
 from ..transport.auth import MIN_SECRET_BYTES, SECRET_ENV, is_loopback
-from ..transport.errors import TransferError
+from ..transport.errors import error_text
 from .cache_views import RankCaches
 from .config import ConnectorConfig
 from .metadata import SaveSpec
@@ -128,53 +128,74 @@ class Producer:
 
     def wait_for_save(self, saves: list[SaveSpec], discards: list[str] = ()) -> None:
         """Drop the entries of ``discards`` (aborted requests) and pack and store ``saves``, after
-        the forward pass."""
+        the forward pass. Never raises: a save that fails (an entry that can never fit the
+        buffer or the wire, no memory to pack it, a full buffer) is that request's failure only,
+        logged and counted; its decode side finds no entry and recomputes the prompt."""
         if self._buffer is None:
             return
         for transfer_id in discards:  # saved in an earlier step (ids are never reused)
-            if self._buffer.discard(transfer_id):
-                log.info("tritonkv: discarded transfer %s (its request was aborted)", transfer_id)
-        paged = self.kv_format == "pages"
-        views = self.caches.pages if paged else self.caches.layers
-        block_size = self.caches.block_size
-        entry_meta = {"fingerprint": self.fingerprint, "kv_format": self.kv_format}
-        if paged:
-            entry_meta["page_kind"] = self.caches.page_kind
-        for spec in saves:
-            t0 = time.perf_counter()
-            # Whole pages: every slot of the prompt's blocks, the last one's past the prompt too.
-            rows = len(spec.block_ids) * block_size if paged else spec.num_tokens
-            packed, _ = pack_kv(views, self.caches.slots(spec.block_ids, 0, rows, rows))
-            if self.caches.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()
-            t1 = time.perf_counter()
             try:
-                self._buffer.put(
-                    spec.transfer_id, {"kv": packed}, {**entry_meta, "num_tokens": spec.num_tokens}
-                )
-            except TransferError as exc:
+                if self._buffer.discard(transfer_id):
+                    log.info(
+                        "tritonkv: discarded transfer %s (its request was aborted)", transfer_id
+                    )
+            except Exception as exc:  # the entry's TTL drops it later
+                log.error("tritonkv: could not discard transfer %s (%s)", transfer_id, exc)
+        for spec in saves:
+            try:
+                self._save(spec)
+            except Exception as exc:
+                self.stats.record_save_failure()
                 log.error(
-                    "tritonkv: could not store transfer %s for %s (%s): the decode side will "
+                    "tritonkv: could not save transfer %s for %s (%s: %s): the decode side will "
                     "recompute it",
                     spec.transfer_id,
                     spec.req_id,
-                    exc,
+                    type(exc).__name__,
+                    error_text(exc),
                 )
-                continue
-            nbytes = packed.numel() * packed.element_size()
-            self.stats.record_save(
-                nbytes=nbytes, num_tokens=spec.num_tokens, pack_ms=1e3 * (t1 - t0)
+
+    def entry_bytes(self, spec: SaveSpec) -> int:
+        """Bytes of ``spec``'s packed entry, known before packing: its rows (whole pages: every
+        slot of the prompt's blocks) × the bytes of one row over every layer, K and V."""
+        paged = self.kv_format == "pages"
+        views = self.caches.pages if paged else self.caches.layers
+        rows = len(spec.block_ids) * self.caches.block_size if paged else spec.num_tokens
+        k0 = views[0][0]
+        row_bytes = len(views) * (1 + (views[0][1] is not None)) * k0.shape[1] * k0.shape[3]
+        return rows * row_bytes * k0.element_size()
+
+    def _save(self, spec: SaveSpec) -> None:
+        paged = self.kv_format == "pages"
+        views = self.caches.pages if paged else self.caches.layers
+        nbytes = self.entry_bytes(spec)
+        room = min(self._buffer.capacity_bytes, self._buffer.limits.max_message_bytes)
+        if nbytes > room:  # refused before packing: nothing allocated for it
+            raise ValueError(
+                f"its entry of {spec.num_tokens} tokens needs {nbytes} bytes, more than one "
+                f"entry may hold ({room} bytes: buffer_bytes, or the wire's message limit)"
             )
-            log.info(
-                "tritonkv: saved transfer %s for %s: %d tokens, %d bytes, pack %.2f ms, "
-                "kv_format %s",
-                spec.transfer_id,
-                spec.req_id,
-                spec.num_tokens,
-                nbytes,
-                1e3 * (t1 - t0),
-                self.kv_format,
-            )
+        t0 = time.perf_counter()
+        # Whole pages: every slot of the prompt's blocks, the last one's past the prompt too.
+        rows = len(spec.block_ids) * self.caches.block_size if paged else spec.num_tokens
+        packed, _ = pack_kv(views, self.caches.slots(spec.block_ids, 0, rows, rows))
+        if self.caches.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        t1 = time.perf_counter()
+        meta = {"fingerprint": self.fingerprint, "kv_format": self.kv_format}
+        if paged:
+            meta["page_kind"] = self.caches.page_kind
+        self._buffer.put(spec.transfer_id, {"kv": packed}, {**meta, "num_tokens": spec.num_tokens})
+        self.stats.record_save(nbytes=nbytes, num_tokens=spec.num_tokens, pack_ms=1e3 * (t1 - t0))
+        log.info(
+            "tritonkv: saved transfer %s for %s: %d tokens, %d bytes, pack %.2f ms, kv_format %s",
+            spec.transfer_id,
+            spec.req_id,
+            spec.num_tokens,
+            nbytes,
+            1e3 * (t1 - t0),
+            self.kv_format,
+        )
 
     def count_auth_failures(self) -> None:
         """Add the failed authentications on this rank's KV server since the last call to the

@@ -17,7 +17,15 @@ from tritonkv import __version__
 
 from ..logs import get_logger
 from .config import ConnectorConfig
-from .handoff import PROTOCOL, build_handoff, is_handoff, parse_handoff, prompt_digest
+from .handoff import (
+    PROTOCOL,
+    build_handoff,
+    handoff_problems,
+    is_handoff,
+    parse_handoff,
+    prompt_digest,
+    shown,
+)
 from .metadata import LoadSpec, ReleaseSpec, SaveSpec
 from .tp_mapping import plan_heads
 
@@ -62,6 +70,7 @@ class SchedulerSide:
         self._discards: list[str] = []  # producer: saved transfers of aborted requests
         self._local_hit: dict[str, int] = {}  # consumer: req_id -> block-aligned local hit
         self._tried: set[str] = set()  # consumer: requests whose hand-off was used or refused
+        self._refused: set[str] = set()  # consumer: requests whose hand-off was refused
         self._accepted: dict[str, dict] = {}  # consumer: req_id -> checked hand-off, unused yet
         # consumer: transfer id -> the request that loads it or released it (recent ones)
         self._handled: OrderedDict[str, str] = OrderedDict()
@@ -69,39 +78,21 @@ class SchedulerSide:
         self._pending_loads: list[LoadSpec] = []
         self._releases: list[ReleaseSpec] = []
 
-    def _remote_params(self, request) -> dict | None:
-        """The consumer-side params of ``request`` if it carries a usable tritonkv hand-off.
-
-        A hand-off it cannot use is logged once; the request is then marked tried (recomputed).
-        """
+    def _check(self, request) -> tuple[dict | None, str]:
+        """``(params, "")`` if ``request`` carries a tritonkv hand-off this consumer can load, else
+        ``(None, why)`` (``why`` empty when it carries none at all). Reads only; logs nothing."""
         params = request.kv_transfer_params
         if not self.is_consumer or not is_handoff(params):
-            return None
+            return None, ""
         if params["protocol"] != PROTOCOL:  # nothing else in it can be read as ours
-            log.warning(
-                "tritonkv: request %s: refusing transfer %r: its producer speaks hand-off protocol "
-                "%r (tritonkv %s), this consumer %r (tritonkv %s); run one tritonkv release on "
-                "producers and consumers. Recomputing the prompt",
-                request.request_id,
-                params.get("transfer_id"),
-                params["protocol"],
-                params.get("tritonkv_version", "version not given"),
-                PROTOCOL,
-                __version__,
+            version = params.get("tritonkv_version")
+            return None, (
+                f"its producer speaks hand-off protocol {shown(params['protocol'])} (tritonkv "
+                f"{'version not given' if version is None else shown(version)}), this consumer "
+                f"{PROTOCOL!r} (tritonkv {__version__}); run one tritonkv release on producers "
+                "and consumers"
             )
-            self._tried.add(request.request_id)
-            return None
-        problems = []
-        if parse_handoff(params) is None:
-            problems.append("transfer_id, remote_host or remote_port missing or of a wrong type")
-        for key, kind in (
-            ("num_tokens", int),
-            ("prompt_digest", str),
-            ("fingerprint", str),
-            ("tp_size", int),
-        ):
-            if not isinstance(params.get(key), kind) or isinstance(params.get(key), bool):
-                problems.append(f"{key} missing or not {kind.__name__}")
+        problems = handoff_problems(params)
         if not problems:
             try:  # the heads this side's ranks need must be on the producer's ranks
                 plan_heads(
@@ -118,20 +109,29 @@ class SchedulerSide:
                 problems.append("the prompt is given as embeddings, which tritonkv does not move")
             elif params["num_tokens"] != request.num_prompt_tokens:
                 problems.append(
-                    f"producer prompt has {params['num_tokens']} tokens, ours "
+                    f"num_tokens: the producer's prompt has {params['num_tokens']} tokens, ours "
                     f"{request.num_prompt_tokens}"
                 )
             elif params["prompt_digest"] != prompt_digest(request.prompt_token_ids):
                 problems.append("producer prompt's token ids differ from ours")
-        if problems:
+        return (None, "; ".join(problems)) if problems else (params, "")
+
+    def _remote_params(self, request) -> dict | None:
+        """The consumer-side params of ``request`` if it carries a usable tritonkv hand-off.
+
+        A hand-off it cannot use is logged once; the request is then marked tried (recomputed),
+        and its entry is never asked to be released: a refused hand-off may name any address.
+        """
+        params, why = self._check(request)
+        if params is None and why:
             log.warning(
-                "tritonkv: request %s: not loading transfer %r (%s); recomputing the prompt",
+                "tritonkv: request %s: refusing transfer %s: %s. Recomputing the prompt",
                 request.request_id,
-                params.get("transfer_id"),
-                "; ".join(problems),
+                shown(request.kv_transfer_params.get("transfer_id")),
+                why,
             )
             self._tried.add(request.request_id)
-            return None
+            self._refused.add(request.request_id)
         return params
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
@@ -146,7 +146,13 @@ class SchedulerSide:
         req_id = request.request_id
         params = self._accepted.get(req_id)
         if params is None and req_id not in self._tried:  # checked once: the digest reads it all
-            params = self._remote_params(request)
+            try:
+                params = self._remote_params(request)
+            except Exception:  # never the engine's failure: this request recomputes
+                log.exception("tritonkv: request %s: checking its hand-off failed", req_id)
+                self._tried.add(req_id)
+                self._refused.add(req_id)
+                params = None
         if params is None:
             return 0, False
         self._accepted[req_id] = params
@@ -243,9 +249,10 @@ class SchedulerSide:
         An aborted request gets no hand-off: its saved KV is dropped from the buffer in the next
         step instead of waiting out its TTL.
 
-        Consumer: a request that ends with its hand-off unused (aborted or refused before it
-        loaded, its prompt all in the local prefix cache, its params refused) has the producer
-        drop the entry, in the next step, rather than hold it until its TTL.
+        Consumer: a request that ends with a usable hand-off unused (aborted before it loaded,
+        its prompt all in the local prefix cache) has the producer drop the entry, in the next
+        step, rather than hold it until its TTL. A refused hand-off releases nothing: it came
+        from a client and may name any address (its entry, if any, expires by its TTL).
         """
         req_id = request.request_id
         self._watched.pop(req_id, None)
@@ -253,10 +260,13 @@ class SchedulerSide:
         self._tried.discard(req_id)
         self._accepted.pop(req_id, None)
         self._receiving.discard(req_id)
-        handoff = parse_handoff(request.kv_transfer_params) if self.is_consumer else None
-        if handoff is not None and handoff.transfer_id not in self._handled:
-            self._handle(handoff.transfer_id, req_id)
-            self._releases.append(handoff)
+        if req_id in self._refused:  # it may name any address: ask nobody to release it
+            self._refused.discard(req_id)
+        elif self._check(request)[0] is not None:
+            handoff = parse_handoff(request.kv_transfer_params)
+            if handoff.transfer_id not in self._handled:
+                self._handle(handoff.transfer_id, req_id)
+                self._releases.append(handoff)
         transfer_id = self._saved.pop(req_id, None)
         if transfer_id is None:
             return False, None

@@ -8,7 +8,7 @@ merges and reduces it with :func:`merge` and :func:`reduce`.
 from __future__ import annotations
 
 # Counters that make an interval worth reporting (the rest are sums and timings).
-COUNTS = ("saves", "loads", "load_failures", "auth_failures")
+COUNTS = ("saves", "loads", "save_failures", "load_failures", "auth_failures")
 
 
 def empty_stats() -> dict:
@@ -16,6 +16,7 @@ def empty_stats() -> dict:
     return {
         "saves": 0,
         "loads": 0,
+        "save_failures": 0,
         "load_failures": 0,
         "auth_failures": 0,
         "bytes_saved": 0,
@@ -46,6 +47,9 @@ class TransferStats:
         self._data["tokens_loaded"] += num_tokens
         self._data["fetch_ms"].append(fetch_ms)
         self._data["unpack_ms"].append(unpack_ms)
+
+    def record_save_failure(self) -> None:
+        self._data["save_failures"] += 1
 
     def record_load_failure(self) -> None:
         self._data["load_failures"] += 1

@@ -93,9 +93,9 @@ def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(monkeyp
 
 
 def test_a_producer_that_timed_out_is_not_asked_again_for_a_while():
-    """Sync loads stall the whole decode batch: after one load from a producer times out, the
-    step's other loads from it fail at once (and are recomputed) until connect_timeout_s has
-    passed; other producers are still asked."""
+    """Sync loads stall the whole decode batch: after one load from a producer host times out,
+    the step's other loads from that host fail at once (and are recomputed), whatever port they
+    name, until connect_timeout_s has passed; other hosts are still asked."""
     block_size = 4
     src = torch.randint(-(2**15), 2**15, (2, 6, block_size, 2, 8), dtype=torch.int16)
     packed, _ = pack_kv([layouts.flash_attn(src)], torch.arange(4))  # a 4-token prompt
@@ -103,10 +103,10 @@ def test_a_producer_that_timed_out_is_not_asked_again_for_a_while():
 
     def client(host, port):
         def get(transfer_id):
-            asked.append(port)
-            if port == 1:
+            asked.append((host, port))
+            if host == "slow":
                 raise TransferTimeout("deadline passed", peer=f"{host}:{port}", key=transfer_id)
-            if port == 3:  # this worker's own requests held the client: the producer is fine
+            if host == "busy":  # this worker's own requests held the client: the producer is fine
                 raise ClientBusyError("client busy", peer=f"{host}:{port}", key=transfer_id)
             return {"kv": packed}, {"kv_format": "tokens"}
 
@@ -119,18 +119,19 @@ def test_a_producer_that_timed_out_is_not_asked_again_for_a_while():
         connect=client,
     )
 
-    def load(*ports):
+    def load(*addrs):
         conn.start_load_kv(
-            [LoadSpec(f"r{i}", "t", "h", p, [i], 0, 3, 4) for i, p in enumerate(ports)]
+            [LoadSpec(f"r{i}", "t", h, p, [i], 0, 3, 4) for i, (h, p) in enumerate(addrs)]
         )
         return conn.get_block_ids_with_load_errors()
 
-    assert load(1, 1, 2, 1, 3, 3) == {0, 1, 3, 4, 5}
-    assert asked == [1, 2, 3, 3], "the producer that timed out was asked again at once"
+    slow, other_port, fine, busy = ("slow", 1), ("slow", 9), ("fine", 2), ("busy", 3)
+    assert load(slow, other_port, fine, slow, busy, busy) == {0, 1, 3, 4, 5}
+    assert asked == [slow, fine, busy, busy], "the host that timed out was asked again at once"
     asked.clear()
     time.sleep(0.35)
-    assert load(1) == {0}
-    assert asked == [1], "the producer was not asked again after connect_timeout_s"
+    assert load(other_port) == {0}
+    assert asked == [other_port], "the host was not asked again after connect_timeout_s"
 
 
 def test_releases_drop_unused_entries_on_the_producer_off_the_worker_thread():

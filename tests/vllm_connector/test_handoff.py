@@ -2,15 +2,37 @@
 
 from __future__ import annotations
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 import tritonkv
 from connector.vllm_connector.handoff import (
+    MAX_TP_SIZE,
     PROTOCOL,
     build_handoff,
+    handoff_problems,
     is_handoff,
     parse_handoff,
     prompt_digest,
+    shown,
 )
 from connector.vllm_connector.metadata import ReleaseSpec
+
+TID = "0123456789abcdef" * 2
+
+
+def _good(**changes) -> dict:
+    params = build_handoff(
+        transfer_id=TID,
+        host="prefill-0.example",
+        engine_port=14600,
+        num_tokens=3,
+        prompt_token_ids=[1, 2, 3],
+        fingerprint="fp",
+        tp_size=2,
+    )
+    return {**params, **changes}
 
 
 def test_prompt_digest_tells_prompts_apart():
@@ -21,7 +43,7 @@ def test_prompt_digest_tells_prompts_apart():
 
 def test_a_built_handoff_parses_back_to_where_its_entry_lives():
     params = build_handoff(
-        transfer_id="t",
+        transfer_id=TID,
         host="10.0.0.1",
         engine_port=14602,
         num_tokens=3,
@@ -32,7 +54,8 @@ def test_a_built_handoff_parses_back_to_where_its_entry_lives():
     assert params["protocol"] == PROTOCOL and params["tritonkv_version"] == tritonkv.__version__
     assert params["prompt_digest"] == prompt_digest([1, 2, 3]) and params["num_tokens"] == 3
     assert is_handoff(params)
-    assert parse_handoff(params) == ReleaseSpec("t", "10.0.0.1", 14602, 2)
+    assert handoff_problems(params) == []
+    assert parse_handoff(params) == ReleaseSpec(TID, "10.0.0.1", 14602, 2)
 
 
 def test_params_that_are_no_usable_handoff_parse_to_none():
@@ -41,5 +64,59 @@ def test_params_that_are_no_usable_handoff_parse_to_none():
     assert parse_handoff(ours) is None  # but it says nowhere where its entry lives
     for params in (None, {"do_remote_decode": True}, {**ours, "protocol": "nixl"}):
         assert not is_handoff(params) and parse_handoff(params) is None
-    odd_tp = {**ours, "remote_host": "h", "remote_port": 1, "tp_size": 0}
-    assert parse_handoff(odd_tp).producer_tp == 1
+    good = _good()
+    assert parse_handoff(good) is not None
+    assert parse_handoff({**good, "protocol": "tritonkv-1"}) is None
+    assert parse_handoff({**good, "tp_size": 0}) is None
+
+
+# What a client of vLLM's API can put in kv_transfer_params instead of a producer's values.
+HOSTILE = {
+    "remote_port": [2**63, -1, 0, 65536, 65535, 70000, True, 1.5, "14600", None],
+    "tp_size": [2**63, 0, -2, MAX_TP_SIZE + 1, 3000, True, 2.0, "2", None],
+    "transfer_id": ["t", "0" * 31, "0" * 33, "G" * 32, TID.upper(), "../" * 11, 7, None],
+    "remote_host": ["", "a" * 254, "h\nINJECTED", "h h", "-h", "h..x", "[::1]", 5, None],
+    "num_tokens": [0, -3, True, 2.0, "3", None],
+    "prompt_digest": ["x", "0" * 31, 5, None],
+    "fingerprint": ["f" * 1025, 1, None],
+}
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [(k, v) for k, vs in HOSTILE.items() for v in vs], ids=shown
+)
+def test_a_hostile_value_in_any_field_is_refused_by_name_before_anything_is_dialed(key, value):
+    params = _good(**{key: value})
+    problems = handoff_problems(params)
+    assert len(problems) == 1 and problems[0].startswith(key), problems
+    assert parse_handoff(params) is None  # nothing to dial, nothing to release
+    assert len(problems[0]) < 300  # a client's value is shown cut short, never in full
+
+
+def test_good_hosts_and_ports_at_the_edges_are_accepted():
+    for host in ("10.0.0.1", "::1", "fe80::1", "prefill-0", "p.example.com", "p.example.com."):
+        assert handoff_problems(_good(remote_host=host)) == [], host
+    assert handoff_problems(_good(remote_port=1)) == []
+    assert handoff_problems(_good(remote_port=65534, tp_size=2)) == []  # ranks on 65534, 65535
+    assert handoff_problems(_good(remote_port=65535, tp_size=2))  # rank 1 would be past 65535
+    assert handoff_problems(_good(tp_size=MAX_TP_SIZE)) == []
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=40),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(sorted(_good())), JSON, max_size=10))
+def test_any_json_a_client_sends_parses_or_is_refused_without_raising(changes):
+    params = _good(**changes)
+    problems = handoff_problems(params)
+    spec = parse_handoff(params)
+    if spec is not None:
+        assert problems == [] and 1 <= spec.port <= 65536 - spec.producer_tp
+        assert 1 <= spec.producer_tp <= MAX_TP_SIZE

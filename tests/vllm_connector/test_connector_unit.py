@@ -225,14 +225,17 @@ def _caches(shape, seed=0, num_layers=2):
 def _transfer(vc, producer, consumer, src_blocks, dst_blocks, num_tokens, start):
     """Save a ``num_tokens`` prompt on ``producer``, load it on ``consumer`` (whose first ``start``
     positions are a local hit); returns the consumer's load-error blocks."""
+    from functools import partial
     from types import SimpleNamespace
 
-    from connector.kvstore.store import KVBuffer
+    from support.kvstore import deliver
+
+    from connector.kvstore import KVBuffer
 
     buffer = KVBuffer(1 << 24)
     producer._buffer = buffer
     producer.wait_for_save([vc.SaveSpec("p", "t1", src_blocks, num_tokens)])
-    consumer._client = lambda host, port: SimpleNamespace(get=buffer.take)
+    consumer._client = lambda host, port: SimpleNamespace(get=partial(deliver, buffer))
     consumer.start_load_kv(
         [vc.LoadSpec("c", "t1", "h", 1, dst_blocks, start, num_tokens - 1 - start, num_tokens)]
     )
@@ -540,9 +543,11 @@ def test_an_aborted_prefill_hands_nothing_off_and_its_kv_is_dropped(vc):
     in the next step's metadata, to drop its saved entry; a finished one keeps its entry."""
     from types import SimpleNamespace
 
+    from support.kvstore import deliver
     from vllm.v1.request import RequestStatus
 
-    from connector.kvstore.store import KeyMissError, KVBuffer
+    from connector.kvstore import KVBuffer
+    from connector.transport.errors import KeyMissError
     from connector.vllm_connector.scheduler import SchedulerSide
 
     sched = object.__new__(vc.TritonKVConnector)  # the vLLM-facing class: it reads the status
@@ -581,8 +586,8 @@ def test_an_aborted_prefill_hands_nothing_off_and_its_kv_is_dropped(vc):
         worker._buffer.put(key, {"kv": torch.zeros(4)})
     worker.wait_for_save(meta.saves, meta.discards)
     with pytest.raises(KeyMissError, match="discarded"):
-        worker._buffer.take("t-aborted")
-    assert torch.equal(worker._buffer.take("t-done")[0]["kv"], torch.zeros(4))
+        deliver(worker._buffer, "t-aborted")
+    assert torch.equal(deliver(worker._buffer, "t-done")[0]["kv"], torch.zeros(4))
     worker._buffer.close()
 
 
@@ -591,8 +596,11 @@ def test_releases_drop_unused_entries_on_the_producer_off_the_worker_thread(vc):
     producer that is gone is logged, never raised."""
     import threading
 
-    from connector.kvstore.store import KeyMissError, KVBuffer, KVServer
+    from support.kvstore import deliver
+
+    from connector.kvstore import KVBuffer, KVServer
     from connector.serve.launch import free_port_run
+    from connector.transport.errors import KeyMissError
 
     base = free_port_run(2)
     buffer = KVBuffer(1 << 20)
@@ -612,12 +620,14 @@ def test_releases_drop_unused_entries_on_the_producer_off_the_worker_thread(vc):
         conn.start_load_kv([], releases)
         conn._release_pool.shutdown(wait=True)
         with pytest.raises(KeyMissError, match="discarded"):
-            buffer.take("unused")
-        assert torch.equal(buffer.take("kept")[0]["kv"], torch.zeros(4))
+            deliver(buffer, "unused")
+        assert torch.equal(deliver(buffer, "kept")[0]["kv"], torch.zeros(4))
         assert len(callers) == 1 and callers[0] is not threading.current_thread()
         conn.shutdown()
         real_release([vc.ReleaseSpec("late", "127.0.0.1", base, 2)])  # e.g. a batch still running
-        assert torch.equal(buffer.take("late")[0]["kv"], torch.zeros(4)), "released after shutdown"
+        assert torch.equal(deliver(buffer, "late")[0]["kv"], torch.zeros(4)), (
+            "released after shutdown"
+        )
         assert all(c._closed for c in conn._clients.values())
     finally:
         conn.shutdown()
@@ -632,7 +642,7 @@ def test_a_producer_that_timed_out_is_not_asked_again_for_a_while(vc):
     import time
     from types import SimpleNamespace
 
-    from connector.kvstore.store import ClientBusyError, TransferTimeout
+    from connector.transport.errors import ClientBusyError, TransferTimeout
     from tritonkv import layouts, pack_kv
 
     block_size = 4

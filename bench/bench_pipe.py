@@ -15,9 +15,11 @@ pipe's own two-rank process group carries both providers, in the same run, inter
 Each point is the median of ``rounds`` timings of ``reps`` back-to-back messages, from the sender's
 first send until the receiver's "done" reply (one small round trip, the same for all providers).
 
-Latency: ``KVBuffer.take`` (local get), ``KVBuffer.match_prefix`` (64-token query, block 16) and
-``KVClient.get`` (remote, small entry, gloo, same host) with 10, 1k and 100k entries held: medians
-over random keys. They should stay flat as the buffer grows (dict and hash lookups, no scans).
+Latency with 10, 1k and 100k entries held: a local delivery (``KVBuffer.checkout`` then
+``checkin``), ``KVBuffer.match_prefix`` (64-token query over random prompts, block 16) and
+``KVClient.get`` (remote, small entry, gloo, same host). A delivery claims its entry, so each
+delivery's entry is put, untimed, just before it. Medians; they should stay flat as the buffer
+grows (dict and hash lookups, no scans).
 
 The last line is ``pipe/raw throughput ratio at 64 MiB: R``.
 """
@@ -34,7 +36,7 @@ import time
 
 import torch
 
-from connector.kvstore.store import KVBuffer, KVClient
+from connector.kvstore import KVBuffer, KVClient
 from connector.transport import PipeListener, connect_pipe
 from connector.transport.options import PipeOptions
 
@@ -155,32 +157,53 @@ def _median_us(fn, args_list) -> float:
     return statistics.median(ts) * 1e6
 
 
+def _median_delivery_us(buf: KVBuffer, deliver, n: int, prefix: str) -> float:
+    """Median microseconds of ``deliver(key)`` over ``n`` small entries, each put (untimed) just
+    before its delivery claims it."""
+    ts = []
+    for j in range(n):
+        key = f"{prefix}-{j}"
+        buf.put(key, {"kv": torch.zeros(16), "cu_seqlens": torch.zeros(2)}, {"j": j})
+        t0 = time.perf_counter()
+        deliver(key)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e6
+
+
+def _local_delivery(buf: KVBuffer):
+    def deliver(key: str) -> None:
+        with buf.checkout(key):
+            pass
+
+    return deliver
+
+
 def latency(counts, ops: int):
     rows = []
     rng = random.Random(0)
     for count in counts:
-        buf = KVBuffer(8 << 30, max_reads=0, ttl_s=None, block_size=16)
+        buf = KVBuffer(8 << 30, ttl_s=None, block_size=16)
         prompts = []
         for i in range(count):
             toks = [i, *[rng.randrange(32000) for _ in range(63)]]  # 4 blocks, distinct prefixes
             prompts.append(toks)
             buf.put(f"req-{i}", {"kv": torch.zeros(16), "cu_seqlens": torch.zeros(2)}, {"i": i},
                     token_ids=toks)  # fmt: skip
-        keys = [f"req-{rng.randrange(count)}" for _ in range(ops)]
         queries = [[*prompts[rng.randrange(count)][:48], 1, 2, 3] for _ in range(ops)]
-        take_us = _median_us(buf.take, keys)
+        lease_us = _median_delivery_us(buf, _local_delivery(buf), ops, "local")
         match_us = _median_us(buf.match_prefix, queries)
         assert buf.match_prefix(queries[0])[0] == 48
         server = buf.serve()
         try:
             with KVClient("127.0.0.1", server.port, timeout_s=30) as client:
-                client.get(keys[0])  # connect
-                get_us = _median_us(client.get, keys[: max(200, ops // 10)])
+                client.discard("connect")  # connects: the rendezvous is not what is timed
+                get_us = _median_delivery_us(buf, client.get, max(200, ops // 10), "remote")
         finally:
             server.close()
-        rows.append((count, take_us, match_us, get_us))
+        rows.append((count, lease_us, match_us, get_us))
         print(
-            f"{count:>7} entries  take {take_us:8.1f} us  match_prefix {match_us:8.1f} us  "
+            f"{count:>7} entries  local delivery {lease_us:8.1f} us  "
+            f"match_prefix {match_us:8.1f} us  "
             f"remote get {get_us:8.1f} us",
             flush=True,
         )

@@ -1,8 +1,26 @@
 """The KV store: the producer's dict-keyed buffer of packed entries, its server and its client.
 
+- ``store.py``: :class:`KVBuffer` and the :class:`Lease` a delivery holds;
+- ``prefix.py``: the longest-prefix index the buffer owns (local, no request on the wire);
+- ``protocol.py``: request and reply kinds (:class:`~.protocol.Op`), meta keys, :class:`Part`;
+- ``server.py``: :class:`KVServer` (producer); ``client.py``: :class:`KVClient` (consumer).
+
 What other rooms use is exported here; the modules behind these names may move.
 """
 
-from .store import FULL_POLICIES, KVBuffer, KVClient, KVServer, Part
+from .client import KVClient
+from .prefix import MAX_PREFIX_TOKENS, block_hashes
+from .protocol import Part
+from .server import KVServer
+from .store import FULL_POLICIES, KVBuffer, Lease
 
-__all__ = ["FULL_POLICIES", "KVBuffer", "KVClient", "KVServer", "Part"]
+__all__ = [
+    "FULL_POLICIES",
+    "MAX_PREFIX_TOKENS",
+    "KVBuffer",
+    "KVClient",
+    "KVServer",
+    "Lease",
+    "Part",
+    "block_hashes",
+]

@@ -1,23 +1,63 @@
 """The KV store's requests and replies: frame kinds of the pipe's user range
-(:data:`connector.transport.frame.APP_KIND_MIN` up), carried by a :class:`TensorPipe`."""
+(:data:`connector.transport.frame.APP_KIND_MIN` up), carried by a :class:`TensorPipe`, with the
+meta keys they use and :class:`Part`, the slice of one tensor a GET may ask for.
+
+Request / reply protocol (one pipe per client, one request at a time)::
+
+    GET key {"wait_ms": w[, part fields]}  → DATA key tensors entry_meta
+                                            | MISS key {"reason": r}
+                                            | ERROR key {"error": e}
+    DISCARD key                            → ACK key {"existed": bool}
+                                            | ERROR key {"error": e}
+
+Any other kind is answered with ERROR and the connection is closed. Codes 37 and 38 were PUT and
+MATCH (removed before 0.1.0); they are not reused while the frame version is 2.
+"""
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
-from ..transport.frame import APP_KIND_MIN
+import torch
+
+from ..transport.frame import APP_KIND_MIN, DEFAULT_LIMITS
+
+__all__ = [
+    "EXISTED",
+    "PART_DIM",
+    "PART_FIELDS",
+    "PART_START",
+    "PART_STOP",
+    "PART_TENSOR",
+    "REASON",
+    "WAIT_MS",
+    "Op",
+    "Part",
+    "check_key",
+    "op_name",
+]
 
 
 class Op(enum.IntEnum):
     """Request and reply kinds of the KV store (frame kind codes)."""
 
-    GET = APP_KIND_MIN  # client → server: key, {"wait_ms"}
+    GET = APP_KIND_MIN  # client → server: key, {WAIT_MS[, part fields]}
     DATA = APP_KIND_MIN + 1  # server → client: key, tensors, entry meta
-    MISS = APP_KIND_MIN + 2  # server → client: key, {"reason"}
-    ACK = APP_KIND_MIN + 3  # server → client: result of PUT / DISCARD / MATCH in meta
+    MISS = APP_KIND_MIN + 2  # server → client: key, {REASON}
+    ACK = APP_KIND_MIN + 3  # server → client: the result of a DISCARD, {EXISTED}
     DISCARD = APP_KIND_MIN + 4  # client → server: key
-    PUT = APP_KIND_MIN + 5  # client → server: key, tensors, entry meta
-    MATCH = APP_KIND_MIN + 6  # client → server: tensor "token_ids" (int64)
+
+
+# Meta keys. An ERROR reply carries the transport's {"error": text} (Kind.ERROR, error_text).
+WAIT_MS = "wait_ms"  # GET: how long the server may wait for the key to be put (int ms >= 0)
+REASON = "reason"  # MISS: why the key is not there ("claimed: ...", "expired: ...", ...)
+EXISTED = "existed"  # ACK of DISCARD: whether the server held the key
+PART_TENSOR = "part_tensor"  # GET of a Part: the tensor's name
+PART_DIM = "part_dim"  # ... the dim sliced
+PART_START = "part_start"  # ... first index
+PART_STOP = "part_stop"  # ... one past the last index
+PART_FIELDS = (PART_TENSOR, PART_DIM, PART_START, PART_STOP)
 
 
 def op_name(kind: int) -> str:
@@ -26,3 +66,68 @@ def op_name(kind: int) -> str:
         return Op(kind).name
     except ValueError:
         return kind.name if isinstance(kind, enum.Enum) else f"kind {kind}"
+
+
+def check_key(key) -> str:
+    """``key`` if it is a key the wire carries (1..max_key_bytes UTF-8 bytes); TypeError or
+    ValueError saying what was given otherwise."""
+    if not isinstance(key, str):
+        raise TypeError(f"key: expected str, got {type(key).__name__}")
+    if not key or len(key.encode("utf-8")) > DEFAULT_LIMITS.max_key_bytes:
+        raise ValueError(
+            f"key: expected 1..{DEFAULT_LIMITS.max_key_bytes} UTF-8 bytes, got {len(key)} chars"
+        )
+    return key
+
+
+@dataclass(frozen=True)
+class Part:
+    """One slice of one tensor of an entry: ``tensor.narrow(dim, start, stop - start)``.
+
+    A GET may ask for a part (a consumer rank that holds some of the producer rank's KV heads
+    pulls only those). The server sends that slice and every other tensor of the entry whole; the
+    entry counts as delivered once its parts cover the whole dim. Example: an entry whose ``"kv"``
+    is ``[2, 3, 4, 2]`` with heads on dim 2 is claimed after ``Part("kv", 2, 0, 2)`` and
+    ``Part("kv", 2, 2, 4)`` were both delivered, by one consumer or two.
+    """
+
+    tensor: str
+    dim: int
+    start: int
+    stop: int
+
+    def meta(self) -> dict:
+        """The GET meta fields that ask for this part."""
+        return dict(zip(PART_FIELDS, (self.tensor, self.dim, self.start, self.stop), strict=True))
+
+    @staticmethod
+    def from_meta(meta: dict) -> Part | None:
+        """The part a GET's meta asks for; None for the whole entry; ValueError if malformed."""
+        if not any(f in meta for f in PART_FIELDS):
+            return None
+        name, dim, start, stop = (meta.get(f) for f in PART_FIELDS)
+        ints = all(type(v) is int for v in (dim, start, stop))
+        if not isinstance(name, str) or not ints or not 0 <= start < stop:
+            raise ValueError(
+                "GET part: expected part_tensor (str) and ints part_dim, part_start < part_stop, "
+                f"got {name!r}, {dim!r}, {start!r}, {stop!r}"
+            )
+        return Part(name, dim, start, stop)
+
+    def check(self, tensors: dict[str, torch.Tensor]) -> None:
+        """ValueError unless ``tensors`` has this part's tensor with this dim and range."""
+        t = tensors.get(self.tensor)
+        if t is None or not 0 <= self.dim < t.dim() or self.stop > t.shape[self.dim]:
+            shape = None if t is None else tuple(t.shape)
+            raise ValueError(
+                f"GET part: tensor {self.tensor!r} of shape {shape} has no dim {self.dim} range "
+                f"[{self.start}, {self.stop})"
+            )
+
+    def cut(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``tensors`` with this part's tensor replaced by its slice (a contiguous copy), the
+        others as they are (call :meth:`check` first)."""
+        out = dict(tensors)
+        sliced = out[self.tensor].narrow(self.dim, self.start, self.stop - self.start)
+        out[self.tensor] = sliced.contiguous()
+        return out

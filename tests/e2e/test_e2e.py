@@ -17,8 +17,8 @@ import pytest
 from support.e2e import MAX_TOKENS, assert_token_granular_load, run_concurrently, start_cluster
 from support.vllm_fixtures import requires_vllm
 
-from connector.kvstore.store import KeyMissError
 from connector.serve.demo import completion
+from connector.transport.errors import KeyMissError
 
 pytestmark = [pytest.mark.slow, requires_vllm, pytest.mark.timeout(900)]
 
@@ -63,7 +63,7 @@ def test_the_producers_kv_port_answers_only_holders_of_the_secret(pd):
     with another one, is refused by the producer's KV server, and the secret is never logged."""
     import re
 
-    from connector.kvstore.store import KVClient
+    from connector.kvstore import KVClient
     from connector.transport.auth import AuthError
 
     port = int(re.search(r"serving KV on 127\.0\.0\.1:(\d+)", pd.producer.log_text()).group(1))

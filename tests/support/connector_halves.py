@@ -3,6 +3,7 @@ directly (at TP 1 unless told), and an in-process save-then-load (no sockets, no
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -14,6 +15,7 @@ from connector.vllm_connector.consumer import Consumer
 from connector.vllm_connector.metadata import LoadSpec, SaveSpec
 from connector.vllm_connector.producer import Producer
 from connector.vllm_connector.stats import TransferStats
+from support.kvstore import deliver
 
 HEAD_SIZE, SENTINEL = 8, 12345
 # The transport of the in-process KV servers. Not gloo: with several gloo servers started and
@@ -117,7 +119,10 @@ def transfer(
     src.attach_buffer(buffer)
     src.wait_for_save([SaveSpec("p", "t1", src_blocks, num_tokens)])
     dst = consumer(
-        dst_tensors, dst_block_size, connect=lambda host, port: fake_client(buffer.take), **kw
+        dst_tensors,
+        dst_block_size,
+        connect=lambda host, port: fake_client(partial(deliver, buffer)),
+        **kw,
     )
     dst.start_load_kv(
         [LoadSpec("c", "t1", "h", 1, dst_blocks, start, num_tokens - 1 - start, num_tokens)]

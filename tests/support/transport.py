@@ -35,9 +35,6 @@ ENTRY_DTYPES = (
     torch.int64,
 )
 
-# Requests a store-style test server answers (a producer's default is GET and DISCARD only).
-STORE_REQUESTS = ("GET", "DISCARD", "PUT", "MATCH")
-
 
 def random_tensor(shape, dtype, seed: int) -> torch.Tensor:
     """Tensor with arbitrary (seeded) bit patterns: NaNs and denormals included."""
@@ -170,28 +167,22 @@ class Child:
 # Child entry points
 # ----------------------------------------------------------------------------------------------
 def _producer(args) -> None:
-    from connector.kvstore.store import KVBuffer
+    from connector.kvstore import KVBuffer
 
     class HookedBuffer(KVBuffer):
-        def _checkout(self, key, wait_s=0.0, part=False):
-            e = super()._checkout(key, wait_s, part)
+        def checkout(self, key, **kw):
+            lease = super().checkout(key, **kw)
             if args.hook:
                 print(f"CHECKOUT {key}", flush=True)
-            return e
+            return lease
 
-    buf = HookedBuffer(
-        capacity_bytes=args.capacity_mib << 20,
-        full_policy=args.policy,
-        put_timeout_s=args.put_timeout,
-        max_reads=args.max_reads,
-    )
+    buf = HookedBuffer(capacity_bytes=4 << 30)
     for i in range(args.n):
         tensors, meta = make_entry(i)
         buf.put(f"k{i}", tensors, meta)
     if args.big_mib:
         buf.put("big", {"big": big_tensor(args.big_mib)}, {"mib": args.big_mib})
-    # A store that tests fill remotely: PUT and MATCH too, beyond a producer's GET and DISCARD.
-    server = buf.serve("127.0.0.1", 0, transport=args.transport, allow=STORE_REQUESTS)
+    server = buf.serve("127.0.0.1", 0, transport=args.transport)
     print(f"READY {server.port}", flush=True)
     for line in sys.stdin:
         if line.strip() == "STATS":
@@ -200,7 +191,7 @@ def _producer(args) -> None:
 
 
 def _consumer(args) -> None:
-    from connector.kvstore.store import KVClient
+    from connector.kvstore import KVClient
 
     client = KVClient("127.0.0.1", args.port, transport=args.transport, timeout_s=60)
     print("READY 0", flush=True)
@@ -246,10 +237,6 @@ def main(argv=None) -> None:
     pr = sub.add_parser("producer")
     pr.add_argument("--n", type=int, default=0)
     pr.add_argument("--big-mib", type=int, default=0)
-    pr.add_argument("--capacity-mib", type=int, default=4096)
-    pr.add_argument("--policy", default="wait")
-    pr.add_argument("--put-timeout", type=float, default=10.0)
-    pr.add_argument("--max-reads", type=int, default=1)
     pr.add_argument("--transport", default="gloo")
     pr.add_argument("--hook", action="store_true")
     co = sub.add_parser("consumer")

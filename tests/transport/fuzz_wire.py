@@ -139,7 +139,7 @@ def seeds() -> list[bytes]:
     payload = b"".join(t.numpy().tobytes() for t in kv.values())
     data = wire.encode_header(Op.DATA, "k", {"wire": "tokens"}, specs, wire.FLAG_INLINE)
     frames.append(data + payload)
-    frames.append(wire.encode_header(Op.PUT, "k", {}, specs))  # payload on the group
+    frames.append(wire.encode_header(Op.DATA, "k", {}, specs))  # payload on the group
     challenge, nonce_l = auth.challenge(True)
     response, nonce_c = auth.respond(SECRET, True, nonce_l, "seed")
     _, verdict = auth.check_response(SECRET, nonce_l, response)

@@ -8,7 +8,7 @@ import threading
 import pytest
 from support.transport import assert_entry_equal, make_entry
 
-from connector.kvstore.store import KVBuffer, KVClient
+from connector.kvstore import KVBuffer, KVClient
 from connector.transport.threads import parse_cpus, set_transfer_cpus, transfer_cpus
 
 pytestmark = [

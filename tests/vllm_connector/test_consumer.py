@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 from support.connector_halves import NHD, caches, consumer, fake_client
+from support.kvstore import deliver
 
 import connector.transport.threads as threads_mod
 import connector.vllm_connector.consumer as consumer_mod
@@ -159,12 +160,14 @@ def test_releases_drop_unused_entries_on_the_producer_off_the_worker_thread():
         conn.start_load_kv([], releases)
         conn.wait_for_releases()
         with pytest.raises(KeyMissError, match="discarded"):
-            buffer.take("unused")
-        assert torch.equal(buffer.take("kept")[0]["kv"], torch.zeros(4))
+            deliver(buffer, "unused")
+        assert torch.equal(deliver(buffer, "kept")[0]["kv"], torch.zeros(4))
         assert len(set(callers)) == 1 and callers[0] is not threading.current_thread()
         conn.shutdown()
         conn.release([ReleaseSpec("late", "127.0.0.1", base, 2)])  # e.g. a batch still running
-        assert torch.equal(buffer.take("late")[0]["kv"], torch.zeros(4)), "released after shutdown"
+        assert torch.equal(deliver(buffer, "late")[0]["kv"], torch.zeros(4)), (
+            "released after shutdown"
+        )
         for client in clients:
             with pytest.raises(PipeClosedError, match="client is closed"):
                 client.discard("late", timeout_s=1.0)

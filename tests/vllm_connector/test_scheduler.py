@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from support.kvstore import deliver
 from support.vllm_fixtures import captured_log, requires_vllm
 
 pytestmark = requires_vllm
@@ -465,8 +466,8 @@ def test_an_aborted_prefill_hands_nothing_off_and_its_kv_is_dropped(vllm_mods):
         buffer.put(key, {"kv": torch.zeros(4)})
     worker.wait_for_save(meta.saves, meta.discards)
     with pytest.raises(KeyMissError, match="discarded"):
-        buffer.take(aborted_id)
-    assert torch.equal(buffer.take(done_id)[0]["kv"], torch.zeros(4))
+        deliver(buffer, aborted_id)
+    assert torch.equal(deliver(buffer, done_id)[0]["kv"], torch.zeros(4))
     buffer.close()
 
 

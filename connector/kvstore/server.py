@@ -1,0 +1,320 @@
+"""The producer's KV server: answers consumers' GET and DISCARD requests for a :class:`KVBuffer`.
+
+One accept thread; per connection one handler thread (authentication and handshake, then
+request / reply, :mod:`connector.kvstore.protocol`), so one consumer dying or misbehaving only
+loses its own connection. Least privilege: consumers pull and drop entries by transfer id; nothing
+on the wire can put, list or probe entries. A GET delivers through a :class:`~.store.Lease`: the
+entry is pinned while its payload is sent, claimed when the send completed, kept for a retry
+when it failed. Deadlines: ``max_get_wait_s`` (60 s) caps how long a GET may wait for a key to be
+put (default 0: an absent key is an immediate MISS), ``io_timeout_s`` (60 s) per payload.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..logs import get_logger
+from ..transport import (
+    Message,
+    PipeListener,
+    TensorPipe,
+    auth,
+    check_timeout,
+    error_text,
+    send_error_frame,
+)
+from ..transport.errors import (
+    KeyMissError,
+    PeerDeadError,
+    PipeClosedError,
+    ProtocolError,
+    TransferError,
+)
+from ..transport.frame import Kind
+from ..transport.options import PipeOptions
+from ..transport.threads import transfer_thread
+from .protocol import EXISTED, REASON, WAIT_MS, Op, Part, op_name
+from .store import KVBuffer, Lease
+
+__all__ = ["KVServer"]
+
+log = get_logger("kvstore")
+
+
+class KVServer:
+    """Serves a :class:`KVBuffer` to consumers over tensor pipes (background threads).
+
+    Args:
+        buffer: the entries served.
+        host, port: where to listen (port 0: any free port; see ``address``).
+        transport: ``"gloo"`` (default) or ``"nccl"`` for CUDA.
+        allow_socket: also accept inline-TCP clients (default True).
+        device: where received payloads land (default ``"cpu"``).
+        max_connections: open connections at most (64); more are told why and closed.
+        max_get_wait_s: cap on a GET's wait for its key to be put (60 s).
+        connect_timeout_s: authentication and handshake deadline (10 s).
+        secret, insecure: as for :class:`~connector.transport.PipeListener` (every connection
+            authenticates first; a non-loopback address needs a secret or ``insecure=True``).
+        options: the pipes' :class:`~connector.transport.options.PipeOptions` (default: the
+            defaults, with ``limits=buffer.limits``).
+
+    Failed authentications are counted (``auth_failures``) and logged at most once per host a
+    minute; a host may hold at most ``MAX_PENDING_PER_HOST`` connections that have not finished
+    authenticating. A request of any kind but GET and DISCARD gets an ERROR reply naming it, and
+    its connection is closed.
+    """
+
+    MAX_PENDING_PER_HOST = 4
+
+    def __init__(
+        self,
+        buffer: KVBuffer,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        transport: str = "gloo",
+        allow_socket: bool = True,
+        device: str | torch.device = "cpu",
+        max_connections: int = 64,
+        max_get_wait_s: float = 60.0,
+        connect_timeout_s: float = 10.0,
+        secret: bytes | str | None = None,
+        insecure: bool = False,
+        options: PipeOptions | None = None,
+    ):
+        if not isinstance(buffer, KVBuffer):
+            raise TypeError(f"buffer: expected a KVBuffer, got {type(buffer).__name__}")
+        self.buffer = buffer
+        self.max_connections = max_connections
+        self.max_get_wait_s = check_timeout("max_get_wait_s", max_get_wait_s)
+        options = PipeOptions(limits=buffer.limits) if options is None else options
+        self.io_timeout_s = options.io_timeout_s
+        self._handlers: dict[int, Callable[[TensorPipe, Message], None]] = {
+            Op.GET: self._on_get,
+            Op.DISCARD: self._on_discard,
+        }
+        self._listener = PipeListener(
+            host,
+            port,
+            transport=transport,
+            allow_socket=allow_socket,
+            device=device,
+            connect_timeout_s=connect_timeout_s,
+            secret=secret,
+            insecure=insecure,
+            options=options,
+        )
+        self.host, self.port = self._listener.address
+        self._auth_failures = auth.FailureLog()
+        self._pending: collections.Counter[str] = collections.Counter()  # host -> handshakes
+        self._lock = threading.Lock()
+        self._pipes: dict[int, TensorPipe] = {}
+        self._threads: dict[int, threading.Thread] = {}
+        self._ids = itertools.count()
+        self._c = collections.Counter()
+        self._closed = False
+        self._accept_thread = transfer_thread(self._accept_loop, f"tkv-server[{self.port}]-accept")
+        self._accept_thread.start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    @property
+    def store_port(self) -> int | None:
+        """The port of the rendezvous store of this server's gloo/nccl pipes (None: none)."""
+        return self._listener.store_port
+
+    def stats(self) -> dict[str, int]:
+        """Buffer stats plus connections, open_connections, handshake_errors, auth_failures,
+        protocol_errors, peer_errors, requests, rejected_connections."""
+        out = self.buffer.stats()
+        with self._lock:
+            for k in ("connections", "handshake_errors", "protocol_errors", "peer_errors",
+                      "requests", "rejected_connections"):  # fmt: skip
+                out[k] = self._c[k]
+            out["open_connections"] = len(self._pipes)
+        out["auth_failures"] = self._auth_failures.count
+        return out
+
+    # ----------------------------------------------------------------------------- connections
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                got = self._listener.accept_socket(None)
+            except Exception:
+                log.exception("KVServer accept failed")
+                continue
+            if got is None:
+                return
+            sock, peer = got
+            host = peer.rsplit(":", 1)[0]
+            with self._lock:
+                busy = len(self._threads) >= self.max_connections
+                if busy or self._pending[host] >= self.MAX_PENDING_PER_HOST:
+                    # Nothing is read from the peer; it is told why (in place of the challenge).
+                    self._c["rejected_connections"] += 1
+                    why = "too many connections" if busy else "too many pending handshakes"
+                    limit = self.max_connections if busy else self.MAX_PENDING_PER_HOST
+                    send_error_frame(sock, f"{why} ({limit})")
+                    sock.close()
+                    continue
+                self._pending[host] += 1
+                cid = next(self._ids)
+                t = transfer_thread(
+                    self._handle, f"tkv-server[{self.port}]-conn{cid}", (cid, sock, peer)
+                )
+                self._threads[cid] = t
+            t.start()
+
+    def _handle(self, cid: int, sock, peer: str) -> None:
+        pipe = None
+        host = peer.rsplit(":", 1)[0]
+        pending = [True]  # this connection holds one of its host's handshake slots
+
+        def free_slot() -> None:
+            with self._lock:
+                if pending[0]:
+                    pending[0] = False
+                    self._pending[host] -= 1
+                    if not self._pending[host]:
+                        del self._pending[host]
+
+        def authenticated(error: auth.AuthError | None) -> None:
+            # Before the peer learns the verdict: a refused peer that reconnects at once finds
+            # its failure counted and its slot free.
+            if error is not None and self._auth_failures.failed(peer):
+                log.warning("KVServer: authentication of %s failed: %s", peer, error)
+            free_slot()
+
+        try:
+            try:
+                pipe = self._listener.handshake(sock, peer, on_auth=authenticated)
+            except auth.AuthError:
+                return  # counted and logged by authenticated()
+            except TransferError as e:
+                log.warning("KVServer: handshake with %s failed: %s", peer, e)
+                with self._lock:
+                    self._c["handshake_errors"] += 1
+                return
+            finally:
+                free_slot()  # if the handshake ended before authentication was decided
+            with self._lock:
+                if self._closed:
+                    return
+                self._pipes[cid] = pipe
+                self._c["connections"] += 1
+            self._serve(pipe)
+        except ProtocolError as e:
+            log.warning("KVServer: dropping %s: protocol error: %s", peer, e)
+            with self._lock:
+                self._c["protocol_errors"] += 1
+        except (PeerDeadError, PipeClosedError) as e:
+            log.info("KVServer: connection %s ended: %s", peer, e)
+            if isinstance(e, PeerDeadError):
+                with self._lock:
+                    self._c["peer_errors"] += 1
+        except TransferError as e:
+            log.warning("KVServer: dropping %s: %s", peer, e)
+            with self._lock:
+                self._c["peer_errors"] += 1
+        except Exception:
+            log.exception("KVServer: handler for %s crashed", peer)
+        finally:
+            if pipe is not None:
+                pipe.close()
+            with self._lock:
+                self._pipes.pop(cid, None)
+                self._threads.pop(cid, None)
+
+    # -------------------------------------------------------------------------------- requests
+    def _serve(self, pipe: TensorPipe) -> None:
+        while not self._closed:
+            msg = pipe.recv(self.io_timeout_s, idle=True)
+            with self._lock:
+                self._c["requests"] += 1
+            handler = self._handlers.get(msg.kind)
+            if handler is None:
+                what = op_name(msg.kind)
+                pipe.send(msg.key, kind=Kind.ERROR, meta={"error": f"unexpected {what}"})
+                raise ProtocolError(f"unexpected request kind {what}", peer=pipe.peer)
+            handler(pipe, msg)
+
+    @staticmethod
+    def _error(pipe: TensorPipe, key: str, e: BaseException | str) -> None:
+        pipe.send(key, kind=Kind.ERROR, meta={"error": error_text(e)})
+
+    def _on_discard(self, pipe: TensorPipe, msg: Message) -> None:
+        try:
+            existed = self.buffer.discard(msg.key)
+        except (ValueError, TypeError) as e:
+            self._error(pipe, msg.key, e)
+            return
+        pipe.send(msg.key, kind=Op.ACK, meta={EXISTED: existed})
+
+    def _on_get(self, pipe: TensorPipe, msg: Message) -> None:
+        wait_ms = msg.meta.get(WAIT_MS, 0)
+        if isinstance(wait_ms, bool) or not isinstance(wait_ms, (int, float)) or wait_ms < 0:
+            self._error(pipe, msg.key, f"bad {WAIT_MS} {wait_ms!r}")
+            return
+        wait_s = min(wait_ms / 1000.0, self.max_get_wait_s)
+        try:
+            lease = self.buffer.checkout(msg.key, wait_s=wait_s, part=Part.from_meta(msg.meta))
+        except KeyMissError as e:
+            pipe.send(msg.key, kind=Op.MISS, meta={REASON: e.reason})
+            return
+        except ValueError as e:  # a malformed part, or one the entry does not have
+            self._error(pipe, msg.key, e)
+            return
+        self._deliver(pipe, lease)
+
+    def _deliver(self, pipe: TensorPipe, lease: Lease) -> None:
+        """Send ``lease``'s tensors; check it in from the sender thread once sent (or failed)."""
+        done = threading.Event()
+        buffer = self.buffer
+
+        def on_done(exc: BaseException | None) -> None:
+            if done.is_set():
+                return
+            done.set()
+            buffer.checkin(lease, delivered=exc is None)
+            if exc is not None:
+                log.warning("KVServer: delivering %r to %s failed: %s", lease.key, pipe.peer, exc)
+
+        try:
+            pipe.send(lease.key, lease.tensors, lease.meta, kind=Op.DATA, on_done=on_done)
+        except (ValueError, TypeError) as e:  # this consumer's limits refuse the entry: it stays
+            on_done(e)
+            self._error(pipe, lease.key, e)
+        except BaseException as e:
+            on_done(e)
+            raise
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting, close every connection, join threads, all within one ``timeout_s``
+        (plus about a second). Idempotent. The buffer stays usable."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pipes = list(self._pipes.values())
+            threads = list(self._threads.values())
+        self._listener.close()
+        for p in pipes:  # a consumer that stopped reading takes the budget once, not once each
+            p.close(timeout_s=max(0.0, deadline - time.monotonic()))
+        self._accept_thread.join(max(0.1, deadline - time.monotonic()))
+        for t in threads:
+            t.join(max(0.05, deadline - time.monotonic()))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

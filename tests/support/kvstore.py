@@ -1,0 +1,113 @@
+"""Helpers of the KV store tests: the accounting invariant of a buffer's stats, a delivery in
+process, a hand-written
+client and server on plain sockets (past authentication, speaking frames of
+:mod:`connector.transport.frame`), and a spy on the tensors allocated while hostile frames arrive."""
+
+from __future__ import annotations
+
+import math
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from connector.transport import frame as wire
+from connector.transport.frame import Kind, encode_header
+from support.transport import raw_authenticate, raw_listener_authenticate, recv_exact
+
+
+def accounted(s: dict) -> bool:
+    """Nothing vanished: every put is held or was claimed, discarded, evicted or expired."""
+    return (
+        s["puts"] == s["entries"] + s["claimed"] + s["discards"] + s["evictions"] + s["expirations"]
+    )
+
+
+def deliver(buffer, key: str, *, wait_s: float = 0.0, part=None) -> tuple[dict, dict]:
+    """One delivery of ``key`` from a KVBuffer in process (what a server's GET does): its
+    tensors and meta, the entry claimed. Raises KeyMissError as ``KVBuffer.checkout`` does."""
+    with buffer.checkout(key, wait_s=wait_s, part=part) as lease:
+        return lease.tensors, lease.meta
+
+
+def raw_connection(srv) -> socket.socket:
+    """A raw connection to KVServer ``srv``, past authentication (the server has no secret)."""
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+    s.settimeout(5)
+    raw_authenticate(s)
+    return s
+
+
+def read_frame(s) -> wire.Header | None:
+    """The next frame's header from ``s`` (its payload stays on the socket); None at its end."""
+    prefix = recv_exact(s, wire.PREFIX_SIZE)
+    if len(prefix) < wire.PREFIX_SIZE:
+        return None
+    kind, flags, body_len = wire.decode_prefix(prefix)
+    return wire.decode_body(kind, flags, recv_exact(s, body_len))
+
+
+def hello(s) -> None:
+    """The client's HELLO for the socket transport; checks the HELLO_ACK."""
+    s.sendall(encode_header(Kind.HELLO, "", {"proto": 1, "transport": "socket"}))
+    ack = read_frame(s)
+    assert ack.kind == Kind.HELLO_ACK and ack.meta["transport"] == "socket"
+    assert wire.limits_from_meta(ack.meta, wire.FrameLimits(max_ndim=1)) == wire.DEFAULT_LIMITS
+
+
+def closed_by_server(s, timeout_s: float = 5.0) -> bool:
+    """True once the server closed the connection (an ERROR frame may come first)."""
+    s.settimeout(timeout_s)
+    try:
+        while True:
+            if not s.recv(65536):
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def fake_server(behaviour) -> socket.socket:
+    """A raw listener that authenticates and handshakes one client (socket transport), then runs
+    ``behaviour(conn, request_header)`` and stays silent for 3 s. Returns the listening socket."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+
+    def run():
+        conn, _ = lsock.accept()
+        conn.settimeout(10)
+        try:
+            assert raw_listener_authenticate(conn)
+            assert read_frame(conn).kind == Kind.HELLO
+            conn.sendall(encode_header(Kind.HELLO_ACK, "", {"transport": "socket"}))
+            behaviour(conn, read_frame(conn))
+            time.sleep(3)
+        except Exception:
+            pass
+        finally:
+            conn.close()
+
+    threading.Thread(target=run, daemon=True).start()
+    return lsock
+
+
+@pytest.fixture
+def no_big_alloc(monkeypatch):
+    """Bytes of every tensor ``torch.empty`` makes during the test (receive buffers among them;
+    ``math.inf`` for one too large to make)."""
+    sizes = []
+    real = torch.empty
+
+    def spy(*args, **kw):
+        try:
+            t = real(*args, **kw)
+        except RuntimeError:
+            sizes.append(math.inf)
+            raise
+        sizes.append(t.nbytes)
+        return t
+
+    monkeypatch.setattr(torch, "empty", spy)
+    return sizes

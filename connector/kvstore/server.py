@@ -127,6 +127,11 @@ class KVServer:
         return self.host, self.port
 
     @property
+    def requests(self) -> frozenset[str]:
+        """The requests this server answers (``GET``, ``DISCARD``): nothing else is served."""
+        return frozenset(Op(kind).name for kind in self._handlers)
+
+    @property
     def store_port(self) -> int | None:
         """The port of the rendezvous store of this server's gloo/nccl pipes (None: none)."""
         return self._listener.store_port

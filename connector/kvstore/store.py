@@ -1,8 +1,8 @@
 """The producer's dict-keyed KV buffer: entries parked under a transfer id until a consumer pulls them.
 
 Why a buffer: prefill and decode handle requests in different orders and at different times, so
-the producer parks each request's packed KV (plus ``cu_seqlens``, hidden states, small metadata)
-under the transfer id both sides receive explicitly, until the consumer pulls it.
+the producer parks each request's entry (named tensors: the connector stores its packed KV as ``kv``;
+plus small metadata) under the transfer id both sides receive explicitly, until the consumer pulls it.
 
 :class:`KVBuffer` (thread-safe, in process): ``put`` / ``discard`` / ``stats`` / ``close``,
 ``len`` / ``in``, ``match_prefix`` (the longest stored prefix of a token list,

@@ -42,20 +42,12 @@ def test_prompt_digest_tells_prompts_apart():
 
 
 def test_a_built_handoff_parses_back_to_where_its_entry_lives():
-    params = build_handoff(
-        transfer_id=TID,
-        host="10.0.0.1",
-        engine_port=14602,
-        num_tokens=3,
-        prompt_token_ids=[1, 2, 3],
-        fingerprint="fp",
-        tp_size=2,
-    )
+    params = _good()
     assert params["protocol"] == PROTOCOL and params["tritonkv_version"] == tritonkv.__version__
     assert params["prompt_digest"] == prompt_digest([1, 2, 3]) and params["num_tokens"] == 3
     assert is_handoff(params)
     assert handoff_problems(params) == []
-    assert parse_handoff(params) == ReleaseSpec(TID, "10.0.0.1", 14602, 2)
+    assert parse_handoff(params) == ReleaseSpec(TID, "prefill-0.example", 14600, 2)
 
 
 def test_params_that_are_no_usable_handoff_parse_to_none():

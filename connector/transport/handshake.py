@@ -9,8 +9,9 @@ Protocol of one connection::
     connector → listener   HELLO      {"proto": 1, "transport": "gloo", "limit.*": its FrameLimits}
     listener  → connector  HELLO_ACK  {"transport", "store_port", "prefix", "limit.*"}
                                       (or ERROR {"error"}); "prefix" is 128 random bits, told
-                                      only to an authenticated peer: the store's keys of this
-                                      connection cannot be guessed by anyone else
+                                      only to an authenticated peer. It is no secret from a
+                                      client of the store, which can list the keys (torch's
+                                      TCPStore has no authentication; README, Security)
     both                   build the 2-rank process group (rank 0 = listener), unless "socket"
     either way, any number of messages, in order:
                            header (control socket) [+ inline payload | + payload chunks on the

@@ -145,7 +145,9 @@ def test_the_wheel_installs_tritonkv_and_tritonkv_connector_with_plugin_and_scri
         entry_points = configparser.ConfigParser()
         entry_points.read_string(zf.read(f"{dist_info}/entry_points.txt").decode())
     assert {n.split("/")[0] for n in names} == {"tritonkv", "tritonkv_connector", dist_info}
-    assert "tritonkv_connector/plugin.py" in names and "tritonkv/_version.py" in names
+    assert "tritonkv_connector/vllm_connector/plugin.py" in names and "tritonkv/_version.py" in names
+    for package in ("transport", "kvstore", "vllm_connector", "serve"):
+        assert f"tritonkv_connector/{package}/__init__.py" in names, package
     assert dict(entry_points["vllm.general_plugins"]) == {
         "tritonkv": "tritonkv_connector.vllm_connector.plugin:register"
     }
@@ -190,7 +192,7 @@ def test_vllm_loads_the_plugin_from_the_wheel(venv, user_env, outside):
     assert result["checkout_connector"] is False
     assert result["heavy_after_plugin_load"] == []
     assert result["before_plugins"] == "Unsupported connector type: TritonKVConnector"
-    assert result["module"] == "tritonkv_connector.vllm_connector"
+    assert result["module"] == "tritonkv_connector.vllm_connector.connector"
     assert result["file"].startswith(site) and result["tritonkv"].startswith(site), result
     assert result["version"] == tritonkv.__version__
 
@@ -286,11 +288,9 @@ def test_producer_consumer_by_plugin_name_through_tritonkv_proxy(
         assert line is not None, consumer.log_tail()
         assert "'tritonkv-0' (tritonkv version not given)" in line
         assert f"this consumer '{PROTOCOL}' (tritonkv {tritonkv.__version__})" in line
-        # The refused entry is dropped on the producer after the consumer's next step.
+        # A refused hand-off releases nothing (it may name any address): after the consumer's
+        # next steps, no release of it was even tried; the entry expires by its TTL.
         pd.disaggregated(pd.prompt(5, seed=4))
-        released = f"released unused transfer {params['transfer_id']} on "
-        deadline = time.monotonic() + 30
-        while released not in consumer.log_text() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        line = next((ln for ln in consumer.log_text().splitlines() if released in ln), None)
-        assert line is not None and line.endswith("(dropped)"), consumer.log_tail()
+        time.sleep(2)
+        assert f"release transfer {params['transfer_id']}" not in consumer.log_text()
+        assert f"released unused transfer {params['transfer_id']}" not in consumer.log_text()

@@ -2,7 +2,8 @@
 
 - ``store.py``: :class:`KVBuffer` and the :class:`Lease` a delivery holds;
 - ``prefix.py``: the longest-prefix index the buffer owns (local, no request on the wire);
-- ``protocol.py``: request and reply kinds (:class:`~.protocol.Op`), meta keys, :class:`Part`;
+- ``protocol.py``: request and reply kinds (:class:`~.protocol.Op`), meta keys, :class:`Part`,
+  the digest check, and how keys go into log lines (:func:`~.protocol.short_id`);
 - ``server.py``: :class:`KVServer` (producer); ``client.py``: :class:`KVClient` (consumer).
 
 What other rooms use is exported here; the modules behind these names may move.
@@ -10,7 +11,7 @@ What other rooms use is exported here; the modules behind these names may move.
 
 from .client import KVClient
 from .prefix import MAX_PREFIX_TOKENS, block_hashes
-from .protocol import Part
+from .protocol import Part, hide_ids, short_id
 from .server import KVServer
 from .store import FULL_POLICIES, KVBuffer, Lease
 
@@ -23,4 +24,6 @@ __all__ = [
     "Lease",
     "Part",
     "block_hashes",
+    "hide_ids",
+    "short_id",
 ]

@@ -27,7 +27,7 @@ from ..transport.errors import (
 )
 from ..transport.frame import Kind
 from ..transport.options import PipeOptions, default_transport
-from .protocol import EXISTED, REASON, WAIT_MS, Op, Part, check_key, op_name
+from .protocol import DIGEST, EXISTED, REASON, WAIT_MS, Op, Part, check_key, op_name
 
 __all__ = ["KVClient"]
 
@@ -110,9 +110,10 @@ class KVClient:
             raise PipeClosedError("client is closed", peer=self.peer, key=key)
         return self._pipe
 
-    def _request(self, kind: Op, key: str, meta=None, timeout_s=None, out=None):
+    def _request(self, kind: Op, key: str, meta=None, timeout_s=None, out=None, max_bytes=None):
         """Send one request, return ``(reply, t0)``: its reply (of ``key``; an ERROR reply is
-        raised as RemoteError) and when the request began."""
+        raised as RemoteError) and when the request began. A reply announcing more than
+        ``max_bytes`` payload bytes (None: only the limits) is refused before it is allocated."""
         timeout_s = self.timeout_s if timeout_s is None else check_timeout("timeout_s", timeout_s)
         t0 = time.monotonic()
         deadline = t0 + timeout_s
@@ -130,6 +131,7 @@ class KVClient:
             self._c["requests"] += 1
             try:
                 pipe = self._connect(deadline, key)
+                pipe.expect_payload(max_bytes)  # before the request: the reply may come at once
                 left = max(0.001, deadline - time.monotonic())
                 pipe.send(key, None, meta, kind=kind, timeout_s=left)
                 left = deadline - time.monotonic()
@@ -169,11 +171,18 @@ class KVClient:
         wait_s: float = 0.0,
         out: dict[str, torch.Tensor] | None = None,
         part: Part | None = None,
+        digest: str | None = None,
+        max_bytes: int | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict]:
         """Pull entry ``key``: ``(tensors on self.device, meta)``.
 
         ``part``: only that slice of one tensor (the others whole); the entry is claimed once the
-        parts pulled, by any consumers, cover the whole dim (:class:`Part`).
+        parts pulled, by any consumers, cover the whole dim (:class:`Part`). ``digest``: the one
+        the entry was put with (any other gets the MISS of a key never put).
+
+        ``max_bytes``: the most payload bytes the caller expects (None: only the pipe's limits).
+        A DATA header announcing more is refused before anything is allocated: ProtocolError
+        naming both numbers, and the connection is closed (as after any protocol error).
 
         ``wait_s``: how long the server may wait for the key to be put (capped by its
         ``max_get_wait_s``); must be below ``timeout_s`` (default ``self.timeout_s``). ``out``:
@@ -186,8 +195,15 @@ class KVClient:
             raise ValueError(f"wait_s: expected a number >= 0, got {wait_s!r}")
         if wait_s >= eff:
             raise ValueError(f"wait_s: expected < timeout_s={eff:g}, got {wait_s:g}")
+        if max_bytes is not None and (
+            isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0
+        ):
+            raise ValueError(f"max_bytes: expected an int >= 0 or None, got {max_bytes!r}")
         meta = {WAIT_MS: math.ceil(wait_s * 1000), **(part.meta() if part is not None else {})}
-        reply, t0 = self._request(Op.GET, key, meta=meta, timeout_s=eff, out=out)
+        meta.update(_digest_meta(digest))
+        reply, t0 = self._request(
+            Op.GET, key, meta=meta, timeout_s=eff, out=out, max_bytes=max_bytes
+        )
         if reply.kind == Op.MISS:
             self._c["misses"] += 1
             raise KeyMissError(
@@ -204,10 +220,15 @@ class KVClient:
         self._c["bytes_received"] += sum(t.nbytes for t in reply.tensors.values())
         return reply.tensors, reply.meta
 
-    def discard(self, key: str, timeout_s: float | None = None) -> bool:
-        """Ask the server to drop ``key``; True if it held it."""
+    def discard(
+        self, key: str, timeout_s: float | None = None, *, digest: str | None = None
+    ) -> bool:
+        """Ask the server to drop ``key`` (put with ``digest``); True if it held it (for that
+        digest)."""
         key = check_key(key)
-        reply, _ = self._request(Op.DISCARD, key, timeout_s=timeout_s)
+        reply, _ = self._request(
+            Op.DISCARD, key, meta=_digest_meta(digest), timeout_s=timeout_s, max_bytes=0
+        )
         return bool(reply.meta.get(EXISTED))
 
     def close(self) -> None:
@@ -224,3 +245,12 @@ class KVClient:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _digest_meta(digest) -> dict:
+    """The request meta presenting ``digest`` (None: none); TypeError for a non-str."""
+    if digest is None:
+        return {}
+    if not isinstance(digest, str):
+        raise TypeError(f"digest: expected str or None, got {type(digest).__name__}")
+    return {DIGEST: digest}

@@ -4,12 +4,15 @@ meta keys they use and :class:`Part`, the slice of one tensor a GET may ask for.
 
 Request / reply protocol (one pipe per client, one request at a time)::
 
-    GET key {"wait_ms": w[, part fields]}  → DATA key tensors entry_meta
-                                            | MISS key {"reason": r}
-                                            | ERROR key {"error": e}
-    DISCARD key                            → ACK key {"existed": bool}
-                                            | ERROR key {"error": e}
+    GET key {"wait_ms": w[, "digest": d][, part fields]}  → DATA key tensors entry_meta
+                                                          | MISS key {"reason": r}
+                                                          | ERROR key {"error": e}
+    DISCARD key {["digest": d]}                          → ACK key {"existed": bool}
+                                                          | ERROR key {"error": e}
 
+An entry put with a digest (the connector binds each to its prompt's digest) is served, and
+dropped, only for a request that presents the same digest (compared in constant time); for any
+other request it does not exist: MISS with the reason an unknown key gets, ``existed`` False.
 Any other kind is answered with ERROR and the connection is closed. Codes 37 and 38 were PUT and
 MATCH (removed before 0.1.0); they are not reused while the frame version is 2.
 """
@@ -17,6 +20,8 @@ MATCH (removed before 0.1.0); they are not reused while the frame version is 2.
 from __future__ import annotations
 
 import enum
+import hmac
+import re
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +29,7 @@ import torch
 from ..transport.frame import APP_KIND_MIN, DEFAULT_LIMITS
 
 __all__ = [
+    "DIGEST",
     "EXISTED",
     "PART_DIM",
     "PART_FIELDS",
@@ -35,7 +41,10 @@ __all__ = [
     "Op",
     "Part",
     "check_key",
+    "hide_ids",
     "op_name",
+    "same_digest",
+    "short_id",
 ]
 
 
@@ -51,6 +60,7 @@ class Op(enum.IntEnum):
 
 # Meta keys. An ERROR reply carries the transport's {"error": text} (Kind.ERROR, error_text).
 WAIT_MS = "wait_ms"  # GET: how long the server may wait for the key to be put (int ms >= 0)
+DIGEST = "digest"  # GET, DISCARD: the digest the entry was put with (str; absent: none)
 REASON = "reason"  # MISS: why the key is not there ("claimed: ...", "expired: ...", ...)
 EXISTED = "existed"  # ACK of DISCARD: whether the server held the key
 PART_TENSOR = "part_tensor"  # GET of a Part: the tensor's name
@@ -66,6 +76,36 @@ def op_name(kind: int) -> str:
         return Op(kind).name
     except ValueError:
         return kind.name if isinstance(kind, enum.Enum) else f"kind {kind}"
+
+
+#: Characters of a key (a transfer id) that go into a log line: a full id is what a GET needs.
+SHORT_ID_CHARS = 8
+_FULL_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def short_id(key) -> str:
+    """How a key goes into a log line: its first :data:`SHORT_ID_CHARS` characters and ``…``
+    (``"0123abcd…"`` for a transfer id); a non-str as a short repr."""
+    if not isinstance(key, str):
+        return repr(key)[:SHORT_ID_CHARS] + "…"
+    head = key[:SHORT_ID_CHARS]
+    return f"{head}…" if head.isascii() and head.isalnum() else f"{head!r}…"
+
+
+def hide_ids(text: str) -> str:
+    """``text`` (an error's message, for a log line) with every 32-hex-digit run, such as a
+    transfer id, cut as :func:`short_id` does."""
+    return _FULL_ID.sub(lambda m: short_id(m[0]), text)
+
+
+def same_digest(held: str | None, given) -> bool:
+    """Whether a request's ``given`` digest is the one an entry was put with (``held``; None:
+    none, then only a request without one matches). Constant time for strings of one length."""
+    if held is None or given is None:
+        return held is None and given is None
+    if not isinstance(given, str):
+        return False
+    return hmac.compare_digest(held.encode("utf-8"), given.encode("utf-8", "replace"))
 
 
 def check_key(key) -> str:

@@ -3,7 +3,9 @@
 One accept thread; per connection one handler thread (authentication and handshake, then
 request / reply, :mod:`connector.kvstore.protocol`), so one consumer dying or misbehaving only
 loses its own connection. Least privilege: consumers pull and drop entries by transfer id; nothing
-on the wire can put, list or probe entries. A GET delivers through a :class:`~.store.Lease`: the
+on the wire can put, list or probe entries, and an entry bound to a digest (the connector binds
+each to its prompt) is served or dropped only for the same digest: to anyone else it does not
+exist (MISS with an unknown key's reason; DISCARD: ``existed`` False). A GET delivers through a :class:`~.store.Lease`: the
 entry is pinned while its payload is sent, claimed when the send completed, kept for a retry
 when it failed. Deadlines: ``max_get_wait_s`` (60 s) caps how long a GET may wait for a key to be
 put (default 0: an absent key is an immediate MISS), ``io_timeout_s`` (60 s) per payload.
@@ -39,7 +41,7 @@ from ..transport.errors import (
 from ..transport.frame import Kind
 from ..transport.options import PipeOptions
 from ..transport.threads import transfer_thread
-from .protocol import EXISTED, REASON, WAIT_MS, Op, Part, op_name
+from .protocol import DIGEST, EXISTED, REASON, WAIT_MS, Op, Part, hide_ids, op_name, short_id
 from .store import KVBuffer, Lease
 
 __all__ = ["KVServer"]
@@ -217,16 +219,16 @@ class KVServer:
                 self._c["connections"] += 1
             self._serve(pipe)
         except ProtocolError as e:
-            log.warning("KVServer: dropping %s: protocol error: %s", peer, e)
+            log.warning("KVServer: dropping %s: protocol error: %s", peer, hide_ids(str(e)))
             with self._lock:
                 self._c["protocol_errors"] += 1
         except (PeerDeadError, PipeClosedError) as e:
-            log.info("KVServer: connection %s ended: %s", peer, e)
+            log.info("KVServer: connection %s ended: %s", peer, hide_ids(str(e)))
             if isinstance(e, PeerDeadError):
                 with self._lock:
                     self._c["peer_errors"] += 1
         except TransferError as e:
-            log.warning("KVServer: dropping %s: %s", peer, e)
+            log.warning("KVServer: dropping %s: %s", peer, hide_ids(str(e)))
             with self._lock:
                 self._c["peer_errors"] += 1
         except Exception:
@@ -255,9 +257,15 @@ class KVServer:
     def _error(pipe: TensorPipe, key: str, e: BaseException | str) -> None:
         pipe.send(key, kind=Kind.ERROR, meta={"error": error_text(e)})
 
+    @staticmethod
+    def _digest(msg: Message) -> str | None:
+        """The digest a request presents; a malformed one ("") matches no entry."""
+        digest = msg.meta.get(DIGEST)
+        return digest if digest is None or isinstance(digest, str) else ""
+
     def _on_discard(self, pipe: TensorPipe, msg: Message) -> None:
         try:
-            existed = self.buffer.discard(msg.key)
+            existed = self.buffer.discard(msg.key, self._digest(msg))
         except (ValueError, TypeError) as e:
             self._error(pipe, msg.key, e)
             return
@@ -270,7 +278,9 @@ class KVServer:
             return
         wait_s = min(wait_ms / 1000.0, self.max_get_wait_s)
         try:
-            lease = self.buffer.checkout(msg.key, wait_s=wait_s, part=Part.from_meta(msg.meta))
+            lease = self.buffer.checkout(
+                msg.key, wait_s=wait_s, part=Part.from_meta(msg.meta), digest=self._digest(msg)
+            )
         except KeyMissError as e:
             pipe.send(msg.key, kind=Op.MISS, meta={REASON: e.reason})
             return
@@ -290,7 +300,12 @@ class KVServer:
             done.set()
             buffer.checkin(lease, delivered=exc is None)
             if exc is not None:
-                log.warning("KVServer: delivering %r to %s failed: %s", lease.key, pipe.peer, exc)
+                log.warning(
+                    "KVServer: delivering %s to %s failed: %s",
+                    short_id(lease.key),
+                    pipe.peer,
+                    hide_ids(str(exc)),
+                )
 
         try:
             pipe.send(lease.key, lease.tensors, lease.meta, kind=Op.DATA, on_done=on_done)

@@ -4,18 +4,23 @@ Why a buffer: prefill and decode handle requests in different orders and at diff
 the producer parks each request's entry (named tensors: the connector stores its packed KV as ``kv``;
 plus small metadata) under the transfer id both sides receive explicitly, until the consumer pulls it.
 
-:class:`KVBuffer` (thread-safe, in process): ``put`` / ``discard`` / ``stats`` / ``close``,
+:class:`KVBuffer` (thread-safe, in process): ``put`` / ``discard`` / ``drop`` / ``stats`` / ``close``,
 ``len`` / ``in``, ``match_prefix`` (the longest stored prefix of a token list,
 :mod:`connector.kvstore.prefix`), and the lease API a server delivers through: ``checkout`` a
 :class:`Lease`, send its tensors, ``checkin`` the lease. Lookup is a dict (O(1)).
 
-Entry life cycle: ``put`` stores the tensors by reference (do not modify them afterwards). A lease
+Entry life cycle: ``put`` stores the tensors by reference (do not modify them afterwards), bound
+to a ``digest`` when given (the connector binds each entry to its prompt's digest): then only a
+checkout or discard presenting the same digest (compared in constant time) finds it; to any other
+the entry does not exist (the miss reason of a key never put, ``discard`` False). A lease
 pins the entry while its payload is sent; checked in as delivered, the entry is *claimed* and
 removed (for a :class:`~connector.kvstore.protocol.Part`: once the parts delivered cover the
 dim). Checked in as not delivered, it is unpinned for a retry. Every removal is counted (claimed,
 discarded, evicted, expired) and remembered for a while, so a later checkout's miss says why:
 nothing vanishes silently, and ``puts == entries + claimed + discards + evictions + expirations``
 always holds.
+
+Only its owner drops an entry whatever its digest (``drop``: a producer aborting its own save).
 
 Full buffer (``capacity_bytes`` of tensor payload), by ``full_policy``:
 
@@ -46,7 +51,7 @@ from ..transport import check_timeout
 from ..transport.errors import BufferFullError, KeyMissError, PipeClosedError
 from ..transport.frame import DEFAULT_LIMITS, FrameLimits, encode_header, spec_of
 from .prefix import PrefixIndex
-from .protocol import Op, Part, check_key
+from .protocol import Op, Part, check_key, same_digest, short_id
 
 if TYPE_CHECKING:
     from .server import KVServer
@@ -72,6 +77,7 @@ class _Entry:
     meta: dict
     nbytes: int
     created: float
+    digest: str | None = None  # what a checkout or discard must present (None: nothing)
     pins: int = 0
     part_pins: int = 0  # of the pins, deliveries of parts (they run side by side)
     # Part deliveries (a GET of one slice of one tensor): (tensor, dim) -> indices delivered. A
@@ -98,7 +104,10 @@ class _Table:
         self.entries: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
         self.nbytes = 0
         self.prefix = PrefixIndex(block_size)
-        self._tombs: collections.OrderedDict[str, str] = collections.OrderedDict()
+        # key -> (why it went, its digest): the reason is told only to who presents the digest
+        self._tombs: collections.OrderedDict[str, tuple[str, str | None]] = (
+            collections.OrderedDict()
+        )
         self._tomb_limit = tombstones
 
     def add(self, e: _Entry, hashes: list[bytes]) -> None:
@@ -111,17 +120,24 @@ class _Table:
         del self.entries[e.key]
         self.nbytes -= e.nbytes
         self.prefix.remove(e.key)
-        self._tombs[e.key] = reason
+        self._tombs[e.key] = (reason, e.digest)
         self._tombs.move_to_end(e.key)
         while len(self._tombs) > self._tomb_limit:
             self._tombs.popitem(last=False)
 
-    def miss_reason(self, key: str, wait_s: float) -> str:
-        """Why ``key`` cannot be delivered (after waiting ``wait_s`` for it)."""
-        if key in self.entries:
+    def find(self, key: str, digest: str | None) -> _Entry | None:
+        """The entry of ``key`` if ``digest`` is the one it was put with, else None."""
+        e = self.entries.get(key)
+        return e if e is not None and same_digest(e.digest, digest) else None
+
+    def miss_reason(self, key: str, wait_s: float, digest: str | None) -> str:
+        """Why ``key`` cannot be delivered to who presents ``digest`` (after waiting ``wait_s``
+        for it): with another digest, what a key never put gets."""
+        if self.find(key, digest) is not None:
             return "claimed: being delivered to another consumer"
-        if key in self._tombs:
-            return self._tombs[key]
+        tomb = self._tombs.get(key)
+        if tomb is not None and same_digest(tomb[1], digest):
+            return tomb[0]
         return f"not put within wait_s={wait_s:g} s" if wait_s > 0 else "never put (or forgotten)"
 
     def unpinned(self):
@@ -141,6 +157,15 @@ def _check_config(capacity_bytes, full_policy, limits, clock) -> None:
         raise ValueError(f"full_policy: expected one of {FULL_POLICIES}, got {full_policy!r}")
     if not callable(clock):
         raise TypeError(f"clock: expected a callable, got {type(clock).__name__}")
+
+
+def _check_digest(digest, *, put: bool = False) -> str | None:
+    """``digest`` if it is None or a str (non-empty for ``put``); TypeError / ValueError."""
+    if digest is not None and not isinstance(digest, str):
+        raise TypeError(f"digest: expected str or None, got {type(digest).__name__}")
+    if put and digest == "":
+        raise ValueError("digest: expected a non-empty str or None, got ''")
+    return digest
 
 
 def _entry_bytes(key: str, tensors, meta, limits: FrameLimits, capacity_bytes: int) -> int:
@@ -253,7 +278,8 @@ class KVBuffer:
         self.clock = clock
         self._table = _Table(block_size, tombstones)
         self._cond = threading.Condition()
-        self._waiting: collections.Counter[str] = collections.Counter()  # key -> checkouts
+        # (key, digest) -> checkouts waiting for it
+        self._waiting: collections.Counter[tuple[str, str | None]] = collections.Counter()
         self._closed = False
         self._c = collections.Counter()
 
@@ -275,7 +301,11 @@ class KVBuffer:
             return None
         limit = now - self.ttl_s
         for e in [e for e in self._table.unpinned() if e.created <= limit]:
-            log.warning("KVBuffer: entry %r expired unclaimed after %.1f s", e.key, now - e.created)
+            log.warning(
+                "KVBuffer: entry %s expired unclaimed after %.1f s",
+                short_id(e.key),
+                now - e.created,
+            )
             self._remove_locked(
                 e, f"expired: unclaimed for {self.ttl_s:g} s (ttl_s)", "expirations"
             )
@@ -283,25 +313,27 @@ class KVBuffer:
         return None if nxt is None else nxt.created + self.ttl_s
 
     def _evict_one_locked(self) -> bool:
-        e = next((e for e in self._table.unpinned() if not self._waiting[e.key]), None)
+        e = next((e for e in self._table.unpinned() if not self._waiting[(e.key, e.digest)]), None)
         if e is None:
             return False
         age = self.clock() - e.created
-        log.warning("KVBuffer full: evicting unclaimed entry %r (%d bytes, age %.1f s)",
-                    e.key, e.nbytes, age)  # fmt: skip
+        log.warning("KVBuffer full: evicting unclaimed entry %s (%d bytes, age %.1f s)",
+                    short_id(e.key), e.nbytes, age)  # fmt: skip
         self._remove_locked(e, "evicted: buffer full (full_policy='evict')", "evictions")
         return True
 
-    def _servable_locked(self, key: str) -> _Entry | None:
-        """The entry of ``key`` if one more delivery may start: not while a whole delivery is
-        under way; deliveries of parts do not count (they add up to one, see Part)."""
-        e = self._table.entries.get(key)
+    def _servable_locked(self, key: str, digest: str | None) -> _Entry | None:
+        """The entry of ``key`` (put with ``digest``) if one more delivery may start: not while a
+        whole delivery is under way; deliveries of parts do not count (they add up to one, see
+        Part)."""
+        e = self._table.find(key, digest)
         if e is None or e.pins - e.part_pins > 0:
             return None
         return e
 
-    def _wait_servable_locked(self, key: str, deadline: float) -> _Entry | None:
-        self._waiting[key] += 1
+    def _wait_servable_locked(self, key: str, digest, deadline: float) -> _Entry | None:
+        waiting = (key, digest)
+        self._waiting[waiting] += 1
         try:
             e = None
             while e is None and not self._closed:
@@ -309,21 +341,30 @@ class KVBuffer:
                 if left <= 0:
                     break
                 self._cond.wait(left)
-                e = self._servable_locked(key)
+                e = self._servable_locked(key, digest)
             return e
         finally:
-            self._waiting[key] -= 1
-            if self._waiting[key] <= 0:
-                del self._waiting[key]
+            self._waiting[waiting] -= 1
+            if self._waiting[waiting] <= 0:
+                del self._waiting[waiting]
 
     # ------------------------------------------------------------------------------ leases
-    def checkout(self, key: str, *, wait_s: float = 0.0, part: Part | None = None) -> Lease:
+    def checkout(
+        self,
+        key: str,
+        *,
+        wait_s: float = 0.0,
+        part: Part | None = None,
+        digest: str | None = None,
+    ) -> Lease:
         """Lease ``key`` for one delivery (of ``part`` only, when given), waiting up to ``wait_s``
         seconds for it to be put. Pair with :meth:`checkin`, or use the lease as a context
-        manager (see :class:`Lease` for what it guarantees).
+        manager (see :class:`Lease` for what it guarantees). ``digest``: the one the entry was
+        put with (an entry put with another, or with none when one is given, is not found).
 
         Raises:
-            KeyMissError: ``key`` is not there (or being delivered whole), with the reason.
+            KeyMissError: ``key`` is not there for ``digest`` (or being delivered whole), with
+                the reason (for a wrong digest, the reason of a key never put).
             ValueError: ``part`` names no tensor, dim or range of the entry (the entry stays;
                 counted as a failed delivery).
         """
@@ -333,17 +374,18 @@ class KVBuffer:
             raise ValueError(f"wait_s: expected a number >= 0, got {wait_s!r}")
         if part is not None and not isinstance(part, Part):
             raise TypeError(f"part: expected a Part or None, got {type(part).__name__}")
+        digest = _check_digest(digest)
         t0 = self.clock()
         with self._cond:
             self._expire_locked(t0)
-            e = self._servable_locked(key)
+            e = self._servable_locked(key, digest)
             if e is None and wait_s > 0:
-                e = self._wait_servable_locked(key, t0 + wait_s)
+                e = self._wait_servable_locked(key, digest, t0 + wait_s)
                 if e is None:
                     self._c["timeouts"] += 1
             if e is None:
                 self._c["misses"] += 1
-                reason = self._table.miss_reason(key, wait_s)
+                reason = self._table.miss_reason(key, wait_s, digest)
                 raise KeyMissError(
                     "key not in buffer", reason=reason, key=key, waited_s=self.clock() - t0
                 )
@@ -394,9 +436,11 @@ class KVBuffer:
         meta: dict | None = None,
         *,
         token_ids=None,
+        digest: str | None = None,
         timeout_s: float | None = None,
     ) -> None:
-        """Store ``tensors`` (by reference) and ``meta`` under ``key``.
+        """Store ``tensors`` (by reference) and ``meta`` under ``key``, bound to ``digest``
+        (non-empty; None: unbound) when given: only a checkout or discard presenting it finds it.
 
         ``token_ids`` (optional, ``[num_tokens]`` ints) indexes the entry's full blocks for
         ``match_prefix``. When full, follows ``full_policy`` waiting at most ``timeout_s``
@@ -406,6 +450,7 @@ class KVBuffer:
         closed.
         """
         key = check_key(key)
+        digest = _check_digest(digest, put=True)
         nbytes = _entry_bytes(key, tensors, meta, self.limits, self.capacity_bytes)
         meta = dict(meta or {})
         hashes = [] if token_ids is None else self._table.prefix.hashes(token_ids)
@@ -444,20 +489,31 @@ class KVBuffer:
                 self._cond.wait(left)
                 if key in table.entries:
                     raise ValueError(f"key {key!r} is already in the buffer (discard it first)")
-            table.add(_Entry(key, dict(tensors), meta, nbytes, self.clock()), hashes)
+            table.add(_Entry(key, dict(tensors), meta, nbytes, self.clock(), digest), hashes)
             self._c["puts"] += 1
             self._c["bytes_put"] += nbytes
             self._cond.notify_all()
 
-    def discard(self, key: str) -> bool:
-        """Drop ``key`` (abort). True if it was held. A lease of it keeps its tensors."""
+    def discard(self, key: str, digest: str | None = None) -> bool:
+        """Drop ``key`` (abort) if it was put with ``digest``. True if it was held (for that
+        digest). A lease of it keeps its tensors."""
+        key = check_key(key)
+        digest = _check_digest(digest)
+        with self._cond:
+            return self._discard_locked(self._table.find(key, digest))
+
+    def drop(self, key: str) -> bool:
+        """The owner's :meth:`discard`: drop ``key`` whatever digest it was put with (a producer
+        aborting its own entry; never on behalf of a request). True if it was held."""
         key = check_key(key)
         with self._cond:
-            e = self._table.entries.get(key)
-            if e is None:
-                return False
-            self._remove_locked(e, "discarded", "discards")
-            return True
+            return self._discard_locked(self._table.entries.get(key))
+
+    def _discard_locked(self, e: _Entry | None) -> bool:
+        if e is None:
+            return False
+        self._remove_locked(e, "discarded", "discards")
+        return True
 
     def match_prefix(self, token_ids) -> tuple[int, str | None]:
         """Longest stored prefix of ``token_ids`` in whole blocks: ``(num_tokens, key)``, or

@@ -94,21 +94,25 @@ def http_json(
         raise RuntimeError(f"{url}: HTTP {e.code}: {e.read()[:2000]!r}") from e
 
 
+# A transfer id is logged short (``connector.kvstore.short_id``: 8 hex digits and "…"); the
+# ``transfer`` of an event is that short id.
+_SHORT_ID = r"(?P<transfer>[0-9a-f]{8}…)"
 _SAVED = re.compile(
-    r"tritonkv: saved transfer (?P<transfer>\w+) for (?P<req>\S+): (?P<tokens>\d+) tokens, "
+    rf"tritonkv: saved transfer {_SHORT_ID} for (?P<req>\S+): (?P<tokens>\d+) tokens, "
     r"(?P<bytes>\d+) bytes, pack (?P<pack_ms>[\d.]+) ms, "
     r"kv_format (?P<kv_format>\w+)"
 )
 _LOADED = re.compile(
-    r"tritonkv: loaded transfer (?P<transfer>\w+) for (?P<req>\S+): (?P<tokens>\d+) tokens "
+    rf"tritonkv: loaded transfer {_SHORT_ID} for (?P<req>\S+): (?P<tokens>\d+) tokens "
     r"\(positions \d+\.\.\d+; (?P<local>\d+) local\), (?P<bytes>\d+) bytes, "
     r"fetch (?P<fetch_ms>[\d.]+) ms, unpack (?P<unpack_ms>[\d.]+) ms, kv_format (?P<kv_format>\w+)"
 )
-_FAILED = re.compile(r"tritonkv: load of transfer (?P<transfer>\w+) for (?P<req>\S+) .*failed")
+_FAILED = re.compile(rf"tritonkv: load of transfer {_SHORT_ID} for (?P<req>\S+) .*failed")
 
 
 def transfer_events(log_text: str, request_id: str) -> dict[str, list[dict]]:
-    """The connector's ``saved`` / ``loaded`` / ``failed`` log records of one client request id."""
+    """The connector's ``saved`` / ``loaded`` / ``failed`` log records of one client request id
+    (each one's ``transfer``: the short id the log line carries)."""
     out: dict[str, list[dict]] = {"saved": [], "loaded": [], "failed": []}
     for line in log_text.splitlines():
         if request_id not in line:

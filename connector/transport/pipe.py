@@ -218,6 +218,19 @@ class TensorPipe:
         self._sender.flush(timeout_s)
 
     # ----------------------------------------------------------------------------------- recv
+    def expect_payload(self, max_bytes: int | None) -> None:
+        """Cap the payload of the messages received from now on at ``max_bytes`` (None: only
+        ``limits``): the reader refuses a header announcing more before it allocates anything, and
+        the pipe breaks with a ProtocolError naming both numbers. A client sets it before each
+        request, from what it expects the reply to hold (its read-ahead may meet the reply first).
+        """
+        if max_bytes is not None and (
+            isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0
+        ):
+            raise ValueError(f"max_bytes: expected an int >= 0 or None, got {max_bytes!r}")
+        with self._state.cond:
+            self._state.max_payload = max_bytes
+
     def recv(
         self,
         timeout_s: float | None = None,

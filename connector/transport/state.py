@@ -21,6 +21,8 @@ class _PipeState:
         peer_gone: ``"bye"`` or ``"eof"`` once the reader saw the peer leave, else None.
         closing: ``close`` has begun.
         closed: ``close`` let go of the threads (the waiter ends on it).
+        max_payload: The most payload bytes a received header may announce (None: only the
+            limits); set by :meth:`~connector.transport.pipe.TensorPipe.expect_payload`.
         counters: ``msgs_sent``, ``bytes_sent``, ``msgs_received``, ``bytes_received``,
             ``send_timeouts``, ``recv_timeouts``.
     """
@@ -32,6 +34,7 @@ class _PipeState:
         self.peer_gone: str | None = None
         self.closing = False
         self.closed = False
+        self.max_payload: int | None = None
         self.counters: collections.Counter[str] = collections.Counter()
 
     def set_fatal(self, err: TransferError) -> None:

@@ -3,7 +3,9 @@ rank's caches.
 
 A consumer rank pulls the KV heads it holds from the producer rank(s) that hold them
 (:func:`~.tp_mapping.plan_heads`; concurrently when several) and writes them into the allocated
-slots with **one** :func:`tritonkv.unpack_kv` call per pull, before the step's forward pass, or,
+slots with **one** :func:`tritonkv.unpack_kv` call per pull (each pull presents the hand-off's
+prompt digest, and refuses a reply larger than this rank's caches expect for it before
+allocating it: :func:`expected_bytes`), before the step's forward pass, or,
 with ``async_load``, fetches on load threads and unpacks in the first ``get_finished`` after, on
 the worker's own thread. It asks producers, on a thread of its own, to drop entries nobody here
 will load, and stops asking a producer that timed out for a while (:class:`ProducerBackoff`).
@@ -12,6 +14,7 @@ Every failure is logged and its blocks go to the error set: vLLM recomputes them
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -24,7 +27,7 @@ import torch
 
 from tritonkv import unpack_kv
 
-from ..kvstore import KVClient, Part
+from ..kvstore import KVClient, Part, hide_ids, short_id
 from ..logs import get_logger
 from ..transport.errors import (
     ClientBusyError,
@@ -230,20 +233,24 @@ class Consumer:
             try:
                 self.backoff.check((spec.host, port), spec.transfer_id)
                 client = self._clients.get(spec.host, port)
-                dropped = client.discard(spec.transfer_id, timeout_s=self.cfg.connect_timeout_s)
+                dropped = client.discard(
+                    spec.transfer_id,
+                    timeout_s=self.cfg.connect_timeout_s,
+                    digest=spec.prompt_digest,
+                )
             except Exception as exc:  # whatever it is, the entry's TTL drops it later
                 log.info(
                     "tritonkv: could not release transfer %s on %s:%d (%s: %s); its TTL will",
-                    spec.transfer_id,
+                    short_id(spec.transfer_id),
                     spec.host,
                     port,
                     type(exc).__name__,
-                    exc,
+                    hide_ids(error_text(exc)),
                 )
                 continue
             log.info(
                 "tritonkv: released unused transfer %s on %s:%d (%s)",
-                spec.transfer_id,
+                short_id(spec.transfer_id),
                 spec.host,
                 port,
                 "dropped" if dropped else "already gone",
@@ -295,8 +302,12 @@ class Consumer:
         part = Part("kv", 3, *source.src) if source.num_heads < held else None
         try:
             client = self._clients.get(*addr)
-            got = client.get(spec.transfer_id, part=part) if part else client.get(spec.transfer_id)
-            tensors, meta = got
+            tensors, meta = client.get(
+                spec.transfer_id,
+                part=part,
+                digest=spec.prompt_digest,
+                max_bytes=expected_bytes(self.caches, self.tp_size, spec, source),
+            )
         except TransferTimeout as exc:
             # A producer that did not connect or answer in time: every further load from it
             # would stall the same way (a sync load stalls the whole decode batch), so they fail
@@ -358,7 +369,7 @@ class Consumer:
         log.info(
             "tritonkv: loaded transfer %s for %s: %d tokens (positions %d..%d; %d local), %d bytes, "
             "fetch %.2f ms, unpack %.2f ms, kv_format %s, from %s:%d ranks %s",
-            spec.transfer_id,
+            short_id(spec.transfer_id),
             spec.req_id,
             spec.count,
             spec.start,
@@ -384,13 +395,13 @@ class Consumer:
         log.warning(
             "tritonkv: load of transfer %s for %s from %s:%d failed after %.1f ms (%s: %s); "
             "its %d blocks will be recomputed",
-            spec.transfer_id,
+            short_id(spec.transfer_id),
             spec.req_id,
             spec.host,
             spec.port + self.tp_rank,
             1e3 * (time.perf_counter() - t0),
             type(exc).__name__,
-            error_text(exc),
+            hide_ids(error_text(exc)),
             len(failed),
         )
 
@@ -402,13 +413,12 @@ class Consumer:
         self._clients.close()
 
 
-def check_entry(
-    caches: RankCaches, tp_size: int, spec: LoadSpec, source: HeadSource, meta: dict, packed
-) -> tuple[str, torch.Tensor]:
-    """``(kv_format, packed)`` if a pulled entry (its ``meta`` and ``packed`` KV) fits ``caches``
-    for ``source``'s heads, else ValueError saying what differs (``tp_size``: this side's)."""
+def _entry_views(
+    caches: RankCaches, tp_size: int, spec: LoadSpec, source: HeadSource, kv_format
+) -> tuple[list, int]:
+    """``(views, rows)`` an entry of ``kv_format`` fills for ``source``'s heads, from this side's
+    own caches (``tp_size``: this side's); ValueError if this cache cannot take that format."""
     block_size = caches.block_size
-    kv_format = meta.get("kv_format")
     if kv_format == "pages":
         if spec.producer_tp != tp_size:
             raise ValueError(
@@ -416,25 +426,60 @@ def check_entry(
                 f"TP size's heads than this cache's (TP {tp_size}): set \"kv_format\": "
                 '"tokens" on the producer'
             )
-        if meta.get("page_kind") != caches.page_kind:
+        if caches.pages is None:
             raise ValueError(
-                f"the producer sent whole pages of kind {meta.get('page_kind')!r}, this "
-                f"cache's pages are {caches.page_kind!r} (layout {caches.layout}): set "
-                '"kv_format": "tokens" on the producer to move KV between unlike caches'
+                f"the producer sent whole pages, which this cache (layout {caches.layout}) has "
+                'not: set "kv_format": "tokens" on the producer'
             )
-        views, rows = caches.pages, -(-spec.num_tokens // block_size) * block_size
-    elif kv_format == "tokens":
+        return caches.pages, -(-spec.num_tokens // block_size) * block_size
+    if kv_format == "tokens":
         if caches.layout in PAGES_ONLY:
             raise ValueError(
                 f"the producer sent token rows, which cannot be placed in this cache "
                 f'({PAGES_ONLY[caches.layout]}): set "kv_format": "pages" (or "auto") on '
                 "the producer"
             )
-        views, rows = caches.head_views(source.dst), spec.num_tokens
-    else:
-        raise ValueError(f"entry's kv_format is {kv_format!r}, expected 'tokens' or 'pages'")
+        return caches.head_views(source.dst), spec.num_tokens
+    raise ValueError(f"entry's kv_format is {kv_format!r}, expected 'tokens' or 'pages'")
+
+
+def _packed_shape(views, rows: int) -> tuple[int, ...]:
+    """``[num_layers, 1 or 2 (K, V), rows, num_kv_heads, head_size]``: what fills ``views``."""
     k0 = views[0][0]
-    want = (len(views), 1 + (views[0][1] is not None), rows, k0.shape[1], k0.shape[3])
+    return (len(views), 1 + (views[0][1] is not None), rows, k0.shape[1], k0.shape[3])
+
+
+def expected_bytes(caches: RankCaches, tp_size: int, spec: LoadSpec, source: HeadSource) -> int:
+    """The most bytes a pull of ``source``'s heads of ``spec`` may hold for this rank: the
+    packed KV of token rows (``num_tokens`` × the bytes of a row of those heads over every layer)
+    or of whole pages (the prompt's blocks × ``block_size`` rows × a page row's bytes), the larger
+    of those this cache can take. From this side's caches only, never from the producer; a reply
+    announcing more is refused before it is allocated."""
+    sizes = [0]
+    for kv_format in ("tokens", "pages"):
+        try:
+            views, rows = _entry_views(caches, tp_size, spec, source, kv_format)
+        except ValueError:
+            continue
+        sizes.append(math.prod(_packed_shape(views, rows)) * views[0][0].element_size())
+    return max(sizes)
+
+
+def check_entry(
+    caches: RankCaches, tp_size: int, spec: LoadSpec, source: HeadSource, meta: dict, packed
+) -> tuple[str, torch.Tensor]:
+    """``(kv_format, packed)`` if a pulled entry (its ``meta`` and ``packed`` KV) fits ``caches``
+    for ``source``'s heads, else ValueError saying what differs (``tp_size``: this side's)."""
+    kv_format = meta.get("kv_format")
+    views, rows = _entry_views(caches, tp_size, spec, source, kv_format)
+    if kv_format == "pages" and meta.get("page_kind") != caches.page_kind:
+        raise ValueError(
+            f"the producer sent whole pages of kind {meta.get('page_kind')!r}, this "
+            f"cache's pages are {caches.page_kind!r} (layout {caches.layout}): set "
+            '"kv_format": "tokens" on the producer to move KV between unlike caches'
+        )
+    k0 = views[0][0]
+    want = _packed_shape(views, rows)
     if packed is None or tuple(packed.shape) != want or packed.dtype != k0.dtype:
         got = "nothing" if packed is None else f"{tuple(packed.shape)} {packed.dtype}"
         raise ValueError(f"entry holds {got}, expected {want} {k0.dtype}")

@@ -40,7 +40,8 @@ _HOSTNAME = re.compile(
 
 def prompt_digest(token_ids) -> str:
     """Short digest of a prompt's token ids (as little-endian int64): the consumer only loads KV
-    of the very same prompt."""
+    of the very same prompt, and the producer's KV server serves (or drops) an entry only to a
+    request presenting its prompt's digest."""
     data = np.asarray(token_ids, dtype="<i8").tobytes()
     return hashlib.sha256(data).hexdigest()[:32]
 
@@ -155,5 +156,9 @@ def parse_handoff(params) -> ReleaseSpec | None:
     if not is_handoff(params) or params["protocol"] != PROTOCOL or handoff_problems(params):
         return None
     return ReleaseSpec(
-        params["transfer_id"], params["remote_host"], params["remote_port"], params["tp_size"]
+        params["transfer_id"],
+        params["remote_host"],
+        params["remote_port"],
+        params["tp_size"],
+        prompt_digest=params["prompt_digest"],
     )

@@ -1,27 +1,32 @@
 """What the scheduler side tells the workers each step (plain data: vLLM may serialise it).
 
 The facade wraps a step's lists in its ``TritonKVMetadata`` (vLLM's ``KVConnectorMetadata``
-type); these are the items. No vLLM import.
+type); these are the items. Each names its entry by transfer id and by ``prompt_digest``
+(:func:`.handoff.prompt_digest` of the prompt): the producer binds the entry to it, and its KV
+server serves or drops the entry only for a request presenting it. No vLLM import.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class SaveSpec:
-    """Producer worker: pack prompt positions ``[0, num_tokens)`` of ``block_ids`` as ``transfer_id``."""
+    """Producer worker: pack prompt positions ``[0, num_tokens)`` of ``block_ids`` as
+    ``transfer_id``, bound to ``prompt_digest``."""
 
     req_id: str
     transfer_id: str
     block_ids: list[int]
     num_tokens: int
+    prompt_digest: str = field(kw_only=True)
 
 
 @dataclass
 class LoadSpec:
-    """Consumer worker: pull ``transfer_id`` and write its rows ``[start, start + count)``."""
+    """Consumer worker: pull ``transfer_id`` (presenting the hand-off's ``prompt_digest``) and
+    write its rows ``[start, start + count)``."""
 
     req_id: str
     transfer_id: str
@@ -33,14 +38,16 @@ class LoadSpec:
     num_tokens: int
     producer_tp: int = 1  # the producer's TP size: which of its ranks hold this rank's heads
     corrupt: bool = False
+    prompt_digest: str = field(kw_only=True)
 
 
 @dataclass
 class ReleaseSpec:
-    """Consumer worker: tell ``host:port + tp_rank`` to drop ``transfer_id``, which no request
-    here will load."""
+    """Consumer worker: tell ``host:port + tp_rank`` to drop ``transfer_id`` (presenting the
+    hand-off's ``prompt_digest``), which no request here will load."""
 
     transfer_id: str
     host: str
     port: int
     producer_tp: int = 1
+    prompt_digest: str = field(kw_only=True)

@@ -3,8 +3,9 @@
 After a step's forward pass, :meth:`Producer.wait_for_save` packs each finished prompt's KV for
 every layer with **one** :func:`tritonkv.pack_kv` call (token rows or whole pages: the
 ``kv_format`` option) into the rank's :class:`~connector.kvstore.KVBuffer` under its transfer id;
-a :class:`~connector.kvstore.KVServer` serves the buffer on ``engine_port + tp_rank`` (GET and
-DISCARD only), and a :class:`BufferWatcher` logs the buffer's occupancy. No vLLM import.
+each entry is bound to its prompt's digest (``SaveSpec.prompt_digest``), so that the
+:class:`~connector.kvstore.KVServer` serving the buffer on ``engine_port + tp_rank`` (GET and
+DISCARD only) serves or drops it only for a request presenting that digest; and a :class:`BufferWatcher` logs the buffer's occupancy. No vLLM import.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from tritonkv import pack_kv
 
-from ..kvstore import KVBuffer, KVServer
+from ..kvstore import KVBuffer, KVServer, hide_ids, short_id
 from ..logs import get_logger
 from ..transport.auth import MIN_SECRET_BYTES, SECRET_ENV, is_loopback
 from ..transport.errors import error_text
@@ -135,12 +136,17 @@ class Producer:
             return
         for transfer_id in discards:  # saved in an earlier step (ids are never reused)
             try:
-                if self._buffer.discard(transfer_id):
+                if self._buffer.drop(transfer_id):  # its own entry, whatever its digest
                     log.info(
-                        "tritonkv: discarded transfer %s (its request was aborted)", transfer_id
+                        "tritonkv: discarded transfer %s (its request was aborted)",
+                        short_id(transfer_id),
                     )
             except Exception as exc:  # the entry's TTL drops it later
-                log.error("tritonkv: could not discard transfer %s (%s)", transfer_id, exc)
+                log.error(
+                    "tritonkv: could not discard transfer %s (%s)",
+                    short_id(transfer_id),
+                    hide_ids(error_text(exc)),
+                )
         for spec in saves:
             try:
                 self._save(spec)
@@ -149,10 +155,10 @@ class Producer:
                 log.error(
                     "tritonkv: could not save transfer %s for %s (%s: %s): the decode side will "
                     "recompute it",
-                    spec.transfer_id,
+                    short_id(spec.transfer_id),
                     spec.req_id,
                     type(exc).__name__,
-                    error_text(exc),
+                    hide_ids(error_text(exc)),
                 )
 
     def entry_bytes(self, spec: SaveSpec) -> int:
@@ -185,11 +191,16 @@ class Producer:
         meta = {"fingerprint": self.fingerprint, "kv_format": self.kv_format}
         if paged:
             meta["page_kind"] = self.caches.page_kind
-        self._buffer.put(spec.transfer_id, {"kv": packed}, {**meta, "num_tokens": spec.num_tokens})
+        self._buffer.put(
+            spec.transfer_id,
+            {"kv": packed},
+            {**meta, "num_tokens": spec.num_tokens},
+            digest=spec.prompt_digest,
+        )
         self.stats.record_save(nbytes=nbytes, num_tokens=spec.num_tokens, pack_ms=1e3 * (t1 - t0))
         log.info(
             "tritonkv: saved transfer %s for %s: %d tokens, %d bytes, pack %.2f ms, kv_format %s",
-            spec.transfer_id,
+            short_id(spec.transfer_id),
             spec.req_id,
             spec.num_tokens,
             nbytes,

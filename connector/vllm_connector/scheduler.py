@@ -15,6 +15,7 @@ from typing import Any
 
 from tritonkv import __version__
 
+from ..kvstore import short_id
 from ..logs import get_logger
 from .config import ConnectorConfig
 from .handoff import (
@@ -127,7 +128,7 @@ class SchedulerSide:
             log.warning(
                 "tritonkv: request %s: refusing transfer %s: %s. Recomputing the prompt",
                 request.request_id,
-                shown(request.kv_transfer_params.get("transfer_id")),
+                short_id(request.kv_transfer_params.get("transfer_id")),
                 why,
             )
             self._tried.add(request.request_id)
@@ -197,6 +198,7 @@ class SchedulerSide:
                 count=num_external_tokens,
                 num_tokens=params["num_tokens"],
                 producer_tp=params["tp_size"],
+                prompt_digest=params["prompt_digest"],
                 corrupt=self.cfg.debug_allow_corrupt
                 and params.get("tritonkv_debug_corrupt") is True,
             )
@@ -234,7 +236,13 @@ class SchedulerSide:
             transfer_id = uuid.uuid4().hex
             needed = -(-prompt_len // self.block_size)  # blocks holding the prompt
             meta["saves"].append(
-                SaveSpec(req_id, transfer_id, list(block_ids[0][:needed]), prompt_len)
+                SaveSpec(
+                    req_id,
+                    transfer_id,
+                    list(block_ids[0][:needed]),
+                    prompt_len,
+                    prompt_digest=prompt_digest(request.prompt_token_ids),
+                )
             )
             self._saved[req_id] = transfer_id
         return meta

@@ -139,7 +139,7 @@ def test_full_policy_evict_drops_oldest_unclaimed_with_warning():
     with captured_log("vllm.tritonkv.kvstore") as records:
         buf.put("d", _t(300))
     assert "a" in buf and "b" not in buf and "d" in buf
-    assert any("evicting unclaimed entry 'b'" in r.getMessage() for r in records)
+    assert any("evicting unclaimed entry b…" in r.getMessage() for r in records)
     with pytest.raises(KeyMissError, match="evicted"):
         buf.checkout("b")
     buf.checkin(pinned, delivered=False)

@@ -18,6 +18,7 @@ from connector.vllm_connector.stats import TransferStats
 from support.kvstore import deliver
 
 HEAD_SIZE, SENTINEL = 8, 12345
+DIGEST = "d1" * 16  # the prompt digest the saves of these tests bind their entries to
 # The transport of the in-process KV servers. Not gloo: with several gloo servers started and
 # stopped in one process, a TCPStore client's connect sometimes timed out (5 s; cause not found,
 # never seen with one server per process as in vLLM); the e2e tests cover gloo.
@@ -117,7 +118,7 @@ def transfer(
     first ``start`` positions are a local hit); returns ``(consumer, its load-error blocks)``."""
     buffer = KVBuffer(1 << 24)
     src.attach_buffer(buffer)
-    src.wait_for_save([SaveSpec("p", "t1", src_blocks, num_tokens)])
+    src.wait_for_save([SaveSpec("p", "t1", src_blocks, num_tokens, prompt_digest=DIGEST)])
     dst = consumer(
         dst_tensors,
         dst_block_size,
@@ -125,7 +126,19 @@ def transfer(
         **kw,
     )
     dst.start_load_kv(
-        [LoadSpec("c", "t1", "h", 1, dst_blocks, start, num_tokens - 1 - start, num_tokens)]
+        [
+            LoadSpec(
+                "c",
+                "t1",
+                "h",
+                1,
+                dst_blocks,
+                start,
+                num_tokens - 1 - start,
+                num_tokens,
+                prompt_digest=DIGEST,
+            )
+        ]
     )
     buffer.close()
     errors = dst.get_block_ids_with_load_errors()

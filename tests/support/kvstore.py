@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from connector.transport import frame as wire
+from connector.transport.errors import ProtocolError
 from connector.transport.frame import Kind, encode_header
 from support.transport import raw_authenticate, raw_listener_authenticate, recv_exact
 
@@ -25,10 +26,16 @@ def accounted(s: dict) -> bool:
     )
 
 
-def deliver(buffer, key: str, *, wait_s: float = 0.0, part=None) -> tuple[dict, dict]:
-    """One delivery of ``key`` from a KVBuffer in process (what a server's GET does): its
-    tensors and meta, the entry claimed. Raises KeyMissError as ``KVBuffer.checkout`` does."""
-    with buffer.checkout(key, wait_s=wait_s, part=part) as lease:
+def deliver(
+    buffer, key: str, *, wait_s: float = 0.0, part=None, digest=None, max_bytes=None
+) -> tuple[dict, dict]:
+    """One delivery of ``key`` (put with ``digest``) from a KVBuffer in process (what a server's
+    GET does, with ``KVClient.get``'s arguments): its tensors and meta, the entry claimed. Raises
+    KeyMissError as ``KVBuffer.checkout`` does, ProtocolError (the entry stays) for more than
+    ``max_bytes`` bytes, as the client does."""
+    with buffer.checkout(key, wait_s=wait_s, part=part, digest=digest) as lease:
+        if max_bytes is not None and lease.nbytes > max_bytes:
+            raise ProtocolError(f"{lease.nbytes} payload bytes announced, expected <= {max_bytes}")
         return lease.tensors, lease.meta
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from support.connector_halves import NHD, caches, consumer, fake_client
+from support.connector_halves import DIGEST, NHD, caches, consumer, fake_client
 from support.kvstore import deliver
 
 import connector.transport.threads as threads_mod
@@ -52,7 +52,7 @@ def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(monkeyp
     threads = {"fetch": set(), "unpack": set()}
     cpus = {"main": os.sched_getaffinity(0), "fetch": set()}
 
-    def get(transfer_id):
+    def get(transfer_id, **request):
         threads["fetch"].add(threading.current_thread())
         cpus["fetch"] |= os.sched_getaffinity(0)
         if transfer_id == "gone":
@@ -72,7 +72,9 @@ def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(monkeyp
         cfg=ConnectorConfig(async_load=True),
         connect=lambda host, port: fake_client(get),
     )
-    spec = dict(host="h", port=1, block_ids=[2, 5], start=0, count=5, num_tokens=6)
+    spec = dict(
+        host="h", port=1, block_ids=[2, 5], start=0, count=5, num_tokens=6, prompt_digest=DIGEST
+    )
     conn.start_load_kv(
         [LoadSpec("ok", "t1", **spec), LoadSpec("bad", "gone", **{**spec, "block_ids": [3, 4]})]
     )
@@ -103,7 +105,7 @@ def test_a_producer_that_timed_out_is_not_asked_again_for_a_while():
     asked = []
 
     def client(host, port):
-        def get(transfer_id):
+        def get(transfer_id, **request):
             asked.append((host, port))
             if host == "slow":
                 raise TransferTimeout("deadline passed", peer=f"{host}:{port}", key=transfer_id)
@@ -122,7 +124,10 @@ def test_a_producer_that_timed_out_is_not_asked_again_for_a_while():
 
     def load(*addrs):
         conn.start_load_kv(
-            [LoadSpec(f"r{i}", "t", h, p, [i], 0, 3, 4) for i, (h, p) in enumerate(addrs)]
+            [
+                LoadSpec(f"r{i}", "t", h, p, [i], 0, 3, 4, prompt_digest=DIGEST)
+                for i, (h, p) in enumerate(addrs)
+            ]
         )
         return conn.get_block_ids_with_load_errors()
 
@@ -142,7 +147,7 @@ def test_releases_drop_unused_entries_on_the_producer_off_the_worker_thread():
     buffer = KVBuffer(1 << 20)
     server = KVServer(buffer, "127.0.0.1", base + 1, transport="gloo")
     for key in ("unused", "kept", "late"):
-        buffer.put(key, {"kv": torch.zeros(4)})
+        buffer.put(key, {"kv": torch.zeros(4)}, digest=DIGEST)
     callers, clients = [], []
 
     def connect(host, port):  # on the thread that releases
@@ -153,24 +158,28 @@ def test_releases_drop_unused_entries_on_the_producer_off_the_worker_thread():
     # rank 1 of TP 2 asks producer rank 1 of TP 2
     conn = consumer(caches(NHD), 4, tp_rank=1, tp_size=2, connect=connect)
     releases = [
-        ReleaseSpec("unused", "127.0.0.1", base, 2),
-        ReleaseSpec("elsewhere", "127.0.0.1", free_port_run(2), 2),  # nobody listens
+        ReleaseSpec("unused", "127.0.0.1", base, 2, prompt_digest=DIGEST),
+        ReleaseSpec(
+            "elsewhere", "127.0.0.1", free_port_run(2), 2, prompt_digest=DIGEST
+        ),  # nobody listens
     ]
     try:
         conn.start_load_kv([], releases)
         conn.wait_for_releases()
         with pytest.raises(KeyMissError, match="discarded"):
-            deliver(buffer, "unused")
-        assert torch.equal(deliver(buffer, "kept")[0]["kv"], torch.zeros(4))
+            deliver(buffer, "unused", digest=DIGEST)
+        assert torch.equal(deliver(buffer, "kept", digest=DIGEST)[0]["kv"], torch.zeros(4))
         assert len(set(callers)) == 1 and callers[0] is not threading.current_thread()
         conn.shutdown()
-        conn.release([ReleaseSpec("late", "127.0.0.1", base, 2)])  # e.g. a batch still running
-        assert torch.equal(deliver(buffer, "late")[0]["kv"], torch.zeros(4)), (
+        conn.release(
+            [ReleaseSpec("late", "127.0.0.1", base, 2, prompt_digest=DIGEST)]
+        )  # e.g. a batch still running
+        assert torch.equal(deliver(buffer, "late", digest=DIGEST)[0]["kv"], torch.zeros(4)), (
             "released after shutdown"
         )
         for client in clients:
             with pytest.raises(PipeClosedError, match="client is closed"):
-                client.discard("late", timeout_s=1.0)
+                client.discard("late", timeout_s=1.0, digest=DIGEST)
     finally:
         conn.shutdown()
         server.close()

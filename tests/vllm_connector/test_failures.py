@@ -8,11 +8,11 @@ import time
 
 import pytest
 import torch
-from support.connector_halves import NHD, caches, consumer, fake_client, producer
+from support.connector_halves import DIGEST, NHD, caches, consumer, fake_client, producer
 from support.vllm_fixtures import captured_log
 
 import connector.vllm_connector.producer as producer_mod
-from connector.kvstore import KVBuffer
+from connector.kvstore import KVBuffer, short_id
 from connector.vllm_connector.consumer import ProducerClients
 from connector.vllm_connector.metadata import LoadSpec, SaveSpec
 
@@ -46,18 +46,21 @@ def test_a_prompt_that_can_never_fit_the_buffer_is_refused_before_packing(monkey
     packs = _counting_pack(monkeypatch)
     with captured_log("vllm.tritonkv.connector") as records:
         prod.wait_for_save(
-            [SaveSpec("big", TID, [0], 3), SaveSpec("small", "cd" * 16, [1], 2)]
+            [
+                SaveSpec("big", TID, [0], 3, prompt_digest=DIGEST),
+                SaveSpec("small", "cd" * 16, [1], 2, prompt_digest=DIGEST),
+            ]
         )  # 3 rows: 384 bytes > 256; 2 rows: 256 bytes
     assert len(packs) == 1, "the entry that cannot fit was packed anyway"
     assert "cd" * 16 in buffer and TID not in buffer
     stats = prod.stats.peek()
     assert (stats["saves"], stats["save_failures"]) == (1, 1)
     [error] = [r.getMessage() for r in records]
-    assert f"could not save transfer {TID} for big" in error
+    assert f"could not save transfer {short_id(TID)} for big" in error
     assert (
         f"needs {3 * ROW_BYTES} bytes, more than one entry may hold ({2 * ROW_BYTES} bytes" in error
     )
-    assert prod.entry_bytes(SaveSpec("x", TID, [0], 3)) == 3 * ROW_BYTES
+    assert prod.entry_bytes(SaveSpec("x", TID, [0], 3, prompt_digest=DIGEST)) == 3 * ROW_BYTES
 
 
 @pytest.mark.parametrize(
@@ -71,11 +74,11 @@ def test_running_out_of_memory_while_packing_fails_that_save_only(monkeypatch, e
     prod.attach_buffer(buffer)
     _counting_pack(monkeypatch, fail_with=error)
     with captured_log("vllm.tritonkv.connector") as records:
-        prod.wait_for_save([SaveSpec("r", TID, [0], 3)])  # must not raise
+        prod.wait_for_save([SaveSpec("r", TID, [0], 3, prompt_digest=DIGEST)])  # must not raise
     assert TID not in buffer and prod.stats.peek()["save_failures"] == 1
     assert type(error).__name__ in records[0].getMessage()
     monkeypatch.undo()
-    prod.wait_for_save([SaveSpec("r2", "cd" * 16, [1], 3)])
+    prod.wait_for_save([SaveSpec("r2", "cd" * 16, [1], 3, prompt_digest=DIGEST)])
     assert "cd" * 16 in buffer
 
 
@@ -109,7 +112,9 @@ def test_any_error_of_a_pull_is_that_load_s_failure_and_its_blocks_are_recompute
     )
     before = torch.stack([c.view(torch.int16) for c in dst]).clone()
     with captured_log("vllm.tritonkv.connector") as records:
-        cons.start_load_kv([LoadSpec("r", TID, "h", 1, [2, 3], 0, 7, 8)])  # must not raise
+        cons.start_load_kv(
+            [LoadSpec("r", TID, "h", 1, [2, 3], 0, 7, 8, prompt_digest=DIGEST)]
+        )  # must not raise
         deadline = time.monotonic() + 10
         while async_load and not cons.get_finished() and time.monotonic() < deadline:
             time.sleep(0.01)

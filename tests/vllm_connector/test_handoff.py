@@ -47,7 +47,9 @@ def test_a_built_handoff_parses_back_to_where_its_entry_lives():
     assert params["prompt_digest"] == prompt_digest([1, 2, 3]) and params["num_tokens"] == 3
     assert is_handoff(params)
     assert handoff_problems(params) == []
-    assert parse_handoff(params) == ReleaseSpec(TID, "prefill-0.example", 14600, 2)
+    assert parse_handoff(params) == ReleaseSpec(
+        TID, "prefill-0.example", 14600, 2, prompt_digest=params["prompt_digest"]
+    )
 
 
 def test_params_that_are_no_usable_handoff_parse_to_none():

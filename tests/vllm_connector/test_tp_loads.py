@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support.connector_halves import (
+    DIGEST,
     HEAD_SIZE,
     NHD,
     SENTINEL,
@@ -35,7 +36,10 @@ def test_loads_over_authenticated_connections_and_a_wrong_secret_recomputes():
     prod.serve()
     try:
         prod.wait_for_save(
-            [SaveSpec("p", "t1", [5, 1, 3], 10), SaveSpec("p2", "t2", [5, 1, 3], 10)]
+            [
+                SaveSpec("p", "t1", [5, 1, 3], 10, prompt_digest=DIGEST),
+                SaveSpec("p2", "t2", [5, 1, 3], 10, prompt_digest=DIGEST),
+            ]
         )
         for transfer_id, secret, errors in (("t1", b"x" * 32, {0, 4, 2}), ("t2", SECRET, set())):
             cons = consumer(
@@ -44,7 +48,21 @@ def test_loads_over_authenticated_connections_and_a_wrong_secret_recomputes():
                 cfg=ConnectorConfig(transport=TRANSPORT),
                 secret=secret,
             )
-            cons.start_load_kv([LoadSpec("c", transfer_id, "127.0.0.1", port, [0, 4, 2], 0, 9, 10)])
+            cons.start_load_kv(
+                [
+                    LoadSpec(
+                        "c",
+                        transfer_id,
+                        "127.0.0.1",
+                        port,
+                        [0, 4, 2],
+                        0,
+                        9,
+                        10,
+                        prompt_digest=DIGEST,
+                    )
+                ]
+            )
             assert cons.get_block_ids_with_load_errors() == errors
             cons.shutdown()
         prod.count_auth_failures()
@@ -66,7 +84,7 @@ def _tp_producers(global_caches, producer_tp, base, transfer="t1"):
         cfg = ConnectorConfig(kv_format="tokens", transport=TRANSPORT)
         conn = producer(tensors, 4, cfg=cfg, tp_rank=rank, engine_port=base)
         conn.serve()
-        conn.wait_for_save([SaveSpec("p", transfer, [5, 1, 3], 10)])
+        conn.wait_for_save([SaveSpec("p", transfer, [5, 1, 3], 10, prompt_digest=DIGEST)])
         ranks.append(conn)
     return ranks
 
@@ -118,7 +136,20 @@ def test_loads_between_unequal_tensor_parallel_sizes(producer_tp, consumer_tp):
         for rank in range(consumer_tp):
             cons, tensors, heads = _tp_consumer(global_caches, consumer_tp, rank)
             cons.start_load_kv(
-                [LoadSpec("c", "t1", "127.0.0.1", base, [0, 4, 2], 0, 9, 10, producer_tp)]
+                [
+                    LoadSpec(
+                        "c",
+                        "t1",
+                        "127.0.0.1",
+                        base,
+                        [0, 4, 2],
+                        0,
+                        9,
+                        10,
+                        producer_tp,
+                        prompt_digest=DIGEST,
+                    )
+                ]
             )
             assert cons.get_block_ids_with_load_errors() == set()
             assert torch.equal(bits(tensors), _want(global_caches, heads)), rank
@@ -141,7 +172,9 @@ def test_a_dead_producer_rank_fails_the_whole_gather_and_writes_nothing():
     producers[1].shutdown()  # rank 1 is gone: its half of the heads cannot come
     try:
         cons, tensors, _ = _tp_consumer(global_caches, 1, 0)
-        cons.start_load_kv([LoadSpec("c", "t1", "127.0.0.1", base, [0, 4, 2], 0, 9, 10, 2)])
+        cons.start_load_kv(
+            [LoadSpec("c", "t1", "127.0.0.1", base, [0, 4, 2], 0, 9, 10, 2, prompt_digest=DIGEST)]
+        )
         assert cons.get_block_ids_with_load_errors() == {0, 4, 2}
         data = cons.stats.take()
         assert data["loads"] == 0 and data["load_failures"] == 1
@@ -158,7 +191,7 @@ def test_an_unused_transfer_is_released_on_every_producer_rank():
     producers = _tp_producers(global_caches, 2, base)
     try:
         cons, _, _ = _tp_consumer(global_caches, 1, 0)
-        cons.release([ReleaseSpec("t1", "127.0.0.1", base, 2)])
+        cons.release([ReleaseSpec("t1", "127.0.0.1", base, 2, prompt_digest=DIGEST)])
         assert [p.buffer.stats()["discards"] for p in producers] == [1, 1]
         cons.shutdown()
     finally:

@@ -125,6 +125,17 @@ class _Table:
         while len(self._tombs) > self._tomb_limit:
             self._tombs.popitem(last=False)
 
+    def check_absent(self, key: str) -> None:
+        if key in self.entries:
+            raise ValueError(f"key {key!r} is already in the buffer (discard it first)")
+
+    def full(self, nbytes: int, capacity_bytes: int, policy: str) -> str:
+        """Why an entry of ``nbytes`` does not fit."""
+        return (
+            f"buffer full: {self.nbytes} of {capacity_bytes} bytes used by {len(self.entries)} "
+            f"entries, entry needs {nbytes} (full_policy={policy!r})"
+        )
+
     def find(self, key: str, digest: str | None) -> _Entry | None:
         """The entry of ``key`` if ``digest`` is the one it was put with, else None."""
         e = self.entries.get(key)
@@ -166,6 +177,17 @@ def _check_digest(digest, *, put: bool = False) -> str | None:
     if put and digest == "":
         raise ValueError("digest: expected a non-empty str or None, got ''")
     return digest
+
+
+def _check_checkout(key, wait_s, part, digest) -> str | None:
+    """``digest`` if the arguments of ``checkout`` are valid; TypeError / ValueError otherwise."""
+    if not isinstance(key, str):
+        raise TypeError(f"key: expected str, got {type(key).__name__}")
+    if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or wait_s < 0:
+        raise ValueError(f"wait_s: expected a number >= 0, got {wait_s!r}")
+    if part is not None and not isinstance(part, Part):
+        raise TypeError(f"part: expected a Part or None, got {type(part).__name__}")
+    return _check_digest(digest)
 
 
 def _entry_bytes(key: str, tensors, meta, limits: FrameLimits, capacity_bytes: int) -> int:
@@ -368,13 +390,7 @@ class KVBuffer:
             ValueError: ``part`` names no tensor, dim or range of the entry (the entry stays;
                 counted as a failed delivery).
         """
-        if not isinstance(key, str):
-            raise TypeError(f"key: expected str, got {type(key).__name__}")
-        if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or wait_s < 0:
-            raise ValueError(f"wait_s: expected a number >= 0, got {wait_s!r}")
-        if part is not None and not isinstance(part, Part):
-            raise TypeError(f"part: expected a Part or None, got {type(part).__name__}")
-        digest = _check_digest(digest)
+        digest = _check_checkout(key, wait_s, part, digest)
         t0 = self.clock()
         with self._cond:
             self._expire_locked(t0)
@@ -439,10 +455,8 @@ class KVBuffer:
         digest: str | None = None,
         timeout_s: float | None = None,
     ) -> None:
-        """Store ``tensors`` (by reference) and ``meta`` under ``key``, bound to ``digest``
-        (non-empty; None: unbound) when given: only a checkout or discard presenting it finds it.
-
-        ``token_ids`` (optional, ``[num_tokens]`` ints) indexes the entry's full blocks for
+        """Store ``tensors`` (by reference) and ``meta`` under ``key``, bound to ``digest`` (if
+        not None: only a checkout or discard presenting it finds the entry). ``token_ids`` (optional, ``[num_tokens]`` ints) indexes the entry's full blocks for
         ``match_prefix``. When full, follows ``full_policy`` waiting at most ``timeout_s``
         (default ``put_timeout_s``). Raises ValueError for a duplicate key, an entry larger than
         the capacity or one the wire ``limits`` refuse (see KVBuffer), TypeError for a dtype the
@@ -463,8 +477,7 @@ class KVBuffer:
             if self._closed:
                 raise PipeClosedError("buffer is closed", key=key)
             table = self._table
-            if key in table.entries:
-                raise ValueError(f"key {key!r} is already in the buffer (discard it first)")
+            table.check_absent(key)
             while True:
                 next_expiry = self._expire_locked(self.clock())
                 if table.nbytes + nbytes <= self.capacity_bytes:
@@ -476,19 +489,13 @@ class KVBuffer:
                     self._c["full_errors"] += 1
                     if self.full_policy != "error":
                         self._c["timeouts"] += 1
-                    raise BufferFullError(
-                        f"buffer full: {table.nbytes} of {self.capacity_bytes} bytes used by "
-                        f"{len(table.entries)} entries, entry needs {nbytes} "
-                        f"(full_policy={self.full_policy!r})",
-                        key=key,
-                        waited_s=self.clock() - t0,
-                    )
+                    why = table.full(nbytes, self.capacity_bytes, self.full_policy)
+                    raise BufferFullError(why, key=key, waited_s=self.clock() - t0)
                 self._c["full_waits"] += 1
                 if next_expiry is not None:  # an expiry makes room too: wake up for it
                     left = min(left, max(0.001, next_expiry - self.clock()))
                 self._cond.wait(left)
-                if key in table.entries:
-                    raise ValueError(f"key {key!r} is already in the buffer (discard it first)")
+                table.check_absent(key)
             table.add(_Entry(key, dict(tensors), meta, nbytes, self.clock(), digest), hashes)
             self._c["puts"] += 1
             self._c["bytes_put"] += nbytes
@@ -497,23 +504,19 @@ class KVBuffer:
     def discard(self, key: str, digest: str | None = None) -> bool:
         """Drop ``key`` (abort) if it was put with ``digest``. True if it was held (for that
         digest). A lease of it keeps its tensors."""
-        key = check_key(key)
-        digest = _check_digest(digest)
-        with self._cond:
-            return self._discard_locked(self._table.find(key, digest))
+        return self._discard(check_key(key), _check_digest(digest), any_digest=False)
 
     def drop(self, key: str) -> bool:
         """The owner's :meth:`discard`: drop ``key`` whatever digest it was put with (a producer
         aborting its own entry; never on behalf of a request). True if it was held."""
-        key = check_key(key)
-        with self._cond:
-            return self._discard_locked(self._table.entries.get(key))
+        return self._discard(check_key(key), None, any_digest=True)
 
-    def _discard_locked(self, e: _Entry | None) -> bool:
-        if e is None:
-            return False
-        self._remove_locked(e, "discarded", "discards")
-        return True
+    def _discard(self, key: str, digest: str | None, *, any_digest: bool) -> bool:
+        with self._cond:
+            e = self._table.entries.get(key) if any_digest else self._table.find(key, digest)
+            if e is not None:
+                self._remove_locked(e, "discarded", "discards")
+            return e is not None
 
     def match_prefix(self, token_ids) -> tuple[int, str | None]:
         """Longest stored prefix of ``token_ids`` in whole blocks: ``(num_tokens, key)``, or

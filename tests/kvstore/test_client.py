@@ -11,6 +11,7 @@ from support.transport import Child, waited_s
 
 from connector.kvstore import KVClient, Part
 from connector.kvstore.protocol import Op
+from connector.transport import frame as wire
 from connector.transport.errors import (
     PeerDeadError,
     PipeClosedError,
@@ -147,6 +148,43 @@ def test_client_times_out_on_a_silent_server():
         assert "'slow'" in text and "peer=127.0.0.1:" in text
         assert 0.5 <= waited_s(text) < 2
         assert client.stats()["timeouts"] == 1
+        client.close()
+    finally:
+        lsock.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "announced", [4096, 4097, 1 << 32], ids=["as-expected", "one-more", "4-GiB"]
+)
+def test_a_reply_larger_than_the_caller_expects_is_refused_before_allocation(
+    announced,
+    no_big_alloc,  # noqa: F811
+):
+    """``max_bytes``: the consumer's own expectation caps what a peer's DATA header may make it
+    allocate (the frame limit alone allows 4 GiB); refused, the connection is closed."""
+    spec = TensorSpec("kv", 6, (announced,), announced)
+    payload = b"\x07" * min(announced, 4097)
+
+    def reply(conn, req):
+        conn.sendall(encode_header(Op.DATA, req.key, {}, [spec], wire.FLAG_INLINE) + payload)
+
+    lsock = fake_server(reply)
+    try:
+        client = KVClient("127.0.0.1", lsock.getsockname()[1], transport="socket", timeout_s=20)
+        if announced == 4096:
+            got, _ = client.get("mine", max_bytes=4096)
+            assert got["kv"].nbytes == 4096 and no_big_alloc == [4096]
+        else:
+            with pytest.raises(ProtocolError) as ei:
+                client.get("mine", max_bytes=4096)
+            text = str(ei.value)
+            assert f"{announced} payload bytes announced" in text, text
+            assert "expects at most 4096" in text and "'mine'" in text, text
+            assert no_big_alloc == [], "allocated before the header was refused"
+            assert client.stats()["errors"] == 1  # the connection was closed
+        with pytest.raises(ValueError, match="max_bytes: expected an int >= 0 or None, got -1"):
+            client.get("mine", max_bytes=-1)
         client.close()
     finally:
         lsock.close()

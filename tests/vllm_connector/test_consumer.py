@@ -11,6 +11,7 @@ import pytest
 import torch
 from support.connector_halves import DIGEST, NHD, caches, consumer, fake_client
 from support.kvstore import deliver
+from support.vllm_fixtures import captured_log
 
 import connector.transport.threads as threads_mod
 import connector.vllm_connector.consumer as consumer_mod
@@ -180,6 +181,67 @@ def test_releases_drop_unused_entries_on_the_producer_off_the_worker_thread():
         for client in clients:
             with pytest.raises(PipeClosedError, match="client is closed"):
                 client.discard("late", timeout_s=1.0, digest=DIGEST)
+    finally:
+        conn.shutdown()
+        server.close()
+        buffer.close()
+
+
+def test_a_pull_presents_the_digest_and_caps_the_reply_at_what_this_rank_expects():
+    """max_bytes comes from this rank's own caches: NHD bf16, 2 layers, 2 heads of 8: a token row
+    is 2 × 2 × 2 × 8 × 2 = 128 bytes (1280 for 10 tokens); whole pages, which this cache can take
+    too, hold the prompt's 3 blocks × 4 rows of 128 bytes = 1536: the larger is the cap."""
+    asked = []
+
+    def get(transfer_id, **request):
+        asked.append(request)
+        raise KeyMissError("not there", key=transfer_id)
+
+    conn = consumer(caches(NHD), 4, connect=lambda host, port: fake_client(get))
+    conn.start_load_kv([LoadSpec("r", "t", "h", 1, [0, 1, 2], 0, 9, 10, prompt_digest=DIGEST)])
+    conn.shutdown()
+    assert [(r["digest"], r["max_bytes"]) for r in asked] == [(DIGEST, 1536)]
+
+
+@pytest.mark.timeout(60)
+def test_an_entry_larger_than_this_rank_expects_is_refused_before_it_is_allocated(monkeypatch):
+    """A producer (or a relay) that answers a pull with more KV than the hand-off's prompt can
+    hold here: the consumer refuses the DATA header, allocates nothing for it, and recomputes."""
+    buffer = KVBuffer(64 << 20)
+    buffer.put("oversized", {"kv": torch.zeros(8 << 20, dtype=torch.uint8)}, digest=DIGEST)
+    server = KVServer(buffer, "127.0.0.1", 0, transport="gloo")
+    sizes, real = [], torch.empty
+
+    def spy(*args, **kw):
+        t = real(*args, **kw)
+        sizes.append(t.nbytes)
+        return t
+
+    conn = consumer(caches(NHD), 4, cfg=ConnectorConfig(transport="socket"))
+    try:
+        with captured_log("vllm.tritonkv.connector") as records:
+            monkeypatch.setattr(torch, "empty", spy)
+            conn.start_load_kv(
+                [
+                    LoadSpec(
+                        "r",
+                        "oversized",
+                        "127.0.0.1",
+                        server.port,
+                        [0, 1, 2],
+                        0,
+                        9,
+                        10,
+                        prompt_digest=DIGEST,
+                    )
+                ]
+            )
+            monkeypatch.setattr(torch, "empty", real)
+        assert conn.get_block_ids_with_load_errors() == {0, 1, 2}
+        [failed] = [r.getMessage() for r in records]
+        assert "ProtocolError" in failed and f"{8 << 20} payload bytes announced" in failed
+        assert "expects at most 1536" in failed, failed
+        assert max(sizes, default=0) < 1 << 20, f"allocated {max(sizes)} bytes for the reply"
     finally:
         conn.shutdown()
         server.close()

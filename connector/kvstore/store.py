@@ -354,8 +354,7 @@ class KVBuffer:
         return e
 
     def _wait_servable_locked(self, key: str, digest, deadline: float) -> _Entry | None:
-        waiting = (key, digest)
-        self._waiting[waiting] += 1
+        self._waiting[key, digest] += 1
         try:
             e = None
             while e is None and not self._closed:
@@ -366,9 +365,9 @@ class KVBuffer:
                 e = self._servable_locked(key, digest)
             return e
         finally:
-            self._waiting[waiting] -= 1
-            if self._waiting[waiting] <= 0:
-                del self._waiting[waiting]
+            self._waiting[key, digest] -= 1
+            if self._waiting[key, digest] <= 0:
+                del self._waiting[key, digest]
 
     # ------------------------------------------------------------------------------ leases
     def checkout(
@@ -381,8 +380,8 @@ class KVBuffer:
     ) -> Lease:
         """Lease ``key`` for one delivery (of ``part`` only, when given), waiting up to ``wait_s``
         seconds for it to be put. Pair with :meth:`checkin`, or use the lease as a context
-        manager (see :class:`Lease` for what it guarantees). ``digest``: the one the entry was
-        put with (an entry put with another, or with none when one is given, is not found).
+        manager (see :class:`Lease` for what it guarantees). ``digest``: the entry's (an entry
+        put with another digest, or none, is not found).
 
         Raises:
             KeyMissError: ``key`` is not there for ``digest`` (or being delivered whole), with
@@ -456,12 +455,13 @@ class KVBuffer:
         timeout_s: float | None = None,
     ) -> None:
         """Store ``tensors`` (by reference) and ``meta`` under ``key``, bound to ``digest`` (if
-        not None: only a checkout or discard presenting it finds the entry). ``token_ids`` (optional, ``[num_tokens]`` ints) indexes the entry's full blocks for
-        ``match_prefix``. When full, follows ``full_policy`` waiting at most ``timeout_s``
-        (default ``put_timeout_s``). Raises ValueError for a duplicate key, an entry larger than
-        the capacity or one the wire ``limits`` refuse (see KVBuffer), TypeError for a dtype the
-        wire cannot carry, BufferFullError when no room was made in time, PipeClosedError once
-        closed.
+        not None: only a checkout or discard presenting it finds the entry). ``token_ids``
+        (optional, ``[num_tokens]`` ints) indexes the entry's full blocks for ``match_prefix``.
+        When full, follows ``full_policy`` waiting at most ``timeout_s`` (default
+        ``put_timeout_s``). Raises ValueError for a duplicate key, an empty digest, an entry
+        larger than the capacity or one the wire ``limits`` refuse (see KVBuffer), TypeError for
+        a dtype the wire cannot carry, BufferFullError when no room was made in time,
+        PipeClosedError once closed.
         """
         key = check_key(key)
         digest = _check_digest(digest, put=True)
@@ -512,7 +512,7 @@ class KVBuffer:
         return self._discard(check_key(key), None, any_digest=True)
 
     def _discard(self, key: str, digest: str | None, *, any_digest: bool) -> bool:
-        with self._cond:
+        with self._cond:  # the owner's drop finds the entry whatever its digest
             e = self._table.entries.get(key) if any_digest else self._table.find(key, digest)
             if e is not None:
                 self._remove_locked(e, "discarded", "discards")

@@ -130,8 +130,8 @@ class _Reader:
                     cap = st.max_payload
                 if cap is not None and header.payload_bytes > cap:  # before any allocation
                     raise ProtocolError(
-                        f"{kind_name(header.kind)} {header.key!r}: {header.payload_bytes} payload "
-                        f"bytes announced, this receiver expects at most {cap}"
+                        f"{kind_name(header.kind)}: {header.payload_bytes} payload bytes "
+                        f"announced, this receiver expects at most {cap}"
                     )
                 nbytes = header.payload_bytes if header.inline else 0
                 with st.cond:  # room first: the inline payload is allocated only then

@@ -145,7 +145,9 @@ def test_the_wheel_installs_tritonkv_and_tritonkv_connector_with_plugin_and_scri
         entry_points = configparser.ConfigParser()
         entry_points.read_string(zf.read(f"{dist_info}/entry_points.txt").decode())
     assert {n.split("/")[0] for n in names} == {"tritonkv", "tritonkv_connector", dist_info}
-    assert "tritonkv_connector/vllm_connector/plugin.py" in names and "tritonkv/_version.py" in names
+    assert (
+        "tritonkv_connector/vllm_connector/plugin.py" in names and "tritonkv/_version.py" in names
+    )
     for package in ("transport", "kvstore", "vllm_connector", "serve"):
         assert f"tritonkv_connector/{package}/__init__.py" in names, package
     assert dict(entry_points["vllm.general_plugins"]) == {

@@ -52,7 +52,10 @@ def test_a_producer_off_loopback_needs_a_secret_or_insecure(caplog):
         prod = producer(caches(NHD), 4, cfg=cfg, engine_port=free_port_run(1), secret=secret)
         with caplog.at_level(logging.DEBUG):
             prod.serve()
-        assert prod.server.requests == {"GET", "DISCARD"}  # consumers pull and release, nothing else
+        assert prod.server.requests == {
+            "GET",
+            "DISCARD",
+        }  # consumers pull and release, nothing else
         prod.shutdown()
     assert SECRET.decode() not in caplog.text
     assert "without a shared secret (insecure)" in caplog.text

@@ -34,7 +34,7 @@ class PipeListener:
     two-rank process group is built under its own prefix. Accepts clients asking for ``transport``
     and, when ``allow_socket`` (default), clients asking for the inline ``socket`` transport.
 
-    ``secret`` (at least 16 bytes): every connection must prove it holds it before anything else
+    ``secret`` (at least 32 bytes): every connection must prove it holds it before anything else
     is read (:mod:`connector.transport.auth`). Listening on a non-loopback address without one
     raises ValueError unless ``insecure=True`` (then it warns once): anyone who can reach the port
     could read and write entries.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import os
 import socket
 import threading
 import time
@@ -198,8 +199,27 @@ def test_listening_off_loopback_needs_a_secret_or_insecure(caplog):
     assert any("insecure" in r.getMessage() for r in records)
     PipeListener("0.0.0.0", 0, secret=SECRET).close()
     PipeListener("127.0.0.1", 0).close()  # loopback: only this machine can connect
-    with pytest.raises(ValueError, match="at least 16 bytes"):
+    with pytest.raises(ValueError, match="at least 32 bytes"):
         PipeListener("127.0.0.1", 0, secret="short")
+
+
+def test_a_secret_shorter_than_32_bytes_is_refused_everywhere(monkeypatch):
+    """16 bytes (what was once the minimum) and 31 are refused by listeners, connectors, clients
+    and the environment variable alike; 32 bytes (and `openssl rand -hex 32`'s 64) are enough."""
+    for short in (b"k" * 16, "k" * 31):
+        for make in (
+            lambda s: PipeListener("127.0.0.1", 0, secret=s),
+            lambda s: connect_pipe("127.0.0.1", 1, secret=s),
+            lambda s: KVClient("127.0.0.1", 1, secret=s),
+        ):
+            with pytest.raises(ValueError, match=f"at least 32 bytes .*got {len(short)}"):
+                make(short)
+        monkeypatch.setenv(auth.SECRET_ENV, short if isinstance(short, str) else short.decode())
+        with pytest.raises(ValueError, match=f"{auth.SECRET_ENV}: expected at least 32 bytes"):
+            auth.load_secret()
+    monkeypatch.setenv(auth.SECRET_ENV, "k" * 32)
+    assert auth.load_secret() == b"k" * 32
+    PipeListener("127.0.0.1", 0, secret="f" * 64).close()
 
 
 def test_secrets_come_from_a_file_or_the_environment(tmp_path, monkeypatch):
@@ -209,11 +229,59 @@ def test_secrets_come_from_a_file_or_the_environment(tmp_path, monkeypatch):
     assert auth.load_secret() == SECRET
     path = tmp_path / "secret"
     path.write_bytes(OTHER + b"\n")
+    path.chmod(0o600)
     assert auth.load_secret(path) == OTHER  # the file wins; its trailing newline is not secret
     with pytest.raises(ValueError, match="cannot read"):
         auth.load_secret(tmp_path / "missing")
     assert auth.is_loopback("::1") and auth.is_loopback("localhost")
     assert not auth.is_loopback("0.0.0.0") and not auth.is_loopback("10.0.0.1")
+
+
+def _secret_file(tmp_path, mode: int, name: str = "secret"):
+    path = tmp_path / name
+    path.write_bytes(OTHER + b"\n")
+    path.chmod(mode)
+    return path
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o604, 0o640, 0o620, 0o602, 0o666, 0o610], ids=oct)
+def test_a_secret_file_others_may_access_is_refused_naming_it_its_mode_and_the_fix(tmp_path, mode):
+    path = _secret_file(tmp_path, mode)
+    with pytest.raises(ValueError) as err:
+        auth.load_secret(path)
+    assert str(path) in str(err.value) and f"mode {mode:04o}" in str(err.value)
+    assert f"chmod 600 {path}" in str(err.value) and OTHER.decode() not in str(err.value)
+
+
+def test_a_secret_file_only_its_owner_may_read_is_accepted_and_a_symlink_is_judged_by_its_target(
+    tmp_path,
+):
+    for mode in (0o600, 0o400):
+        assert auth.load_secret(_secret_file(tmp_path, mode, f"s{mode:o}")) == OTHER
+    link = tmp_path / "link"  # a symlink's own mode is 0777: the file opened is what counts
+    link.symlink_to(_secret_file(tmp_path, 0o600, "target"))
+    assert auth.load_secret(link) == OTHER
+    (tmp_path / "target").chmod(0o644)
+    with pytest.raises(ValueError, match=f"{link}.*mode 0644"):
+        auth.load_secret(link)
+
+
+def test_a_secret_file_that_is_not_a_regular_file_is_refused_without_waiting_on_it(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)  # opening it blocks until a writer comes, unless non-blocking
+    for path, kind in (
+        (tmp_path, "a directory"),
+        (fifo, "a FIFO"),
+        ("/dev/null", "a character device"),
+    ):
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=f"{path}.*expected a regular file, got {kind}"):
+            auth.load_secret(path)
+        assert time.monotonic() - t0 < 1
+    big = _secret_file(tmp_path, 0o600, "big")
+    big.write_bytes(b"k" * (auth.MAX_SECRET_FILE_BYTES + 1))
+    with pytest.raises(ValueError, match=f"expected at most {auth.MAX_SECRET_FILE_BYTES} bytes"):
+        auth.load_secret(big)
 
 
 def test_failures_are_logged_at_most_once_per_host_a_minute():

@@ -67,6 +67,8 @@ from .sockio import read_fixed, read_handshake_frame, send_all, send_error_frame
 from .threads import transfer_thread
 
 AUTH_TIMEOUT_S = 5.0  # the listener's cap on a connection's authentication
+MAX_REFUSAL_BYTES = 4096  # the largest refusal (ERROR in place of the CHALLENGE) a connector reads
+MAX_PEER_TEXT = 200  # characters of a listener's refusal that reach an exception (peer_text)
 PROTO = 1  # the HELLO exchange's version
 
 
@@ -80,11 +82,7 @@ def authenticate_connector(
     before authenticating (an ERROR frame in place of the CHALLENGE) raises RemoteError."""
     raw = read_fixed(sock, len(MAGIC), deadline, peer, "auth challenge")
     if raw == MAGIC:  # a frame instead: the listener refused us before authenticating
-        raw += read_fixed(sock, PREFIX_SIZE - len(MAGIC), deadline, peer, "refusal")
-        kind, flags, body_len = decode_prefix(raw, limits)
-        body = read_fixed(sock, body_len, deadline, peer, "refusal")
-        h = decode_body(kind, flags, body, limits)
-        raise RemoteError(f"listener refused: {h.meta.get('error')}", peer=peer)
+        raise _read_refusal(sock, limits, deadline, peer)
     raw += read_fixed(sock, auth.CHALLENGE.size - len(MAGIC), deadline, peer, "auth challenge")
     required, nonce_l = auth.parse_challenge(raw, peer)
     response, nonce_c = auth.respond(secret, required, nonce_l, peer)
@@ -94,6 +92,40 @@ def authenticate_connector(
         raise PeerDeadError(f"cannot authenticate: {e}", peer=peer) from None
     raw = read_fixed(sock, auth.VERDICT.size, deadline, peer, "auth verdict")
     auth.check_verdict(secret, nonce_l, nonce_c, raw, peer)
+
+
+def peer_text(value: object) -> str:
+    """Text a peer sent (a refusal's reason, a header's meta), fit for an exception or a log line,
+    whoever the peer is: printable ASCII only (any other character, control characters among them, becomes
+    ``?``), at most :data:`MAX_PEER_TEXT` characters (a longer one is cut and ends in ``...``).
+    Anything but a str is named by its type only."""
+    if not isinstance(value, str):
+        return f"<{type(value).__name__}>"
+    cut = value[: MAX_PEER_TEXT + 1]
+    text = "".join(c if " " <= c <= "~" else "?" for c in cut)
+    return text if len(text) <= MAX_PEER_TEXT else text[: MAX_PEER_TEXT - 3] + "..."
+
+
+def _read_refusal(sock, limits: FrameLimits, deadline: float, peer: str) -> TransferError:
+    """The error for a listener's refusal before authentication: an ERROR frame, whose magic was
+    read already, of at most :data:`MAX_REFUSAL_BYTES` (a larger one is not read). Whatever the
+    stranger wrote reaches the error only through :func:`peer_text`."""
+    raw = MAGIC + read_fixed(sock, PREFIX_SIZE - len(MAGIC), deadline, peer, "refusal")
+    try:
+        kind, flags, body_len = decode_prefix(raw, limits)
+        if kind != Kind.ERROR:
+            raise ProtocolError(f"expected an auth challenge or an ERROR, got {kind_name(kind)}")
+        if body_len > MAX_REFUSAL_BYTES:
+            return RemoteError(
+                f"listener refused, giving a reason of {body_len} bytes (over "
+                f"{MAX_REFUSAL_BYTES}: not read)",
+                peer=peer,
+            )
+        body = read_fixed(sock, body_len, deadline, peer, "refusal")
+        h = decode_body(kind, flags, body, limits)
+    except ProtocolError as e:
+        raise ProtocolError(f"malformed refusal: {peer_text(e.detail)}", peer=peer) from None
+    return RemoteError(f"listener refused: {peer_text(h.meta.get('error'))}", peer=peer)
 
 
 def authenticate_listener(
@@ -234,11 +266,14 @@ def _hello_as_connector(
     h = read_handshake_frame(sock, limits, deadline, options.frame_timeout_s, peer, "HELLO_ACK")
     if h.kind == Kind.ERROR:
         raise RemoteError(
-            f"listener refused: {h.meta.get('error')}", peer=peer, waited_s=time.monotonic() - t0
+            f"listener refused: {peer_text(h.meta.get('error'))}",
+            peer=peer,
+            waited_s=time.monotonic() - t0,
         )
     if h.kind != Kind.HELLO_ACK or h.meta.get("transport") != req.transport:
         raise ProtocolError(
-            f"expected HELLO_ACK for transport {req.transport!r}, got {kind_name(h.kind)} {h.meta}",
+            f"expected HELLO_ACK for transport {req.transport!r}, got {kind_name(h.kind)} "
+            f"{peer_text(str(h.meta))}",
             peer=peer,
         )
     peer_limits = limits_from_meta(h.meta, limits)
@@ -247,7 +282,9 @@ def _hello_as_connector(
     store_port = h.meta.get("store_port")
     prefix = h.meta.get("prefix")
     if not isinstance(store_port, int) or not isinstance(prefix, str) or not prefix:
-        raise ProtocolError(f"HELLO_ACK lacks store_port/prefix: {h.meta}", peer=peer)
+        raise ProtocolError(
+            f"HELLO_ACK lacks store_port/prefix: {peer_text(str(h.meta))}", peer=peer
+        )
     return _Agreed(req.transport, peer_limits, req.host, store_port, prefix)
 
 
@@ -262,7 +299,7 @@ def _hello_as_listener(
     if h.meta.get("proto") != PROTO or transport not in offer.transports:
         msg = (
             f"expected proto {PROTO} and transport in {sorted(offer.transports)}, got proto "
-            f"{h.meta.get('proto')!r} transport {transport!r}"
+            f"{peer_text(repr(h.meta.get('proto')))} transport {peer_text(repr(transport))}"
         )
         send_error_frame(sock, msg)
         raise ProtocolError(msg, peer=peer)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import json
 import os
 import socket
 import threading
@@ -18,7 +19,7 @@ from support.vllm_fixtures import captured_log
 
 from connector.kvstore import KVBuffer, KVClient, KVServer
 from connector.transport import PipeListener, auth, connect_pipe
-from connector.transport.errors import RemoteError
+from connector.transport.errors import ProtocolError, RemoteError
 from connector.transport.frame import APP_KIND_MIN, Kind, encode_header
 
 SECRET = b"s3cret-for-tests-only-0123456789"
@@ -189,6 +190,65 @@ def test_a_producer_server_answers_get_and_discard_only(served):
     buf.put("d", {"x": torch.ones(1)})
     with KVClient("127.0.0.1", srv.port, secret=SECRET, timeout_s=5) as client:
         assert client.discard("d") is True and "d" not in buf
+
+
+def _refusing_listener(frame: bytes) -> socket.socket:
+    """A raw listener that answers its first connection with ``frame`` in place of the
+    CHALLENGE, then holds it open for 3 s. Returns the listening socket."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+
+    def run():
+        conn, _ = lsock.accept()
+        with conn:
+            conn.sendall(frame)
+            time.sleep(3)
+
+    threading.Thread(target=run, daemon=True).start()
+    return lsock
+
+
+def _printable(text: str) -> bool:
+    return all(" " <= c <= "~" for c in text)
+
+
+HOSTILE = "\x1b[2J\x1b[31mok\r\nWARNING forged line\x00\u202e\xe9"  # ANSI, CR LF, NUL, bidi
+
+
+PREFIX = "listener refused: "
+
+
+@pytest.mark.parametrize(
+    "error, want",
+    [
+        (HOSTILE, PREFIX + "?[2J?[31mok??WARNING forged line???"),
+        (HOSTILE * 10, PREFIX + ("?[2J?[31mok??WARNING forged line???" * 10)[:197] + "..."),
+        (
+            "x" * (64 << 10),
+            "listener refused, giving a reason of 65557 bytes (over 4096: not read)",
+        ),
+        (7, PREFIX + "<int>"),
+    ],
+    ids=["control-characters", "long", "64KiB", "not-text"],
+)
+def test_a_refusal_before_authentication_reaches_errors_bounded_and_printable(error, want):
+    """A stranger listening where a KV server was expected may answer with an ERROR frame of its
+    choosing: its text reaches the exception (and so the logs) as at most 200 printable ASCII
+    characters, and one over 4 KiB is not even read."""
+    frame = encode_header(Kind.ERROR, "", json.dumps({"error": error}).encode())
+    with _refusing_listener(frame) as lsock, pytest.raises(RemoteError) as err:
+        connect_pipe("127.0.0.1", lsock.getsockname()[1], transport="socket", connect_timeout_s=5)
+    assert err.value.detail == want and _printable(str(err.value))
+
+
+def test_a_malformed_refusal_is_a_protocol_error_that_quotes_nothing_raw():
+    """A refusal whose meta the decoder refuses, naming a hostile key, is a ProtocolError whose text
+    is bounded and printable too."""
+    frame = encode_header(Kind.ERROR, "", b"{%s: [1]}" % json.dumps(HOSTILE * 50).encode())
+    with _refusing_listener(frame) as lsock, pytest.raises(ProtocolError) as err:
+        connect_pipe("127.0.0.1", lsock.getsockname()[1], transport="socket", connect_timeout_s=5)
+    assert err.value.detail.startswith("malformed refusal: meta['")
+    assert len(err.value.detail) == len("malformed refusal: ") + 200
+    assert _printable(str(err.value))
 
 
 def test_listening_off_loopback_needs_a_secret_or_insecure(caplog):

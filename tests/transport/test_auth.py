@@ -72,7 +72,7 @@ def test_a_refusal_is_counted_and_its_slot_freed_before_the_peer_hears_of_it(ser
         return record(self, peer)
 
     monkeypatch.setattr(auth.FailureLog, "failed", slow_record)
-    for n in range(1, KVServer.MAX_PENDING_PER_HOST + 3):
+    for n in range(1, srv.caps.max_pending_per_host + 3):
         with pytest.raises(auth.AuthError, match="secrets differ"):
             _get(srv, OTHER)
         assert srv.stats()["auth_failures"] == n  # read at once, no waiting
@@ -142,7 +142,7 @@ def test_a_half_finished_handshake_ends_at_its_deadline_without_holding_up_other
 
 def test_a_host_holds_at_most_a_few_pending_handshakes(served):
     _, srv = served
-    stalled = [_connect_raw(srv) for _ in range(KVServer.MAX_PENDING_PER_HOST)]
+    stalled = [_connect_raw(srv) for _ in range(srv.caps.max_pending_per_host)]
     for s in stalled:
         recv_exact(s, auth.CHALLENGE.size)
     with pytest.raises(RemoteError, match="too many pending handshakes"):

@@ -2,7 +2,8 @@
 
 One accept thread; per connection one handler thread (authentication and handshake, then
 request / reply, :mod:`connector.kvstore.protocol`), so one consumer dying or misbehaving only
-loses its own connection. Least privilege: consumers pull and drop entries by transfer id; nothing
+loses its own connection. Which connections it takes: :mod:`connector.kvstore.admission` (pending
+and authenticated ones capped apart; a refused one costs no thread). Least privilege: consumers pull and drop entries by transfer id; nothing
 on the wire can put, list or probe entries. A GET delivers through a :class:`~.store.Lease`: the
 entry is pinned while its payload is sent, claimed when the send completed, kept for a retry
 when it failed. Deadlines: ``max_get_wait_s`` (60 s) caps how long a GET may wait for a key to be
@@ -330,7 +331,8 @@ class KVServer:
 
 def _shutter(sock: socket.socket):
     """What ends a pending handshake that a newcomer evicts: its socket shut down (the handshake
-    thread's poll wakes at once and closes it)."""
+    thread's poll wakes at once). Only a pending slot is evicted, and the listener decides the
+    slot's fate (``on_auth``) before it closes the socket, so the descriptor is still this one."""
 
     def shut() -> None:
         with contextlib.suppress(OSError):

@@ -19,6 +19,9 @@ has a secret refuses such a listener (it would hand its KV to, or take KV from, 
 without a secret cannot answer a listener that requires one. Either mismatch is an
 :class:`AuthError` that says which side lacks the secret.
 
+The secret: at least :data:`MIN_SECRET_BYTES` (32; ``openssl rand -hex 32`` gives 64), from
+``TRITONKV_SECRET`` or a ``secret_file`` that only its owner may access (:func:`load_secret`).
+
 What this protects: only holders of the secret can connect, read or write entries, or learn a
 connection's process-group prefix (sent after authentication, in HELLO_ACK). What it does not:
 the traffic itself is neither encrypted nor integrity-protected after the handshake, so someone on

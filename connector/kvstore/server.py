@@ -2,12 +2,14 @@
 
 One accept thread; per connection one handler thread (authentication and handshake, then
 request / reply, :mod:`connector.kvstore.protocol`), so one consumer dying or misbehaving only
-loses its own connection. Which connections it takes: :mod:`connector.kvstore.admission` (pending
-and authenticated ones capped apart; a refused one costs no thread). Least privilege: consumers pull and drop entries by transfer id; nothing
+loses its own connection. Least privilege: consumers pull and drop entries by transfer id; nothing
 on the wire can put, list or probe entries. A GET delivers through a :class:`~.store.Lease`: the
 entry is pinned while its payload is sent, claimed when the send completed, kept for a retry
 when it failed. Deadlines: ``max_get_wait_s`` (60 s) caps how long a GET may wait for a key to be
 put (default 0: an absent key is an immediate MISS), ``io_timeout_s`` (60 s) per payload.
+
+Which connections it takes: :mod:`connector.kvstore.admission` (pending and authenticated ones
+capped apart; a refused one costs no thread).
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class KVServer:
         caps: the :class:`~connector.kvstore.admission.ConnectionCaps` of its connections:
             open (authenticated) ones at most 64, 16 per host; pending (not yet authenticated)
             ones at most 64, 4 per source address. Pending and open ones count apart, so
-            strangers who never authenticate cannot take what consumers need.
+            strangers who never authenticate cannot take what consumers need (``caps``: the
+            ones in force).
         max_get_wait_s: cap on a GET's wait for its key to be put (60 s).
         connect_timeout_s: authentication and handshake deadline (10 s).
         secret, insecure: as for :class:`~connector.transport.PipeListener` (every connection

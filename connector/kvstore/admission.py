@@ -58,23 +58,21 @@ class Refused(Exception):
 def host_of(address: str) -> str:
     """The host an address counts for in the caps on open connections: ``"loopback"`` for every
     loopback address, else the address itself (an IPv4-mapped IPv6 address as its IPv4 one)."""
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return address
-    if ip.version == 6 and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return "loopback" if ip.is_loopback else str(ip)
+    ip = _ip(address)
+    return address if ip is None else "loopback" if ip.is_loopback else str(ip)
 
 
 def _address_of(address: str) -> str:
+    ip = _ip(address)
+    return address if ip is None else str(ip)
+
+
+def _ip(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
         ip = ipaddress.ip_address(address)
     except ValueError:
-        return address
-    if ip.version == 6 and ip.ipv4_mapped is not None:
-        return str(ip.ipv4_mapped)
-    return str(ip)
+        return None
+    return (ip.ipv4_mapped or ip) if ip.version == 6 else ip
 
 
 class Slot:

@@ -3,11 +3,13 @@
 - ``store.py``: :class:`KVBuffer` and the :class:`Lease` a delivery holds;
 - ``prefix.py``: the longest-prefix index the buffer owns (local, no request on the wire);
 - ``protocol.py``: request and reply kinds (:class:`~.protocol.Op`), meta keys, :class:`Part`;
-- ``server.py``: :class:`KVServer` (producer); ``client.py``: :class:`KVClient` (consumer).
+- ``server.py``: :class:`KVServer` (producer); ``client.py``: :class:`KVClient` (consumer);
+- ``admission.py``: the server's :class:`ConnectionCaps` (pending and open connections apart).
 
 What other rooms use is exported here; the modules behind these names may move.
 """
 
+from .admission import ConnectionCaps
 from .client import KVClient
 from .prefix import MAX_PREFIX_TOKENS, block_hashes
 from .protocol import Part
@@ -17,6 +19,7 @@ from .store import FULL_POLICIES, KVBuffer, Lease
 __all__ = [
     "FULL_POLICIES",
     "MAX_PREFIX_TOKENS",
+    "ConnectionCaps",
     "KVBuffer",
     "KVClient",
     "KVServer",

@@ -96,7 +96,7 @@ def connect_pipe(
     """Connect to a :class:`~connector.transport.listener.PipeListener` and return the
     connector-side pipe (rank 1).
 
-    ``secret``: the shared secret (:mod:`connector.transport.auth`; at least 16 bytes), which the
+    ``secret``: the shared secret (:mod:`connector.transport.auth`; at least 32 bytes), which the
     listener must hold too; None only for a listener that has none.
 
     Raises PeerDeadError (refused / closed), TransferTimeout (no answer within

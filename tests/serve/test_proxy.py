@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -29,7 +30,14 @@ httpx = pytest.importorskip("httpx")
 from starlette.testclient import TestClient  # noqa: E402
 from support.fake_openai import FakeServer, LoopThread  # noqa: E402
 
-from connector.serve.bodies import decode_body, handoff_params, prefill_body  # noqa: E402
+from connector.serve.bodies import (  # noqa: E402
+    InvalidBody,
+    client_body,
+    decode_body,
+    encode,
+    handoff_params,
+    prefill_body,
+)
 from connector.serve.guards import is_loopback, request_id, short_id  # noqa: E402
 from connector.serve.launch import free_port  # noqa: E402
 from connector.serve.proxy import create_app  # noqa: E402
@@ -224,6 +232,30 @@ def test_handoff_is_the_prefill_answers_kv_transfer_params_as_is() -> None:
     for bad in (b"not json", b"[1, 2]", b'{"kv_transfer_params": "t"}', b"\xff", deep):
         with pytest.raises(ValueError, match="kv_transfer_params"):
             handoff_params(bad)
+
+
+def test_client_body_names_what_was_expected() -> None:
+    assert client_body(b'{"prompt": "a", "temperature": 0.5}', PATHS[0])["temperature"] == 0.5
+    cases = {
+        b"[1]": "request body is an array: expected a JSON object",
+        b"null": "request body is null: expected a JSON object",
+        b"\xff": "not UTF-8 (byte 0): expected a JSON object in UTF-8",
+        b"[" * 100_000: "nested too deeply to parse; expected a JSON object",
+        b'{"t": NaN}': "NaN is not allowed: expected finite numbers only",
+        b'{"t": 1e400}': "number 1e400 is out of range: expected finite numbers only",
+    }
+    for raw, message in cases.items():
+        with pytest.raises(InvalidBody, match=re.escape(message)):
+            client_body(raw, PATHS[1])
+    with pytest.raises(InvalidBody) as info:
+        client_body(b'{"prompt": ["a", "b"]}', PATHS[0])
+    assert info.value.param == "prompt"
+    nested: list[Any] = []
+    for _ in range(100_000):
+        nested = [nested]
+    with pytest.raises(ValueError, match="nested too deeply to encode"):
+        encode({"prompt": nested})
+    assert encode({"t": 1.5, "s": "\ud800"}) == b'{"t": 1.5, "s": "\\ud800"}'
 
 
 def test_config_validation() -> None:

@@ -199,7 +199,8 @@ class InFlightLimit:
             response = JSONResponse(
                 error_body(503, msg, "ServiceUnavailable", max_concurrent_requests=self.limit),
                 status_code=503,
-                headers={"Retry-After": str(RETRY_AFTER_S)},
+                # closed: a body sent with the request is not read, and a flood must reconnect
+                headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"},
             )
             await response(scope, receive, send)
             return

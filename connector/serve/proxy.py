@@ -23,8 +23,9 @@ the upstream vLLM servers. Endpoints:
 
 Bounds on what a client can make it do (:mod:`connector.serve.guards`): a body over
 ``--max-request-bytes`` (default 32 MiB) gets 413, a ``Content-Length`` over it before anything
-is read; a body not all received within ``--body-timeout-s`` (default 60 s) gets 408; beyond ``--max-concurrent-requests`` (default 512) in flight, streams included until
-they end or the client leaves, 503 with ``Retry-After`` and no server called.
+is read; a body not all received within ``--body-timeout-s`` (default 60 s) gets 408; beyond
+``--max-concurrent-requests`` (default 512) in flight (streams until they end or the client
+leaves, ``/health`` too), 503 with ``Retry-After`` and no server called.
 
 One generation request: (1) the prefill server gets the client's body made a one-token, one-sequence,
 unstreamed request asking for a hand-off (:func:`~connector.serve.bodies.prefill_body`); (2) the
@@ -199,8 +200,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         default=512,
         metavar="N",
-        help="most requests in flight at once (streams until they end or the client leaves); "
-        "beyond, 503 with Retry-After and no server called (default: 512)",
+        help="most requests in flight at once, /health included (streams until they end or "
+        "the client leaves); beyond, 503 with Retry-After and no server called (default: 512)",
     )
     p.add_argument(
         "--health-details",

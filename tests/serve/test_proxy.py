@@ -619,7 +619,7 @@ def test_a_body_trickling_past_the_body_timeout_is_408(stack: Stack) -> None:
 
 def _refused_for_concurrency(r: httpx.Response) -> None:
     assert r.status_code == 503, r.text
-    assert r.headers["retry-after"] == "1"
+    assert r.headers["retry-after"] == "1" and r.headers["connection"] == "close"
     err = r.json()["error"]
     assert err["code"] == 503 and err["max_concurrent_requests"] == MAX_IN_FLIGHT
     assert f"limit of {MAX_IN_FLIGHT} concurrent requests" in err["message"]

@@ -4,11 +4,13 @@
 - ``prefix.py``: the longest-prefix index the buffer owns (local, no request on the wire);
 - ``protocol.py``: request and reply kinds (:class:`~.protocol.Op`), meta keys, :class:`Part`,
   the digest check, and how keys go into log lines (:func:`~.protocol.short_id`);
-- ``server.py``: :class:`KVServer` (producer); ``client.py``: :class:`KVClient` (consumer).
+- ``server.py``: :class:`KVServer` (producer); ``client.py``: :class:`KVClient` (consumer);
+- ``admission.py``: the server's :class:`ConnectionCaps` (pending and open connections apart).
 
 What other rooms use is exported here; the modules behind these names may move.
 """
 
+from .admission import ConnectionCaps
 from .client import KVClient
 from .prefix import MAX_PREFIX_TOKENS, block_hashes
 from .protocol import Part, hide_ids, short_id
@@ -18,6 +20,7 @@ from .store import FULL_POLICIES, KVBuffer, Lease
 __all__ = [
     "FULL_POLICIES",
     "MAX_PREFIX_TOKENS",
+    "ConnectionCaps",
     "KVBuffer",
     "KVClient",
     "KVServer",

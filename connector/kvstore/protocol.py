@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import enum
 import hmac
-import re
 from dataclasses import dataclass
 
 import torch
 
+from ..logs import hide_ids, short_id
 from ..transport.frame import APP_KIND_MIN, DEFAULT_LIMITS
 
 __all__ = [
@@ -79,23 +79,6 @@ def op_name(kind: int) -> str:
 
 
 #: Characters of a key (a transfer id) that go into a log line: a full id is what a GET needs.
-SHORT_ID_CHARS = 8
-_FULL_ID = re.compile(r"[0-9a-f]{32}")
-
-
-def short_id(key) -> str:
-    """How a key goes into a log line: its first :data:`SHORT_ID_CHARS` characters and ``…``
-    (``"0123abcd…"`` for a transfer id); a non-str as a short repr."""
-    if not isinstance(key, str):
-        return repr(key)[:SHORT_ID_CHARS] + "…"
-    head = key[:SHORT_ID_CHARS]
-    return f"{head}…" if head.isascii() and head.isalnum() else f"{head!r}…"
-
-
-def hide_ids(text: str) -> str:
-    """``text`` (an error's message, for a log line) with every 32-hex-digit run, such as a
-    transfer id, cut as :func:`short_id` does."""
-    return _FULL_ID.sub(lambda m: short_id(m[0]), text)
 
 
 def same_digest(held: str | None, given) -> bool:

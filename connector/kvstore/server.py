@@ -9,12 +9,17 @@ exist (MISS with an unknown key's reason; DISCARD: ``existed`` False). A GET del
 entry is pinned while its payload is sent, claimed when the send completed, kept for a retry
 when it failed. Deadlines: ``max_get_wait_s`` (60 s) caps how long a GET may wait for a key to be
 put (default 0: an absent key is an immediate MISS), ``io_timeout_s`` (60 s) per payload.
+
+Which connections it takes: :mod:`connector.kvstore.admission` (pending and authenticated ones
+capped apart; a refused one costs no thread).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +46,7 @@ from ..transport.errors import (
 from ..transport.frame import Kind
 from ..transport.options import PipeOptions
 from ..transport.threads import transfer_thread
+from .admission import Admission, ConnectionCaps, Refused, Slot
 from .protocol import DIGEST, EXISTED, REASON, WAIT_MS, Op, Part, hide_ids, op_name, short_id
 from .store import KVBuffer, Lease
 
@@ -58,7 +64,11 @@ class KVServer:
         transport: ``"gloo"`` (default) or ``"nccl"`` for CUDA.
         allow_socket: also accept inline-TCP clients (default True).
         device: where received payloads land (default ``"cpu"``).
-        max_connections: open connections at most (64); more are told why and closed.
+        caps: the :class:`~connector.kvstore.admission.ConnectionCaps` of its connections:
+            open (authenticated) ones at most 64, 16 per host; pending (not yet authenticated)
+            ones at most 64, 4 per source address. Pending and open ones count apart, so
+            strangers who never authenticate cannot take what consumers need (``caps``: the
+            ones in force).
         max_get_wait_s: cap on a GET's wait for its key to be put (60 s).
         connect_timeout_s: authentication and handshake deadline (10 s).
         secret, insecure: as for :class:`~connector.transport.PipeListener` (every connection
@@ -67,12 +77,12 @@ class KVServer:
             defaults, with ``limits=buffer.limits``).
 
     Failed authentications are counted (``auth_failures``) and logged at most once per host a
-    minute; a host may hold at most ``MAX_PENDING_PER_HOST`` connections that have not finished
-    authenticating. A request of any kind but GET and DISCARD gets an ERROR reply naming it, and
-    its connection is closed.
+    minute. A connection over a cap is told why in a short fixed text (an ERROR frame in place of
+    the challenge; nothing is read from it and no thread starts) and closed, or, when the cap is
+    found full only as it authenticates, told in place of HELLO_ACK; either way it is counted in
+    ``rejected_connections``. A request of any kind but GET and DISCARD gets an ERROR reply naming
+    it, and its connection is closed.
     """
-
-    MAX_PENDING_PER_HOST = 4
 
     def __init__(
         self,
@@ -83,7 +93,7 @@ class KVServer:
         transport: str = "gloo",
         allow_socket: bool = True,
         device: str | torch.device = "cpu",
-        max_connections: int = 64,
+        caps: ConnectionCaps | None = None,
         max_get_wait_s: float = 60.0,
         connect_timeout_s: float = 10.0,
         secret: bytes | str | None = None,
@@ -93,7 +103,8 @@ class KVServer:
         if not isinstance(buffer, KVBuffer):
             raise TypeError(f"buffer: expected a KVBuffer, got {type(buffer).__name__}")
         self.buffer = buffer
-        self.max_connections = max_connections
+        self._admission = Admission(caps)
+        self.caps = self._admission.caps
         self.max_get_wait_s = check_timeout("max_get_wait_s", max_get_wait_s)
         options = PipeOptions(limits=buffer.limits) if options is None else options
         self.io_timeout_s = options.io_timeout_s
@@ -114,7 +125,6 @@ class KVServer:
         )
         self.host, self.port = self._listener.address
         self._auth_failures = auth.FailureLog()
-        self._pending: collections.Counter[str] = collections.Counter()  # host -> handshakes
         self._lock = threading.Lock()
         self._pipes: dict[int, TensorPipe] = {}
         self._threads: dict[int, threading.Thread] = {}
@@ -139,14 +149,16 @@ class KVServer:
         return self._listener.store_port
 
     def stats(self) -> dict[str, int]:
-        """Buffer stats plus connections, open_connections, handshake_errors, auth_failures,
-        protocol_errors, peer_errors, requests, rejected_connections."""
+        """Buffer stats plus connections (authenticated, so far), open_connections and
+        pending_connections (now), handshake_errors, auth_failures, protocol_errors, peer_errors,
+        requests, rejected_connections (refused by a cap) and evicted_handshakes (pending ones
+        ended to make room: :mod:`~connector.kvstore.admission`)."""
         out = self.buffer.stats()
         with self._lock:
             for k in ("connections", "handshake_errors", "protocol_errors", "peer_errors",
-                      "requests", "rejected_connections"):  # fmt: skip
+                      "requests"):  # fmt: skip
                 out[k] = self._c[k]
-            out["open_connections"] = len(self._pipes)
+        out.update(self._admission.counts())
         out["auth_failures"] = self._auth_failures.count
         return out
 
@@ -161,44 +173,37 @@ class KVServer:
             if got is None:
                 return
             sock, peer = got
-            host = peer.rsplit(":", 1)[0]
+            try:
+                slot = self._admission.arrive(peer.rsplit(":", 1)[0], evict=_shutter(sock))
+            except Refused as e:
+                # Nothing is read from the peer; it is told why (in place of the challenge).
+                send_error_frame(sock, str(e))
+                sock.close()
+                continue
             with self._lock:
-                busy = len(self._threads) >= self.max_connections
-                if busy or self._pending[host] >= self.MAX_PENDING_PER_HOST:
-                    # Nothing is read from the peer; it is told why (in place of the challenge).
-                    self._c["rejected_connections"] += 1
-                    why = "too many connections" if busy else "too many pending handshakes"
-                    limit = self.max_connections if busy else self.MAX_PENDING_PER_HOST
-                    send_error_frame(sock, f"{why} ({limit})")
-                    sock.close()
-                    continue
-                self._pending[host] += 1
                 cid = next(self._ids)
                 t = transfer_thread(
-                    self._handle, f"tkv-server[{self.port}]-conn{cid}", (cid, sock, peer)
+                    self._handle, f"tkv-server[{self.port}]-conn{cid}", (cid, sock, peer, slot)
                 )
                 self._threads[cid] = t
             t.start()
 
-    def _handle(self, cid: int, sock, peer: str) -> None:
+    def _handle(self, cid: int, sock, peer: str, slot: Slot) -> None:
         pipe = None
-        host = peer.rsplit(":", 1)[0]
-        pending = [True]  # this connection holds one of its host's handshake slots
 
-        def free_slot() -> None:
-            with self._lock:
-                if pending[0]:
-                    pending[0] = False
-                    self._pending[host] -= 1
-                    if not self._pending[host]:
-                        del self._pending[host]
-
-        def authenticated(error: auth.AuthError | None) -> None:
+        def authenticated(error: auth.AuthError | None) -> str | None:
             # Before the peer learns the verdict: a refused peer that reconnects at once finds
             # its failure counted and its slot free.
-            if error is not None and self._auth_failures.failed(peer):
+            if error is None:
+                try:
+                    self._admission.authenticated(slot)
+                except Refused as e:
+                    return str(e)
+                return None
+            if not slot.evicted and self._auth_failures.failed(peer):
                 log.warning("KVServer: authentication of %s failed: %s", peer, error)
-            free_slot()
+            self._admission.release(slot)
+            return None
 
         try:
             try:
@@ -206,12 +211,13 @@ class KVServer:
             except auth.AuthError:
                 return  # counted and logged by authenticated()
             except TransferError as e:
+                if slot.refused or slot.evicted:  # counted by the admission
+                    log.info("KVServer: refused %s: %s", peer, e)
+                    return
                 log.warning("KVServer: handshake with %s failed: %s", peer, e)
                 with self._lock:
                     self._c["handshake_errors"] += 1
                 return
-            finally:
-                free_slot()  # if the handshake ended before authentication was decided
             with self._lock:
                 if self._closed:
                     return
@@ -236,6 +242,7 @@ class KVServer:
         finally:
             if pipe is not None:
                 pipe.close()
+            self._admission.release(slot)  # pending (the handshake ended early) or open
             with self._lock:
                 self._pipes.pop(cid, None)
                 self._threads.pop(cid, None)
@@ -338,3 +345,15 @@ class KVServer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _shutter(sock: socket.socket):
+    """What ends a pending handshake that a newcomer evicts: its socket shut down (the handshake
+    thread's poll wakes at once). Only a pending slot is evicted, and the listener decides the
+    slot's fate (``on_auth``) before it closes the socket, so the descriptor is still this one."""
+
+    def shut() -> None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+    return shut

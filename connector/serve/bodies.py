@@ -1,5 +1,6 @@
-"""What the P/D proxy sends and answers, built without I/O: the prefill and decode request bodies,
-and the error bodies (JSON and SSE) with the mapping of an outbound failure to a status.
+"""What the P/D proxy reads, sends and answers, built without I/O: the client's body checked, the
+prefill and decode request bodies, and the error bodies (JSON and SSE) with the mapping of an
+outbound failure to a status.
 
 Every function here is pure (no sockets, no event loop), so the tests check them with plain dicts.
 """
@@ -7,6 +8,7 @@ Every function here is pure (no sockets, no event loop), so the tests check them
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import aiohttp
@@ -14,6 +16,8 @@ import aiohttp
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 
+# What a JSON value that is not an object is, named for the client (numbers are the rest).
+_JSON_KINDS = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
 # Fields removed from the prefill body: one sequence, one token, no streaming.
 _PREFILL_DROP = ("stream_options", "best_of", "min_tokens")
 
@@ -32,6 +36,93 @@ def is_batch(prompt: Any) -> bool:
         and len(prompt) > 1
         and any(isinstance(p, (str, list)) for p in prompt)
     )
+
+
+class InvalidBody(ValueError):
+    """The client's body cannot be served (answered 400); the message says what was expected.
+
+    Attributes:
+        param: The offending field, or None for the body as a whole.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not allowed: expected finite numbers only")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:20]} is out of range: expected finite numbers only")
+    return value
+
+
+def _loads(text: str | bytes) -> Any:
+    """``json.loads`` refusing NaN and infinities (which JSON does not have).
+
+    Raises:
+        ValueError: Not JSON, a non-finite number, or nested too deeply to parse.
+    """
+    try:
+        return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:
+        raise ValueError("arrays/objects nested too deeply to parse") from None
+
+
+def client_body(raw: bytes, path: str) -> dict[str, Any]:
+    """Parses and checks the client's body: a UTF-8 JSON object, one prompt for completions.
+
+    Args:
+        raw: The body as received.
+        path: ``/v1/completions`` or ``/v1/chat/completions``.
+
+    Returns:
+        The JSON object.
+
+    Raises:
+        InvalidBody: Not UTF-8, not JSON (NaN and infinities included, nesting too deep to
+            parse), not an object, or a completions ``prompt`` holding a batch (vLLM returns the
+            hand-off of the first prompt only).
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidBody(
+            f"request body is not UTF-8 (byte {exc.start}): expected a JSON object in UTF-8"
+        ) from None
+    try:
+        body = _loads(text)
+    except ValueError as exc:
+        raise InvalidBody(
+            f"request body is not valid JSON: {exc}; expected a JSON object"
+        ) from None
+    if not isinstance(body, dict):
+        kind = _JSON_KINDS.get(type(body), "a number")
+        raise InvalidBody(f"request body is {kind}: expected a JSON object")
+    if path == COMPLETIONS and is_batch(body.get("prompt")):
+        raise InvalidBody(
+            "batched prompts are not supported by disaggregated serving: send one prompt "
+            "per request",
+            param="prompt",
+        )
+    return body
+
+
+def encode(body: dict[str, Any]) -> bytes:
+    """Serializes a request body for a server.
+
+    Raises:
+        ValueError: It holds a non-finite number, or is nested too deeply to encode (a body that
+            only just parsed can still be, the encoder's stack being a little deeper).
+    """
+    try:
+        return json.dumps(body, allow_nan=False).encode()
+    except RecursionError:
+        raise ValueError("arrays/objects nested too deeply to encode") from None
 
 
 def prefill_body(body: dict[str, Any], path: str) -> dict[str, Any]:
@@ -97,11 +188,12 @@ def handoff_params(prefill_raw: bytes) -> dict[str, Any] | None:
         The ``kv_transfer_params`` object, or None when it is null or absent.
 
     Raises:
-        ValueError: The body is not a JSON object, or the field is neither an object nor null.
+        ValueError: The body is not a JSON object (NaN and infinities are refused), or the field
+            is neither an object nor null.
     """
     try:
-        body = json.loads(prefill_raw)
-    except (ValueError, UnicodeDecodeError):
+        body = _loads(prefill_raw)
+    except ValueError:
         body = None
     kv = body.get("kv_transfer_params") if isinstance(body, dict) else None
     if not isinstance(body, dict) or not (kv is None or isinstance(kv, dict)):

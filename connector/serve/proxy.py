@@ -5,7 +5,9 @@ Usage (``tritonkv-proxy`` once tritonkv is installed; ``python -m connector.serv
     tritonkv-proxy --prefill http://p0:8100 [--prefill http://p1:8100 ...] \\
         --decode http://d0:8200 [--decode http://d1:8200 ...] --port 8000 \\
         [--host 0.0.0.0] [--timeout-s 600] [--prefill-timeout-s S] [--connect-timeout-s 5] \\
-        [--health-timeout-s 5] [--shutdown-timeout-s 10] [--log-level info]
+        [--health-timeout-s 5] [--shutdown-timeout-s 10] [--max-request-bytes 33554432] \\
+        [--body-timeout-s 60] [--max-concurrent-requests 512] [--health-details] \\
+        [--log-level info]
 
 Clients talk to the proxy as to one OpenAI-compatible vLLM server; "server" below is always one of
 the upstream vLLM servers. Endpoints:
@@ -13,8 +15,17 @@ the upstream vLLM servers. Endpoints:
 * ``POST /v1/completions`` and ``POST /v1/chat/completions``, streaming or not: a prefill on the
   next prefill server, then a decode on the next decode server (two independent round-robins);
 * ``GET /v1/models``: forwarded to the next decode server;
-* ``GET /health``: 200 if every server answers its own ``/health`` with a 2xx status within
-  ``--health-timeout-s``, else 503; the body lists each server's state under ``servers``.
+* ``GET /health``: 200 ``{"status": "ok"}`` if every server answers its own ``/health`` with a
+  2xx status within ``--health-timeout-s``, else 503 ``{"status": "unhealthy"}``. Each server's
+  URL and state (``servers``) only for ``/health?details=1`` from a loopback client, or from
+  any client with ``--health-details`` (behind a reverse proxy on the same host, every client
+  is loopback).
+
+Bounds on what a client can make it do (:mod:`connector.serve.guards`): a body over
+``--max-request-bytes`` (default 32 MiB) gets 413, a ``Content-Length`` over it before anything
+is read; a body not all received within ``--body-timeout-s`` (default 60 s) gets 408; beyond
+``--max-concurrent-requests`` (default 512) in flight (streams until they end or the client
+leaves, ``/health`` too), 503 with ``Retry-After`` and no server called.
 
 One generation request: (1) the prefill server gets the client's body made a one-token, one-sequence,
 unstreamed request asking for a hand-off (:func:`~connector.serve.bodies.prefill_body`); (2) the
@@ -26,8 +37,9 @@ logged); (4) the decode response goes back unchanged, a stream relayed chunk by 
 Failures (JSON bodies shaped like vLLM's errors, plus ``stage``, ``server`` and, for timeouts,
 ``timeout_s``):
 
-* body not a JSON object, or a completions ``prompt`` holding a batch (vLLM returns the hand-off of
-  the first prompt only): 400, no server is called;
+* body not UTF-8, not JSON (NaN, infinities and nesting too deep to parse included), not a JSON
+  object, or a completions ``prompt`` holding a batch (vLLM returns the hand-off of the first
+  prompt only): 400, no server is called;
 * prefill answers non-2xx: that status and body go back unchanged; decode is not called;
 * prefill answers 2xx but not a JSON object, or its ``kv_transfer_params`` is not an object: 502;
 * a server refuses or drops the connection: 502 naming it;
@@ -41,13 +53,16 @@ Failures (JSON bodies shaped like vLLM's errors, plus ``stage``, ``server`` and,
   request) and the answer is a 499 nobody reads. Not noticed: a client that pipelines requests on
   one connection and leaves, under uvicorn's httptools parser (only the last one is marked).
 
-Every request has an id (the client's ``X-Request-Id`` or a new ``pd-<hex>``), sent to both servers
-and returned to the client; the client's ``Authorization`` and W3C trace context (``traceparent``,
-``tracestate``) go to both servers too. One INFO log line per request names both servers, their
-times and the ``transfer_id``. SIGINT/SIGTERM stop it gracefully (in-flight requests get ``--shutdown-timeout-s``; exit status 0).
+Every request has an id (the client's ``X-Request-Id`` when it is 1-128 characters of
+``A-Z a-z 0-9 . _ : -``, else a new ``pd-<hex>``), sent to both servers and returned to the
+client; the client's ``Authorization`` and W3C trace context (``traceparent``, ``tracestate``) go
+to both servers too. One INFO log line per request names both servers, their times and the
+``transfer_id``'s first 8 characters (the whole id would let a log reader take that KV).
+SIGINT/SIGTERM stop it gracefully (in-flight requests get ``--shutdown-timeout-s``; exit status
+0).
 
 This module is the app and the command line; the routing is :mod:`connector.serve.router`, the
-bodies :mod:`connector.serve.bodies`. They import neither vllm nor tritonkv: only the HTTP stack
+bodies :mod:`connector.serve.bodies`, the bounds :mod:`connector.serve.guards`. They import neither vllm nor tritonkv: only the HTTP stack
 vLLM installs (FastAPI and uvicorn to serve, aiohttp to call the servers).
 """
 
@@ -67,6 +82,7 @@ from fastapi.responses import Response
 
 from ..logs import get_logger
 from .bodies import CHAT_COMPLETIONS, COMPLETIONS
+from .guards import InFlightLimit
 from .router import PDProxy, ProxyConfig
 
 logger = get_logger("proxy")
@@ -93,6 +109,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     app = FastAPI(title="tritonkv P/D proxy", lifespan=lifespan)
     app.state.proxy = proxy
+    app.add_middleware(InFlightLimit, limit=config.max_concurrent_requests)
 
     @app.post(COMPLETIONS)
     async def completions(request: Request) -> Response:
@@ -107,8 +124,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
         return await proxy.models()
 
     @app.get("/health")
-    async def health() -> Response:
-        return await proxy.health()
+    async def health(request: Request) -> Response:
+        return await proxy.health(request)
 
     return app
 
@@ -163,6 +180,36 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=10.0,
         help="grace period for in-flight requests on SIGINT/SIGTERM",
     )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=32 * 2**20,
+        metavar="N",
+        help="largest request body accepted, in bytes; larger ones get 413, a Content-Length "
+        "over it before the body is read (default: 32 MiB; 1M prompt tokens as text are a "
+        "few MiB)",
+    )
+    p.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=60.0,
+        help="limit for receiving a client's whole request body; later, 408 (default: 60)",
+    )
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=512,
+        metavar="N",
+        help="most requests in flight at once, /health included (streams until they end or "
+        "the client leaves); beyond, 503 with Retry-After and no server called (default: 512)",
+    )
+    p.add_argument(
+        "--health-details",
+        action="store_true",
+        help="let any client see the servers' URLs and errors with /health?details=1 "
+        "(default: loopback clients only, and a reverse proxy on this host makes every client "
+        "loopback; plain /health answers only the status)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 
@@ -189,6 +236,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             prefill_timeout_s=args.prefill_timeout_s,
             connect_timeout_s=args.connect_timeout_s,
             health_timeout_s=args.health_timeout_s,
+            max_request_bytes=args.max_request_bytes,
+            body_timeout_s=args.body_timeout_s,
+            max_concurrent_requests=args.max_concurrent_requests,
+            health_details=args.health_details,
         )
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc
@@ -210,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(sig, lambda signum, _frame: received.append(signum))
     logger.info(
         "P/D proxy on http://%s:%d: prefill %s, decode %s, timeout %.3g s (prefill %.3g s, "
-        "connect %.3g s)",
+        "connect %.3g s), at most %d requests of %d bytes in flight",
         args.host,
         args.port,
         ", ".join(config.prefill_urls),
@@ -218,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.timeout_s,
         config.prefill_limit_s,
         config.connect_timeout_s,
+        config.max_concurrent_requests,
+        config.max_request_bytes,
     )
     server.run()
     if not server.started:

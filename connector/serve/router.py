@@ -2,7 +2,8 @@
 vLLM servers ("servers": prefill and decode) for each client request.
 
 A generation request goes through small steps, each raising :class:`_Failure` with the answer for
-the client when it cannot go on: the prefill call, the hand-off taken from its answer, the decode
+the client when it cannot go on: its id and body admitted within the bounds of
+:mod:`connector.serve.guards`, the body checked, the prefill call, the hand-off taken from its answer, the decode
 call, then the decode answer relayed whole or as a stream. The bodies sent and the error bodies are
 built by the pure functions of :mod:`connector.serve.bodies`; what the client sees for each failure
 is listed in :mod:`connector.serve.proxy`.
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import time
 import uuid
@@ -24,18 +24,21 @@ from typing import Any
 import aiohttp
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from ..logs import get_logger
 from .bodies import (
-    COMPLETIONS,
+    InvalidBody,
+    client_body,
     decode_body,
     describe_failure,
+    encode,
     error_body,
     handoff_params,
-    is_batch,
     prefill_body,
     sse_error,
 )
+from .guards import BodyRefused, read_body, request_id, short_id, shows_details
 
 logger = get_logger("proxy")
 
@@ -55,6 +58,11 @@ class ProxyConfig:
         prefill_timeout_s: Limit for one whole prefill call; None means ``timeout_s``.
         connect_timeout_s: Limit for opening a connection to any server.
         health_timeout_s: Limit for each server's ``/health`` and for ``/v1/models``.
+        max_request_bytes: The largest client body accepted (413 beyond).
+        body_timeout_s: Limit for receiving a client's whole body (408 beyond).
+        max_concurrent_requests: The most client requests in flight at once (503 beyond).
+        health_details: Whether any client (not only a loopback one) may ask ``/health`` for
+            the servers' URLs and errors.
     """
 
     prefill_urls: tuple[str, ...]
@@ -63,6 +71,10 @@ class ProxyConfig:
     prefill_timeout_s: float | None = None
     connect_timeout_s: float = 5.0
     health_timeout_s: float = 5.0
+    max_request_bytes: int = 32 * 2**20
+    body_timeout_s: float = 60.0
+    max_concurrent_requests: int = 512
+    health_details: bool = False
 
     def __post_init__(self) -> None:
         """Validates the URLs and limits.
@@ -75,11 +87,21 @@ class ProxyConfig:
         for url in (*self.prefill_urls, *self.decode_urls):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"server URL must start with http:// or https://: {url!r}")
-        limits = (self.timeout_s, self.connect_timeout_s, self.health_timeout_s)
+        limits = (
+            self.timeout_s,
+            self.connect_timeout_s,
+            self.health_timeout_s,
+            self.body_timeout_s,
+        )
         if any(t <= 0 for t in limits) or (
             self.prefill_timeout_s is not None and self.prefill_timeout_s <= 0
         ):
             raise ValueError("timeouts must be > 0")
+        if self.max_request_bytes < 1 or self.max_concurrent_requests < 1:
+            raise ValueError(
+                "max_request_bytes and max_concurrent_requests must be >= 1, got "
+                f"{self.max_request_bytes} and {self.max_concurrent_requests}"
+            )
 
     @property
     def prefill_limit_s(self) -> float:
@@ -114,25 +136,6 @@ def _strip(url: str) -> str:
     return url.rstrip("/")
 
 
-def _parse_body(raw: bytes, path: str) -> dict[str, Any] | JSONResponse:
-    """The client's JSON object, or the 400 response that refuses it."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        return _error(400, f"request body is not valid JSON: {exc}", "BadRequestError")
-    if not isinstance(body, dict):
-        return _error(400, "request body must be a JSON object", "BadRequestError")
-    if path == COMPLETIONS and is_batch(body.get("prompt")):
-        return _error(
-            400,
-            "batched prompts are not supported by disaggregated serving: send one prompt "
-            "per request",
-            "BadRequestError",
-            param="prompt",
-        )
-    return body
-
-
 @dataclass
 class _Exchange:
     """One client request on its way through prefill and decode: what its calls and logs need."""
@@ -159,7 +162,7 @@ class _Exchange:
             self.prefill_ms,
             self.decode_url,
             (time.perf_counter() - self.decode_t0) * 1e3,
-            self.transfer_id,
+            short_id(self.transfer_id),
             status,
             note,
         )
@@ -228,12 +231,16 @@ class PDProxy:
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise self._failure(exc, stage, url, limit) from exc
 
-    async def health(self) -> JSONResponse:
+    async def health(self, request: Request) -> JSONResponse:
         """Checks every server's ``/health``.
 
+        Args:
+            request: The client's request: ``?details=1`` from a loopback client (from anyone
+                with ``health_details``) adds each server's state to the answer.
+
         Returns:
-            200 ``{"status": "ok", "servers": [...]}`` when all answer 2xx, else 503 with
-            ``"status": "unhealthy"`` and each server's state.
+            200 ``{"status": "ok"}`` when all answer 2xx, else 503 with ``"status": "unhealthy"``;
+            with details, ``servers`` lists each one's role, URL, ``ok`` and status or error.
         """
         servers = [("prefill", u) for u in self._prefill_urls] + [
             ("decode", u) for u in self._decode_urls
@@ -248,7 +255,9 @@ class PDProxy:
 
         states = await asyncio.gather(*(probe(r, u) for r, u in servers))
         ok = all(s["ok"] for s in states)
-        body = {"status": "ok" if ok else "unhealthy", "servers": states}
+        body: dict[str, Any] = {"status": "ok" if ok else "unhealthy"}
+        if shows_details(request, anyone=self.config.health_details):
+            body["servers"] = states
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def models(self) -> Response:
@@ -280,8 +289,10 @@ class PDProxy:
             The decode server's response (relayed as a stream when the client asked to stream), or
             an error response as described in the module docstring.
         """
-        req_id = request.headers.get("x-request-id") or f"pd-{uuid.uuid4().hex}"
-        raw = await request.body()
+        admitted = await _admit(request, self.config)
+        if isinstance(admitted, Response):
+            return admitted
+        req_id, raw = admitted
         # Starlette does not cancel a handler whose client left: race the work against the
         # disconnect, so that the servers' connections close and vLLM aborts the request
         # instead of generating for nobody until the timeout.
@@ -302,14 +313,25 @@ class PDProxy:
 
     async def _generate(self, request: Request, path: str, req_id: str, raw: bytes) -> Response:
         """:meth:`generate`'s work once the body is read: prefill, hand-off, decode."""
-        body = _parse_body(raw, path)
-        if not isinstance(body, dict):
-            return body
+        try:
+            body = client_body(raw, path)
+            prefill = encode(prefill_body(body, path))
+        except ValueError as exc:  # InvalidBody, or encode's refusal
+            msg = (
+                str(exc)
+                if isinstance(exc, InvalidBody)
+                else f"request body cannot be passed on ({exc}): expected a JSON object nested "
+                "less deeply"
+            )
+            param = exc.param if isinstance(exc, InvalidBody) else None
+            response = _error(400, msg, "BadRequestError", param=param)
+            response.headers["X-Request-Id"] = req_id
+            return response
         ex = _Exchange(req_id, path, self._headers(request, req_id))
         try:
-            prefill_raw = await self._prefill(ex, prefill_body(body, path))
-            kv = self._handoff(ex, prefill_raw)
-            resp = await self._decode_call(ex, decode_body(body, kv))
+            prefill_raw = await self._prefill(ex, prefill)
+            decode = self._handoff(ex, prefill_raw, body)
+            resp = await self._decode_call(ex, decode)
             limits = (self.config.timeout_s, self.config.connect_timeout_s)
             if body.get("stream") and 200 <= resp.status < 300:
                 return await _relay_stream(ex, resp, *limits)
@@ -318,7 +340,7 @@ class PDProxy:
             failure.response.headers.update(ex.id_header)
             return failure.response
 
-    async def _prefill(self, ex: _Exchange, body: dict[str, Any]) -> bytes:
+    async def _prefill(self, ex: _Exchange, body: bytes) -> bytes:
         """Calls the next prefill server; returns its 2xx response body.
 
         Raises:
@@ -329,7 +351,7 @@ class PDProxy:
         t0 = time.perf_counter()
         try:
             async with self.session.post(
-                url + ex.path, json=body, headers=ex.headers, timeout=self._timeout(limit)
+                url + ex.path, data=body, headers=ex.headers, timeout=self._timeout(limit)
             ) as resp:
                 status = resp.status
                 raw = await resp.read()
@@ -351,19 +373,22 @@ class PDProxy:
             raise _Failure(response, f"{status} from prefill {url}")
         return raw
 
-    def _handoff(self, ex: _Exchange, prefill_raw: bytes) -> dict[str, Any] | None:
-        """The prefill response's ``kv_transfer_params`` (None when null or absent).
+    def _handoff(self, ex: _Exchange, prefill_raw: bytes, body: dict[str, Any]) -> bytes:
+        """The decode request: the client's ``body`` with the prefill response's
+        ``kv_transfer_params`` (none when null or absent), encoded.
 
         Raises:
-            _Failure: 502, the response is not a JSON object with an object or null hand-off.
+            _Failure: 502, the response is not a JSON object with an object or null hand-off
+                that can be passed on.
         """
         url = ex.prefill_url
         try:
             kv = handoff_params(prefill_raw)
+            decode = encode(decode_body(body, kv))
         except ValueError:
             msg = (
                 f"prefill server {url} returned a body that is not a JSON object with an "
-                "object or null kv_transfer_params"
+                "object or null kv_transfer_params that can be passed on"
             )
             logger.warning("req %s: %s", ex.req_id, msg)
             raise _Failure(
@@ -384,9 +409,9 @@ class PDProxy:
                 url,
             )
         ex.transfer_id = kv.get("transfer_id") if kv else None
-        return kv
+        return decode
 
-    async def _decode_call(self, ex: _Exchange, body: dict[str, Any]) -> aiohttp.ClientResponse:
+    async def _decode_call(self, ex: _Exchange, body: bytes) -> aiohttp.ClientResponse:
         """Starts the call to the next decode server; returns its response, headers read.
 
         Raises:
@@ -397,7 +422,7 @@ class PDProxy:
         ex.decode_t0 = time.perf_counter()
         try:
             return await self.session.post(
-                url + ex.path, json=body, headers=ex.headers, timeout=self._timeout(limit)
+                url + ex.path, data=body, headers=ex.headers, timeout=self._timeout(limit)
             )
         except (TimeoutError, aiohttp.ClientError) as exc:
             failure = self._failure(exc, "decode", url, limit)
@@ -406,11 +431,31 @@ class PDProxy:
                 ex.req_id,
                 ex.prefill_url,
                 ex.prefill_ms,
-                ex.transfer_id,
+                short_id(ex.transfer_id),
                 url,
                 failure.summary,
             )
             raise failure from exc
+
+
+async def _admit(request: Request, config: ProxyConfig) -> tuple[str, bytes] | Response:
+    """The request's id and body, or the answer refusing the body (408, 413, 499)."""
+    req_id, refused = request_id(request.headers.get("x-request-id"), f"pd-{uuid.uuid4().hex}")
+    if refused is not None:
+        logger.warning(
+            "req %s: not the client's X-Request-Id %s (expected 1-128 of A-Z a-z 0-9 . _ : -)",
+            req_id,
+            refused,
+        )
+    try:
+        raw = await read_body(request, config.max_request_bytes, config.body_timeout_s)
+    except BodyRefused as exc:
+        logger.warning("req %s: %d, %s", req_id, exc.status, exc)
+        return exc.response(req_id)
+    except ClientDisconnect:
+        logger.warning("req %s: the client left while sending its body", req_id)
+        return Response(status_code=499, headers={"X-Request-Id": req_id})
+    return req_id, raw
 
 
 async def _disconnected(request: Request) -> None:

@@ -19,6 +19,9 @@ has a secret refuses such a listener (it would hand its KV to, or take KV from, 
 without a secret cannot answer a listener that requires one. Either mismatch is an
 :class:`AuthError` that says which side lacks the secret.
 
+The secret: at least :data:`MIN_SECRET_BYTES` (32; ``openssl rand -hex 32`` gives 64), from
+``TRITONKV_SECRET`` or a ``secret_file`` that only its owner may access (:func:`load_secret`).
+
 What this protects: only holders of the secret can connect, read or write entries, or learn a
 connection's process-group prefix (sent after authentication, in HELLO_ACK). What it does not:
 the traffic itself is neither encrypted nor integrity-protected after the handshake, so someone on
@@ -33,6 +36,8 @@ import hmac
 import ipaddress
 import os
 import secrets
+import shlex
+import stat
 import struct
 import threading
 import time
@@ -43,7 +48,8 @@ from .errors import ProtocolError, TransferError
 MAGIC = b"TKVA"
 VERSION = 1
 NONCE_BYTES = 32
-MIN_SECRET_BYTES = 16
+MIN_SECRET_BYTES = 32  # `openssl rand -hex 32` gives 64
+MAX_SECRET_FILE_BYTES = 4096
 SECRET_ENV = "TRITONKV_SECRET"
 FLAG_REQUIRED = 0x1
 
@@ -76,16 +82,52 @@ def check_secret(secret: bytes | str | None, what: str = "secret") -> bytes | No
 
 def load_secret(secret_file: str | os.PathLike | None = None) -> bytes | None:
     """The shared secret: the contents of ``secret_file`` (trailing newlines stripped) when given,
-    else the ``TRITONKV_SECRET`` environment variable, else None. Never logged."""
+    else the ``TRITONKV_SECRET`` environment variable, else None. Never logged.
+
+    ``secret_file`` must be a regular file that neither group nor others may access (mode 0600 or
+    0400, as for an ssh key), of at most :data:`MAX_SECRET_FILE_BYTES`; anything else is a
+    ValueError naming the file, what it is and how to fix it. The checks are on the file opened
+    (a symlink is followed, then the descriptor is examined), so no rename between a check and the
+    read can slip another file in; a FIFO or a device is refused without waiting on it.
+    """
     if secret_file:
         path = Path(secret_file)
-        try:
-            raw = path.read_bytes().rstrip(b"\r\n")
-        except OSError as exc:
-            raise ValueError(f"secret_file: cannot read {str(path)!r}: {exc.strerror}") from None
-        return check_secret(raw, f"secret_file {str(path)!r}")
+        return check_secret(_read_secret_file(path), f"secret_file {str(path)!r}")
     env = os.environ.get(SECRET_ENV)
     return check_secret(env, SECRET_ENV) if env else None
+
+
+def _read_secret_file(path: Path) -> bytes:
+    name = repr(str(path))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ValueError(f"secret_file: cannot read {name}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"secret_file {name}: expected a regular file, got {_file_kind(st)}")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            raise ValueError(
+                f"secret_file {name}: mode {mode:04o} lets group or others access it: expected "
+                f"no access for them (0600 or 0400); run `chmod 600 {shlex.quote(str(path))}`"
+            )
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(MAX_SECRET_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_SECRET_FILE_BYTES:
+        raise ValueError(
+            f"secret_file {name}: expected at most {MAX_SECRET_FILE_BYTES} bytes, got more"
+        )
+    return raw.rstrip(b"\r\n")
+
+
+def _file_kind(st: os.stat_result) -> str:
+    kinds = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
+             stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}  # fmt: skip
+    return kinds.get(stat.S_IFMT(st.st_mode), f"file type {stat.S_IFMT(st.st_mode):#o}")
 
 
 def is_loopback(host: str) -> bool:

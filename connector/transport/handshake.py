@@ -21,7 +21,9 @@ Protocol of one connection::
 The process group is built from the listener's own ``TCPStore`` under the connection's prefix,
 each side through a store client of its own (so a rendezvous left hanging by a vanished peer
 delays no other connection's). A listener that must refuse a connection before authenticating
-(a KV server with too many of them) sends an ERROR frame instead of the CHALLENGE.
+(a KV server at one of its caps) sends an ERROR frame, with a short fixed text, instead of the
+CHALLENGE; the connector reads at most 4 KiB of it and quotes at most 200 printable characters
+(:func:`peer_text`). One that refuses a peer after it authenticated answers its HELLO with ERROR.
 
 After authentication both sides call :func:`open_pipe`: the connector with the
 :class:`Request` it makes, the listener with the :class:`Offer` it answers from. The deadlines
@@ -67,6 +69,8 @@ from .sockio import read_fixed, read_handshake_frame, send_all, send_error_frame
 from .threads import transfer_thread
 
 AUTH_TIMEOUT_S = 5.0  # the listener's cap on a connection's authentication
+MAX_REFUSAL_BYTES = 4096  # the largest refusal (ERROR in place of the CHALLENGE) a connector reads
+MAX_PEER_TEXT = 200  # characters of a peer's text that reach an exception (peer_text)
 PROTO = 1  # the HELLO exchange's version
 
 
@@ -80,11 +84,7 @@ def authenticate_connector(
     before authenticating (an ERROR frame in place of the CHALLENGE) raises RemoteError."""
     raw = read_fixed(sock, len(MAGIC), deadline, peer, "auth challenge")
     if raw == MAGIC:  # a frame instead: the listener refused us before authenticating
-        raw += read_fixed(sock, PREFIX_SIZE - len(MAGIC), deadline, peer, "refusal")
-        kind, flags, body_len = decode_prefix(raw, limits)
-        body = read_fixed(sock, body_len, deadline, peer, "refusal")
-        h = decode_body(kind, flags, body, limits)
-        raise RemoteError(f"listener refused: {h.meta.get('error')}", peer=peer)
+        raise _read_refusal(sock, limits, deadline, peer)
     raw += read_fixed(sock, auth.CHALLENGE.size - len(MAGIC), deadline, peer, "auth challenge")
     required, nonce_l = auth.parse_challenge(raw, peer)
     response, nonce_c = auth.respond(secret, required, nonce_l, peer)
@@ -96,26 +96,63 @@ def authenticate_connector(
     auth.check_verdict(secret, nonce_l, nonce_c, raw, peer)
 
 
+def peer_text(value: object) -> str:
+    """Text a peer sent (a refusal's reason, a header's meta), fit for an exception or a log line
+    whoever the peer is: printable ASCII only (any other character, control characters among
+    them, becomes ``?``), at most :data:`MAX_PEER_TEXT` characters (a longer one is cut and ends
+    in ``...``). Anything but a str is named by its type only."""
+    if not isinstance(value, str):
+        return f"<{type(value).__name__}>"
+    cut = value[: MAX_PEER_TEXT + 1]
+    text = "".join(c if " " <= c <= "~" else "?" for c in cut)
+    return text if len(text) <= MAX_PEER_TEXT else text[: MAX_PEER_TEXT - 3] + "..."
+
+
+def _read_refusal(sock, limits: FrameLimits, deadline: float, peer: str) -> TransferError:
+    """The error for a listener's refusal before authentication: an ERROR frame, whose magic was
+    read already, of at most :data:`MAX_REFUSAL_BYTES` (a larger one is not read). Whatever the
+    stranger wrote reaches the error only through :func:`peer_text`."""
+    raw = MAGIC + read_fixed(sock, PREFIX_SIZE - len(MAGIC), deadline, peer, "refusal")
+    try:
+        kind, flags, body_len = decode_prefix(raw, limits)
+        if kind != Kind.ERROR:
+            raise ProtocolError(f"expected an auth challenge or an ERROR, got {kind_name(kind)}")
+        if body_len > MAX_REFUSAL_BYTES:
+            return RemoteError(
+                f"listener refused, giving a reason of {body_len} bytes (over "
+                f"{MAX_REFUSAL_BYTES}: not read)",
+                peer=peer,
+            )
+        body = read_fixed(sock, body_len, deadline, peer, "refusal")
+        h = decode_body(kind, flags, body, limits)
+    except ProtocolError as e:
+        raise ProtocolError(f"malformed refusal: {peer_text(e.detail)}", peer=peer) from None
+    return RemoteError(f"listener refused: {peer_text(h.meta.get('error'))}", peer=peer)
+
+
 def authenticate_listener(
     sock: socket.socket,
     secret: bytes | None,
     t0: float,
     deadline: float,
     peer: str,
-    on_auth: Callable[[auth.AuthError | None], None] | None,
-) -> None:
+    on_auth: Callable[[auth.AuthError | None], str | None] | None,
+) -> str | None:
     """The listener's side of the authentication, within :data:`AUTH_TIMEOUT_S` of ``t0``:
     a stranger gets a fixed-size exchange and nothing else. ``on_auth`` runs once the outcome is
-    decided, before the peer hears of it (see ``PipeListener.handshake``); a refusal raises it."""
+    decided, before the peer hears of it, on every path past the start (see
+    ``PipeListener.handshake``); a refusal raises it. Returns what ``on_auth`` returned for an
+    authenticated peer: None, or why the listener refuses it anyway (told in place of HELLO_ACK)."""
     challenge, nonce_l = auth.challenge(secret is not None)
     auth_deadline = min(deadline, t0 + AUTH_TIMEOUT_S)
-    send_all(sock, challenge, auth_deadline, "auth challenge")
     refused = verdict = None
     try:
+        send_all(sock, challenge, auth_deadline, "auth challenge")
         raw = read_fixed(sock, auth.RESPONSE.size, auth_deadline, peer, "auth response")
-    except TransferError as e:  # a peer that never finished authenticating
+    except (TransferError, TimeoutError, OSError) as e:  # a peer that never finished
+        detail = e.detail if isinstance(e, TransferError) else f"cannot send the challenge: {e}"
         refused = auth.AuthError(
-            f"authentication not completed: {e.detail}", peer=peer, waited_s=time.monotonic() - t0
+            f"authentication not completed: {detail}", peer=peer, waited_s=time.monotonic() - t0
         )
     else:
         accepted, verdict = auth.check_response(secret, nonce_l, raw)
@@ -125,13 +162,13 @@ def authenticate_listener(
                 peer=peer,
                 waited_s=time.monotonic() - t0,
             )
-    if on_auth is not None:
-        on_auth(refused)
+    refusal = on_auth(refused) if on_auth is not None else None
     if verdict is not None:
         with contextlib.suppress(TimeoutError, OSError):
             send_all(sock, verdict, auth_deadline, "auth verdict")
     if refused is not None:
         raise refused from None
+    return refusal
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,12 +186,14 @@ class Request:
 class Offer:
     """What a listener answers from: the ``transports`` it accepts and its rendezvous store
     (the ``TCPStore`` server ``store()`` returns once HELLO arrived, None once the listener
-    closed); ``conn_id`` numbers the connection's prefix."""
+    closed); ``conn_id`` numbers the connection's prefix. With a ``refusal`` (a server's cap on
+    open connections), the HELLO is answered by an ERROR saying it, and PipeClosedError raised."""
 
     transports: frozenset[str]
     store_host: str
     store: Callable[[], object | None]
     conn_id: int
+    refusal: str | None = None
 
 
 @dataclass(frozen=True)
@@ -234,11 +273,14 @@ def _hello_as_connector(
     h = read_handshake_frame(sock, limits, deadline, options.frame_timeout_s, peer, "HELLO_ACK")
     if h.kind == Kind.ERROR:
         raise RemoteError(
-            f"listener refused: {h.meta.get('error')}", peer=peer, waited_s=time.monotonic() - t0
+            f"listener refused: {peer_text(h.meta.get('error'))}",
+            peer=peer,
+            waited_s=time.monotonic() - t0,
         )
     if h.kind != Kind.HELLO_ACK or h.meta.get("transport") != req.transport:
         raise ProtocolError(
-            f"expected HELLO_ACK for transport {req.transport!r}, got {kind_name(h.kind)} {h.meta}",
+            f"expected HELLO_ACK for transport {req.transport!r}, got {kind_name(h.kind)} "
+            f"{peer_text(str(h.meta))}",
             peer=peer,
         )
     peer_limits = limits_from_meta(h.meta, limits)
@@ -247,7 +289,9 @@ def _hello_as_connector(
     store_port = h.meta.get("store_port")
     prefix = h.meta.get("prefix")
     if not isinstance(store_port, int) or not isinstance(prefix, str) or not prefix:
-        raise ProtocolError(f"HELLO_ACK lacks store_port/prefix: {h.meta}", peer=peer)
+        raise ProtocolError(
+            f"HELLO_ACK lacks store_port/prefix: {peer_text(str(h.meta))}", peer=peer
+        )
     return _Agreed(req.transport, peer_limits, req.host, store_port, prefix)
 
 
@@ -258,11 +302,14 @@ def _hello_as_listener(
     h = read_handshake_frame(sock, limits, deadline, options.frame_timeout_s, peer, "HELLO")
     if h.kind != Kind.HELLO:
         raise ProtocolError(f"expected HELLO, got {kind_name(h.kind)}", peer=peer)
+    if offer.refusal is not None:  # read the HELLO first: closing on unread bytes resets
+        send_error_frame(sock, offer.refusal)
+        raise PipeClosedError(f"refused after authentication: {offer.refusal}", peer=peer)
     transport = h.meta.get("transport")
     if h.meta.get("proto") != PROTO or transport not in offer.transports:
         msg = (
             f"expected proto {PROTO} and transport in {sorted(offer.transports)}, got proto "
-            f"{h.meta.get('proto')!r} transport {transport!r}"
+            f"{peer_text(repr(h.meta.get('proto')))} transport {peer_text(repr(transport))}"
         )
         send_error_frame(sock, msg)
         raise ProtocolError(msg, peer=peer)

@@ -34,7 +34,7 @@ class PipeListener:
     two-rank process group is built under its own prefix. Accepts clients asking for ``transport``
     and, when ``allow_socket`` (default), clients asking for the inline ``socket`` transport.
 
-    ``secret`` (at least 16 bytes): every connection must prove it holds it before anything else
+    ``secret`` (at least 32 bytes): every connection must prove it holds it before anything else
     is read (:mod:`connector.transport.auth`). Listening on a non-loopback address without one
     raises ValueError unless ``insecure=True`` (then it warns once): anyone who can reach the port
     could read and write entries.
@@ -163,21 +163,28 @@ class PipeListener:
         self,
         sock: socket.socket,
         peer: str,
-        on_auth: Callable[[auth.AuthError | None], None] | None = None,
+        on_auth: Callable[[auth.AuthError | None], str | None] | None = None,
     ) -> TensorPipe:
         """Listener side of the handshake on an accepted socket (closes it on failure).
 
-        ``on_auth`` is called once authentication is decided, before the peer can learn the
-        outcome: with ``None`` when the peer proved the secret, else with the ``AuthError`` about
-        to be raised. A server counts failures and frees handshake slots there, so that a refused
-        peer that reconnects at once finds both done."""
+        ``on_auth`` is called once authentication is decided (the peer answered, failed to, or
+        its socket broke), before the peer can learn the outcome: with ``None`` when the peer
+        proved the secret, else with the ``AuthError`` about to be raised. A server counts
+        failures and frees handshake slots there, so that a refused peer that reconnects at once
+        finds both done. For an authenticated peer it may return a reason to refuse it anyway
+        (a cap on open connections): the peer's HELLO is answered by an ERROR saying so, and
+        PipeClosedError raised."""
         t0 = time.monotonic()
         deadline = t0 + self.connect_timeout_s
         try:
             sock.setblocking(False)
-            authenticate_listener(sock, self.secret, t0, deadline, peer, on_auth)
+            refusal = authenticate_listener(sock, self.secret, t0, deadline, peer, on_auth)
             offer = Offer(
-                frozenset(self.allowed), self._store_host, lambda: self._store, next(self._ids)
+                frozenset(self.allowed),
+                self._store_host,
+                lambda: self._store,
+                next(self._ids),
+                refusal,
             )
             return open_pipe(
                 sock,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..logs import get_logger
+from ..logs import get_logger, hide_ids
 from .buffers import RECV_POOL, flat_bytes
 from .errors import (
     PipeClosedError,
@@ -154,7 +154,7 @@ class _Reader:
                 log.info("tensor pipe: %s (peer %s)", e, st.peer)
         except ProtocolError as e:
             if not st.closing:
-                log.warning("tensor pipe: protocol error from %s: %s", st.peer, e)
+                log.warning("tensor pipe: protocol error from %s: %s", st.peer, hide_ids(str(e)))
                 st.set_fatal(ProtocolError(str(e), peer=st.peer))
         except TimeoutError as e:
             if not st.closing:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..logs import get_logger
+from ..logs import get_logger, hide_ids
 from .buffers import flat_bytes
 from .errors import PeerDeadError, PipeClosedError, TransferTimeout, classify_failure
 from .frame import FLAG_INLINE, Kind, encode_header, encode_meta, plan_chunks, spec_of
@@ -183,7 +183,7 @@ class _Sender:
                     err = classify_failure(e, peer=st.peer, key=item.key, waited=waited)
                     if isinstance(e, PeerClosed):
                         err = PeerDeadError(str(e), peer=st.peer, key=item.key, waited_s=waited)
-                    log.warning("tensor pipe send failed: %s", err)
+                    log.warning("tensor pipe send failed: %s", hide_ids(str(err)))
                     st.set_fatal(err)
             with st.cond:
                 self.inflight -= item.nbytes

@@ -75,6 +75,13 @@ class RankCaches:
         self._sliced: dict[tuple[int, int], Views] = {}  # head range -> its views
 
     @property
+    def num_slots(self) -> int:
+        """Slots of this rank's caches: ``num_blocks * block_size`` (in kernel blocks where the
+        backend splits scheduler blocks: the same slots)."""
+        k = self.layers[0][0]
+        return k.shape[0] * k.shape[2]
+
+    @property
     def num_heads(self) -> int:
         """KV heads per token row of this rank's views."""
         return self.layers[0][0].shape[1]
@@ -89,11 +96,27 @@ class RankCaches:
 
         Example: ``block_size`` 4, ``block_ids`` [5, 1]: position 6 is offset 2 of block 1, slot
         ``1 * 4 + 2 = 6``; position 1 is slot ``5 * 4 + 1 = 21``.
+
+        Checked here, on the host, before any copy uses them: on a GPU the kernels do not check
+        slots (that would cost a sync), and a slot past the cache would be an illegal memory
+        access (a dead worker) or a silent overwrite. Raises ValueError for block ids or
+        positions that address no slot of these caches.
         """
+        if not 0 <= start <= stop <= rows or -(-stop // self.block_size) > len(block_ids):
+            raise ValueError(
+                f"positions [{start}, {stop}) of {rows} rows need "
+                f"{-(-stop // self.block_size)} blocks of {self.block_size}, got {len(block_ids)}"
+            )
         slots = torch.full((rows,), -1, dtype=torch.int64)
         pos = torch.arange(start, stop)
         blocks = torch.tensor(block_ids, dtype=torch.int64)
         slots[start:stop] = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+        chosen = slots[start:stop]
+        if chosen.numel() and (int(chosen.min()) < 0 or int(chosen.max()) >= self.num_slots):
+            raise ValueError(
+                f"block ids {block_ids} address slots in [{int(chosen.min())}, "
+                f"{int(chosen.max())}], outside this cache's [0, {self.num_slots})"
+            )
         return slots.to(self.device, non_blocking=True)
 
     def head_views(self, heads: tuple[int, int]) -> Views:

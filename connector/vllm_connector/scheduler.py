@@ -94,6 +94,11 @@ class SchedulerSide:
                 "and consumers"
             )
         problems = handoff_problems(params)
+        if not problems and not self.cfg.allows_producer(params["remote_host"]):
+            problems.append(
+                f"remote_host {params['remote_host']!r} is not among the producers this consumer "
+                f"may pull from (producers: {list(self.cfg.producers)})"
+            )
         if not problems:
             try:  # the heads this side's ranks need must be on the producer's ranks
                 plan_heads(

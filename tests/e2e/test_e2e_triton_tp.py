@@ -55,6 +55,7 @@ def test_tensor_parallel_2(tmp_path_factory, tiny_llama_dir):
     workdir = tmp_path_factory.mktemp("e2e_tp")
     secret_file = workdir / "kv-secret"  # the file form of the shared secret, on both sides
     secret_file.write_text("tp2-shared-secret-0123456789abcdef\n")
+    secret_file.chmod(0o600)  # only its owner may read it (a wider mode is refused at start)
     cluster, pd = start_cluster(
         workdir, tiny_llama_dir, env=env, tp=2, extra_config={"secret_file": str(secret_file)}
     )

@@ -145,7 +145,9 @@ def test_the_wheel_installs_tritonkv_and_tritonkv_connector_with_plugin_and_scri
         entry_points = configparser.ConfigParser()
         entry_points.read_string(zf.read(f"{dist_info}/entry_points.txt").decode())
     assert {n.split("/")[0] for n in names} == {"tritonkv", "tritonkv_connector", dist_info}
-    assert "tritonkv_connector/vllm_connector/plugin.py" in names and "tritonkv/_version.py" in names
+    assert (
+        "tritonkv_connector/vllm_connector/plugin.py" in names and "tritonkv/_version.py" in names
+    )
     for package in ("transport", "kvstore", "vllm_connector", "serve"):
         assert f"tritonkv_connector/{package}/__init__.py" in names, package
     assert dict(entry_points["vllm.general_plugins"]) == {
@@ -272,6 +274,7 @@ def test_producer_consumer_by_plugin_name_through_tritonkv_proxy(
             assert text == pd.colocated(prompt), f"{n}-token prompt differs from colocated"
             assert_token_granular_load(pd, rid, n)
 
+        from connector.kvstore import short_id
         from connector.vllm_connector.connector import PROTOCOL
 
         prompt = pd.prompt(50, seed=3)
@@ -283,7 +286,9 @@ def test_producer_consumer_by_plugin_name_through_tritonkv_proxy(
         text, rid = pd.decode_with(prompt, old)
         assert text == pd.colocated(prompt)
         assert not pd.events(rid)["loaded"]
-        refusal = f"refusing transfer '{params['transfer_id']}': its producer speaks hand-off "
+        refusal = (
+            f"refusing transfer {short_id(params['transfer_id'])}: its producer speaks hand-off "
+        )
         line = next((ln for ln in consumer.log_text().splitlines() if refusal in ln), None)
         assert line is not None, consumer.log_tail()
         assert "'tritonkv-0' (tritonkv version not given)" in line
@@ -292,5 +297,7 @@ def test_producer_consumer_by_plugin_name_through_tritonkv_proxy(
         # next steps, no release of it was even tried; the entry expires by its TTL.
         pd.disaggregated(pd.prompt(5, seed=4))
         time.sleep(2)
-        assert f"release transfer {params['transfer_id']}" not in consumer.log_text()
-        assert f"released unused transfer {params['transfer_id']}" not in consumer.log_text()
+        short = short_id(params["transfer_id"])
+        assert f"release transfer {short}" not in consumer.log_text()
+        assert f"released unused transfer {short}" not in consumer.log_text()
+        assert params["transfer_id"] not in consumer.log_text()  # never logged in full

@@ -26,7 +26,7 @@ from support.transport import (
     settled_stat,
 )
 
-from connector.kvstore import KVBuffer, KVClient, Part
+from connector.kvstore import ConnectionCaps, KVBuffer, KVClient, Part
 from connector.kvstore.protocol import Op
 from connector.transport import frame as wire
 from connector.transport.errors import BufferFullError, KeyMissError, RemoteError
@@ -291,7 +291,7 @@ def test_consumer_killed_producer_keeps_serving_and_keeps_the_entry():
 @pytest.mark.timeout(30)
 def test_too_many_connections_are_refused_cleanly():
     buf = KVBuffer(1 << 20)
-    srv = buf.serve(max_connections=1)
+    srv = buf.serve(caps=ConnectionCaps(max_connections=1))
     try:
         with KVClient("127.0.0.1", srv.port, timeout_s=5) as a:
             buf.put("k", {"x": torch.ones(1)})

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,16 +27,29 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from starlette.testclient import TestClient  # noqa: E402
 from support.fake_openai import FakeServer, LoopThread  # noqa: E402
 
-from connector.serve.bodies import decode_body, handoff_params, prefill_body  # noqa: E402
+from connector.serve.bodies import (  # noqa: E402
+    InvalidBody,
+    client_body,
+    decode_body,
+    encode,
+    handoff_params,
+    prefill_body,
+)
+from connector.serve.guards import is_loopback, request_id, short_id  # noqa: E402
 from connector.serve.launch import free_port  # noqa: E402
+from connector.serve.proxy import create_app  # noqa: E402
 from connector.serve.router import ProxyConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 1.5  # the main proxy's --timeout-s, kept short so that the hang tests stay fast
+MAX_BYTES = 4096  # the tight proxy's --max-request-bytes
+MAX_IN_FLIGHT = 2  # the tight proxy's --max-concurrent-requests
+BODY_TIMEOUT_S = 1.0  # the tight proxy's --body-timeout-s
 PATHS = ["/v1/completions", "/v1/chat/completions"]
 
 
@@ -90,7 +105,7 @@ class ProxyProcess:
 
 
 class Stack:
-    """Two prefill and two decode fakes plus three proxies in front of them."""
+    """Two prefill and two decode fakes plus four proxies in front of them."""
 
     def __init__(self, tmp: Path) -> None:
         self.lt = LoopThread()
@@ -112,7 +127,12 @@ class Stack:
         # A prefill URL where nothing listens.
         self.dead_url = f"http://127.0.0.1:{free_port()}"
         self.dead = ProxyProcess(tmp / "dead.log", [self.dead_url], [self.d0.url], *short)
-        self.proxies = [self.main, self.rr, self.dead]
+        # Tight limits: small bodies, few requests in flight.
+        limits = ["--max-request-bytes", str(MAX_BYTES)]
+        limits += ["--max-concurrent-requests", str(MAX_IN_FLIGHT)]
+        limits += ["--body-timeout-s", str(BODY_TIMEOUT_S)]
+        self.tight = ProxyProcess(tmp / "tight.log", [self.p0.url], [self.d0.url], *limits)
+        self.proxies = [self.main, self.rr, self.dead, self.tight]
         for p in self.proxies:
             p.wait_ready()
 
@@ -148,6 +168,14 @@ def _events(raw: bytes) -> list[Any]:
             data = block[len("data: ") :]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+def _wait_log_line(proxy: ProxyProcess, needle: str, wait_s: float = 3.0) -> str:
+    """The first line of ``proxy``'s log holding ``needle``, waiting for it up to ``wait_s``."""
+    end = time.monotonic() + wait_s
+    while needle not in proxy.log() and time.monotonic() < end:
+        time.sleep(0.05)
+    return next(ln for ln in proxy.log().splitlines() if needle in ln)
 
 
 def _body(path: str, **kw: Any) -> dict[str, Any]:
@@ -200,9 +228,34 @@ def test_handoff_is_the_prefill_answers_kv_transfer_params_as_is() -> None:
     assert handoff_params(json.dumps({"id": "x", "kv_transfer_params": kv}).encode()) == kv
     assert handoff_params(b'{"kv_transfer_params": null}') is None
     assert handoff_params(b'{"choices": []}') is None
-    for bad in (b"not json", b"[1, 2]", b'{"kv_transfer_params": "t"}', b"\xff"):
+    deep = b'{"kv_transfer_params": ' + b"[" * 100_000
+    for bad in (b"not json", b"[1, 2]", b'{"kv_transfer_params": "t"}', b"\xff", deep):
         with pytest.raises(ValueError, match="kv_transfer_params"):
             handoff_params(bad)
+
+
+def test_client_body_names_what_was_expected() -> None:
+    assert client_body(b'{"prompt": "a", "temperature": 0.5}', PATHS[0])["temperature"] == 0.5
+    cases = {
+        b"[1]": "request body is an array: expected a JSON object",
+        b"null": "request body is null: expected a JSON object",
+        b"\xff": "not UTF-8 (byte 0): expected a JSON object in UTF-8",
+        b"[" * 100_000: "nested too deeply to parse; expected a JSON object",
+        b'{"t": NaN}': "NaN is not allowed: expected finite numbers only",
+        b'{"t": 1e400}': "number 1e400 is out of range: expected finite numbers only",
+    }
+    for raw, message in cases.items():
+        with pytest.raises(InvalidBody, match=re.escape(message)):
+            client_body(raw, PATHS[1])
+    with pytest.raises(InvalidBody) as info:
+        client_body(b'{"prompt": ["a", "b"]}', PATHS[0])
+    assert info.value.param == "prompt"
+    nested: list[Any] = []
+    for _ in range(100_000):
+        nested = [nested]
+    with pytest.raises(ValueError, match="nested too deeply to encode"):
+        encode({"prompt": nested})
+    assert encode({"t": 1.5, "s": "\ud800"}) == b'{"t": 1.5, "s": "\\ud800"}'
 
 
 def test_config_validation() -> None:
@@ -253,12 +306,11 @@ def test_non_streaming(stack: Stack, path: str) -> None:
     assert dec.headers["traceparent"] == trace["traceparent"]
     assert out["kv_transfer_params"] == issued  # the fake decode echoes what it got
 
-    # One log line per request with the timings and the transfer id.
-    end = time.monotonic() + 3
-    while issued["transfer_id"] not in stack.main.log() and time.monotonic() < end:
-        time.sleep(0.05)
-    line = next(ln for ln in stack.main.log().splitlines() if issued["transfer_id"] in ln)
+    # One log line per request with the timings and the transfer id's first 8 characters only.
+    shown = issued["transfer_id"][:8] + "…"
+    line = _wait_log_line(stack.main, shown)
     assert "req-abc" in line and "prefill" in line and "ttfb" in line and " ms" in line
+    assert issued["transfer_id"] not in stack.main.log()
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -364,7 +416,7 @@ def test_models_and_health(stack: Stack) -> None:
         r = c.get("/health")
         assert r.status_code == 200 and r.json()["status"] == "ok"
         stack.d0.healthy = False
-        r = c.get("/health")
+        r = c.get("/health", params={"details": "1"})  # this test is a loopback client
         assert r.status_code == 503
         bad = [b for b in r.json()["servers"] if not b["ok"]]
         assert [(b["role"], b["url"]) for b in bad] == [("decode", stack.d0.url)]
@@ -441,24 +493,37 @@ def test_dead_prefill_fails_fast(stack: Stack) -> None:
         err = r.json()["error"]
         assert err["stage"] == "prefill" and err["server"] == stack.dead_url
         assert time.monotonic() - t0 < TIMEOUT_S
-        r = c.get("/health")
+        r = c.get("/health", params={"details": "1"})
         assert r.status_code == 503
         states = {b["url"]: b["ok"] for b in r.json()["servers"]}
         assert states == {stack.dead_url: False, stack.d0.url: True}
     assert stack.d0.received == []
 
 
-@pytest.mark.parametrize(
-    "content",
-    [b"{not json", b"[1, 2]", b'"text"', b"", b"\xff\xfe"],
-    ids=["garbage", "array", "string", "empty", "not-utf8"],
-)
+BAD_JSON = {
+    "garbage": b"{not json",
+    "array": b"[1, 2]",
+    "string": b'"text"',
+    "empty": b"",
+    "not-utf8": b"\xff\xfe",
+    "not-utf8-in-a-string": b'{"prompt": "a\xc3(b"}',
+    "utf16": '{"model": "fake-model", "prompt": "a"}'.encode("utf-16"),
+    "deep-array": b"[" * 100_000 + b"]" * 100_000,
+    "deep-in-object": b'{"prompt": ' + b"[" * 100_000,
+    "nan": b'{"prompt": "a", "temperature": NaN}',
+    "infinity": b'{"prompt": "a", "temperature": -Infinity}',
+    "overflowing-float": b'{"prompt": "a", "temperature": 1e999}',
+}
+
+
+@pytest.mark.parametrize("content", BAD_JSON.values(), ids=BAD_JSON.keys())
 def test_bad_json_is_400(stack: Stack, content: bytes) -> None:
     with stack.main.client() as c:
         for path in PATHS:
             r = c.post(path, content=content, headers={"Content-Type": "application/json"})
             assert r.status_code == 400, r.text
             assert r.json()["error"]["code"] == 400
+            assert "expected" in r.json()["error"]["message"]
     assert stack.p0.received == [] and stack.d0.received == []
 
 
@@ -469,6 +534,301 @@ def test_batched_prompt_is_400(stack: Stack) -> None:
         r = c.post("/v1/completions", json=_body("/v1/completions", prompt=[1, 2, 3]))
         assert r.status_code == 200  # one tokenized prompt is fine
     assert len(stack.p0.received) == 1
+
+
+# ---------------------------------------------------------------------------- bounds
+
+
+def _raw_http(port: int, data: bytes, timeout_s: float = 5.0) -> tuple[int, dict[str, str], bytes]:
+    """Sends ``data`` as is and reads the answer until the proxy closes the connection.
+
+    Returns:
+        ``(status, headers with lower-case names, body)``; a proxy that never answers makes the
+        read time out (TimeoutError).
+    """
+    got = b""
+    with socket.create_connection(("127.0.0.1", port), timeout_s) as sock:
+        sock.sendall(data)
+        while chunk := sock.recv(65536):
+            got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines)}
+    return int(status_line.split()[1]), headers, body
+
+
+def _assert_413(status: int, headers: dict[str, str], body: bytes) -> None:
+    assert status == 413, body
+    err = json.loads(body)["error"]
+    assert err["code"] == 413 and err["max_request_bytes"] == MAX_BYTES
+    assert f"at most {MAX_BYTES} bytes" in err["message"]
+    assert headers["x-request-id"].startswith("pd-")
+
+
+def test_a_content_length_over_the_limit_is_413_before_the_body_is_read(stack: Stack) -> None:
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {10**12}\r\n\r\n"
+    )
+    t0 = time.monotonic()
+    _assert_413(*_raw_http(stack.tight.port, head.encode()))  # no body byte was sent
+    assert time.monotonic() - t0 < 3
+    assert stack.p0.received == [] and stack.d0.received == []
+
+
+def test_a_chunked_body_is_refused_at_the_chunk_that_passes_the_limit(stack: Stack) -> None:
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"
+        b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    chunk = b"[" * 1000
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(MAX_BYTES // 1000 + 1))
+    _assert_413(*_raw_http(stack.tight.port, head + chunks))  # the body never ends
+    assert stack.p0.received == [] and stack.d0.received == []
+
+
+def test_a_body_of_exactly_the_limit_is_served_and_one_byte_more_is_413(stack: Stack) -> None:
+    raw = json.dumps(_body("/v1/completions", max_tokens=3)).encode()
+    raw += b" " * (MAX_BYTES - len(raw))
+    with stack.tight.client() as c:
+        r = c.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {MAX_BYTES + 1}\r\n\r\n"
+    )
+    _assert_413(*_raw_http(stack.tight.port, head.encode() + raw + b" "))
+    assert len(stack.p0.received) == len(stack.d0.received) == 1
+
+
+def test_a_body_trickling_past_the_body_timeout_is_408(stack: Stack) -> None:
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+        "Content-Length: 100\r\n\r\n"
+    )
+    t0 = time.monotonic()
+    status, headers, body = _raw_http(stack.tight.port, head.encode() + b'{"prompt": ')
+    assert status == 408, body
+    assert BODY_TIMEOUT_S - 0.1 < time.monotonic() - t0 < BODY_TIMEOUT_S + 3
+    err = json.loads(body)["error"]
+    assert err["code"] == 408 and err["timeout_s"] == BODY_TIMEOUT_S
+    assert "not received within 1 s" in err["message"]
+    assert headers["x-request-id"].startswith("pd-")
+    assert stack.p0.received == []
+
+
+def _refused_for_concurrency(r: httpx.Response) -> None:
+    assert r.status_code == 503, r.text
+    assert r.headers["retry-after"] == "1" and r.headers["connection"] == "close"
+    err = r.json()["error"]
+    assert err["code"] == 503 and err["max_concurrent_requests"] == MAX_IN_FLIGHT
+    assert f"limit of {MAX_IN_FLIGHT} concurrent requests" in err["message"]
+
+
+def _wait_served(proxy: ProxyProcess, wait_s: float = 5.0) -> httpx.Response:
+    """Posts a small request until it is not refused for concurrency (slots free up shortly
+    after the proxy closed the upstream call)."""
+    end = time.monotonic() + wait_s
+    with proxy.client() as c:
+        while True:
+            r = c.post("/v1/completions", json=_body("/v1/completions"))
+            if r.status_code != 503 or time.monotonic() > end:
+                return r
+            time.sleep(0.05)
+
+
+def test_requests_beyond_the_concurrency_limit_get_503_and_reach_no_server(stack: Stack) -> None:
+    stack.p0.mode = "hang"
+    errors: list[BaseException] = []
+
+    def hang_up_after_2_s() -> None:
+        client = httpx.Client(base_url=stack.tight.url, timeout=2.0, trust_env=False)
+        with client, pytest.raises(httpx.ReadTimeout):
+            client.post("/v1/completions", json=_body("/v1/completions"))
+
+    def run() -> None:
+        try:
+            hang_up_after_2_s()
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(MAX_IN_FLIGHT)]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + 5
+    while len(stack.p0.received) < MAX_IN_FLIGHT and time.monotonic() < end:
+        time.sleep(0.02)
+    assert len(stack.p0.received) == MAX_IN_FLIGHT
+    with stack.tight.client() as c:
+        _refused_for_concurrency(c.post("/v1/completions", json=_body("/v1/completions")))
+        _refused_for_concurrency(c.get("/health"))  # every request counts, /health too
+    assert len(stack.p0.received) == MAX_IN_FLIGHT and stack.d0.received == []
+    for t in threads:
+        t.join(10)
+    assert errors == []
+    stack.p0.mode = "ok"
+    assert _wait_served(stack.tight).status_code == 200  # the clients left: slots are free
+    assert "refused 1 request(s) with 503: 2 in flight" in stack.tight.log()  # once a second
+
+
+def test_a_stream_holds_its_slot_until_the_client_leaves(stack: Stack) -> None:
+    stack.d0.make_gate()  # streams send their first chunk, then wait
+    body = _body("/v1/completions", max_tokens=9, stream=True)
+    readers = []  # kept: dropping an iter_raw() generator closes its stream
+    with contextlib.ExitStack() as streams:
+        for _ in range(MAX_IN_FLIGHT):
+            c = streams.enter_context(stack.tight.client())
+            r = streams.enter_context(c.stream("POST", "/v1/completions", json=body))
+            readers.append(r.iter_raw())
+            assert r.status_code == 200 and b"tok0" in next(readers[-1])
+        with stack.tight.client() as c:
+            _refused_for_concurrency(c.post("/v1/completions", json=_body("/v1/completions")))
+        assert len(stack.p0.received) == MAX_IN_FLIGHT
+    # Both clients left in the middle of their streams: their slots come back.
+    r = _wait_served(stack.tight)
+    assert r.status_code == 200 and stack.d0.disconnects == MAX_IN_FLIGHT
+
+
+def test_health_answers_only_the_status_unless_details_are_asked(stack: Stack) -> None:
+    with stack.main.client() as c:
+        assert c.get("/health").json() == {"status": "ok"}
+        r = c.get("/health", params={"details": "1"})  # a loopback client may ask
+        urls = [(s["role"], s["url"], s["ok"]) for s in r.json()["servers"]]
+        assert urls == [("prefill", stack.p0.url, True), ("decode", stack.d0.url, True)]
+        stack.p0.mode = "hang"
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json() == {"status": "unhealthy"}
+        assert stack.p0.url not in r.text
+
+
+@pytest.mark.parametrize(
+    ("client", "health_details", "shown"),
+    [
+        ("203.0.113.7", False, False),
+        ("203.0.113.7", True, True),
+        ("::1", False, True),
+        ("127.0.0.2", False, True),
+    ],
+    ids=["remote", "remote-with-health-details", "ipv6-loopback", "ipv4-loopback"],
+)
+def test_health_details_go_to_loopback_clients_or_with_health_details(
+    stack: Stack, client: str, health_details: bool, shown: bool
+) -> None:
+    config = ProxyConfig((stack.p0.url,), (stack.d0.url,), health_details=health_details)
+    with TestClient(create_app(config), client=(client, 40000)) as c:
+        r = c.get("/health", params={"details": "1"})
+        assert r.status_code == 200
+        assert ("servers" in r.json()) is shown
+        assert stack.p0.url in r.text if shown else r.json() == {"status": "ok"}
+        assert c.get("/health").json() == {"status": "ok"}  # details only when asked
+
+
+def test_is_loopback() -> None:
+    for host in ("127.0.0.1", "127.9.9.9", "::1", "::ffff:127.0.0.1"):
+        assert is_loopback(host), host
+    for host in ("10.0.0.1", "192.0.2.2", "fd00::2", "::ffff:10.0.0.1", "localhost", "", None):
+        assert not is_loopback(host), host
+
+
+UNSAFE_IDS = {
+    "too-long": "x" * 129,
+    "space": "req abc",
+    "semicolon": "a;b",
+    "latin1": "café",
+    "percent": "a%0Ab",
+    "tab": "a\tb",
+}
+
+
+@pytest.mark.parametrize("value", UNSAFE_IDS.values(), ids=UNSAFE_IDS.keys())
+def test_an_unsafe_request_id_is_replaced_and_logged_cut_short(stack: Stack, value: str) -> None:
+    with stack.main.client() as c:
+        r = c.post(
+            "/v1/completions",
+            json=_body("/v1/completions"),
+            headers={"X-Request-Id": value.encode("latin-1")},  # type: ignore[dict-item]
+        )
+    assert r.status_code == 200
+    minted = r.headers["x-request-id"]
+    assert minted.startswith("pd-") and len(minted) == 35
+    [pre], [dec] = stack.p0.received, stack.d0.received
+    assert pre.headers["x-request-id"] == dec.headers["x-request-id"] == minted
+    line = _wait_log_line(stack.main, f"req {minted}: not the client's X-Request-Id")
+    shown = repr(value)
+    assert (shown if len(shown) <= 40 else shown[:37] + "...") in line
+    if len(shown) > 40 or not value.isprintable():
+        assert value not in stack.main.log()
+
+
+def test_a_safe_request_id_is_kept_up_to_128_characters(stack: Stack) -> None:
+    value = "A-z_0.9:" * 16  # 128 characters
+    with stack.main.client() as c:
+        r = c.post(
+            "/v1/completions", json=_body("/v1/completions"), headers={"X-Request-Id": value}
+        )
+    assert r.headers["x-request-id"] == value
+    assert stack.p0.received[0].headers["x-request-id"] == value
+
+
+def test_request_id_and_short_id_are_pure() -> None:
+    assert request_id(None, "pd-1") == ("pd-1", None)
+    assert request_id("", "pd-1") == ("pd-1", None)
+    assert request_id("ok-1", "pd-1") == ("ok-1", None)
+    assert request_id("a\nb", "pd-1") == ("pd-1", "'a\\nb'")
+    assert request_id("y" * 1000, "pd-1") == ("pd-1", "'" + "y" * 36 + "...")
+    assert short_id("0123456789abcdef0123456789abcdef") == "01234567…"
+    assert short_id(None) == "none"
+    assert short_id("a\nbcdefghij") == "a\\nbcdef…"
+    assert short_id(12345678901) == "12345678…"
+
+
+def test_a_failed_decode_logs_only_the_start_of_the_transfer_id(stack: Stack) -> None:
+    stack.d0.mode = "hang"
+    with stack.main.client() as c:
+        r = c.post("/v1/completions", json=_body("/v1/completions"))
+    assert r.status_code == 504
+    [issued] = stack.p0.issued
+    line = _wait_log_line(stack.main, f"transfer_id {issued['transfer_id'][:8]}…; decode")
+    assert stack.d0.url in line
+    assert issued["transfer_id"] not in stack.main.log()
+
+
+def test_a_stream_logs_only_the_start_of_the_transfer_id(stack: Stack) -> None:
+    body = _body("/v1/chat/completions", stream=True)
+    with stack.main.client() as c:
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and _events(r.content)[-1] == "[DONE]"
+    [issued] = stack.p0.issued
+    line = _wait_log_line(stack.main, f"transfer_id {issued['transfer_id'][:8]}… |")
+    assert "stream started" in line
+    assert issued["transfer_id"] not in stack.main.log()
+
+
+def test_limits_must_be_positive() -> None:
+    for bad in ({"max_request_bytes": 0}, {"max_concurrent_requests": 0}):
+        with pytest.raises(ValueError, match=">= 1"):
+            ProxyConfig(("http://x",), ("http://y",), **bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="> 0"):
+        ProxyConfig(("http://x",), ("http://y",), body_timeout_s=0)
+    config = ProxyConfig(("http://x",), ("http://y",))
+    assert (config.max_request_bytes, config.max_concurrent_requests) == (32 * 2**20, 512)
+    assert config.body_timeout_s == 60
+    assert config.health_details is False
+
+
+def test_help_documents_the_limits() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "connector.serve.proxy", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert r.returncode == 0
+    flags = ("--max-request-bytes", "--body-timeout-s", "--max-concurrent-requests")
+    for flag in (*flags, "--health-details"):
+        assert flag in r.stdout
+    assert "/health?details=1" in r.stdout and "loopback" in r.stdout
 
 
 # ---------------------------------------------------------------------------- shutdown

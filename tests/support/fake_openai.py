@@ -14,6 +14,7 @@ import copy
 import json
 import socket
 import threading
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +54,7 @@ class FakeServer:
     """A fake prefill or decode server.
 
     Attributes:
-        name: Name put into responses (``served_by``) and transfer ids.
+        name: Name put into responses (``served_by``).
         role: ``prefill`` or ``decode``.
         received: Requests received, in order.
         mode: ``ok``; ``error`` (answer ``error_status`` with an error body); ``hang`` (never answer);
@@ -181,7 +182,7 @@ class FakeServer:
             if self.mode != "no_kv":
                 kv = {
                     "do_remote_prefill": True,
-                    "transfer_id": f"{self.name}-xfer-{n}",
+                    "transfer_id": uuid.uuid4().hex,  # 32 hex digits, as the connector's
                     "remote_host": "127.0.0.1",
                     "remote_port": 47000 + n,
                     "num_tokens": 5 + n,

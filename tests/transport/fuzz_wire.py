@@ -11,7 +11,10 @@ An input's first byte picks the target:
    calls; the target drives these private functions directly, without a pipe around them);
 1. the listener's side of the authentication: a 68-byte RESPONSE to a known challenge;
 2. the connector's side: a 38-byte CHALLENGE, then a 37-byte VERDICT;
-3. metadata: ``wire.decode_meta`` and the limits a peer announces in it.
+3. metadata: ``wire.decode_meta`` and the limits a peer announces in it;
+4. a hand-off (``kv_transfer_params``, which any client of a decode server sets): JSON laid over
+   a real hand-off, through ``handoff_problems`` and ``parse_handoff``; whatever parses must be
+   dialable (every TP rank's port in range, ``tp_size`` bounded) and every problem short.
 
 A finding is any exception other than the transport's own refusals (ProtocolError, AuthError, end
 of stream), an input that takes over a second (``-timeout=1``), an allocation above the limits
@@ -22,6 +25,7 @@ authentication accepted. ``CORPUS_DIR`` is seeded with valid frames and exchange
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import sys
@@ -37,6 +41,12 @@ with atheris.instrument_imports():
     from connector.kvstore.protocol import Op
     from connector.transport import auth, errors, receiving, sockio
     from connector.transport import frame as wire
+    from connector.vllm_connector.handoff import (
+        MAX_TP_SIZE,
+        build_handoff,
+        handoff_problems,
+        parse_handoff,
+    )
 
 # Small announced limits, so that anything the decoder accepts is cheap to allocate and check.
 LIMITS = wire.FrameLimits(
@@ -112,7 +122,36 @@ def _meta(data: bytes) -> None:
     wire.limits_from_meta(meta, LIMITS)
 
 
-TARGETS = (_frames, _listener_auth, _connector_auth, _meta)
+HANDOFF = build_handoff(
+    transfer_id="0123456789abcdef" * 2,
+    host="10.0.0.1",
+    engine_port=14600,
+    num_tokens=3,
+    prompt_token_ids=[1, 2, 3],
+    fingerprint="fp",
+    tp_size=2,
+)
+
+
+def _handoff(data: bytes) -> None:
+    try:
+        value = json.loads(data)
+    except (ValueError, RecursionError):  # not JSON: vLLM's API refuses it before us
+        return
+    params = {**HANDOFF, **value} if isinstance(value, dict) else value
+    spec = parse_handoff(params)
+    if not isinstance(params, dict):
+        assert spec is None
+        return
+    problems = handoff_problems(params)
+    assert all(len(p) < 400 for p in problems), problems
+    if spec is not None:
+        assert problems == [], problems
+        assert 1 <= spec.producer_tp <= MAX_TP_SIZE
+        assert spec.port >= 1 and spec.port + spec.producer_tp - 1 <= 65535, spec
+
+
+TARGETS = (_frames, _listener_auth, _connector_auth, _meta, _handoff)
 
 
 def one_input(data: bytes) -> None:
@@ -137,7 +176,7 @@ def seeds() -> list[bytes]:
     kv = {"kv": torch.arange(24, dtype=torch.int16).view(2, 3, 4), "cu": torch.tensor([0, 3])}
     specs = [wire.spec_of(name, t) for name, t in kv.items()]
     payload = b"".join(t.numpy().tobytes() for t in kv.values())
-    data = wire.encode_header(Op.DATA, "k", {"wire": "tokens"}, specs, wire.FLAG_INLINE)
+    data = wire.encode_header(Op.DATA, "k", {"kv_format": "tokens"}, specs, wire.FLAG_INLINE)
     frames.append(data + payload)
     frames.append(wire.encode_header(Op.DATA, "k", {}, specs))  # payload on the group
     challenge, nonce_l = auth.challenge(True)
@@ -149,6 +188,8 @@ def seeds() -> list[bytes]:
         b"\1" + response,
         b"\2" + challenge + verdict,
         b"\3" + wire.encode_meta(wire.limits_meta(LIMITS)),
+        b"\4" + json.dumps(HANDOFF).encode(),
+        b"\4" + json.dumps({"remote_port": 65535, "tp_size": 2}).encode(),
     ]
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import json
+import os
 import socket
 import threading
 import time
@@ -17,7 +19,7 @@ from support.vllm_fixtures import captured_log
 
 from connector.kvstore import KVBuffer, KVClient, KVServer
 from connector.transport import PipeListener, auth, connect_pipe
-from connector.transport.errors import RemoteError
+from connector.transport.errors import ProtocolError, RemoteError
 from connector.transport.frame import APP_KIND_MIN, Kind, encode_header
 
 SECRET = b"s3cret-for-tests-only-0123456789"
@@ -70,7 +72,7 @@ def test_a_refusal_is_counted_and_its_slot_freed_before_the_peer_hears_of_it(ser
         return record(self, peer)
 
     monkeypatch.setattr(auth.FailureLog, "failed", slow_record)
-    for n in range(1, KVServer.MAX_PENDING_PER_HOST + 3):
+    for n in range(1, srv.caps.max_pending_per_host + 3):
         with pytest.raises(auth.AuthError, match="secrets differ"):
             _get(srv, OTHER)
         assert srv.stats()["auth_failures"] == n  # read at once, no waiting
@@ -140,7 +142,7 @@ def test_a_half_finished_handshake_ends_at_its_deadline_without_holding_up_other
 
 def test_a_host_holds_at_most_a_few_pending_handshakes(served):
     _, srv = served
-    stalled = [_connect_raw(srv) for _ in range(KVServer.MAX_PENDING_PER_HOST)]
+    stalled = [_connect_raw(srv) for _ in range(srv.caps.max_pending_per_host)]
     for s in stalled:
         recv_exact(s, auth.CHALLENGE.size)
     with pytest.raises(RemoteError, match="too many pending handshakes"):
@@ -190,6 +192,65 @@ def test_a_producer_server_answers_get_and_discard_only(served):
         assert client.discard("d") is True and "d" not in buf
 
 
+def _refusing_listener(frame: bytes) -> socket.socket:
+    """A raw listener that answers its first connection with ``frame`` in place of the
+    CHALLENGE, then holds it open for 3 s. Returns the listening socket."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+
+    def run():
+        conn, _ = lsock.accept()
+        with conn:
+            conn.sendall(frame)
+            time.sleep(3)
+
+    threading.Thread(target=run, daemon=True).start()
+    return lsock
+
+
+def _printable(text: str) -> bool:
+    return all(" " <= c <= "~" for c in text)
+
+
+HOSTILE = "\x1b[2J\x1b[31mok\r\nWARNING forged line\x00\u202e\xe9"  # ANSI, CR LF, NUL, bidi
+
+
+PREFIX = "listener refused: "
+
+
+@pytest.mark.parametrize(
+    "error, want",
+    [
+        (HOSTILE, PREFIX + "?[2J?[31mok??WARNING forged line???"),
+        (HOSTILE * 10, PREFIX + ("?[2J?[31mok??WARNING forged line???" * 10)[:197] + "..."),
+        (
+            "x" * (64 << 10),
+            "listener refused, giving a reason of 65557 bytes (over 4096: not read)",
+        ),
+        (7, PREFIX + "<int>"),
+    ],
+    ids=["control-characters", "long", "64KiB", "not-text"],
+)
+def test_a_refusal_before_authentication_reaches_errors_bounded_and_printable(error, want):
+    """A stranger listening where a KV server was expected may answer with an ERROR frame of its
+    choosing: its text reaches the exception (and so the logs) as at most 200 printable ASCII
+    characters, and one over 4 KiB is not even read."""
+    frame = encode_header(Kind.ERROR, "", json.dumps({"error": error}).encode())
+    with _refusing_listener(frame) as lsock, pytest.raises(RemoteError) as err:
+        connect_pipe("127.0.0.1", lsock.getsockname()[1], transport="socket", connect_timeout_s=5)
+    assert err.value.detail == want and _printable(str(err.value))
+
+
+def test_a_malformed_refusal_is_a_protocol_error_that_quotes_nothing_raw():
+    """A refusal whose meta the decoder refuses, naming a hostile key, is a ProtocolError whose text
+    is bounded and printable too."""
+    frame = encode_header(Kind.ERROR, "", b"{%s: [1]}" % json.dumps(HOSTILE * 50).encode())
+    with _refusing_listener(frame) as lsock, pytest.raises(ProtocolError) as err:
+        connect_pipe("127.0.0.1", lsock.getsockname()[1], transport="socket", connect_timeout_s=5)
+    assert err.value.detail.startswith("malformed refusal: meta['")
+    assert len(err.value.detail) == len("malformed refusal: ") + 200
+    assert _printable(str(err.value))
+
+
 def test_listening_off_loopback_needs_a_secret_or_insecure(caplog):
     with pytest.raises(ValueError, match=r"without a shared secret .* insecure=True"):
         PipeListener("0.0.0.0", 0)
@@ -198,8 +259,27 @@ def test_listening_off_loopback_needs_a_secret_or_insecure(caplog):
     assert any("insecure" in r.getMessage() for r in records)
     PipeListener("0.0.0.0", 0, secret=SECRET).close()
     PipeListener("127.0.0.1", 0).close()  # loopback: only this machine can connect
-    with pytest.raises(ValueError, match="at least 16 bytes"):
+    with pytest.raises(ValueError, match="at least 32 bytes"):
         PipeListener("127.0.0.1", 0, secret="short")
+
+
+def test_a_secret_shorter_than_32_bytes_is_refused_everywhere(monkeypatch):
+    """16 bytes (what was once the minimum) and 31 are refused by listeners, connectors, clients
+    and the environment variable alike; 32 bytes (and `openssl rand -hex 32`'s 64) are enough."""
+    for short in (b"k" * 16, "k" * 31):
+        for make in (
+            lambda s: PipeListener("127.0.0.1", 0, secret=s),
+            lambda s: connect_pipe("127.0.0.1", 1, secret=s),
+            lambda s: KVClient("127.0.0.1", 1, secret=s),
+        ):
+            with pytest.raises(ValueError, match=f"at least 32 bytes .*got {len(short)}"):
+                make(short)
+        monkeypatch.setenv(auth.SECRET_ENV, short if isinstance(short, str) else short.decode())
+        with pytest.raises(ValueError, match=f"{auth.SECRET_ENV}: expected at least 32 bytes"):
+            auth.load_secret()
+    monkeypatch.setenv(auth.SECRET_ENV, "k" * 32)
+    assert auth.load_secret() == b"k" * 32
+    PipeListener("127.0.0.1", 0, secret="f" * 64).close()
 
 
 def test_secrets_come_from_a_file_or_the_environment(tmp_path, monkeypatch):
@@ -209,11 +289,59 @@ def test_secrets_come_from_a_file_or_the_environment(tmp_path, monkeypatch):
     assert auth.load_secret() == SECRET
     path = tmp_path / "secret"
     path.write_bytes(OTHER + b"\n")
+    path.chmod(0o600)
     assert auth.load_secret(path) == OTHER  # the file wins; its trailing newline is not secret
     with pytest.raises(ValueError, match="cannot read"):
         auth.load_secret(tmp_path / "missing")
     assert auth.is_loopback("::1") and auth.is_loopback("localhost")
     assert not auth.is_loopback("0.0.0.0") and not auth.is_loopback("10.0.0.1")
+
+
+def _secret_file(tmp_path, mode: int, name: str = "secret"):
+    path = tmp_path / name
+    path.write_bytes(OTHER + b"\n")
+    path.chmod(mode)
+    return path
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o604, 0o640, 0o620, 0o602, 0o666, 0o610], ids=oct)
+def test_a_secret_file_others_may_access_is_refused_naming_it_its_mode_and_the_fix(tmp_path, mode):
+    path = _secret_file(tmp_path, mode)
+    with pytest.raises(ValueError) as err:
+        auth.load_secret(path)
+    assert str(path) in str(err.value) and f"mode {mode:04o}" in str(err.value)
+    assert f"chmod 600 {path}" in str(err.value) and OTHER.decode() not in str(err.value)
+
+
+def test_a_secret_file_only_its_owner_may_read_is_accepted_and_a_symlink_is_judged_by_its_target(
+    tmp_path,
+):
+    for mode in (0o600, 0o400):
+        assert auth.load_secret(_secret_file(tmp_path, mode, f"s{mode:o}")) == OTHER
+    link = tmp_path / "link"  # a symlink's own mode is 0777: the file opened is what counts
+    link.symlink_to(_secret_file(tmp_path, 0o600, "target"))
+    assert auth.load_secret(link) == OTHER
+    (tmp_path / "target").chmod(0o644)
+    with pytest.raises(ValueError, match=f"{link}.*mode 0644"):
+        auth.load_secret(link)
+
+
+def test_a_secret_file_that_is_not_a_regular_file_is_refused_without_waiting_on_it(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)  # opening it blocks until a writer comes, unless non-blocking
+    for path, kind in (
+        (tmp_path, "a directory"),
+        (fifo, "a FIFO"),
+        ("/dev/null", "a character device"),
+    ):
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=f"{path}.*expected a regular file, got {kind}"):
+            auth.load_secret(path)
+        assert time.monotonic() - t0 < 1
+    big = _secret_file(tmp_path, 0o600, "big")
+    big.write_bytes(b"k" * (auth.MAX_SECRET_FILE_BYTES + 1))
+    with pytest.raises(ValueError, match=f"expected at most {auth.MAX_SECRET_FILE_BYTES} bytes"):
+        auth.load_secret(big)
 
 
 def test_failures_are_logged_at_most_once_per_host_a_minute():

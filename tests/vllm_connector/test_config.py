@@ -47,3 +47,17 @@ def test_every_key_is_documented_once_beside_its_field():
     undocumented = [k for k, _, meaning in keys if not meaning]
     assert undocumented == []
     assert dict((k, d) for k, d, _ in keys)["port"] == "14600"
+
+
+def test_producers_are_addresses_networks_or_host_names():
+    cfg = ConnectorConfig.from_extra({"producers": ["10.0.0.0/8", "fd00::/8", "192.0.2.7", "P-0."]})
+    assert cfg.producers == ("10.0.0.0/8", "fd00::/8", "192.0.2.7", "P-0.")
+    for host in ("10.1.2.3", "::ffff:10.1.2.3", "fd00::1", "192.0.2.7", "p-0", "P-0."):
+        assert cfg.allows_producer(host), host
+    for host in ("11.0.0.1", "192.0.2.8", "fe80::1", "p-1", "10.0.0.1.example"):
+        assert not cfg.allows_producer(host), host
+    assert ConnectorConfig().allows_producer("anything.example")  # empty: any producer
+    with pytest.raises(TypeError, match="expected a list of strings"):
+        ConnectorConfig.from_extra({"producers": "10.0.0.0/8"})
+    with pytest.raises(ValueError, match="producers: expected IP addresses, networks"):
+        ConnectorConfig.from_extra({"producers": ["10.0.0.0/33"]})

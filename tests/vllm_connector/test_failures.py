@@ -144,3 +144,19 @@ def test_the_producer_client_cache_is_bounded_and_closes_what_it_drops():
     assert made == [1, 2, 3, 4, 5], "a kept client was made again"
     clients.close()
     assert sorted(closed) == [1, 2, 3, 4, 5]
+
+
+def test_slots_are_checked_on_the_host_before_any_copy():
+    """On a GPU the kernels do not check slots: a block id past the cache would be an illegal
+    memory access or a silent overwrite. The worker checks them when it builds them."""
+    from support.connector_halves import rank_caches
+
+    views = rank_caches(caches(NHD), BLOCK_SIZE)  # 6 blocks of 4: slots 0..23
+    assert views.num_slots == 24
+    assert views.slots([5, 1], 0, 8, 8).tolist() == [20, 21, 22, 23, 4, 5, 6, 7]
+    with pytest.raises(ValueError, match=r"address slots in \[24, 27\], outside .* \[0, 24\)"):
+        views.slots([6], 0, 4, 4)
+    with pytest.raises(ValueError, match=r"address slots in \[-4, -1\]"):
+        views.slots([-1], 0, 4, 4)
+    with pytest.raises(ValueError, match="need 2 blocks of 4, got 1"):
+        views.slots([0], 0, 5, 5)

@@ -39,7 +39,9 @@ def vllm_mods(tiny_llama_dir):
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
 
-    def vllm_config(role: str, *, async_load: bool = False, max_batched: int = 256) -> VllmConfig:
+    def vllm_config(
+        role: str, *, async_load: bool = False, max_batched: int = 256, extra: dict | None = None
+    ) -> VllmConfig:
         config = VllmConfig(
             scheduler_config=SchedulerConfig(
                 max_num_seqs=16,
@@ -57,7 +59,7 @@ def vllm_mods(tiny_llama_dir):
                 kv_connector_module_path="connector.vllm_connector",
                 kv_role=role,
                 kv_load_failure_policy="recompute",
-                kv_connector_extra_config={"async_load": async_load},
+                kv_connector_extra_config={"async_load": async_load, **(extra or {})},
             ),
             device_config=DeviceConfig("cpu"),
         )
@@ -501,3 +503,21 @@ def test_a_crafted_handoff_is_refused_before_anything_is_dialed_and_releases_not
     [warning] = [r.getMessage() for r in connector_log]
     assert "refusing transfer" in warning and next(iter(changes)) in warning
     assert "\nFORGED" not in warning
+
+
+def test_a_consumer_pulls_only_from_the_producers_it_lists(vllm_mods, handoff, connector_log):
+    """``producers``: a hand-off naming a host outside the list is refused before any connection
+    (and releases nothing); one inside it loads as usual."""
+    m = vllm_mods
+    assert handoff["remote_host"] == "127.0.0.1"
+    fenced = m["scheduler"]("kv_consumer", extra={"producers": ["10.9.0.0/16", "prefill-0"]})
+    fenced.add_request(m["request"]("f", params=handoff))
+    for _ in range(4):
+        out, _ = m["step"](fenced)
+        assert _loads(out) == [] and _releases(out) == []
+    [warning] = [r.getMessage() for r in connector_log]
+    assert "'127.0.0.1' is not among the producers this consumer may pull from" in warning
+    listed = m["scheduler"]("kv_consumer", extra={"producers": ["127.0.0.0/8"]})
+    listed.add_request(m["request"]("l", params=handoff))
+    out, _ = m["step"](listed)
+    assert _loads(out) == [("l", 0, len(PROMPT) - 1)]

@@ -16,8 +16,8 @@ from connector.serve.launch import Cluster, free_port, free_port_run, transfer_e
 
 pytestmark = [pytest.mark.slow, requires_vllm, pytest.mark.timeout(900)]
 
-_FROM = re.compile(r"loaded transfer (\w+) for \S+: .* from 127\.0\.0\.1:(\d+) ranks")
-_SAVED = re.compile(r"saved transfer (\w+) for")
+_FROM = re.compile(r"loaded transfer (\w+)… for \S+: .* from 127\.0\.0\.1:(\d+) ranks")
+_SAVED = re.compile(r"saved transfer (\w+)… for")  # ids are logged short
 
 
 def _start(cluster, model, producers: int, consumers: int):

@@ -22,12 +22,13 @@ def get_logger(component: str) -> logging.Logger:
 
 
 def short_id(key) -> str:
-    """How a key goes into a log line: its first :data:`SHORT_ID_CHARS` characters and ``…``
-    (``"0123abcd…"`` for a transfer id); a non-str as a short repr."""
-    if not isinstance(key, str):
-        return repr(key)[:SHORT_ID_CHARS] + "…"
-    head = key[:SHORT_ID_CHARS]
-    return f"{head}…" if head.isascii() and head.isalnum() else f"{head!r}…"
+    """How a key (a transfer id) goes into a log line: its first :data:`SHORT_ID_CHARS`
+    characters and ``…`` (``"0123abcd…"``), non-printable characters escaped first; ``none`` for
+    None. The whole id lets its holder load or drop a request's KV, so no log holds it."""
+    if key is None:
+        return "none"
+    text = repr(key)[1:-1] if isinstance(key, str) else repr(key)
+    return f"{text[:SHORT_ID_CHARS]}…"
 
 
 def hide_ids(text: str) -> str:

@@ -118,24 +118,6 @@ def request_id(header: str | None, minted: str) -> tuple[str, str | None]:
     return minted, text if len(text) <= 40 else f"{text[:37]}..."
 
 
-def short_id(transfer_id: Any) -> str:
-    """How a ``transfer_id`` goes into the proxy's logs: its first 8 characters and ``…``.
-
-    The whole id lets its holder load or drop that request's KV, so no log holds it. Characters
-    that are not printable are escaped first (the id comes from a prefill server's answer).
-
-    Args:
-        transfer_id: The hand-off's ``transfer_id`` (normally 32 hex digits), or None.
-
-    Returns:
-        E.g. ``3f9a0c1e…``, or ``none``.
-    """
-    if transfer_id is None:
-        return "none"
-    text = repr(transfer_id)[1:-1] if isinstance(transfer_id, str) else repr(transfer_id)
-    return f"{text[:8]}…"
-
-
 def is_loopback(host: str | None) -> bool:
     """Tells whether a client address is a loopback one (``127.0.0.0/8``, ``::1``, mapped IPv4).
 

@@ -94,7 +94,7 @@ def http_json(
         raise RuntimeError(f"{url}: HTTP {e.code}: {e.read()[:2000]!r}") from e
 
 
-# A transfer id is logged short (``connector.kvstore.short_id``: 8 hex digits and "…"); the
+# A transfer id is logged short (``connector.logs.short_id``: 8 hex digits and "…"); the
 # ``transfer`` of an event is that short id.
 _SHORT_ID = r"(?P<transfer>[0-9a-f]{8}…)"
 _SAVED = re.compile(

@@ -26,7 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from ..logs import get_logger
+from ..logs import get_logger, short_id
 from .bodies import (
     InvalidBody,
     client_body,
@@ -38,7 +38,7 @@ from .bodies import (
     prefill_body,
     sse_error,
 )
-from .guards import BodyRefused, read_body, request_id, short_id, shows_details
+from .guards import BodyRefused, read_body, request_id, shows_details
 
 logger = get_logger("proxy")
 

@@ -30,6 +30,7 @@ httpx = pytest.importorskip("httpx")
 from starlette.testclient import TestClient  # noqa: E402
 from support.fake_openai import FakeServer, LoopThread  # noqa: E402
 
+from connector.logs import short_id  # noqa: E402
 from connector.serve.bodies import (  # noqa: E402
     InvalidBody,
     client_body,
@@ -38,7 +39,7 @@ from connector.serve.bodies import (  # noqa: E402
     handoff_params,
     prefill_body,
 )
-from connector.serve.guards import is_loopback, request_id, short_id  # noqa: E402
+from connector.serve.guards import is_loopback, request_id  # noqa: E402
 from connector.serve.launch import free_port  # noqa: E402
 from connector.serve.proxy import create_app  # noqa: E402
 from connector.serve.router import ProxyConfig  # noqa: E402

@@ -143,11 +143,6 @@ class KVServer:
         """The requests this server answers (``GET``, ``DISCARD``): nothing else is served."""
         return frozenset(Op(kind).name for kind in self._handlers)
 
-    @property
-    def store_port(self) -> int | None:
-        """The port of the rendezvous store of this server's gloo/nccl pipes (None: none)."""
-        return self._listener.store_port
-
     def stats(self) -> dict[str, int]:
         """Buffer stats plus connections (authenticated, so far), open_connections and
         pending_connections (now), handshake_errors, auth_failures, protocol_errors, peer_errors,

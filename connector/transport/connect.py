@@ -100,7 +100,8 @@ def connect_pipe(
     listener must hold too; None only for a listener that has none.
 
     Raises PeerDeadError (refused / closed), TransferTimeout (no answer within
-    ``connect_timeout_s``), AuthError (secrets differ, or only one side has one), RemoteError
+    ``connect_timeout_s``), AuthError (secrets differ, only one side has one, or the listener
+    was not reached at its own address: a relay in between), RemoteError
     (the listener refused the transport) or ProtocolError.
     """
     secret = auth.check_secret(secret)
@@ -115,11 +116,12 @@ def connect_pipe(
     sock = _connect(host, port, deadline, peer)
     try:
         configure(sock)
-        authenticate_connector(sock, secret, options.limits, deadline, peer)
+        session = authenticate_connector(sock, secret, options.limits, deadline, peer)
         return open_pipe(
             sock,
             peer,
-            Request(transport, host),
+            Request(transport),
+            session,
             device=device,
             options=options,
             t0=t0,

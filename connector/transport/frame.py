@@ -37,7 +37,8 @@ import torch
 from .errors import ProtocolError
 
 MAGIC = b"TKVT"
-VERSION = 2  # 2: kinds from APP_KIND_MIN up are the pipe user's (the KV store's were 3-10)
+VERSION = 3  # 3: frames carry session tags (session.py); 2: kinds from APP_KIND_MIN up are the
+# pipe user's (the KV store's were 3-10)
 
 PREFIX = struct.Struct("<4sBBHI")
 PREFIX_SIZE = PREFIX.size  # 12
@@ -60,10 +61,11 @@ class Kind(enum.IntEnum):
     passes them through as plain ints; any other code is refused."""
 
     HELLO = 1  # client → server: {"proto", "transport"}
-    HELLO_ACK = 2  # server → client: {"transport", "store_port", "prefix"}
+    HELLO_ACK = 2  # server → client: {"transport", "limit.*"}
     ERROR = 6  # either way: {"error"}
     BYE = 11  # either way: clean goodbye, no body content
     MSG = 12  # a message of a pipe user that has no kinds of its own
+    RENDEZVOUS = 13  # either way, in the handshake: the process group's store (rendezvous.py)
 
 
 APP_KIND_MIN = 32  # first frame kind code a pipe user may define

@@ -5,25 +5,26 @@ one side, :class:`~connector.transport.listener.PipeListener` on the other).
 Protocol of one connection::
 
     listener ↔ connector   CHALLENGE / RESPONSE / VERDICT: fixed-size mutual authentication by a
-                           shared secret, before anything else is read (:mod:`connector.transport.auth`)
-    connector → listener   HELLO      {"proto": 1, "transport": "gloo", "limit.*": its FrameLimits}
-    listener  → connector  HELLO_ACK  {"transport", "store_port", "prefix", "limit.*"}
-                                      (or ERROR {"error"}); "prefix" is 128 random bits, told
-                                      only to an authenticated peer. It is no secret from a
-                                      client of the store, which can list the keys (torch's
-                                      TCPStore has no authentication; README, Security)
-    both                   build the 2-rank process group (rank 0 = listener), unless "socket"
+                           shared secret, bound to the address the connector reached, before
+                           anything else is read (:mod:`connector.transport.auth`); it gives the
+                           session keys. Every frame from here on carries a session tag
+                           (:mod:`connector.transport.session`)
+    connector → listener   HELLO      {"proto": 2, "transport": "gloo", "limit.*": its FrameLimits}
+    listener  → connector  HELLO_ACK  {"transport", "limit.*"}  (or ERROR {"error"})
+    both                   unless "socket": the 2-rank process group (rank 0 = listener), its
+                           store carried by RENDEZVOUS frames on this socket, then a keyed probe
+                           over the group (:mod:`connector.transport.rendezvous`)
     either way, any number of messages, in order:
                            header (control socket) [+ inline payload | + payload chunks on the
                            process group, in frame.plan_chunks order, tag 0]
     either way             BYE (clean close), then the socket closes
 
-The process group is built from the listener's own ``TCPStore`` under the connection's prefix,
-each side through a store client of its own (so a rendezvous left hanging by a vanished peer
-delays no other connection's). A listener that must refuse a connection before authenticating
-(a KV server at one of its caps) sends an ERROR frame, with a short fixed text, instead of the
-CHALLENGE; the connector reads at most 4 KiB of it and quotes at most 200 printable characters
-(:func:`peer_text`). One that refuses a peer after it authenticated answers its HELLO with ERROR.
+No other port is opened for a connection than gloo's own pair listener (bound to the address of
+the connection's socket, authenticating nothing: the probe is what proves the group's peer).
+A listener that must refuse a connection before authenticating (a KV server at one of its caps)
+sends an ERROR frame, with a short fixed text, instead of the CHALLENGE; the connector reads at
+most 4 KiB of it and quotes at most 200 printable characters (:func:`peer_text`). One that
+refuses a peer after it authenticated answers its HELLO with ERROR.
 
 After authentication both sides call :func:`open_pipe`: the connector with the
 :class:`Request` it makes, the listener with the :class:`Offer` it answers from. The deadlines
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import secrets
 import socket
 import time
 from collections.abc import Callable
@@ -65,13 +65,15 @@ from .frame import (
 )
 from .options import PipeOptions
 from .pipe import TensorPipe
-from .sockio import read_fixed, read_handshake_frame, send_all, send_error_frame
+from .rendezvous import ChannelStore, probe
+from .session import Session
+from .sockio import read_fixed, read_handshake_frame, send_all, send_error_frame, send_frame
 from .threads import transfer_thread
 
 AUTH_TIMEOUT_S = 5.0  # the listener's cap on a connection's authentication
 MAX_REFUSAL_BYTES = 4096  # the largest refusal (ERROR in place of the CHALLENGE) a connector reads
 MAX_PEER_TEXT = 200  # characters of a peer's text that reach an exception (peer_text)
-PROTO = 1  # the HELLO exchange's version
+PROTO = 2  # the HELLO exchange's version (2: no store port, no prefix)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -79,21 +81,24 @@ PROTO = 1  # the HELLO exchange's version
 # ----------------------------------------------------------------------------------------------
 def authenticate_connector(
     sock: socket.socket, secret: bytes | None, limits: FrameLimits, deadline: float, peer: str
-) -> None:
-    """The connector's side of the authentication. A listener that refused the connection
-    before authenticating (an ERROR frame in place of the CHALLENGE) raises RemoteError."""
+) -> Session:
+    """The connector's side of the authentication; returns the session. A listener that refused
+    the connection before authenticating (an ERROR frame in place of the CHALLENGE) raises
+    RemoteError."""
     raw = read_fixed(sock, len(MAGIC), deadline, peer, "auth challenge")
     if raw == MAGIC:  # a frame instead: the listener refused us before authenticating
         raise _read_refusal(sock, limits, deadline, peer)
     raw += read_fixed(sock, auth.CHALLENGE.size - len(MAGIC), deadline, peer, "auth challenge")
     required, nonce_l = auth.parse_challenge(raw, peer)
-    response, nonce_c = auth.respond(secret, required, nonce_l, peer)
+    address = auth.address_text(sock.getpeername())
+    response, nonce_c = auth.respond(secret, required, nonce_l, address, peer)
     try:
         send_all(sock, response, deadline, "auth response")
     except (TimeoutError, OSError) as e:
         raise PeerDeadError(f"cannot authenticate: {e}", peer=peer) from None
     raw = read_fixed(sock, auth.VERDICT.size, deadline, peer, "auth verdict")
-    auth.check_verdict(secret, nonce_l, nonce_c, raw, peer)
+    auth.check_verdict(secret, nonce_l, nonce_c, address, raw, peer)
+    return Session.pair(*auth.session_keys(secret, nonce_l, nonce_c, address), listener=False)
 
 
 def peer_text(value: object) -> str:
@@ -137,15 +142,18 @@ def authenticate_listener(
     deadline: float,
     peer: str,
     on_auth: Callable[[auth.AuthError | None], str | None] | None,
-) -> str | None:
+    aliases: frozenset[str] = frozenset(),
+) -> tuple[str | None, Session]:
     """The listener's side of the authentication, within :data:`AUTH_TIMEOUT_S` of ``t0``:
-    a stranger gets a fixed-size exchange and nothing else. ``on_auth`` runs once the outcome is
+    a stranger gets a fixed-size exchange and nothing else. The connector must have reached the
+    socket's own local address or one of ``aliases``. ``on_auth`` runs once the outcome is
     decided, before the peer hears of it, on every path past the start (see
     ``PipeListener.handshake``); a refusal raises it. Returns what ``on_auth`` returned for an
-    authenticated peer: None, or why the listener refuses it anyway (told in place of HELLO_ACK)."""
+    authenticated peer (None, or why the listener refuses it anyway: told in place of
+    HELLO_ACK) and the session."""
     challenge, nonce_l = auth.challenge(secret is not None)
     auth_deadline = min(deadline, t0 + AUTH_TIMEOUT_S)
-    refused = verdict = None
+    refused = verdict = outcome = None
     try:
         send_all(sock, challenge, auth_deadline, "auth challenge")
         raw = read_fixed(sock, auth.RESPONSE.size, auth_deadline, peer, "auth response")
@@ -155,20 +163,19 @@ def authenticate_listener(
             f"authentication not completed: {detail}", peer=peer, waited_s=time.monotonic() - t0
         )
     else:
-        accepted, verdict = auth.check_response(secret, nonce_l, raw)
-        if not accepted:
-            refused = auth.AuthError(
-                "the connector failed authentication (wrong secret)",
-                peer=peer,
-                waited_s=time.monotonic() - t0,
-            )
+        addresses = aliases | {auth.address_text(sock.getsockname())}
+        outcome = auth.check_response(secret, nonce_l, raw, addresses)
+        verdict = outcome.verdict
+        if outcome.problem is not None:
+            refused = auth.AuthError(outcome.problem, peer=peer, waited_s=time.monotonic() - t0)
     refusal = on_auth(refused) if on_auth is not None else None
     if verdict is not None:
         with contextlib.suppress(TimeoutError, OSError):
             send_all(sock, verdict, auth_deadline, "auth verdict")
     if refused is not None:
         raise refused from None
-    return refusal
+    keys = auth.session_keys(secret, nonce_l, outcome.nonce_c, outcome.address)
+    return refusal, Session.pair(*keys, listener=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,43 +183,26 @@ def authenticate_listener(
 # ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Request:
-    """What the connector asks for: a ``transport``, from the listener on ``host``."""
+    """What the connector asks for: a ``transport``."""
 
     transport: str
-    host: str
 
 
 @dataclass(frozen=True)
 class Offer:
-    """What a listener answers from: the ``transports`` it accepts and its rendezvous store
-    (the ``TCPStore`` server ``store()`` returns once HELLO arrived, None once the listener
-    closed); ``conn_id`` numbers the connection's prefix. With a ``refusal`` (a server's cap on
-    open connections), the HELLO is answered by an ERROR saying it, and PipeClosedError raised."""
+    """What a listener answers from: the ``transports`` it accepts. With a ``refusal`` (a
+    server's cap on open connections), the HELLO is answered by an ERROR saying it, and
+    PipeClosedError raised."""
 
     transports: frozenset[str]
-    store_host: str
-    store: Callable[[], object | None]
-    conn_id: int
     refusal: str | None = None
-
-
-@dataclass(frozen=True)
-class _Agreed:
-    """What the HELLO exchange settled: the transport, the peer's limits, and (not for
-    ``socket``) where the rendezvous store is and the connection's prefix in it."""
-
-    transport: str
-    peer_limits: FrameLimits
-    store_host: str = ""
-    store_port: int = 0
-    prefix: str = ""
-    server: object = None  # the listener's store server, kept alive until the pipe is built
 
 
 def open_pipe(
     sock: socket.socket,
     peer: str,
     side: Request | Offer,
+    session: Session,
     *,
     device: str | torch.device,
     options: PipeOptions,
@@ -224,53 +214,59 @@ def open_pipe(
     unless the transport is ``socket``, and the pipe, all before ``deadline``. ``t0`` is when
     the connection began (for the time waited that errors report)."""
     if isinstance(side, Request):
-        rank, agreed = 1, _hello_as_connector(sock, peer, side, options, t0, deadline)
+        rank, (transport, peer_limits) = (
+            1,
+            _hello_as_connector(sock, peer, side, session, options, t0, deadline),
+        )
     else:
-        rank, agreed = 0, _hello_as_listener(sock, peer, side, options, deadline)
-    pg, refs = None, ()
-    if agreed.transport != "socket":
-        from torch.distributed import PrefixStore, TCPStore
-
+        rank, (transport, peer_limits) = (
+            0,
+            _hello_as_listener(sock, peer, side, session, options, deadline),
+        )
+    pg = None
+    if transport != "socket":
         try:
-            # A store client of its own: a TCPStore client runs one request at a time, so a
-            # rendezvous left waiting by a vanished peer would hold up every other one.
-            left = datetime.timedelta(seconds=max(0.1, deadline - time.monotonic()))
-            store = TCPStore(agreed.store_host, agreed.store_port, None, False, left)
-            refs = (store,)
             pg = make_process_group(
-                agreed.transport,
-                PrefixStore(agreed.prefix, store),
+                transport,
+                sock,
+                session,
                 rank,
-                sock.getsockname()[0],
-                max(0.1, deadline - time.monotonic()),
+                device,
+                options,
+                deadline,
+                peer,
             )
+        except TransferError:
+            raise
         except Exception as e:
             raise classify_failure(e, peer=peer, key=None, waited=time.monotonic() - t0) from None
     return TensorPipe(
         sock,
         peer=peer,
-        transport=agreed.transport,
+        transport=transport,
+        session=session,
         process_group=pg,
         peer_rank=1 - rank,
         device=device,
-        peer_limits=agreed.peer_limits,
-        extra_refs=refs,
+        peer_limits=peer_limits,
         options=options,
     )
 
 
 def _hello_as_connector(
-    sock, peer: str, req: Request, options: PipeOptions, t0: float, deadline: float
-) -> _Agreed:
+    sock, peer: str, req: Request, session: Session, options: PipeOptions, t0: float, deadline
+) -> tuple[str, FrameLimits]:
     limits = options.limits
     try:
         hello = {"proto": PROTO, "transport": req.transport, **limits_meta(limits)}
-        send_all(sock, encode_header(Kind.HELLO, "", hello), deadline, "HELLO")
+        send_frame(sock, session, encode_header(Kind.HELLO, "", hello), deadline, "HELLO")
     except (TimeoutError, OSError) as e:
         raise PeerDeadError(
             f"cannot send HELLO: {e}", peer=peer, waited_s=time.monotonic() - t0
         ) from None
-    h = read_handshake_frame(sock, limits, deadline, options.frame_timeout_s, peer, "HELLO_ACK")
+    h = read_handshake_frame(
+        sock, limits, deadline, options.frame_timeout_s, peer, "HELLO_ACK", session
+    )
     if h.kind == Kind.ERROR:
         raise RemoteError(
             f"listener refused: {peer_text(h.meta.get('error'))}",
@@ -283,27 +279,20 @@ def _hello_as_connector(
             f"{peer_text(str(h.meta))}",
             peer=peer,
         )
-    peer_limits = limits_from_meta(h.meta, limits)
-    if req.transport == "socket":
-        return _Agreed("socket", peer_limits)
-    store_port = h.meta.get("store_port")
-    prefix = h.meta.get("prefix")
-    if not isinstance(store_port, int) or not isinstance(prefix, str) or not prefix:
-        raise ProtocolError(
-            f"HELLO_ACK lacks store_port/prefix: {peer_text(str(h.meta))}", peer=peer
-        )
-    return _Agreed(req.transport, peer_limits, req.host, store_port, prefix)
+    return req.transport, limits_from_meta(h.meta, limits)
 
 
 def _hello_as_listener(
-    sock, peer: str, offer: Offer, options: PipeOptions, deadline: float
-) -> _Agreed:
+    sock, peer: str, offer: Offer, session: Session, options: PipeOptions, deadline: float
+) -> tuple[str, FrameLimits]:
     limits = options.limits
-    h = read_handshake_frame(sock, limits, deadline, options.frame_timeout_s, peer, "HELLO")
+    h = read_handshake_frame(
+        sock, limits, deadline, options.frame_timeout_s, peer, "HELLO", session
+    )
     if h.kind != Kind.HELLO:
         raise ProtocolError(f"expected HELLO, got {kind_name(h.kind)}", peer=peer)
     if offer.refusal is not None:  # read the HELLO first: closing on unread bytes resets
-        send_error_frame(sock, offer.refusal)
+        send_error_frame(sock, offer.refusal, session)
         raise PipeClosedError(f"refused after authentication: {offer.refusal}", peer=peer)
     transport = h.meta.get("transport")
     if h.meta.get("proto") != PROTO or transport not in offer.transports:
@@ -311,40 +300,49 @@ def _hello_as_listener(
             f"expected proto {PROTO} and transport in {sorted(offer.transports)}, got proto "
             f"{peer_text(repr(h.meta.get('proto')))} transport {peer_text(repr(transport))}"
         )
-        send_error_frame(sock, msg)
+        send_error_frame(sock, msg, session)
         raise ProtocolError(msg, peer=peer)
     peer_limits = limits_from_meta(h.meta, limits)
-    if transport == "socket":
-        agreed = _Agreed("socket", peer_limits)
-        ack = {"transport": "socket"}
-    elif (server := offer.store()) is None:
-        raise PipeClosedError("listener closed during the handshake", peer=peer)
-    else:
-        prefix = f"tkv/{offer.conn_id}-{secrets.token_hex(16)}/"
-        agreed = _Agreed(transport, peer_limits, offer.store_host, server.port, prefix, server)
-        ack = {"transport": transport, "store_port": server.port, "prefix": prefix}
-    ack.update(limits_meta(limits))
-    send_all(sock, encode_header(Kind.HELLO_ACK, "", ack), deadline, "HELLO_ACK")
-    return agreed
+    ack = {"transport": transport, **limits_meta(limits)}
+    send_frame(sock, session, encode_header(Kind.HELLO_ACK, "", ack), deadline, "HELLO_ACK")
+    return transport, peer_limits
 
 
 # ----------------------------------------------------------------------------------------------
 # Process groups
 # ----------------------------------------------------------------------------------------------
-def make_process_group(transport: str, store, rank: int, local_host: str, timeout_s: float):
-    """Two-rank process group on ``store`` (never the default group), built within ``timeout_s``.
+def make_process_group(
+    transport: str,
+    sock: socket.socket,
+    session: Session,
+    rank: int,
+    device,
+    options: PipeOptions,
+    deadline: float,
+    peer: str,
+):
+    """Two-rank process group (never the default group), its store carried over ``sock``
+    (:mod:`connector.transport.rendezvous`), probed, within ``deadline``.
 
     Gloo's rendezvous does not always honour its own timeout (a connect inside a busy vLLM TP
     worker was seen taking 38 s past a 5 s deadline), so the group is built on a helper thread and
-    abandoned with a TimeoutError at the deadline; the thread ends when gloo gives up.
+    abandoned with a TimeoutError at the deadline (the caller then closes the socket, which ends
+    the helper's reads); the thread ends when gloo gives up.
     """
     result: dict[str, object] = {}
+    timeout_s = max(0.1, deadline - time.monotonic())
+
+    store = ChannelStore(sock, session, options.limits, deadline, options.frame_timeout_s, peer)
 
     def build() -> None:
         try:
-            result["pg"] = _build_process_group(transport, store, rank, local_host, timeout_s)
-        except BaseException as e:  # handed to the caller below
-            result["error"] = e
+            local_host = sock.getsockname()[0]
+            pg = _build_process_group(transport, store, rank, local_host, timeout_s)
+            probe(pg, session, rank, device, deadline, peer)
+            store.finish()
+            result["pg"] = pg
+        except BaseException as e:  # handed to the caller below (the store's own error first)
+            result["error"] = store.failure or e
 
     worker = transfer_thread(build, "tkv-pg-rendezvous")  # gloo's own threads start from it
     worker.start()
@@ -352,8 +350,9 @@ def make_process_group(transport: str, store, rank: int, local_host: str, timeou
     if worker.is_alive():
         raise TimeoutError(f"{transport} rendezvous not done within {timeout_s:.1f} s")
     error = result.get("error")
-    if isinstance(error, torch.distributed.DistStoreError) and "timeout" in str(error).lower():
-        # gloo's own wait on the store ended first (same deadline): the same TimeoutError
+    if isinstance(error, TimeoutError) or (
+        isinstance(error, RuntimeError) and "timeout" in str(error).lower()
+    ):
         msg = f"{transport} rendezvous not done within {timeout_s:.1f} s ({error})"
         raise TimeoutError(msg) from error
     if error is not None:

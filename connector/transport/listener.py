@@ -4,9 +4,7 @@ the handshake on each (the protocol: :mod:`connector.transport.handshake`)."""
 from __future__ import annotations
 
 import contextlib
-import datetime
 import errno
-import itertools
 import os
 import select
 import socket
@@ -30,14 +28,18 @@ log = get_logger("transport")
 class PipeListener:
     """Listening endpoint: accepts connections and performs the listener side of the handshake.
 
-    Hosts the ``TCPStore`` (on a free port, announced in HELLO_ACK) from which every connection's
-    two-rank process group is built under its own prefix. Accepts clients asking for ``transport``
-    and, when ``allow_socket`` (default), clients asking for the inline ``socket`` transport.
+    Opens one port: every connection's two-rank process group meets over the connection itself
+    (:mod:`connector.transport.rendezvous`). Accepts clients asking for ``transport`` and, when
+    ``allow_socket`` (default), clients asking for the inline ``socket`` transport.
 
     ``secret`` (at least 32 bytes): every connection must prove it holds it before anything else
     is read (:mod:`connector.transport.auth`). Listening on a non-loopback address without one
     raises ValueError unless ``insecure=True`` (then it warns once): anyone who can reach the port
     could read and write entries.
+
+    ``aliases``: addresses (``"ip:port"``) at which clients reach this listener through a NAT or
+    port forward its operator trusts. A client must have connected to the address the connection
+    arrives at, or to one of these: anything else is a relay (:mod:`connector.transport.auth`).
     """
 
     def __init__(
@@ -53,8 +55,12 @@ class PipeListener:
         secret: bytes | str | None = None,
         insecure: bool = False,
         options: PipeOptions | None = None,
+        aliases: tuple[str, ...] | list[str] = (),
     ):
         check_transport(transport)
+        if isinstance(aliases, str) or not isinstance(aliases, (tuple, list)):
+            raise TypeError(f"aliases: expected a list of 'ip:port', got {aliases!r}")
+        self.aliases = frozenset(auth.check_alias(a) for a in aliases)
         self.secret = auth.check_secret(secret)
         if self.secret is None and not auth.is_loopback(host):
             if not insecure:
@@ -79,39 +85,14 @@ class PipeListener:
         self._closed = False
         self._released = False
         self._accepting = 0  # accept_socket calls polling the socket and the wake pipe
-        self._ids = itertools.count()
-        self._store = None
         self._sock = socket.create_server((host, port), backlog=backlog)
         self._sock.setblocking(False)
         self.host, self.port = self._sock.getsockname()[:2]
         self._wake_r, self._wake_w = os.pipe()
-        self._store_host = self.host if self.host != "0.0.0.0" else "127.0.0.1"
-        if transport != "socket":
-            from torch.distributed import TCPStore
-
-            try:
-                self._store = TCPStore(
-                    self._store_host,
-                    0,
-                    None,
-                    True,
-                    datetime.timedelta(seconds=self.connect_timeout_s),
-                    wait_for_workers=False,
-                )
-            except BaseException:
-                self.close()
-                raise
 
     @property
     def address(self) -> tuple[str, int]:
         return self.host, self.port
-
-    @property
-    def store_port(self) -> int | None:
-        """Port of the rendezvous ``TCPStore`` server; None for a ``socket`` listener or once
-        closed."""
-        store = self._store
-        return None if store is None else store.port
 
     def accept_socket(self, timeout_s: float | None = None):
         """Wait for one TCP connection (None: until ``close``). Returns (socket, peer name) or
@@ -178,18 +159,14 @@ class PipeListener:
         deadline = t0 + self.connect_timeout_s
         try:
             sock.setblocking(False)
-            refusal = authenticate_listener(sock, self.secret, t0, deadline, peer, on_auth)
-            offer = Offer(
-                frozenset(self.allowed),
-                self._store_host,
-                lambda: self._store,
-                next(self._ids),
-                refusal,
+            refusal, session = authenticate_listener(
+                sock, self.secret, t0, deadline, peer, on_auth, self.aliases
             )
             return open_pipe(
                 sock,
                 peer,
-                offer,
+                Offer(frozenset(self.allowed), refusal),
+                session,
                 device=self.device,
                 options=self.options,
                 t0=t0,
@@ -212,14 +189,13 @@ class PipeListener:
         return self.handshake(*got)
 
     def close(self) -> None:
-        """Stop listening (idempotent); established pipes stay open. Releases the socket, the wake
-        pipe and the ``TCPStore`` server as soon as no ``accept_socket`` call is polling them (a
-        descriptor closed under a poller could be reused by another connection meanwhile)."""
+        """Stop listening (idempotent); established pipes stay open. Releases the socket and the
+        wake pipe as soon as no ``accept_socket`` call is polling them (a descriptor closed under a
+        poller could be reused by another connection meanwhile)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._store = None  # built pipes no longer use it; a handshake under way keeps its own
             if not self._released:
                 with contextlib.suppress(OSError):
                     os.write(self._wake_w, b"x")

@@ -8,7 +8,8 @@ two channels:
 
 - a **control socket** (plain TCP) carrying every frame header (see :mod:`connector.transport.frame`:
   fixed, versioned binary header, validated before any allocation; metadata is JSON inside that
-  framing, no pickle), plus small payloads inline;
+  framing, no pickle), plus small payloads inline, each frame with the tag of the connection's
+  authenticated session (:mod:`connector.transport.session`);
 - a **data process group** of two ranks (listener = rank 0, connector = rank 1): ``gloo`` for CPU
   tensors, ``nccl`` for CUDA tensors, same code. The default process group is never touched.
   Transport ``socket`` sends every payload inline on the control socket instead (no
@@ -73,6 +74,7 @@ from .frame import FrameLimits, Kind
 from .options import DEFAULT_OPTIONS, PipeOptions, check_options, check_timeout, check_transport
 from .receiving import _PayloadReceiver, _place, _Reader
 from .sending import _outgoing, _Sender
+from .session import Session
 from .state import _PipeState
 
 __all__ = ["Message", "TensorPipe"]
@@ -106,12 +108,12 @@ class TensorPipe:
         *,
         peer: str,
         transport: str,
+        session: Session,
         process_group=None,
         peer_rank: int = 0,
         device: str | torch.device = "cpu",
         options: PipeOptions = DEFAULT_OPTIONS,
         peer_limits: FrameLimits | None = None,
-        extra_refs: tuple = (),
     ):
         check_transport(transport)
         if transport != "socket" and process_group is None:
@@ -133,7 +135,7 @@ class TensorPipe:
         self.close_timeout_s = options.close_timeout_s
         self.inline_max_bytes = options.inline_max_bytes
         self.pack_max_bytes = options.pack_max_bytes
-        self._refs = extra_refs  # keeps the pipe's own TCPStore client alive as long as the pipe
+        self.session = session
 
         self._sock = sock
         sock.setblocking(False)
@@ -141,7 +143,7 @@ class TensorPipe:
         self._recv_lock = threading.Lock()
         name = f"tkv-pipe[{peer}]"
         self._sender = _Sender(self, self._state, sock, f"{name}-send")
-        self._reader = _Reader(self._state, sock, transport, options, f"{name}-read")
+        self._reader = _Reader(self._state, sock, session, transport, options, f"{name}-read")
         self._receiver = _PayloadReceiver(self, self._state, f"{name}-wait")
         self._receiver.start()
         self._sender.thread.start()

@@ -26,6 +26,7 @@ from .errors import (
 )
 from .frame import Header, Kind, TensorSpec, kind_name, plan_chunks
 from .sending import TAG
+from .session import TAG_BYTES, FrameMac, Session
 from .sockio import PeerClosed, read_frame, recv_into
 from .state import _PipeState
 from .threads import join_until, transfer_thread
@@ -43,9 +44,11 @@ def _alloc(spec: TensorSpec, device) -> torch.Tensor:
     return torch.empty(spec.shape, dtype=spec.dtype, device=dev)
 
 
-def _read_inline_payload(sock, header: Header, frame_timeout_s: float) -> dict[str, torch.Tensor]:
+def _read_inline_payload(
+    sock, header: Header, mac: FrameMac, frame_timeout_s: float
+) -> dict[str, torch.Tensor]:
     """Allocate CPU tensors for a validated header and fill them from the socket (at least
-    ``frame_timeout_s`` + 1 s per 100 MiB)."""
+    ``frame_timeout_s`` + 1 s per 100 MiB), then check the payload tag (ProtocolError)."""
     tensors = {}
     deadline = time.monotonic() + frame_timeout_s + header.payload_bytes / (100 << 20)
     for s in header.specs:
@@ -53,7 +56,12 @@ def _read_inline_payload(sock, header: Header, frame_timeout_s: float) -> dict[s
         if s.nbytes:
             mv = memoryview(flat_bytes(t).numpy())
             recv_into(sock, mv, deadline, f"inline payload of tensor {s.name!r}")
+            mac.update(mv)
         tensors[s.name] = t
+    if header.payload_bytes:
+        tag = bytearray(TAG_BYTES)
+        recv_into(sock, memoryview(tag), deadline, "inline payload tag")
+        mac.check_payload(bytes(tag), f"{kind_name(header.kind)} {header.key!r}")
     return tensors
 
 
@@ -97,9 +105,10 @@ class _Reader:
     the pipe; the peer's goodbye or end of stream sets ``state.peer_gone``.
     """
 
-    def __init__(self, state: _PipeState, sock, transport: str, options, name: str):
+    def __init__(self, state: _PipeState, sock, session: Session, transport: str, options, name):
         self._state = state
         self._sock = sock
+        self._session = session
         self._transport = transport
         self._limits = options.limits
         self._frame_timeout_s = options.frame_timeout_s
@@ -113,9 +122,12 @@ class _Reader:
         st = self._state
         try:
             while True:
-                header = read_frame(self._sock, self._limits, None, self._frame_timeout_s)
-                if header is None:
+                got = read_frame(
+                    self._sock, self._limits, None, self._frame_timeout_s, self._session
+                )
+                if got is None:
                     raise PeerClosed("peer closed the connection")
+                header, mac = got
                 if header.kind == Kind.BYE:
                     with st.cond:
                         st.peer_gone = "bye"
@@ -141,7 +153,7 @@ class _Reader:
                         return
                 tensors = None
                 if header.inline:
-                    tensors = _read_inline_payload(self._sock, header, self._frame_timeout_s)
+                    tensors = _read_inline_payload(self._sock, header, mac, self._frame_timeout_s)
                 with st.cond:
                     self.inbox.append((header, tensors))
                     self.queued_bytes += nbytes

@@ -17,7 +17,7 @@ from ..logs import get_logger, hide_ids
 from .buffers import flat_bytes
 from .errors import PeerDeadError, PipeClosedError, TransferTimeout, classify_failure
 from .frame import FLAG_INLINE, Kind, encode_header, encode_meta, plan_chunks, spec_of
-from .sockio import PeerClosed, send_all
+from .sockio import PeerClosed, send_all, send_frame
 from .state import _PipeState
 from .threads import join_until, transfer_thread
 
@@ -198,7 +198,8 @@ class _Sender:
         """Say goodbye on the control socket (best effort, within 1 s; not on a broken pipe)."""
         if self._state.fatal is None:
             with contextlib.suppress(Exception):
-                send_all(self._sock, encode_header(Kind.BYE), time.monotonic() + 1.0, "BYE")
+                bye = encode_header(Kind.BYE)
+                send_frame(self._sock, self._pipe.session, bye, time.monotonic() + 1.0, "BYE")
 
     def report(self, item: _Outgoing, err: BaseException | None) -> None:
         """Run ``item.on_done`` exactly once."""
@@ -212,12 +213,18 @@ class _Sender:
             log.exception("tensor pipe on_done callback failed")
 
     def _write(self, item: _Outgoing, deadline: float) -> None:
-        send_all(self._sock, item.header, deadline, f"header of {item.key!r}")
+        # the sender thread is the pipe's only writer: frames are sealed in the order they leave
+        mac = self._pipe.session.sending(item.header)
+        send_all(self._sock, item.header + mac.header_tag(), deadline, f"header of {item.key!r}")
         if item.inline:
+            what = f"inline payload of {item.key!r}"
             for t in item.tensors:
                 if t.numel():
-                    what = f"inline payload of {item.key!r}"
-                    send_all(self._sock, flat_bytes(t).numpy(), deadline, what)
+                    view = flat_bytes(t).numpy()
+                    mac.update(view)
+                    send_all(self._sock, view, deadline, what)
+            if item.nbytes:
+                send_all(self._sock, mac.payload_tag(), deadline, what)
             return
         pipe = self._pipe
         pg = pipe.process_group

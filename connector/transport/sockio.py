@@ -14,7 +14,7 @@ import select
 import socket
 import time
 
-from .errors import PeerDeadError, TransferTimeout, error_text
+from .errors import PeerDeadError, ProtocolError, TransferTimeout, error_text
 from .frame import (
     PREFIX_SIZE,
     FrameLimits,
@@ -25,6 +25,7 @@ from .frame import (
     encode_header,
     kind_name,
 )
+from .session import TAG_BYTES, FrameMac, Session
 
 IO_CHUNK = 4 << 20  # socket read/write slice
 
@@ -95,11 +96,17 @@ def send_all(sock: socket.socket, data, deadline: float | None, what: str) -> No
 
 
 def read_frame(
-    sock: socket.socket, limits: FrameLimits, first_deadline: float | None, frame_timeout_s: float
-) -> Header | None:
-    """Read and validate one header. The first byte may take until ``first_deadline`` (None: idle
-    wait, woken by shutdown); the rest of the header must follow within ``frame_timeout_s``.
-    Returns None on a clean EOF before the first byte."""
+    sock: socket.socket,
+    limits: FrameLimits,
+    first_deadline: float | None,
+    frame_timeout_s: float,
+    session: Session,
+) -> tuple[Header, FrameMac] | None:
+    """Read, authenticate and validate one header of ``session``
+    (:mod:`connector.transport.session`): the header and the MAC its inline payload, if any, is
+    checked against. The first byte may take until ``first_deadline`` (None: idle wait, woken by
+    shutdown); the rest of the header and its tag must follow within ``frame_timeout_s``.
+    Returns None on a clean EOF before the first byte; ProtocolError for a bad frame or tag."""
     prefix = bytearray(PREFIX_SIZE)
     view = memoryview(prefix)
     try:
@@ -111,10 +118,12 @@ def read_frame(
         deadline = max(deadline, first_deadline)
     recv_into(sock, view[1:], deadline, "frame prefix")
     kind, flags, body_len = decode_prefix(bytes(prefix), limits)
-    body = bytearray(body_len)
-    if body_len:
-        recv_into(sock, memoryview(body), deadline, f"{kind_name(kind)} header body")
-    return decode_body(kind, flags, bytes(body), limits)
+    rest = bytearray(body_len + TAG_BYTES)
+    recv_into(sock, memoryview(rest), deadline, f"{kind_name(kind)} header body")
+    body, tag = bytes(rest[:body_len]), bytes(rest[body_len:])
+    mac = session.receiving(bytes(prefix) + body)
+    mac.check_header(tag, f"a {kind_name(kind)} header")
+    return decode_body(kind, flags, body, limits), mac
 
 
 def read_fixed(sock: socket.socket, size: int, deadline: float, peer: str, what: str) -> bytes:
@@ -144,31 +153,50 @@ def read_handshake_frame(
     frame_timeout_s: float,
     peer: str,
     what: str,
+    session: Session,
 ) -> Header:
-    """One frame (HELLO, HELLO_ACK or ERROR) before ``deadline``; TransferTimeout at the deadline,
-    PeerDeadError if the connection closes or breaks first."""
+    """One frame of the handshake (HELLO, HELLO_ACK, ERROR, RENDEZVOUS: no payload) before
+    ``deadline``; TransferTimeout at the deadline, PeerDeadError if the connection closes or
+    breaks first, ProtocolError for a bad frame or one announcing a payload."""
     t0 = time.monotonic()
     try:
-        h = read_frame(sock, limits, deadline, frame_timeout_s)
+        got = read_frame(sock, limits, deadline, frame_timeout_s, session)
     except TimeoutError:
         raise TransferTimeout(
             f"no {what} within the connect deadline", peer=peer, waited_s=time.monotonic() - t0
         ) from None
     except PeerClosed:
-        h = None
+        got = None
+    except ProtocolError as e:
+        raise ProtocolError(f"reading {what}: {e.detail}", peer=peer) from None
     except OSError as e:
         raise PeerDeadError(
             f"connection broke waiting for {what}: {e}", peer=peer, waited_s=time.monotonic() - t0
         ) from None
-    if h is None:
+    if got is None:
         raise PeerDeadError(
             f"peer closed the connection before {what}", peer=peer, waited_s=time.monotonic() - t0
+        )
+    h = got[0]
+    if h.specs:
+        raise ProtocolError(
+            f"{kind_name(h.kind)} ({what}): expected no tensors, got {len(h.specs)}", peer=peer
         )
     return h
 
 
-def send_error_frame(sock: socket.socket, message: str) -> None:
-    """Tell the peer why it is refused (an ERROR frame, best effort within 1 s; never raises)."""
+def send_frame(
+    sock: socket.socket, session: Session, header: bytes, deadline: float, what: str
+) -> None:
+    """Write one frame without payload (``header``: prefix + body) with its tag."""
+    send_all(sock, session.seal(header), deadline, what)
+
+
+def send_error_frame(sock: socket.socket, message: str, session: Session | None = None) -> None:
+    """Tell the peer why it is refused (an ERROR frame, best effort within 1 s; never raises):
+    sealed in ``session``, or (None) before authentication, in place of the CHALLENGE."""
     with contextlib.suppress(Exception):
         frame = encode_header(Kind.ERROR, "", {"error": error_text(message)})
+        if session is not None:
+            frame = session.seal(frame)
         send_all(sock, frame, time.monotonic() + 1.0, "ERROR")

@@ -9,13 +9,13 @@ import threading
 
 import pytest
 import torch
-from support.kvstore import read_frame
+from support.kvstore import HELLO_SOCKET, read_frame
 from support.transport import raw_authenticate, settled_stat
 
 from connector.kvstore import ConnectionCaps, KVBuffer, KVClient, KVServer
 from connector.kvstore.admission import Admission, Refused, host_of
 from connector.transport.errors import RemoteError
-from connector.transport.frame import Kind, encode_header
+from connector.transport.frame import Kind
 
 SECRET = b"admission-tests-secret-012345678"
 
@@ -188,9 +188,9 @@ def test_a_connection_that_authenticates_past_a_full_cap_is_told_in_place_of_hel
         first, second = (_stall(srv.port, "127.0.0.1") for _ in range(2))
         assert settled_stat(srv, "pending_connections", 2) == 2  # both past the arrival check
         for s, want in ((first, Kind.HELLO_ACK), (second, Kind.ERROR)):
-            raw_authenticate(s, SECRET)
-            s.sendall(encode_header(Kind.HELLO, "", {"proto": 1, "transport": "socket"}))
-            h = read_frame(s)
+            sealed = raw_authenticate(s, SECRET)
+            sealed.send_frame(HELLO_SOCKET)
+            h = read_frame(sealed)
             assert h.kind == want, h
         assert h.meta == {"error": "too many connections from this host (1)"}
         assert settled_stat(srv, "rejected_connections", 1) == 1

@@ -67,7 +67,7 @@ def test_a_malformed_digest_on_the_wire_misses_like_an_unknown_id(served):
     hello(s)
     replies = []
     for key, digest in (("t", 5), ("t", 1.5), ("t", True), ("never-put", 5)):
-        s.sendall(encode_header(Op.GET, key, {WAIT_MS: 0, DIGEST: digest}))
+        s.send_frame(encode_header(Op.GET, key, {WAIT_MS: 0, DIGEST: digest}))
         reply = read_frame(s)
         replies.append((reply.kind, reply.meta))
     s.close()

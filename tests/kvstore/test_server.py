@@ -22,7 +22,6 @@ from support.transport import (
     assert_entry_equal,
     big_tensor,
     make_entry,
-    recv_exact,
     settled_stat,
 )
 
@@ -231,7 +230,7 @@ def test_server_close_shares_one_deadline_among_stalled_consumers():
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             socks.append(s)
             hello(s)
-            s.sendall(encode_header(Op.GET, key, {"wait_ms": 0}))  # never reads the reply
+            s.send_frame(encode_header(Op.GET, key, {"wait_ms": 0}))  # never reads the reply
         assert buf.all_out.wait(10)
         t0 = time.monotonic()
         srv.close(timeout_s=1.0)
@@ -414,7 +413,7 @@ def test_a_request_of_another_kind_gets_an_error_and_its_connection_closed(serve
     """The server answers GET and DISCARD only: nothing on the wire puts or probes entries."""
     s = raw_connection(server)
     hello(s)
-    s.sendall(encode_header(kind, "planted", {}))
+    s.send_frame(encode_header(kind, "planted", {}))
     reply = read_frame(s)
     assert reply.kind == Kind.ERROR and reply.meta["error"] == error
     assert closed_by_server(s)
@@ -437,7 +436,7 @@ def test_a_request_of_another_kind_gets_an_error_and_its_connection_closed(serve
 def test_hostile_tensor_header_rejected_without_allocation(server, no_big_alloc, spec):  # noqa: F811
     s = raw_connection(server)
     hello(s)
-    s.sendall(encode_header(Op.GET, "evil", {}, [spec], wire.FLAG_INLINE))
+    s.send_frame(encode_header(Op.GET, "evil", {}, [spec], wire.FLAG_INLINE))
     assert closed_by_server(s)
     s.close()
     assert no_big_alloc == []
@@ -452,7 +451,7 @@ def test_deeply_nested_meta_is_a_protocol_error(server):
     connection then stayed open and its slot taken for good."""
     s = raw_connection(server)
     hello(s)
-    s.sendall(encode_header(Op.GET, "k", b"[" * 60000))
+    s.send_frame(encode_header(Op.GET, "k", b"[" * 60000))
     assert closed_by_server(s)
     s.close()
     _still_serves(server)
@@ -465,7 +464,8 @@ def test_truncated_payload_rejected(server, no_big_alloc, then):  # noqa: F811
     s = raw_connection(server)
     hello(s)
     spec = TensorSpec("x", 6, (4096,), 4096)
-    s.sendall(encode_header(Op.GET, "cut", {}, [spec], wire.FLAG_INLINE) + b"\x01" * 100)
+    s.send_frame(encode_header(Op.GET, "cut", {}, [spec], wire.FLAG_INLINE))
+    s.sendall(b"\x01" * 100)
     if then == "close":
         s.close()
     else:  # keeps the socket open: the server's frame deadline (0.5 s + size) must fire
@@ -489,10 +489,10 @@ def test_a_legit_raw_get_works(server):
     server.buffer.put("raw", {"x": x}, {"n": 1})
     s = raw_connection(server)
     hello(s)
-    s.sendall(encode_header(Op.GET, "raw", {"wait_ms": 0}))
+    s.send_frame(encode_header(Op.GET, "raw", {"wait_ms": 0}))
     reply = read_frame(s)
     assert reply.kind == Op.DATA and reply.meta == {"n": 1} and reply.inline
     assert [(t.name, t.shape, t.nbytes) for t in reply.specs] == [("x", (1024,), 1024)]
-    assert recv_exact(s, 1024) == payload
+    assert s.read_payload(1024) == payload
     s.close()
     assert settled_stat(server.buffer, "claimed", 1) == 1

@@ -16,7 +16,7 @@ import torch
 from connector.transport import frame as wire
 from connector.transport.errors import ProtocolError
 from connector.transport.frame import Kind, encode_header
-from support.transport import raw_authenticate, raw_listener_authenticate, recv_exact
+from support.transport import Sealed, raw_authenticate, raw_listener_authenticate, recv_exact
 
 
 def accounted(s: dict) -> bool:
@@ -39,16 +39,19 @@ def deliver(
         return lease.tensors, lease.meta
 
 
-def raw_connection(srv) -> socket.socket:
+def raw_connection(srv) -> Sealed:
     """A raw connection to KVServer ``srv``, past authentication (the server has no secret)."""
     s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
     s.settimeout(5)
-    raw_authenticate(s)
-    return s
+    return raw_authenticate(s)
 
 
 def read_frame(s) -> wire.Header | None:
-    """The next frame's header from ``s`` (its payload stays on the socket); None at its end."""
+    """The next frame's header from ``s`` (its payload stays on the socket); None at its end.
+    On a :class:`~support.transport.Sealed` socket its tag is checked; on a plain one (before
+    authentication: a refusal in place of the challenge) there is none."""
+    if isinstance(s, Sealed):
+        return s.read_frame()
     prefix = recv_exact(s, wire.PREFIX_SIZE)
     if len(prefix) < wire.PREFIX_SIZE:
         return None
@@ -56,9 +59,12 @@ def read_frame(s) -> wire.Header | None:
     return wire.decode_body(kind, flags, recv_exact(s, body_len))
 
 
-def hello(s) -> None:
+HELLO_SOCKET = encode_header(Kind.HELLO, "", {"proto": 2, "transport": "socket"})
+
+
+def hello(s: Sealed) -> None:
     """The client's HELLO for the socket transport; checks the HELLO_ACK."""
-    s.sendall(encode_header(Kind.HELLO, "", {"proto": 1, "transport": "socket"}))
+    s.send_frame(HELLO_SOCKET)
     ack = read_frame(s)
     assert ack.kind == Kind.HELLO_ACK and ack.meta["transport"] == "socket"
     assert wire.limits_from_meta(ack.meta, wire.FrameLimits(max_ndim=1)) == wire.DEFAULT_LIMITS
@@ -79,17 +85,19 @@ def closed_by_server(s, timeout_s: float = 5.0) -> bool:
 
 def fake_server(behaviour) -> socket.socket:
     """A raw listener that authenticates and handshakes one client (socket transport), then runs
-    ``behaviour(conn, request_header)`` and stays silent for 3 s. Returns the listening socket."""
+    ``behaviour(conn, request_header)`` (``conn``: a :class:`~support.transport.Sealed`) and stays
+    silent for 3 s. Returns the listening socket."""
     lsock = socket.create_server(("127.0.0.1", 0))
 
     def run():
         conn, _ = lsock.accept()
         conn.settimeout(10)
         try:
-            assert raw_listener_authenticate(conn)
-            assert read_frame(conn).kind == Kind.HELLO
-            conn.sendall(encode_header(Kind.HELLO_ACK, "", {"transport": "socket"}))
-            behaviour(conn, read_frame(conn))
+            sealed = raw_listener_authenticate(conn)
+            assert sealed is not None
+            assert read_frame(sealed).kind == Kind.HELLO
+            sealed.send_frame(encode_header(Kind.HELLO_ACK, "", {"transport": "socket"}))
+            behaviour(sealed, read_frame(sealed))
             time.sleep(3)
         except Exception:
             pass

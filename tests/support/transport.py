@@ -285,10 +285,64 @@ def recv_exact(sock, n: int) -> bytes:
     return out
 
 
-def raw_authenticate(sock, secret: bytes | None = None) -> None:
-    """The connector's side of :mod:`connector.transport.auth` on a raw socket (blocking, with its timeout):
-    what a hand-written client must do before its first frame."""
+class Sealed:
+    """A raw socket past authentication whose frames carry the session's tags
+    (:mod:`connector.transport.session`): what a hand-written peer must do after the auth
+    exchange. Anything else a socket has (``recv``, ``sendall`` of raw, unsealed bytes,
+    ``settimeout``, ``close``) is the socket's."""
+
+    def __init__(self, sock, session):
+        self.sock = sock
+        self.session = session
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+    def send_frame(self, frame: bytes, payload: bytes | None = None) -> None:
+        """``frame`` (prefix + body, as ``encode_header`` makes it) with its tag, then
+        ``payload`` (an inline payload) and its tag, if given."""
+        from connector.transport.frame import PREFIX_SIZE, decode_prefix
+
+        _, _, body_len = decode_prefix(frame[:PREFIX_SIZE])
+        header, rest = frame[: PREFIX_SIZE + body_len], frame[PREFIX_SIZE + body_len :]
+        mac = self.session.sending(header)
+        out = header + mac.header_tag() + rest
+        if payload is not None:
+            mac.update(payload)
+            out += payload + mac.payload_tag()
+        self.sock.sendall(out)
+
+    def read_frame(self):
+        """The next frame's header (its tag checked; an inline payload stays on the socket), or
+        None once the peer closed."""
+        from connector.transport.frame import PREFIX_SIZE, decode_body, decode_prefix
+        from connector.transport.session import TAG_BYTES
+
+        prefix = recv_exact(self.sock, PREFIX_SIZE)
+        if len(prefix) < PREFIX_SIZE:
+            return None
+        kind, flags, body_len = decode_prefix(prefix)
+        body = recv_exact(self.sock, body_len)
+        self._mac = self.session.receiving(prefix + body)
+        self._mac.check_header(recv_exact(self.sock, TAG_BYTES), "a raw read")
+        return decode_body(kind, flags, body)
+
+    def read_payload(self, nbytes: int) -> bytes:
+        """The inline payload of the frame :meth:`read_frame` just read, its tag checked."""
+        from connector.transport.session import TAG_BYTES
+
+        payload = recv_exact(self.sock, nbytes)
+        self._mac.update(payload)
+        self._mac.check_payload(recv_exact(self.sock, TAG_BYTES), "a raw read")
+        return payload
+
+
+def raw_authenticate(sock, secret: bytes | None = None) -> Sealed:
+    """The connector's side of :mod:`connector.transport.auth` on a raw socket (blocking, with its
+    timeout): what a hand-written client must do before its first frame. Returns the socket
+    wrapped with its session."""
     from connector.transport import auth
+    from connector.transport.session import Session
 
     def exact(n: int) -> bytes:
         out = recv_exact(sock, n)
@@ -297,20 +351,28 @@ def raw_authenticate(sock, secret: bytes | None = None) -> None:
         return out
 
     required, nonce_l = auth.parse_challenge(exact(auth.CHALLENGE.size), "raw")
-    response, nonce_c = auth.respond(secret, required, nonce_l, "raw")
+    address = auth.address_text(sock.getpeername())
+    response, nonce_c = auth.respond(secret, required, nonce_l, address, "raw")
     sock.sendall(response)
-    auth.check_verdict(secret, nonce_l, nonce_c, exact(auth.VERDICT.size), "raw")
+    auth.check_verdict(secret, nonce_l, nonce_c, address, exact(auth.VERDICT.size), "raw")
+    keys = auth.session_keys(secret, nonce_l, nonce_c, address)
+    return Sealed(sock, Session.pair(*keys, listener=False))
 
 
-def raw_listener_authenticate(conn, secret: bytes | None = None) -> bool:
-    """The listener's side of :mod:`connector.transport.auth` on a raw socket; True if the peer passed."""
+def raw_listener_authenticate(conn, secret: bytes | None = None) -> Sealed | None:
+    """The listener's side of :mod:`connector.transport.auth` on a raw socket: the connection
+    wrapped with its session if the peer passed, else None."""
     from connector.transport import auth
+    from connector.transport.session import Session
 
     challenge, nonce_l = auth.challenge(secret is not None)
     conn.sendall(challenge)
     raw = recv_exact(conn, auth.RESPONSE.size)
     if len(raw) < auth.RESPONSE.size:
-        return False
-    accepted, verdict = auth.check_response(secret, nonce_l, raw)
-    conn.sendall(verdict)
-    return accepted
+        return None
+    outcome = auth.check_response(secret, nonce_l, raw, {auth.address_text(conn.getsockname())})
+    conn.sendall(outcome.verdict)
+    if outcome.problem is not None:
+        return None
+    keys = auth.session_keys(secret, nonce_l, outcome.nonce_c, outcome.address)
+    return Sealed(conn, Session.pair(*keys, listener=True))

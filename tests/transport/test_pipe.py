@@ -232,8 +232,8 @@ def test_connect_to_silent_listener_times_out():
 @pytest.mark.timeout(60)
 def test_peer_gone_after_hello_does_not_hold_up_other_handshakes():
     """A peer that vanishes after HELLO leaves its rendezvous waiting until the listener's deadline
-    (8 s); another client (4 s deadline) must connect meanwhile. Each connection's rendezvous has
-    a store client of its own: through a shared one, it waited behind the stray's."""
+    (8 s); another client (4 s deadline) must connect meanwhile: each connection's rendezvous
+    runs over its own socket (with a shared TCPStore client, it once waited behind the stray's)."""
     listener = PipeListener(transport="gloo", connect_timeout_s=8)
     accepted = []
 
@@ -248,9 +248,10 @@ def test_peer_gone_after_hello_does_not_hold_up_other_handshakes():
         t.start()
     stray = socket.create_connection(("127.0.0.1", listener.port))
     try:
-        raw_authenticate(stray)
-        stray.sendall(encode_header(Kind.HELLO, "", {"proto": 1, "transport": "gloo"}))
-        assert stray.recv(1), "no HELLO_ACK"  # the stray's rendezvous has begun; it never joins
+        sealed = raw_authenticate(stray)
+        sealed.send_frame(encode_header(Kind.HELLO, "", {"proto": 2, "transport": "gloo"}))
+        assert sealed.read_frame().kind == Kind.HELLO_ACK  # the stray's rendezvous has begun
+        # ... and it never joins
         client = connect_pipe("127.0.0.1", listener.port, transport="gloo", connect_timeout_s=4)
         client.close(timeout_s=1)
     finally:
@@ -287,19 +288,12 @@ def test_listener_refuses_a_transport_it_does_not_speak():
 
 
 @pytest.mark.timeout(30)
-def test_threads_are_named_by_pipe_and_role_and_listeners_show_their_store():
+def test_threads_are_named_by_pipe_and_role():
     with pipe_pair("socket") as (server, client):
         assert set(client.threads) == {"send", "read"}  # no process group: no waiter
         for role, t in client.threads.items():
             assert t.name == f"tkv-pipe[{client.peer}]-{role}" and t.is_alive()
         assert client.stats()["queued_frames"] == 0
-    socket_only = PipeListener(transport="socket")
-    assert socket_only.store_port is None
-    socket_only.close()
-    listener = PipeListener(transport="gloo")
-    assert listener.store_port > 0
-    listener.close()
-    assert listener.store_port is None
 
 
 FAILURES = {
@@ -537,17 +531,17 @@ def test_close_inside_on_done_ends_every_thread():
 
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
-def test_closed_listeners_release_store_and_descriptors():
-    """close() releases the listener's TCPStore server and its wake pipe (about 11 descriptors
-    per listener stayed open for as long as the object lived)."""
+def test_closed_listeners_release_their_descriptors():
+    """close() releases the listener's socket and its wake pipe (with the TCPStore server it had,
+    about 11 descriptors per listener stayed open for as long as the object lived)."""
 
     def fds() -> int:
         return len(os.listdir("/proc/self/fd"))
 
-    PipeListener(transport="gloo").close()  # first-use allocations of the store
+    PipeListener(transport="gloo").close()  # first-use allocations
     before = fds()
     kept = [PipeListener(transport="gloo") for _ in range(5)]
-    ports = [listener.store_port for listener in kept]
+    ports = [listener.port for listener in kept]
     for listener in kept:
         listener.close()
     assert fds() - before < len(kept)

@@ -19,10 +19,10 @@ from support.kvstore import deliver
 
 HEAD_SIZE, SENTINEL = 8, 12345
 DIGEST = "d1" * 16  # the prompt digest the saves of these tests bind their entries to
-# The transport of the in-process KV servers. Not gloo: with several gloo servers started and
-# stopped in one process, a TCPStore client's connect sometimes timed out (5 s; cause not found,
-# never seen with one server per process as in vLLM); the e2e tests cover gloo.
-TRANSPORT = "socket"
+# The transport of the in-process KV servers: gloo, as in production. (With the TCPStore
+# rendezvous the transport had before, several gloo servers in one process made a store client's
+# connect time out now and then, 5 s: a reverse-DNS lookup of its; these tests then used "socket".)
+TRANSPORT = "gloo"
 
 VLLM_CPU = (6, 2, 4, 2 * HEAD_SIZE)  # [num_blocks, H, block_size, 2 * head_size], block_size 4
 NHD = (2, 6, 4, 2, HEAD_SIZE)  # FlashAttention [2, B, N, H, D], block_size 4

@@ -99,6 +99,7 @@ class KVServer:
         secret: bytes | str | None = None,
         insecure: bool = False,
         options: PipeOptions | None = None,
+        aliases: tuple[str, ...] | list[str] = (),
     ):
         if not isinstance(buffer, KVBuffer):
             raise TypeError(f"buffer: expected a KVBuffer, got {type(buffer).__name__}")
@@ -122,6 +123,7 @@ class KVServer:
             secret=secret,
             insecure=insecure,
             options=options,
+            aliases=aliases,
         )
         self.host, self.port = self._listener.address
         self._auth_failures = auth.FailureLog()

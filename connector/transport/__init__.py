@@ -3,7 +3,7 @@
 What other rooms use is exported here; the modules behind these names may move.
 """
 
-from .connect import connect_pipe
+from .connect import addresses_of, connect_pipe
 from .errors import (
     BufferFullError,
     ClientBusyError,
@@ -40,6 +40,7 @@ __all__ = [
     "TensorPipe",
     "TransferError",
     "TransferTimeout",
+    "addresses_of",
     "check_timeout",
     "connect_pipe",
     "default_transport",

@@ -62,6 +62,14 @@ def resolve(host: str, port: int, deadline: float, peer: str) -> list[tuple]:
     return result["addrs"]
 
 
+def addresses_of(host: str, port: int, timeout_s: float = 10.0) -> list[str]:
+    """Every address ``host:port`` resolves to (an IP address: itself), written as the
+    authentication writes them (``"10.0.0.5:7000"``): a listener's aliases for the name it is
+    advertised under. Raises TransferError when the name does not resolve within ``timeout_s``."""
+    found = resolve(host, port, time.monotonic() + timeout_s, f"{host}:{port}")
+    return sorted({auth.address_text(a[4]) for a in found})
+
+
 def _connect(host: str, port: int, deadline: float, peer: str) -> socket.socket:
     """A TCP connection to the first address of ``host`` that answers, by the deadline."""
     t0 = time.monotonic()

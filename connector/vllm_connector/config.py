@@ -28,7 +28,10 @@ class ConnectorConfig:
 
     #: producer: the address to listen on (see ``port``).
     host: str = "127.0.0.1"
-    #: producer: the address consumers are told to pull from (None: ``host``).
+    #: producer: the address consumers are told to pull from (None: ``host``). The KV server
+    #: also takes it (every address the name resolves to at start) as its own in the
+    #: authentication: behind a NAT or port forward, consumers that dial it are not refused as
+    #: having reached a relay (README, Security).
     advertise_host: str | None = None
     #: producer: the base port; TP rank r of DP engine d serves on ``port + d * tp + r``. Keep
     #: ``port .. port + dp * tp - 1`` below the OS's ephemeral range (Linux: 32768 and up), where

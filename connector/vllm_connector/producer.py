@@ -20,6 +20,7 @@ from tritonkv import pack_kv
 
 from ..kvstore import KVBuffer, KVServer, hide_ids, short_id
 from ..logs import get_logger
+from ..transport import addresses_of
 from ..transport.auth import MIN_SECRET_BYTES, SECRET_ENV, is_loopback
 from ..transport.errors import error_text
 from .cache_views import RankCaches
@@ -107,6 +108,10 @@ class Producer:
             put_timeout_s=self.cfg.put_timeout_s,
         )
         port = self.engine_port + self.tp_rank
+        # consumers dial the advertised address: the server knows it as its own (a NAT or port
+        # forward the operator set up), so their authentication names it without being refused
+        advertised = self.cfg.advertise_host
+        aliases = addresses_of(advertised, port) if advertised else []
         try:
             self._server = KVServer(
                 self._buffer,
@@ -116,6 +121,7 @@ class Producer:
                 device=self.caches.device,
                 secret=self._secret,
                 insecure=self.cfg.insecure,
+                aliases=aliases,
             )
         except OSError as e:
             raise OSError(

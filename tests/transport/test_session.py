@@ -15,7 +15,7 @@ from support.relay import Relay
 from support.transport import recv_exact, settled_stat
 
 from connector.kvstore import KVBuffer, KVClient
-from connector.transport import PipeListener, auth, connect_pipe, frame
+from connector.transport import PipeListener, addresses_of, auth, connect_pipe, frame
 from connector.transport.errors import ProtocolError, TransferError
 
 SECRET = b"session-test-secret-0123456789abcdef"
@@ -89,6 +89,13 @@ def test_aliases_are_checked():
     listener = PipeListener(aliases=["[::ffff:10.0.0.1]:7000", "[2001:db8::1]:7000"])
     assert listener.aliases == {"10.0.0.1:7000", "[2001:db8::1]:7000"}
     listener.close()
+
+
+def test_the_addresses_a_name_is_advertised_under_become_aliases():
+    assert addresses_of("10.0.0.1", 7000) == ["10.0.0.1:7000"]
+    assert "127.0.0.1:7000" in addresses_of("localhost", 7000)
+    with pytest.raises(TransferError):
+        addresses_of("no-such-host.invalid", 7000, timeout_s=5)
 
 
 def _flip(frame_bytes: bytes, offset: int) -> bytes:

@@ -19,6 +19,9 @@ Frame layout (all integers little-endian)::
              same socket (frame flag ``FLAG_INLINE``) or on the data process group (see pipe.py),
              in the chunk order given by :func:`plan_chunks`.
 
+On a connection, a session tag follows the body, and another an inline payload
+(:mod:`connector.transport.session`); the codec itself knows nothing of them.
+
 Example: a DATA frame for key ``"req-7"`` carrying one bf16 tensor ``k`` of shape ``[2, 3]`` has the
 body ``05 00 'req-7' | 02 00 00 00 '{}' | 01 00 | 01 00 'k' | 03 02 00 | 2 i64 3 i64 | 12 u64``.
 """

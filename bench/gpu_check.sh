@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One-shot GPU check for tritonkv: the `gpu`-marked tests, a reduced benchmark (do_bench + autotune)
+# One-shot GPU check for tritonkv: the `gpu`-marked tests (kernels; CUDA tensors on every
+# transport), a reduced benchmark (do_bench + autotune)
 # and a profiler count of kernel launches, in under 5 minutes, into at most 8 files in OUTDIR:
 #   gpu_check.log  everything printed (versions, nvidia-smi, test summary, tables, goal summary)
 #   pytest.log     the gpu tests' output
@@ -71,7 +72,7 @@ if "$PY" -c "import pytest" 2>/dev/null; then
     # One launch config per kernel key (TRITONKV_AUTOTUNE=0): the tests check correctness, and
     # tuning each of their ~26 keys would not fit the limit; the benchmark below autotunes.
     TRITONKV_AUTOTUNE=0 timeout -k 5 "$TESTS_S" "$PY" -m pytest -m gpu -v -p no:cacheprovider \
-        tests/kernels/test_gpu.py >"$OUTDIR/pytest.log" 2>&1 || rc=$?
+        tests/kernels/test_gpu.py tests/transport/test_pipe_gpu.py >"$OUTDIR/pytest.log" 2>&1 || rc=$?
     tail -n 15 "$OUTDIR/pytest.log"
     if [[ $rc == 124 || $rc == 137 ]]; then
         echo "gpu tests: TIMED OUT after ${TESTS_S} s (pytest.log names the tests that ran)"

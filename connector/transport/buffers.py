@@ -1,5 +1,7 @@
-"""Tensors as wire bytes: :func:`flat_bytes` views, and :data:`RECV_POOL`, the pool that hands
-out large CPU receive buffers again once nothing references them."""
+"""Tensors as wire bytes: :func:`flat_bytes` views; :data:`RECV_POOL`, the pool that hands out
+large CPU receive buffers again once nothing references them; and host staging for device
+tensors on transports that carry host memory only (gloo, socket): :func:`to_host`,
+:func:`staging_buffer`, from :data:`STAGING_POOL` (pinned when CUDA is there)."""
 
 from __future__ import annotations
 
@@ -26,9 +28,10 @@ class RecvPool:
     shows that every tensor or view the caller had of it is gone. ``max_bytes = 0`` disables it.
     """
 
-    def __init__(self, max_bytes: int = 1 << 30, min_bytes: int = 4 << 20):
+    def __init__(self, max_bytes: int = 1 << 30, min_bytes: int = 4 << 20, pinned: bool = False):
         self.max_bytes = max_bytes
         self.min_bytes = min_bytes
+        self.pinned = pinned  # page-locked buffers (when CUDA is there): fast, async device copies
         self._lock = threading.Lock()
         self._bufs: list[tuple[torch.Tensor, int]] = []  # (uint8 buffer, idle use count)
         self.hits = 0
@@ -62,10 +65,36 @@ class RecvPool:
                     drop.add(i)
                     held -= size
                 self._bufs = [x for i, x in enumerate(self._bufs) if i not in drop]
-            buf = torch.empty(nbytes, dtype=torch.uint8)
+            buf = _host_empty(nbytes, self.pinned)
             if held + nbytes <= self.max_bytes:
                 self._bufs.append((buf, _storage_users(buf)))
             return buf[:nbytes]
 
 
+def _host_empty(nbytes: int, pinned: bool) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned and torch.cuda.is_available())
+
+
 RECV_POOL = RecvPool()
+#: Host staging of device tensors (gloo and socket carry host memory only): pinned, reused.
+STAGING_POOL = RecvPool(max_bytes=1 << 30, min_bytes=1 << 20, pinned=True)
+
+
+def staging_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 host buffer of ``nbytes`` to stage device bytes through: pinned when CUDA is
+    there, from :data:`STAGING_POOL` when large enough (reused once nothing references it)."""
+    buf = STAGING_POOL.alloc(nbytes)
+    return buf if buf is not None else _host_empty(nbytes, True)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor ``t`` on the host: itself on the CPU, else its bytes copied into a
+    :func:`staging_buffer` (the copy done when this returns), as a tensor of ``t``'s dtype and
+    shape."""
+    if t.device.type == "cpu":
+        return t
+    host = staging_buffer(t.numel() * t.element_size())
+    host.copy_(flat_bytes(t), non_blocking=True)
+    if t.device.type == "cuda":
+        torch.cuda.current_stream(t.device).synchronize()
+    return host.view(t.dtype).view(t.shape)

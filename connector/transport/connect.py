@@ -17,7 +17,7 @@ import torch
 from . import auth
 from .errors import PeerDeadError, TransferTimeout
 from .handshake import Request, authenticate_connector, open_pipe
-from .options import PipeOptions, check_options, check_timeout, check_transport
+from .options import PipeOptions, check_options, check_timeout, check_transport, device_uuid
 from .pipe import TensorPipe
 from .sockio import configure
 
@@ -128,7 +128,7 @@ def connect_pipe(
         return open_pipe(
             sock,
             peer,
-            Request(transport),
+            Request(transport, device_uuid(device)),
             session,
             device=device,
             options=options,

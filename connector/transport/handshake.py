@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..logs import get_logger
 from . import auth
 from .errors import (
     PeerDeadError,
@@ -70,9 +71,12 @@ from .session import Session
 from .sockio import read_fixed, read_handshake_frame, send_all, send_error_frame, send_frame
 from .threads import transfer_thread
 
+log = get_logger("transport")
+
 AUTH_TIMEOUT_S = 5.0  # the listener's cap on a connection's authentication
 MAX_REFUSAL_BYTES = 4096  # the largest refusal (ERROR in place of the CHALLENGE) a connector reads
 MAX_PEER_TEXT = 200  # characters of a peer's text that reach an exception (peer_text)
+NCCL_WATCHDOG_S = 6 * 3600  # an NCCL group's own timeout (see _build_process_group)
 PROTO = 2  # the HELLO exchange's version (2: no store port, no prefix)
 
 
@@ -183,18 +187,22 @@ def authenticate_listener(
 # ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Request:
-    """What the connector asks for: a ``transport``."""
+    """What the connector asks for: a ``transport``, from its ``device`` (:func:`device_uuid`).
+    For ``nccl`` it also takes ``gloo`` (staged through host memory), which the listener picks
+    when both ends share one GPU."""
 
     transport: str
+    device: str = ""
 
 
 @dataclass(frozen=True)
 class Offer:
-    """What a listener answers from: the ``transports`` it accepts. With a ``refusal`` (a
-    server's cap on open connections), the HELLO is answered by an ERROR saying it, and
-    PipeClosedError raised."""
+    """What a listener answers from: the ``transports`` it accepts and its ``device``
+    (:func:`device_uuid`). With a ``refusal`` (a server's cap on open connections), the HELLO is
+    answered by an ERROR saying it, and PipeClosedError raised."""
 
     transports: frozenset[str]
+    device: str = ""
     refusal: str | None = None
 
 
@@ -258,7 +266,10 @@ def _hello_as_connector(
 ) -> tuple[str, FrameLimits]:
     limits = options.limits
     try:
-        hello = {"proto": PROTO, "transport": req.transport, **limits_meta(limits)}
+        hello = {"proto": PROTO, "transport": req.transport, "device": req.device}
+        if req.transport == "nccl":
+            hello["fallback"] = "gloo"
+        hello.update(limits_meta(limits))
         send_frame(sock, session, encode_header(Kind.HELLO, "", hello), deadline, "HELLO")
     except (TimeoutError, OSError) as e:
         raise PeerDeadError(
@@ -273,13 +284,17 @@ def _hello_as_connector(
             peer=peer,
             waited_s=time.monotonic() - t0,
         )
-    if h.kind != Kind.HELLO_ACK or h.meta.get("transport") != req.transport:
+    transport = h.meta.get("transport")
+    takes = {req.transport} | ({"gloo"} if req.transport == "nccl" else set())
+    if h.kind != Kind.HELLO_ACK or transport not in takes:
         raise ProtocolError(
             f"expected HELLO_ACK for transport {req.transport!r}, got {kind_name(h.kind)} "
             f"{peer_text(str(h.meta))}",
             peer=peer,
         )
-    return req.transport, limits_from_meta(h.meta, limits)
+    if transport != req.transport:
+        log.info("nccl refused by %s (both ends on one GPU, %s): using gloo", peer, req.device)
+    return transport, limits_from_meta(h.meta, limits)
 
 
 def _hello_as_listener(
@@ -303,6 +318,15 @@ def _hello_as_listener(
         send_error_frame(sock, msg, session)
         raise ProtocolError(msg, peer=peer)
     peer_limits = limits_from_meta(h.meta, limits)
+    device = h.meta.get("device")
+    if transport == "nccl" and offer.device and device == offer.device:
+        # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): gloo, staged through
+        # host memory, if the connector takes it and this listener does
+        if h.meta.get("fallback") != "gloo" or "gloo" not in offer.transports:
+            msg = f"both ends are on GPU {offer.device}: NCCL cannot connect them; use gloo"
+            send_error_frame(sock, msg, session)
+            raise ProtocolError(msg, peer=peer)
+        transport = "gloo"
     ack = {"transport": transport, **limits_meta(limits)}
     send_frame(sock, session, encode_header(Kind.HELLO_ACK, "", ack), deadline, "HELLO_ACK")
     return transport, peer_limits
@@ -372,7 +396,11 @@ def _build_process_group(transport: str, store, rank: int, local_host: str, time
     if transport == "nccl":  # pragma: no cover - needs two GPUs
         from torch.distributed import ProcessGroupNCCL
 
+        # The group's own timeout is what NCCL's watchdog enforces, and by default (async error
+        # handling) it kills the whole process when one operation outlives it. The pipe's
+        # deadlines end a slow or stuck transfer first (and abort the group), so the watchdog
+        # gets a timeout no transfer of ours can reach: it never kills vLLM for a slow link.
         opts = ProcessGroupNCCL.Options()
-        opts._timeout = timeout
+        opts._timeout = datetime.timedelta(seconds=NCCL_WATCHDOG_S)
         return ProcessGroupNCCL(store, rank, 2, opts)
     raise ValueError(f"transport: expected 'gloo' or 'nccl' for a process group, got {transport!r}")

@@ -18,7 +18,7 @@ from ..logs import get_logger
 from . import auth
 from .errors import PeerDeadError, PipeClosedError, TransferTimeout
 from .handshake import Offer, authenticate_listener, open_pipe
-from .options import PipeOptions, check_options, check_timeout, check_transport
+from .options import PipeOptions, check_options, check_timeout, check_transport, device_uuid
 from .pipe import TensorPipe
 from .sockio import configure, peer_name
 
@@ -80,7 +80,9 @@ class PipeListener:
         self.connect_timeout_s = check_timeout("connect_timeout_s", connect_timeout_s)
         self.options = check_options(options)
         self.limits = self.options.limits
-        self.allowed = {transport} | ({"socket"} if allow_socket else set())
+        # an nccl listener takes gloo too: what two ends on one GPU fall back to
+        self.allowed = {transport} | ({"gloo"} if transport == "nccl" else set())
+        self.allowed |= {"socket"} if allow_socket else set()
         self._lock = threading.Lock()
         self._closed = False
         self._released = False
@@ -165,7 +167,7 @@ class PipeListener:
             return open_pipe(
                 sock,
                 peer,
-                Offer(frozenset(self.allowed), refusal),
+                Offer(frozenset(self.allowed), device_uuid(self.device), refusal),
                 session,
                 device=self.device,
                 options=self.options,

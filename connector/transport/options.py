@@ -21,6 +21,16 @@ def default_transport(device: str | torch.device) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+def device_uuid(device: str | torch.device) -> str:
+    """The UUID of a CUDA device (``"GPU-..."``, as ``nvidia-smi -L`` shows it), else ``""``:
+    what two ends compare to tell that they share one GPU (NCCL refuses two ranks on one)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return ""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+
+
 def check_transport(transport: str) -> str:
     """``transport`` if it is one of :data:`TRANSPORTS`, else ValueError naming them."""
     if transport not in TRANSPORTS:

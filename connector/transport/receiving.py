@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..logs import get_logger, hide_ids
-from .buffers import RECV_POOL, flat_bytes
+from .buffers import RECV_POOL, flat_bytes, staging_buffer
 from .errors import (
     PipeClosedError,
     ProtocolError,
@@ -251,21 +251,31 @@ class _PayloadReceiver:
             self.thread = transfer_thread(self._loop, name)
 
     def receive(self, header: Header, dev, out, deadline, t0, key) -> dict[str, torch.Tensor]:
-        """Every tensor of a header whose payload travels on the process group, by name."""
+        """Every tensor of a header whose payload travels on the process group, by name. Gloo
+        carries host memory: for a device ``dev`` each chunk lands in a pinned staging buffer,
+        then is copied to its tensors (done when this returns)."""
+        staged = self._pipe.transport != "nccl" and dev.type != "cpu"
         tensors = {s.name: _target(s, dev, out) for s in header.specs}
         for chunk in plan_chunks(header.specs):
-            if chunk.members:
+            target = None if chunk.members else flat_bytes(tensors[header.specs[chunk.index].name])
+            if staged:
+                buf = staging_buffer(chunk.nbytes)
+            elif chunk.members:
                 buf = _alloc(TensorSpec("packed", 6, (chunk.nbytes,), chunk.nbytes), dev)
             else:
-                buf = flat_bytes(tensors[header.specs[chunk.index].name])
+                buf = target
             self._receive_chunk(buf, deadline, t0, key)
+            if target is not None and staged:
+                target.copy_(buf, non_blocking=True)
             for i, off in chunk.members:
                 s = header.specs[i]
                 part = buf[off : off + s.nbytes]
-                if out is not None and s.name in out:
-                    flat_bytes(tensors[s.name]).copy_(part)
+                if staged or (out is not None and s.name in out):
+                    flat_bytes(tensors[s.name]).copy_(part, non_blocking=staged)
                 else:  # zero-copy view into the packed chunk (offsets are 64-byte aligned)
                     tensors[s.name] = part.view(s.dtype).view(s.shape)
+        if staged and dev.type == "cuda":  # the staging buffers go back to the pool after this
+            torch.cuda.current_stream(dev).synchronize()
         return tensors
 
     def _receive_chunk(self, buf: torch.Tensor, deadline: float, t0: float, key) -> None:

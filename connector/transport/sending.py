@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..logs import get_logger, hide_ids
-from .buffers import flat_bytes
+from .buffers import flat_bytes, to_host
 from .errors import PeerDeadError, PipeClosedError, TransferTimeout, classify_failure
 from .frame import FLAG_INLINE, Kind, encode_header, encode_meta, plan_chunks, spec_of
 from .sockio import PeerClosed, send_all, send_frame
@@ -49,9 +49,10 @@ def _outgoing(
     meta: dict | None,
     on_done: Callable[[BaseException | None], None] | None,
 ) -> _Outgoing:
-    """One message as ``pipe``'s sender writes it: tensors made contiguous (on the CPU for
-    ``socket``, on the pipe's device for ``nccl``), inline or not, small ones packed. Raises
-    TypeError for what is not a tensor dict, ValueError for what the peer's limits refuse."""
+    """One message as ``pipe``'s sender writes it: tensors made contiguous (on the pipe's device
+    for ``nccl``; gloo and socket carry host memory, so a device tensor is staged through a
+    pinned host buffer), inline or not, small ones packed. Raises TypeError for what is not a
+    tensor dict, ValueError for what the peer's limits refuse."""
     tensors = {} if tensors is None else tensors
     if not isinstance(tensors, dict):
         raise TypeError(
@@ -63,11 +64,10 @@ def _outgoing(
     for n in names:
         spec_of(n, tensors[n])  # type checks
         t = tensors[n]
-        if pipe.transport == "socket" and t.device.type != "cpu":
-            t = t.cpu()
-        elif pipe.transport == "nccl" and t.device.type != "cuda":
-            t = t.to(pipe.device)
-        flat.append(t.contiguous())
+        if pipe.transport == "nccl":
+            flat.append((t if t.device.type == "cuda" else t.to(pipe.device)).contiguous())
+        else:
+            flat.append(to_host(t.contiguous()))
     total = sum(t.numel() * t.element_size() for t in flat)
     inline = pipe.transport == "socket" or (
         total <= pipe.inline_max_bytes and all(t.device.type == "cpu" for t in flat)

@@ -5,7 +5,9 @@ The producer's buffer holds 64 KiB: with the tiny model's pages (32 tokens of 1 
 prompt longer than two blocks can never fit. Before, the producer's worker raised out of
 ``wait_for_save`` and vLLM declared the engine dead (HTTP 500 from then on); and a client's
 ``kv_transfer_params`` with ``remote_port = 2**63``, sent straight to the decode server, raised
-``OverflowError`` out of ``start_load_kv`` and killed the decode engine.
+``OverflowError`` out of ``start_load_kv`` and killed the decode engine. And a plain TCP forwarder
+holding no secret, named in a hand-off as the producer, carried a real load that the consumer
+accepted.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import urllib.request
 
 import pytest
 from support.e2e import assert_token_granular_load, start_cluster
+from support.relay import Relay
 from support.vllm_fixtures import requires_vllm
 
 pytestmark = [pytest.mark.slow, requires_vllm, pytest.mark.timeout(900)]
 
 BUFFER_BYTES = 64 << 10
 FETCH_TIMEOUT_S = 10.0
+SECRET = "e2e-hostile-secret-0123456789abcdef"
 
 # Values a producer never writes, each alone in an otherwise real hand-off.
 CRAFTED = [
@@ -48,6 +52,7 @@ def pd(tmp_path_factory, tiny_llama_dir):
         tmp_path_factory.mktemp("e2e-hostile"),
         tiny_llama_dir,
         extra_config={"buffer_bytes": BUFFER_BYTES, "fetch_timeout_s": FETCH_TIMEOUT_S},
+        env={"TRITONKV_SECRET": SECRET},
     )
     yield trio
     cluster.stop()
@@ -83,6 +88,25 @@ def test_crafted_kv_transfer_params_neither_kill_nor_hang_the_decode_server(pd, 
     assert time.monotonic() - t0 < FETCH_TIMEOUT_S
     assert text == pd.colocated(prompt)
     assert not pd.events(rid)["loaded"]
+    _healthy(pd.consumer)
+
+
+def test_a_relay_named_in_a_hand_off_is_refused_and_the_prompt_recomputed(pd):
+    """A forwarder holding no secret, at its own address, to the producer's KV port: the
+    consumer's authentication names the relay's address, the producer refuses it, and the
+    consumer recomputes. A fresh prompt's hand-off, unchanged, then loads (the control; the
+    relayed prompt itself now sits in the consumer's prefix cache)."""
+    prompt = pd.prompt(40, seed=70)
+    params = pd.prefill_params(prompt)
+    with Relay((params["remote_host"], params["remote_port"])) as relay:
+        text, rid = pd.decode_with(prompt, {**params, "remote_port": relay.port})
+    assert text == pd.colocated(prompt)
+    assert not pd.events(rid)["loaded"]
+    assert "not reached at its own address" in pd.consumer.log_text()
+    fresh = pd.prompt(40, seed=71)
+    text, rid = pd.decode_with(fresh, pd.prefill_params(fresh))
+    assert text == pd.colocated(fresh)
+    assert_token_granular_load(pd, rid, 40)
     _healthy(pd.consumer)
 
 

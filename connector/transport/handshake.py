@@ -362,7 +362,7 @@ def make_process_group(
         try:
             local_host = sock.getsockname()[0]
             pg = _build_process_group(transport, store, rank, local_host, timeout_s)
-            probe(pg, session, rank, device, deadline, peer)
+            probe(pg, session, rank, device if transport == "nccl" else "cpu", deadline, peer)
             store.finish()
             result["pg"] = pg
         except BaseException as e:  # handed to the caller below (the store's own error first)

@@ -161,8 +161,9 @@ class ChannelStore(dist.Store):
 
 
 def probe(pg, session: Session, rank: int, device, deadline: float, peer: str) -> None:
-    """Each side sends its token over the new group and checks the peer's (module docstring)."""
-    dev = torch.device(device) if torch.device(device).type == "cuda" else torch.device("cpu")
+    """Each side sends its token over the new group and checks the peer's (module docstring);
+    ``device``: where the group's tensors live (CUDA for NCCL, the CPU for gloo)."""
+    dev = torch.device(device)
     mine = torch.frombuffer(bytearray(session.token(PROBE)), dtype=torch.uint8).to(dev)
     theirs = torch.zeros_like(mine)
     left = datetime.timedelta(seconds=max(0.001, deadline - time.monotonic()))

@@ -21,6 +21,7 @@ which is not installed here, so :class:`FlashInferFromSource` restates its three
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
@@ -208,7 +209,7 @@ def vllm_caches(case: Case, layout: KVCacheLayout, fill: int | None = None) -> A
     out = Allocation(spec, kernel_block_size, [caches[n] for n in names])
     raw = out.raw
     if fill is None:
-        gen = torch.Generator().manual_seed(hash((case.name, layout.name)) % (1 << 31))
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{case.name}-{layout.name}".encode()))
         raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
     else:
         raw.fill_(fill)

@@ -288,6 +288,25 @@ def test_batches_of_prompts_move_whole_pages_of_permuted_caches(case, layout, da
     check_moved(case, layout, src, dst, expected)
 
 
+def test_unknown_caches_with_permuted_dense_pages_are_copied_whole():
+    """A layout no view knows, whose pages are dense but permuted (``cache[0]`` not contiguous,
+    which was refused before): whole pages of blocks [4, 1] land in blocks [0, 3], bit for bit,
+    and every other element keeps its sentinel."""
+    gen = torch.Generator().manual_seed(7)
+    raw = [torch.randint(-(2**15), 2**15, (6, 16, 3, 5), generator=gen, dtype=torch.int16)
+           for _ in range(2)]  # fmt: skip
+    src = [r.permute(0, 2, 1, 3) for r in raw]  # [6, 3, 16, 5], memory [6, 16, 3, 5]
+    dst = [torch.full_like(r, -7).permute(0, 2, 1, 3) for r in raw]
+    src_rank, dst_rank = (RankCaches(c, 8, 16, use_mla=False, on_cpu=True, isa="vec")
+                          for c in (src, dst))  # fmt: skip
+    assert (src_rank.layout, src_rank.kv_format("auto")) == ("opaque_pages", "pages")
+    move(src_rank, dst_rank, [4, 1], [0, 3], 0, 32, pages=True)
+    for s, d in zip(src, dst, strict=True):
+        want = torch.full_like(d, -7)
+        want[[0, 3]] = s[[4, 1]]
+        assert torch.equal(d, want)
+
+
 def test_slots_are_checked_on_the_host_whatever_the_device():
     """Slots are made and range-checked on the host before they go to the caches' device
     (here ``meta``, which holds no data: a device-side check could not run there), so a block id

@@ -153,7 +153,7 @@ class Allocation:
     def raw(self) -> torch.Tensor:
         """The whole backing allocation as bytes (every layer, padding included)."""
         storage = self.caches[0].untyped_storage()
-        return torch.empty(0, dtype=torch.uint8).set_(storage)
+        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
     @property
     def ratio(self) -> int:
@@ -186,9 +186,12 @@ def layer_spec(case: Case):
     return customize_attention_spec(case.backend, spec)
 
 
-def vllm_caches(case: Case, layout: KVCacheLayout, fill: int | None = None) -> Allocation:
-    """Allocate ``case``'s caches as the GPU runner does, on the CPU, in ``layout``; the backing
-    bytes random (seeded by ``layout`` and ``case``) or all ``fill``."""
+def vllm_caches(
+    case: Case, layout: KVCacheLayout, fill: int | None = None, device: str = "cpu"
+) -> Allocation:
+    """Allocate ``case``'s caches as the GPU runner does, on ``device`` (the CPU in these tests;
+    a GPU check can pass ``"cuda"``), in ``layout``; the backing bytes random (seeded by
+    ``layout`` and ``case``) or all ``fill``."""
     spec = layer_spec(case)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(case.num_layers)]
     config = SimpleNamespace(
@@ -205,7 +208,7 @@ def vllm_caches(case: Case, layout: KVCacheLayout, fill: int | None = None) -> A
         kernel_block_size = spec.block_size
     else:
         kernel_block_size = select_common_block_size(spec.block_size, [case.backend], [spec])
-    caches = allocate_kv_cache(kv_config, torch.device("cpu"), layout, [kernel_block_size])
+    caches = allocate_kv_cache(kv_config, torch.device(device), layout, [kernel_block_size])
     out = Allocation(spec, kernel_block_size, [caches[n] for n in names])
     raw = out.raw
     if fill is None:

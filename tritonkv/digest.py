@@ -33,7 +33,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["DIGEST_SIZE", "digest_hex", "digests_equal", "finalize", "packed_digest"]
+__all__ = [
+    "DIGEST_SIZE",
+    "digest_hex",
+    "digests_equal",
+    "finalize",
+    "packed_digest",
+    "tensor_digest",
+]
 
 DIGEST_SIZE = 2  # lanes: a [2] int64 tensor
 MASK = 0xFFFFFFFF
@@ -133,6 +140,28 @@ def packed_digest(packed: torch.Tensor) -> torch.Tensor:
         raw = np.concatenate([raw, np.zeros(4 - num_bytes % 4, np.uint8)])
     lanes = _lanes_numpy(raw.view("<u4"))
     return finalize(torch.tensor(lanes, dtype=torch.int64), num_bytes).to(packed.device)
+
+
+def tensor_digest(t: torch.Tensor) -> torch.Tensor:
+    """The digest of any tensor's bytes in memory order (a contiguous copy is made if needed):
+    :func:`packed_digest` on the host, the Triton byte kernel where Triton runs (its own launch).
+
+    Args:
+        t: any tensor, e.g. a slice of a packed tensor.
+
+    Returns:
+        ``[2]`` int64 digest on ``t``'s device.
+    """
+    from ._dispatch import use_triton
+
+    t = t.contiguous()
+    if not use_triton(t.device):
+        return packed_digest(t)
+    from ._digest_triton import byte_lanes
+
+    lanes = torch.zeros(2, dtype=torch.int64, device=t.device)
+    byte_lanes(t, lanes)
+    return finalize(lanes, t.numel() * t.element_size())
 
 
 def digest_hex(digest: torch.Tensor) -> str:

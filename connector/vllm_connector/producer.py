@@ -24,6 +24,7 @@ from ..transport.auth import MIN_SECRET_BYTES, SECRET_ENV, is_loopback
 from ..transport.errors import error_text
 from .cache_views import RankCaches
 from .config import ConnectorConfig
+from .integrity import entry_meta
 from .metadata import SaveSpec
 from .stats import TransferStats
 
@@ -184,11 +185,16 @@ class Producer:
         t0 = time.perf_counter()
         # Whole pages: every slot of the prompt's blocks, the last one's past the prompt too.
         rows = len(spec.block_ids) * self.caches.block_size if paged else spec.num_tokens
-        packed, _ = pack_kv(views, self.caches.slots(spec.block_ids, 0, rows, rows))
+        slots = self.caches.slots(spec.block_ids, 0, rows, rows)
+        meta = {"fingerprint": self.fingerprint, "kv_format": self.kv_format}
+        if self.cfg.digest:  # computed by the pack itself (integrity.py)
+            packed, _, digest = pack_kv(views, slots, digest=True)
+            meta.update(entry_meta(packed, digest, self.kv_format))
+        else:
+            packed, _ = pack_kv(views, slots)
         if self.caches.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         t1 = time.perf_counter()
-        meta = {"fingerprint": self.fingerprint, "kv_format": self.kv_format}
         if paged:
             meta["page_kind"] = self.caches.page_kind
         self._buffer.put(

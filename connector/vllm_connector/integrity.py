@@ -1,0 +1,117 @@
+"""The transfer's integrity digest, end to end (``digest`` and ``digest_write_back`` options).
+
+The producer's pack computes the digest of the packed KV in its copy (:mod:`tritonkv.digest`) and
+stores it in the entry's meta (:func:`entry_meta`): ``kv_digest`` for the whole entry and, for
+token rows of more than one head, ``kv_head_digests``, one per head, since a consumer of another
+TP size pulls a slice of the heads and checks each of its heads apart (:func:`expected`). The
+consumer's unpack computes the digest of what it read (:func:`check_read`); with
+``digest_write_back`` the slots just written are read again through slots derived anew from the
+block table (:func:`check_write_back`). A mismatch raises :class:`DigestMismatch`, which the
+consumer turns into a failed load (recomputed, warned once, counted). An entry without a digest (a
+producer with ``digest`` off) is loaded unchecked. No vLLM import.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritonkv import kv_digest
+from tritonkv.digest import digest_hex, tensor_digest
+
+DIGEST_KEY = "kv_digest"  # entry meta: 16 hex digits of the whole packed KV
+HEAD_DIGESTS_KEY = "kv_head_digests"  # entry meta: 16 hex digits per head, concatenated
+# (token rows, > 1 head; meta values are scalars)
+HEX_LEN = 16
+
+Expected = str | list[str] | None  # whole-entry digest, per-head digests of a slice, or none
+
+
+class DigestMismatch(ValueError):
+    """A transfer's bytes differ from what the producer packed (``check``: which check)."""
+
+    def __init__(self, check: str, sent: str, got: str, what: str = "KV"):
+        self.check = check
+        super().__init__(
+            f"digest check {check!r} failed: the producer packed {what} with digest {sent}, "
+            f"this consumer {'read' if check == 'read' else 'finds in its cache'} {got}"
+        )
+
+
+def entry_meta(packed: torch.Tensor, digest: torch.Tensor, kv_format: str) -> dict:
+    """The meta fields a producer stores with ``packed`` (``[num_layers, 1 or 2, rows, heads,
+    head_size]``) whose pack returned ``digest``."""
+    meta = {DIGEST_KEY: digest_hex(digest)}
+    if kv_format == "tokens" and packed.shape[3] > 1:  # a consumer may pull a slice of heads
+        meta[HEAD_DIGESTS_KEY] = "".join(
+            digest_hex(tensor_digest(packed[:, :, :, h])) for h in range(packed.shape[3])
+        )
+    return meta
+
+
+def expected(meta: dict, heads: tuple[int, int] | None) -> Expected:
+    """What a pull must match: the entry's digest (``heads`` None: the whole entry), the digests
+    of heads ``heads[0] .. heads[1] - 1`` (a slice), or None when the producer sent none.
+
+    Raises:
+        ValueError: the meta's digest fields are malformed.
+    """
+    if heads is None:
+        value = meta.get(DIGEST_KEY)
+        if value is not None and not _is_hex(value):
+            raise ValueError(f"entry's {DIGEST_KEY} is malformed: {value!r}")
+        return value
+    joined = meta.get(HEAD_DIGESTS_KEY)
+    if joined is None:
+        return None
+    if not isinstance(joined, str) or len(joined) % HEX_LEN:
+        raise ValueError(f"entry's {HEAD_DIGESTS_KEY} is malformed")
+    values = [joined[i : i + HEX_LEN] for i in range(0, len(joined), HEX_LEN)]
+    if not all(_is_hex(v) for v in values):
+        raise ValueError(f"entry's {HEAD_DIGESTS_KEY} is malformed")
+    if not 0 <= heads[0] < heads[1] <= len(values):
+        raise ValueError(f"entry has {len(values)} head digests, the pull wants heads {heads}")
+    return values[heads[0] : heads[1]]
+
+
+def _is_hex(value) -> bool:
+    return (
+        isinstance(value, str)
+        and len(value) == HEX_LEN
+        and all(c in "0123456789abcdef" for c in value)
+    )
+
+
+def check_read(want: Expected, packed: torch.Tensor, read: torch.Tensor | None) -> None:
+    """Compare what the unpack read (``read``: its digest, for a whole entry) with ``want``;
+    for a slice of heads, each head of ``packed`` is digested here. DigestMismatch if unlike."""
+    if want is None:
+        return
+    if isinstance(want, str):
+        got = digest_hex(read)
+        if got != want:
+            raise DigestMismatch("read", want, got)
+        return
+    for j, sent in enumerate(want):
+        got = digest_hex(tensor_digest(packed[:, :, :, j]))
+        if got != sent:
+            raise DigestMismatch("read", sent, got, what=f"head {j} of the slice")
+
+
+def check_write_back(
+    packed: torch.Tensor, views, block_ids: list[int], block_size: int, first: int, stop: int
+) -> None:
+    """Read positions ``[first, stop)`` back from ``views`` through slots derived again from
+    ``block_ids`` (not the slot mapping the unpack wrote through) and compare their digest with
+    the received rows ``first .. stop - 1`` (already checked by :func:`check_read`).
+
+    Raises:
+        DigestMismatch: the cache does not hold those rows there (e.g. a wrong destination slot).
+    """
+    slots = torch.tensor(
+        [block_ids[p // block_size] * block_size + p % block_size for p in range(first, stop)],
+        dtype=torch.int64,
+    )
+    want = digest_hex(tensor_digest(packed[:, :, first:stop]))
+    got = digest_hex(kv_digest(views, slots.to(packed.device)))
+    if got != want:
+        raise DigestMismatch("write-back", want, got)

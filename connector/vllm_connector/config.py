@@ -101,8 +101,9 @@ class ConnectorConfig:
     #: rows' (catches a wrong destination slot). Costs one more read of the loaded KV and a
     #: digest of it (``bench/bench_kv.py``), hence off by default.
     digest_write_back: bool = False
-    #: consumer, **tests only**: a request whose params hold ``"tritonkv_debug_corrupt": true``
-    #: gets scrambled KV (the negative control that proves the KV is used).
+    #: both, **tests only**: a request whose params hold ``"tritonkv_debug_corrupt": true``
+    #: gets scrambled KV (the negative control that proves the KV is used), and one holding
+    #: ``"tritonkv_debug_fault"`` the faults it names (``integrity.FAULTS``: the digest's tests).
     debug_allow_corrupt: bool = False
 
     @classmethod

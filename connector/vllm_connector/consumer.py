@@ -355,6 +355,8 @@ class Consumer:
             for source, packed, want in parts:  # every pull arrived: now write (one unpack each)
                 if spec.corrupt:  # the negative control's scrambled KV is meant to land
                     packed, want = _corrupted(packed), None
+                if "no_digest" in spec.debug_fault:  # test hook: the check switched off
+                    want = None
                 rows = packed.shape[2]
                 if paged:
                     views, first = caches.pages, spec.start // block_size * block_size
@@ -363,6 +365,8 @@ class Consumer:
                     views = caches.head_views(source.dst)
                     first, stop = spec.start, spec.start + spec.count
                 slots = caches.slots(spec.block_ids, first, stop, rows)
+                if "wrong_slot" in spec.debug_fault:  # test hook
+                    slots = integrity.shifted_slots(slots, first, stop)
                 read = unpack_kv(packed, views, slots, digest=isinstance(want, str))
                 integrity.check_read(want, packed, read)
                 if want is not None and self.cfg.digest_write_back:

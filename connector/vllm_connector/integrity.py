@@ -8,7 +8,11 @@ consumer's unpack computes the digest of what it read (:func:`check_read`); with
 ``digest_write_back`` the slots just written are read again through slots derived anew from the
 block table (:func:`check_write_back`). A mismatch raises :class:`DigestMismatch`, which the
 consumer turns into a failed load (recomputed, warned once, counted). An entry without a digest (a
-producer with ``digest`` off) is loaded unchecked. No vLLM import.
+producer with ``digest`` off) is loaded unchecked.
+
+Test hooks (``debug_allow_corrupt`` only): a request's ``"tritonkv_debug_fault"`` param, a
+comma-separated list of :data:`FAULTS`, injects faults the digest must catch (:func:`faults`).
+No vLLM import.
 """
 
 from __future__ import annotations
@@ -24,6 +28,38 @@ HEAD_DIGESTS_KEY = "kv_head_digests"  # entry meta: 16 hex digits per head, conc
 HEX_LEN = 16
 
 Expected = str | list[str] | None  # whole-entry digest, per-head digests of a slice, or none
+
+
+# flip_bit (producer): one bit of the saved entry flips after the digest was taken;
+# wrong_slot (consumer): every loaded row is written one slot on (an off-by-one slot mapping);
+# no_digest (consumer): this load is not checked (the switch off, for the negative control).
+FAULTS = ("flip_bit", "wrong_slot", "no_digest")
+
+
+def faults(params, allowed: bool) -> str:
+    """The ``tritonkv_debug_fault`` of a request's ``params`` (``""``: none, or not ``allowed``);
+    unknown names are ignored."""
+    value = params.get("tritonkv_debug_fault") if allowed and isinstance(params, dict) else None
+    if not isinstance(value, str):
+        return ""
+    return ",".join(f for f in value.split(",") if f in FAULTS)
+
+
+def flip_bit(packed: torch.Tensor) -> None:
+    """Flip the top exponent bit of the middle element of ``packed``'s first layer, in place (a
+    float's magnitude changes by many orders: the answer must change if it lands)."""
+    first_layer = packed[0].reshape(-1)
+    element = first_layer[first_layer.numel() // 2 :][:1].view(torch.uint8)
+    element[-1] ^= 0x40  # little-endian: the last byte holds the sign and the top exponent bits
+
+
+def shifted_slots(slots: torch.Tensor, first: int, stop: int) -> torch.Tensor:
+    """``slots`` with row ``p`` of ``[first, stop - 1)`` sent to row ``p + 1``'s slot and row
+    ``stop - 1`` not written: a slot mapping off by one (row ``first``'s slot keeps stale KV)."""
+    out = slots.clone()
+    out[first : stop - 1] = slots[first + 1 : stop]
+    out[stop - 1] = -1
+    return out
 
 
 class DigestMismatch(ValueError):

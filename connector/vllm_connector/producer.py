@@ -24,7 +24,7 @@ from ..transport.auth import MIN_SECRET_BYTES, SECRET_ENV, is_loopback
 from ..transport.errors import error_text
 from .cache_views import RankCaches
 from .config import ConnectorConfig
-from .integrity import entry_meta
+from .integrity import entry_meta, flip_bit
 from .metadata import SaveSpec
 from .stats import TransferStats
 
@@ -192,6 +192,8 @@ class Producer:
             meta.update(entry_meta(packed, digest, self.kv_format))
         else:
             packed, _ = pack_kv(views, slots)
+        if "flip_bit" in spec.debug_fault:  # test hook: after the digest was taken
+            flip_bit(packed)
         if self.caches.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         t1 = time.perf_counter()

@@ -27,7 +27,13 @@ from support.kvstore import deliver
 from connector.kvstore import KVBuffer
 from connector.logs import short_id
 from connector.vllm_connector.config import ConnectorConfig
-from connector.vllm_connector.integrity import DIGEST_KEY, HEAD_DIGESTS_KEY
+from connector.vllm_connector.integrity import (
+    DIGEST_KEY,
+    HEAD_DIGESTS_KEY,
+    faults,
+    flip_bit,
+    shifted_slots,
+)
 from connector.vllm_connector.metadata import LoadSpec, SaveSpec
 
 SRC_BLOCKS, DST_BLOCKS, NUM_TOKENS = [5, 1, 3], [0, 4, 2], 10
@@ -187,3 +193,66 @@ def test_unequal_tp_parts_carry_their_own_digests(warnings):
         )
         assert errors == want_errors
         assert cons.stats.peek()["digest_failures"] == (1 if fault else 0)
+
+
+# ------------------------------------------------------------- the e2e test's fault hooks
+
+
+def test_fault_hooks_are_parsed_only_when_allowed():
+    params = {"tritonkv_debug_fault": "flip_bit,bogus,no_digest"}
+    assert faults(params, allowed=True) == "flip_bit,no_digest"
+    assert faults(params, allowed=False) == ""
+    assert faults({"tritonkv_debug_fault": 1}, allowed=True) == ""
+    assert faults(None, allowed=True) == ""
+
+
+def test_flip_bit_and_shifted_slots_hooks():
+    packed = torch.ones(2, 2, 3, 1, 2)  # fp32 ones: the middle element of layer 0 flips
+    flip_bit(packed)
+    assert (packed != 1).sum() == 1 and packed[0].reshape(-1)[6] != 1
+    slots = torch.tensor([-1, 10, 11, 12, 13])
+    assert shifted_slots(slots, 1, 5).tolist() == [-1, 11, 12, 13, -1]
+
+
+@pytest.mark.parametrize(
+    "save_fault,load_fault,cfg,fails",
+    [
+        ("flip_bit", "", ConnectorConfig(), True),
+        ("flip_bit", "no_digest", ConnectorConfig(), False),
+        ("", "wrong_slot", ConnectorConfig(digest_write_back=True), True),
+        ("", "wrong_slot,no_digest", ConnectorConfig(digest_write_back=True), False),
+    ],
+    ids=["flip", "flip-unchecked", "wrong_slot", "wrong_slot-unchecked"],
+)
+def test_hooked_faults_are_caught_unless_unchecked(save_fault, load_fault, cfg, fails):
+    """The hooks the e2e test uses, in-process: each fault fails the load with the digest on;
+    with this load unchecked (``no_digest``) the faulty KV lands, unlike a clean load's."""
+    src, dst = caches(VLLM_CPU), caches(VLLM_CPU, seed=None)
+    buffer = KVBuffer(1 << 24)
+    prod = producer(src, 4)
+    prod.attach_buffer(buffer)
+    save = SaveSpec("p", "t1", SRC_BLOCKS, NUM_TOKENS, prompt_digest=DIGEST, debug_fault=save_fault)
+    prod.wait_for_save([save])
+    cons = consumer(dst, 4, cfg=cfg, connect=lambda h, p: fake_client(partial(deliver, buffer)))
+    load = LoadSpec(
+        "c",
+        "t1",
+        "h",
+        1,
+        DST_BLOCKS,
+        0,
+        NUM_TOKENS - 1,
+        NUM_TOKENS,
+        prompt_digest=DIGEST,
+        debug_fault=load_fault,
+    )
+    cons.start_load_kv([load])
+    errors = cons.get_block_ids_with_load_errors()
+    cons.shutdown()
+    buffer.close()
+    assert (errors == set(DST_BLOCKS)) == fails
+    assert cons.stats.peek()["digest_failures"] == int(fails)
+    if not fails:
+        clean = caches(VLLM_CPU, seed=None)
+        transfer(producer(src, 4), clean, 4, SRC_BLOCKS, DST_BLOCKS, NUM_TOKENS, start=0)
+        assert not torch.equal(bits(dst), bits(clean))

@@ -17,16 +17,22 @@ from .digest import FMIX_1, FMIX_2, KEY, SEED
 
 __all__ = ["byte_lanes", "tile_lanes"]
 
+# The definition's constants, as the compiler accepts globals in kernels.
+_KEY = tl.constexpr(KEY)
+_SEED = tl.constexpr(SEED)
+_FMIX_1 = tl.constexpr(FMIX_1)
+_FMIX_2 = tl.constexpr(FMIX_2)
+
 
 @triton.jit
 def _word_lanes(w, p, mask):
     """Lane sums (uint64) of 32-bit words ``w`` (uint32) at word positions ``p`` (int64)."""
-    k = ((p * KEY) & 0xFFFFFFFF).to(tl.uint32)
-    h = w ^ k ^ tl.full((), SEED, tl.uint32)
+    k = ((p * _KEY + _SEED) & 0xFFFFFFFF).to(tl.uint32)
+    h = w ^ k
     h = h ^ (h >> 16)
-    h = h * tl.full((), FMIX_1, tl.uint32)
+    h = h * tl.full((), _FMIX_1, tl.uint32)
     h = h ^ (h >> 13)
-    h = h * tl.full((), FMIX_2, tl.uint32)
+    h = h * tl.full((), _FMIX_2, tl.uint32)
     h = h ^ (h >> 16)
     a = tl.sum(tl.where(mask, h, 0).to(tl.uint64))
     b = tl.sum(tl.where(mask, h * (k | 1), 0).to(tl.uint64))

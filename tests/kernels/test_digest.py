@@ -48,8 +48,8 @@ def _definition(packed: torch.Tensor) -> str:
     a = b = 0
     for p in range(len(raw) // 4):
         w = int.from_bytes(raw[4 * p : 4 * p + 4], "little")
-        k = (p * digest_mod.KEY) & digest_mod.MASK
-        h = digest_mod.fmix32(w ^ k ^ digest_mod.SEED)
+        k = (p * digest_mod.KEY + digest_mod.SEED) & digest_mod.MASK
+        h = digest_mod.fmix32(w ^ k)
         a, b = (a + h) & digest_mod.MASK, (b + h * (k | 1)) & digest_mod.MASK
     c0, c1 = digest_mod.count_keys(len(bits(packed).reshape(-1)))
     return f"{digest_mod.fmix32(a ^ c0):08x}{digest_mod.fmix32(b ^ c1):08x}"
@@ -287,3 +287,13 @@ def test_write_back_check_catches_a_wrong_destination_slot(kernels):
         check = kv_digest(dst_layers, from_table)
         assert (digest_hex(check) == digest_hex(sent)) == expect_ok
         assert digest_hex(kv_digest(dst_layers, written)) == digest_hex(sent)  # not independent
+
+
+def test_reference_in_parallel_ranges_is_the_same(monkeypatch):
+    """Split over the copy threads (ranges of whole chunks, the last one short), same digest."""
+    t = _random((4 * 7 * 5 + 3,), torch.uint8, 9)
+    serial = digest_hex(packed_digest(t))
+    monkeypatch.setattr(digest_mod, "CHUNK_WORDS", 7)
+    monkeypatch.setattr(digest_mod, "PARALLEL_MIN_WORDS", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert digest_hex(packed_digest(t)) == serial == _definition(t)

@@ -30,7 +30,7 @@ HEX_LEN = 16
 Expected = str | list[str] | None  # whole-entry digest, per-head digests of a slice, or none
 
 
-# flip_bit (producer): one bit of the saved entry flips after the digest was taken;
+# flip_bit (producer): one bit of the saved entry flips after the digest was taken (flip_bit);
 # wrong_slot (consumer): every loaded row is written one slot on (an off-by-one slot mapping);
 # no_digest (consumer): this load is not checked (the switch off, for the negative control).
 FAULTS = ("flip_bit", "wrong_slot", "no_digest")
@@ -46,11 +46,20 @@ def faults(params, allowed: bool) -> str:
 
 
 def flip_bit(packed: torch.Tensor) -> None:
-    """Flip the top exponent bit of the middle element of ``packed``'s first layer, in place (a
-    float's magnitude changes by many orders: the answer must change if it lands)."""
-    first_layer = packed[0].reshape(-1)
-    element = first_layer[first_layer.numel() // 2 :][:1].view(torch.uint8)
-    element[-1] ^= 0x40  # little-endian: the last byte holds the sign and the top exponent bits
+    """Flip one bit of ``packed``, in place: the top exponent bit of a float in the first row of
+    the first layer (prompt position 0, or the first block's page: always loaded), one whose
+    magnitude is in ``[1, 2)`` where there is one, so that it becomes inf or NaN and the answer
+    must change if it lands (else that of the largest one; a byte's top bit but one for
+    integer caches)."""
+    row = packed[0, 0, 0].reshape(-1)
+    if not row.dtype.is_floating_point or row.element_size() not in (2, 4, 8):
+        row.view(torch.uint8)[row.numel() * row.element_size() // 2] ^= 0x40
+        return
+    magnitude = row.detach().abs().float().nan_to_num(0.0)
+    in_range = ((magnitude >= 1) & (magnitude < 2)).nonzero()
+    at = int(in_range[0]) if in_range.numel() else int(magnitude.argmax())
+    row[at : at + 1].view(torch.uint8)[-1] ^= 0x40  # little-endian: the last byte holds the
+    # sign and the top exponent bits
 
 
 def shifted_slots(slots: torch.Tensor, first: int, stop: int) -> torch.Tensor:

@@ -207,9 +207,11 @@ def test_fault_hooks_are_parsed_only_when_allowed():
 
 
 def test_flip_bit_and_shifted_slots_hooks():
-    packed = torch.ones(2, 2, 3, 1, 2)  # fp32 ones: the middle element of layer 0 flips
+    packed = torch.full((2, 2, 3, 1, 4), 0.5)
+    packed[0, 0, 0, 0, 2] = -1.5  # the one in [1, 2): its exponent becomes all ones (NaN)
     flip_bit(packed)
-    assert (packed != 1).sum() == 1 and packed[0].reshape(-1)[6] != 1
+    changed = (packed != 0.5) & (packed != -1.5)
+    assert changed.sum() == 1 and torch.isnan(packed[0, 0, 0, 0, 2])
     slots = torch.tensor([-1, 10, 11, 12, 13])
     assert shifted_slots(slots, 1, 5).tolist() == [-1, 11, 12, 13, -1]
 

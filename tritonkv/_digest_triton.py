@@ -77,12 +77,33 @@ def _digest_bytes_kernel(
     add_lanes(digest_ptr, a, b)
 
 
+@triton.jit(do_not_specialize=["num_words"])
+def _digest_words_kernel(
+    words_ptr,  # [num_words] int32: the packed tensor's bytes as 32-bit words
+    digest_ptr,  # [2] int64 lane sums, zeroed by the caller
+    num_words,
+    BLOCK: tl.constexpr,
+):
+    """Grid ``(cdiv(num_words, BLOCK),)``: BLOCK words (tensors of whole words only)."""
+    words = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = words < num_words
+    w = tl.load(words_ptr + words, mask=ok, other=0).to(tl.uint32, bitcast=True)
+    a, b = _word_lanes(w, words, ok)
+    add_lanes(digest_ptr, a, b)
+
+
 def byte_lanes(packed: torch.Tensor, lanes: torch.Tensor) -> None:
     """Add the lane sums of every byte of contiguous ``packed`` into ``lanes`` (``[2]`` int64):
-    the digest's own launch, for packed tensors the copy kernels read in 1- or 2-byte integers."""
+    the digest's own launch, for tensors no copy kernel reads in 4- or 8-byte integers (32-bit
+    word loads when the size is whole words and the address aligned, else byte loads)."""
     num_bytes = packed.numel() * packed.element_size()
     if num_bytes == 0:
         return
     block = 1024
+    flat = packed.reshape(-1).view(torch.uint8)
+    if num_bytes % 4 == 0 and flat.data_ptr() % 4 == 0:
+        grid = (triton.cdiv(num_bytes // 4, block),)
+        _digest_words_kernel[grid](flat.view(torch.int32), lanes, num_bytes // 4, BLOCK=block)
+        return
     grid = (triton.cdiv(triton.cdiv(num_bytes, 4), block),)
-    _digest_bytes_kernel[grid](packed.reshape(-1).view(torch.uint8), lanes, num_bytes, BLOCK=block)
+    _digest_bytes_kernel[grid](flat, lanes, num_bytes, BLOCK=block)

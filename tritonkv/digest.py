@@ -37,6 +37,7 @@ __all__ = [
     "DIGEST_SIZE",
     "digest_hex",
     "digests_equal",
+    "digests_hex",
     "finalize",
     "packed_digest",
     "tensor_digest",
@@ -185,8 +186,15 @@ def tensor_digest(t: torch.Tensor) -> torch.Tensor:
 
 def digest_hex(digest: torch.Tensor) -> str:
     """16 lowercase hex digits (lane A then B): how metadata and logs carry a digest (syncs)."""
-    a, b = (int(x) for x in digest.tolist())
-    return f"{a:08x}{b:08x}"
+    return digests_hex([digest])[0]
+
+
+def digests_hex(digests: list[torch.Tensor]) -> list[str]:
+    """:func:`digest_hex` of each digest (of one device), with one host synchronisation."""
+    if not digests:
+        return []
+    values = torch.stack(digests).tolist()
+    return [f"{a:08x}{b:08x}" for a, b in values]
 
 
 def digests_equal(expected: torch.Tensor | str, got: torch.Tensor | str) -> bool:

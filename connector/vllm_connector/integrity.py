@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from tritonkv import kv_digest
-from tritonkv.digest import digest_hex, tensor_digest
+from tritonkv.digest import digest_hex, digests_hex, tensor_digest
 
 DIGEST_KEY = "kv_digest"  # entry meta: 16 hex digits of the whole packed KV
 HEAD_DIGESTS_KEY = "kv_head_digests"  # entry meta: 16 hex digits per head, concatenated
@@ -87,9 +87,8 @@ def entry_meta(packed: torch.Tensor, digest: torch.Tensor, kv_format: str) -> di
     head_size]``) whose pack returned ``digest``."""
     meta = {DIGEST_KEY: digest_hex(digest)}
     if kv_format == "tokens" and packed.shape[3] > 1:  # a consumer may pull a slice of heads
-        meta[HEAD_DIGESTS_KEY] = "".join(
-            digest_hex(tensor_digest(packed[:, :, :, h])) for h in range(packed.shape[3])
-        )
+        heads = [tensor_digest(packed[:, :, :, h]) for h in range(packed.shape[3])]
+        meta[HEAD_DIGESTS_KEY] = "".join(digests_hex(heads))
     return meta
 
 
@@ -136,10 +135,10 @@ def check_read(want: Expected, packed: torch.Tensor, read: torch.Tensor | None) 
         if got != want:
             raise DigestMismatch("read", want, got)
         return
-    for j, sent in enumerate(want):
-        got = digest_hex(tensor_digest(packed[:, :, :, j]))
-        if got != sent:
-            raise DigestMismatch("read", sent, got, what=f"head {j} of the slice")
+    got = digests_hex([tensor_digest(packed[:, :, :, j]) for j in range(len(want))])
+    for j, (sent, seen) in enumerate(zip(want, got, strict=True)):
+        if seen != sent:
+            raise DigestMismatch("read", sent, seen, what=f"head {j} of the slice")
 
 
 def check_write_back(

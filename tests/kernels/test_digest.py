@@ -73,8 +73,13 @@ def test_reference_is_the_definition(monkeypatch, num_bytes):
     want = _definition(t)
     assert digest_hex(packed_digest(t)) == want
     lanes = torch.zeros(2, dtype=torch.int64)
-    byte_lanes(t, lanes)
+    byte_lanes(t, lanes)  # word loads for whole words, byte loads else
     assert digest_hex(finalize(lanes, num_bytes)) == want
+    if num_bytes > 4:  # an unaligned start: byte loads
+        unaligned = _random((num_bytes + 1,), torch.uint8, num_bytes)[1:]
+        lanes.zero_()
+        byte_lanes(unaligned, lanes)
+        assert digest_hex(finalize(lanes, num_bytes)) == _definition(unaligned)
 
 
 def test_digest_of_a_dtype_is_the_digest_of_its_bytes():

@@ -12,7 +12,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.autotuner import Autotuner
 
-from tritonkv._digest_triton import _digest_bytes_kernel
+from tritonkv._digest_triton import _digest_bytes_kernel, _digest_words_kernel
 from tritonkv._hidden_triton import _hidden_copy_kernel
 from tritonkv._index import INDEX_BLOCK, _seq_index_kernel
 from tritonkv._kv_triton import _kv_copy_kernel
@@ -133,6 +133,9 @@ def main():
     pointers = {"bytes_ptr": "*u8", "digest_ptr": "*i64"}
     result = compile_variant(_digest_bytes_kernel, pointers, {"BLOCK": 1024}, list(pointers))
     print(json.dumps({"kernel": "digest-bytes", **result}))
+    pointers = {"words_ptr": "*i32", "digest_ptr": "*i64"}
+    result = compile_variant(_digest_words_kernel, pointers, {"BLOCK": 1024}, list(pointers))
+    print(json.dumps({"kernel": "digest-words", **result}))
     for offsets in ("*i32", "*i64"):
         for has_ids in (False, True):
             for last_only in (False, True):

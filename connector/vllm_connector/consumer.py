@@ -9,7 +9,10 @@ allocating it: :func:`expected_bytes`), before the step's forward pass, or,
 with ``async_load``, fetches on load threads and unpacks in the first ``get_finished`` after, on
 the worker's own thread. It asks producers, on a thread of its own, to drop entries nobody here
 will load, and stops asking a producer that timed out for a while (:class:`ProducerBackoff`).
-Every failure is logged and its blocks go to the error set: vLLM recomputes them. No vLLM import.
+Every failure is logged and its blocks go to the error set: vLLM recomputes them. With ``digest`` on
+(the default) the unpack's digest of what it read must equal the producer's, and with
+``digest_write_back`` the written slots are read back too (:mod:`.integrity`); a mismatch is such
+a failure, also counted in ``digest_failures``. No vLLM import.
 """
 
 from __future__ import annotations

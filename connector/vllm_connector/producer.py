@@ -5,7 +5,8 @@ every layer with **one** :func:`tritonkv.pack_kv` call (token rows or whole page
 ``kv_format`` option) into the rank's :class:`~connector.kvstore.KVBuffer` under its transfer id;
 each entry is bound to its prompt's digest (``SaveSpec.prompt_digest``), so that the
 :class:`~connector.kvstore.KVServer` serving the buffer on ``engine_port + tp_rank`` (GET and
-DISCARD only) serves or drops it only for a request presenting that digest; and a :class:`BufferWatcher` logs the buffer's occupancy. No vLLM import.
+DISCARD only) serves or drops it only for a request presenting that digest; and a :class:`BufferWatcher` logs the buffer's occupancy. With ``digest`` on (the default) the entry's meta also
+carries the integrity digest the pack computed (:mod:`.integrity`). No vLLM import.
 """
 
 from __future__ import annotations

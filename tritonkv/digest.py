@@ -12,14 +12,18 @@ Definition (the same bits on every backend, whatever the copy width or block ord
 - the byte count is folded in at the end: ``digest = [fmix32(A ^ c0), fmix32(B ^ c1)]`` with
   ``c0, c1`` derived from ``num_bytes`` (:func:`finalize`).
 
-What it detects (proved by tests/kernels/test_digest.py on both backends): a change of any single
-word, so any single-bit flip, always (``fmix32`` is a bijection, so the word's term changes, and no
-other term does); two swapped tokens, swapped layers, K and V swapped (each word's term depends on
-its position); a zeroed block; a truncated tail (fewer terms and another byte count). Multi-word
-changes go unseen with a probability of about 2**-64 for errors that do not depend on the
-function (accidents: bad bytes, wrong slots, stale pages). It is **not a MAC**: anyone can compute
-it, so it does nothing against an attacker who can rewrite the data; the transport's authenticated
-session is what stops those. Positions repeat every 2**32 words (16 GiB of packed data).
+What it detects. By construction: any change of a single word, so any single-bit flip, always
+(``fmix32`` is a bijection, so that word's term in lane A changes and no other term does; the
+finalization is a bijection too). With overwhelming probability, not by construction: two swapped
+tokens, swapped layers, K and V swapped (a word's term depends on its position), a zeroed block, a
+truncated tail (fewer terms and another byte count), and any other multi-word change; for such a
+change lane A, a sum of well-mixed 32-bit terms, stays equal by chance (about 2**-32), and lane B,
+a position-weighted sum of the same terms, is a second, different check (together about 2**-64 if
+the lanes behave independently: a heuristic, not a proven bound). tests/kernels/test_digest.py
+checks each case of that list with hypothesis on both backends, and that a digest without the
+position key misses swaps. It is **not a MAC**: anyone can compute it, so it does nothing against
+an attacker who can rewrite the data; the transport's authenticated session is what stops those.
+Positions repeat every 2**32 words (16 GiB of packed data).
 
 The digest is a ``[2]`` int64 tensor (``A``, ``B``, each in ``[0, 2**32)``) on the packed tensor's
 device; :func:`digest_hex` spells it as 16 hex digits. This module holds the definition as the

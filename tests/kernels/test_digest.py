@@ -41,14 +41,15 @@ def kernels(request, monkeypatch):
     return request.param
 
 
-def _definition(packed: torch.Tensor) -> str:
-    """The digest by the module docstring's definition, word by word in Python (small tensors)."""
+def _definition(packed: torch.Tensor, keyed: bool = True) -> str:
+    """The digest by the module docstring's definition, word by word in Python (small tensors);
+    ``keyed=False``: the same without the position key (what the detection tests rule out)."""
     raw = bytes(bits(packed).reshape(-1).tolist())
     raw += b"\0" * (-len(raw) % 4)
     a = b = 0
     for p in range(len(raw) // 4):
         w = int.from_bytes(raw[4 * p : 4 * p + 4], "little")
-        k = (p * digest_mod.KEY + digest_mod.SEED) & digest_mod.MASK
+        k = (p * digest_mod.KEY + digest_mod.SEED) & digest_mod.MASK if keyed else 0
         h = digest_mod.fmix32(w ^ k)
         a, b = (a + h) & digest_mod.MASK, (b + h * (k | 1)) & digest_mod.MASK
     c0, c1 = digest_mod.count_keys(len(bits(packed).reshape(-1)))
@@ -88,6 +89,16 @@ def test_digest_of_a_dtype_is_the_digest_of_its_bytes():
     assert digest_hex(packed_digest(t)) == _definition(t)
 
 
+def test_without_the_position_key_a_swap_would_go_unseen():
+    """Why positions are keyed: an unkeyed sum of mixed words cannot see two swapped tokens."""
+    packed = _random((1, 2, 3, 1, 4), torch.float32, 5)
+    swapped = packed.clone()
+    swapped[:, :, [0, 2]] = packed[:, :, [2, 0]]
+    assert _definition(packed, keyed=False) == _definition(swapped, keyed=False)
+    assert _definition(packed) != _definition(swapped)
+    assert digest_hex(packed_digest(packed)) != digest_hex(packed_digest(swapped))
+
+
 def test_reference_rejects_non_contiguous_and_non_tensors():
     with pytest.raises(ValueError, match="contiguous"):
         packed_digest(torch.zeros(4, 4).t())
@@ -100,7 +111,13 @@ def test_reference_rejects_non_contiguous_and_non_tensors():
 TWIN_CASES = [
     (layout, dtype, head_size)
     for layout in LAYOUT_IDS
-    for dtype, head_size in ((torch.float32, 8), (torch.bfloat16, 6), (torch.float8_e4m3fn, 5))
+    for dtype, head_size in (
+        (torch.float32, 8),
+        (torch.bfloat16, 6),
+        (torch.float16, 8),
+        (torch.float8_e4m3fn, 5),
+        (torch.int8, 8),
+    )
 ]
 
 

@@ -92,8 +92,10 @@ def finalize(lanes: torch.Tensor, num_bytes: int) -> torch.Tensor:
     Returns:
         ``[2]`` int64 digest, each lane in ``[0, 2**32)``, on ``lanes``' device.
     """
-    keys = torch.tensor(count_keys(num_bytes), dtype=torch.int64).to(lanes.device)
-    return _fmix32_torch((lanes & MASK) ^ keys)
+    mixed = lanes & MASK
+    for lane, key in enumerate(count_keys(num_bytes)):  # scalars: no host-to-device copy
+        mixed[lane] ^= key
+    return _fmix32_torch(mixed)
 
 
 def _lanes_numpy(words: np.ndarray, first_word: int = 0) -> tuple[int, int]:

@@ -178,7 +178,10 @@ def pack_kv(
             view objects do, so keep them alive while the graph may replay).
         digest: also return the integrity digest of ``packed`` (:mod:`tritonkv.digest`),
             computed by the Triton kernel in its copy launch (its own launch when the copy moves
-            1- or 2-byte integers); by the twin, in a pass over ``packed`` after the copy.
+            1- or 2-byte integers) and finalised by two tiny torch ops, with no host
+            synchronisation (not yet tried under CUDA-graph capture); by the twin, in a NumPy
+            pass over ``packed`` after the copy (several times the copy's time on a CPU:
+            ``bench/bench_kv.py --suite digest``).
 
     Returns:
         ``(packed, cu_seqlens)``: ``packed`` as ``out`` above (cache dtype) and ``cu_seqlens``

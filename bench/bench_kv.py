@@ -13,6 +13,7 @@ Usage::
 
     python -m bench.bench_kv                    # cpu suite (or gpu suite when a GPU is present)
     python -m bench.bench_kv --suite gpu-check --outdir OUT [--deadline-s 170] [--dry-run]
+    python -m bench.bench_kv --suite digest     # the digest's cost at 4096 tokens (digest.txt)
 
 ``--dry-run`` shrinks every model and sweep to a few tiny points (runs anywhere in seconds).
 See bench/README.md for how to read the CSVs and plots.
@@ -43,7 +44,16 @@ from tritonkv._kv_triton import _kv_copy_kernel
 from . import baselines, common
 from .common import Row
 
-PROVIDERS = ["tritonkv", "torch", "loop", "copy"]
+# digest: tritonkv with digest=True (same run, so "digest" / "tritonkv" is the digest's cost);
+# write_back (unpack_kv only): that, then kv_digest over the written slots (the write-back check)
+PROVIDERS = ["tritonkv", "digest", "torch", "loop", "copy"]
+
+
+def providers(op: str) -> list[str]:
+    """The lines of ``op``'s plots."""
+    return [*PROVIDERS, "write_back"] if op == "unpack_kv" else PROVIDERS
+
+
 SEQ_TOKENS = {"tokens": 512, "seqs": 16}  # tokens per selected sequence in each sweep
 
 
@@ -118,8 +128,16 @@ def suite(name: str, dry_run: bool = False) -> list[Plan]:
         tokens, seqs = (16, 64, 256, 1024, 4096, 8192, 16384, 32768), (1, 2, 4, 8, 16, 32, 64)
     elif name == "gpu-check":
         tokens, seqs = (256, 4096, 32768), (1, 8, 32, 64)
+    elif name == "digest":  # the integrity digest's on/off ratio at the goal size
+        cases = CPU_KV_CASES if not common.on_gpu() else KV_CASES
+        plans = [
+            Plan(op, "tokens", m, lay, (4096,))
+            for op in ("pack_kv", "unpack_kv")
+            for m, lay in cases
+        ]
+        return plans + [Plan("pack_hidden", "tokens", m, lay, (4096,)) for m, lay in HIDDEN_CASES]
     else:
-        raise ValueError(f"suite: expected cpu, gpu or gpu-check, got {name!r}")
+        raise ValueError(f"suite: expected cpu, gpu, gpu-check or digest, got {name!r}")
     plans = []
     if name == "gpu-check":  # the goals first: llama3-8b both layouts, then the other shapes
         first, rest = KV_CASES[:2], KV_CASES[2:]
@@ -313,21 +331,28 @@ class CaseBuffers:
         if self.plan.op == "pack_kv":
             torch_out = torch.zeros_like(out)
             fns["tritonkv"] = lambda: tritonkv.pack_kv(self.layers, *args, out=out)
+            fns["digest"] = lambda: tritonkv.pack_kv(self.layers, *args, out=out, digest=True)
             fns["torch"] = lambda: baselines.torch_pack_kv(self.layers, *args, torch_out)
             fns["loop"] = lambda: baselines.loop_pack_kv(self.layers, *args)
             checks = {"tritonkv": lambda: fns["tritonkv"]()[0], "torch": fns["torch"]}
+            checks["digest"] = lambda: fns["digest"]()[0]
             for name, fn in checks.items():  # (the loop made ``expected``)
                 if not same_bits(fn(), expected):
                     raise AssertionError(f"{self.plan.case} x={x}: {name} pack differs")
         else:
             fns["tritonkv"] = lambda: tritonkv.unpack_kv(out, self.dst_layers, *args)
+            fns["digest"] = lambda: tritonkv.unpack_kv(out, self.dst_layers, *args, digest=True)
+            fns["write_back"] = lambda: (
+                fns["digest"](),
+                tritonkv.kv_digest(self.dst_layers, *args),
+            )
             fns["torch"] = lambda: baselines.torch_unpack_kv(out, self.dst_layers, *args)
             fns["loop"] = lambda: baselines.loop_unpack_kv(out, self.dst_layers, *args)
             for raw in self.ref_raws:
                 raw.view(-1).view(torch.int8).zero_()
             tritonkv.unpack_kv(out, self.ref_layers, *args)
             config = winning_config("unpack_kv")
-            for name in ("tritonkv", "torch", "loop"):
+            for name in ("tritonkv", "digest", "write_back", "torch", "loop"):
                 for raw in self.dst_raws:
                     raw.view(-1).view(torch.int8).zero_()
                 fns[name]()
@@ -360,6 +385,7 @@ class CaseBuffers:
         torch_out, copy_dst = torch.zeros_like(out), torch.zeros_like(out)
         fns = {
             "tritonkv": lambda: tritonkv.pack_hidden(hidden, qsl_t, ids_t, out=out)[0],
+            "digest": lambda: tritonkv.pack_hidden(hidden, qsl_t, ids_t, out=out, digest=True)[0],
             "torch": lambda: baselines.torch_pack_hidden(hidden, qsl_t, ids_t, torch_out),
             "loop": lambda: baselines.loop_pack_hidden(hidden, qsl_t, ids_t),
             "copy": lambda: baselines.copy(copy_dst, expected),
@@ -381,6 +407,7 @@ class Runner:
         self._buffers: tuple[Plan, CaseBuffers] | None = None
         self._point: tuple[tuple, Point] | None = None
         self.device = common.bench_device()
+        self.digest_ratios: list[str] = []  # "op case x=N provider: on/off ratio" (CPU only)
 
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
@@ -426,6 +453,9 @@ class Runner:
             vs_loop = common.paired_ratio(point.rounds["loop"], mine)
             if sweep == "tokens":
                 frac_copy = common.paired_ratio(point.rounds["copy"], mine)
+            if provider in ("digest", "write_back"):  # the digest's cost, same rounds
+                ratio = common.paired_ratio(mine, point.rounds["tritonkv"])
+                self.digest_ratios.append(f"{op} {plan.case} x={int(x)} {provider}: {ratio:.3f}")
         self.rows.append(
             Row(
                 op=op,
@@ -458,9 +488,9 @@ class Runner:
             x_names=["x"],
             x_vals=list(plan.xs),
             line_arg="provider",
-            line_vals=PROVIDERS,
-            line_names=PROVIDERS,
-            styles=[common.STYLES[p] for p in PROVIDERS],
+            line_vals=providers(plan.op),
+            line_names=providers(plan.op),
+            styles=[common.STYLES[p] for p in providers(plan.op)],
             ylabel="GB/s" if plan.sweep == "tokens" else "ms",
             plot_name=f"{plan.op}-{plan.sweep}-{plan.case.replace('/', '-')}",
             args={"op": plan.op, "sweep": plan.sweep, "model": plan.model, "layout": plan.layout},
@@ -476,7 +506,7 @@ class Runner:
             self.log(f"{bench.plot_name} ({time.monotonic() - started:.1f} s):\n{df.to_string()}")
         else:  # perf_report's loop without pandas: same calls, a plain printout
             for x in plan.xs:
-                vals = [self(x, p, **bench.args)[0] for p in PROVIDERS]
+                vals = [self(x, p, **bench.args)[0] for p in providers(plan.op)]
                 self.log(f"{bench.plot_name} x={x}: " + " ".join(f"{v:.4g}" for v in vals))
         self._buffers = self._point = None
         return not self.expired()
@@ -557,7 +587,7 @@ def _stamp_line(st: common.Stamp) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--suite", choices=["cpu", "gpu", "gpu-check"], default=None)
+    parser.add_argument("--suite", choices=["cpu", "gpu", "gpu-check", "digest"], default=None)
     parser.add_argument("--outdir", type=Path, default=None)
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes, a few points")
     parser.add_argument("--deadline-s", type=float, default=None, help="skip what starts later")
@@ -602,7 +632,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nGoals ({kind}):\n  " + "\n  ".join(lines or ["no point reached the goal sizes"]))
     load = "load average (1, 5, 15 min) at the end: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
     print(load)
-    if not combined:
+    if runner.digest_ratios:
+        print("digest on/off (time ratio):\n  " + "\n  ".join(runner.digest_ratios))
+    if name == "digest":
+        (outdir / "digest.txt").write_text(
+            f"{_stamp_line(st)}\n{load}\n" + "\n".join(runner.digest_ratios) + "\n"
+        )
+    elif not combined:
         (outdir / "summary.txt").write_text(
             f"{_stamp_line(st)}\n{load}\n" + "\n".join(lines) + "\n"
         )

@@ -293,6 +293,8 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 STYLES = {"tritonkv": ("tab:blue", "-"), "torch": ("tab:orange", "--"), "loop": ("tab:red", ":")}
 STYLES["copy"] = ("black", "-.")
+STYLES["digest"] = ("tab:green", "-")
+STYLES["write_back"] = ("tab:purple", "--")
 
 
 def have_matplotlib() -> bool:

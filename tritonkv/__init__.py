@@ -3,18 +3,22 @@
 Public API::
 
     from tritonkv import pack_kv, unpack_kv, pack_hidden, unpack_hidden, layouts
+    from tritonkv import kv_digest, digest  # integrity digests (pack_kv(..., digest=True))
 
 See :mod:`tritonkv.layouts` for the view convention every op uses.
 """
 
-from . import layouts
+from . import digest, layouts
 from ._dispatch import use_triton
 from ._version import __version__
 from .hidden import pack_hidden, pack_hidden_torch, unpack_hidden, unpack_hidden_torch
-from .kv import pack_kv, pack_kv_torch, unpack_kv, unpack_kv_torch
+from .kv import kv_digest, kv_digest_torch, pack_kv, pack_kv_torch, unpack_kv, unpack_kv_torch
 
 __all__ = [
     "__version__",
+    "digest",
+    "kv_digest",
+    "kv_digest_torch",
     "layouts",
     "pack_hidden",
     "pack_hidden_torch",

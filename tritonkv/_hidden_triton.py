@@ -11,13 +11,16 @@ import triton
 import triton.language as tl
 
 from ._autotune import TunedLaunch, autotune_bench, autotune_configs
+from ._digest_triton import add_lanes, tile_lanes
 from ._index import SeqIndex, flat_token
 
 __all__ = ["copy_hidden"]
 
 
 @triton.autotune(
-    configs=autotune_configs(), key=["hidden_size", "BLOCK_H", "UNPACK"], do_bench=autotune_bench
+    configs=autotune_configs(),
+    key=["hidden_size", "BLOCK_H", "UNPACK", "DIGEST"],
+    do_bench=autotune_bench,
 )
 @triton.jit(do_not_specialize=["num_rows", "num_sel", "search_steps"])
 def _hidden_copy_kernel(
@@ -25,6 +28,7 @@ def _hidden_copy_kernel(
     cu_seqlens_ptr,  # [num_sel + 1] int64
     src_start_ptr,  # [num_sel] int64
     packed_ptr,  # [num_rows, hidden_size] integer view, contiguous
+    digest_ptr,  # [2] int64 lane sums (DIGEST only)
     num_rows,
     num_sel,
     search_steps,
@@ -33,9 +37,15 @@ def _hidden_copy_kernel(
     stride_col,
     BLOCK_H: tl.constexpr,
     UNPACK: tl.constexpr,
+    DIGEST: tl.constexpr,
+    WORDS: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    """Grid ``(cdiv(num_rows, BLOCK_T), cdiv(hidden_size, BLOCK_H))``: BLOCK_T rows × BLOCK_H cols."""
+    """Grid ``(cdiv(num_rows, BLOCK_T), cdiv(hidden_size, BLOCK_H))``: BLOCK_T rows × BLOCK_H cols.
+
+    With DIGEST, each program adds the lane sums of the packed elements it moved (``WORDS``
+    32-bit words each) into ``digest_ptr`` (:mod:`tritonkv._digest_triton`).
+    """
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < num_rows
     token = flat_token(rows, row_ok, cu_seqlens_ptr, src_start_ptr, num_sel, search_steps)
@@ -44,13 +54,23 @@ def _hidden_copy_kernel(
     hidden_addr = hidden_ptr + (token * stride_row)[:, None] + (cols * stride_col)[None, :]
     packed_addr = packed_ptr + (rows * hidden_size)[:, None] + cols[None, :]
     if UNPACK:
-        tl.store(hidden_addr, tl.load(packed_addr, mask=mask), mask=mask)
+        x = tl.load(packed_addr, mask=mask)
+        tl.store(hidden_addr, x, mask=mask)
     else:
-        tl.store(packed_addr, tl.load(hidden_addr, mask=mask), mask=mask)
+        x = tl.load(hidden_addr, mask=mask)
+        tl.store(packed_addr, x, mask=mask)
+    if DIGEST:
+        a, b = tile_lanes(x, (rows * hidden_size)[:, None] + cols[None, :], mask, WORDS)
+        add_lanes(digest_ptr, a, b)
 
 
 def copy_hidden(
-    hidden: torch.Tensor, index: SeqIndex, packed: torch.Tensor, *, unpack: bool
+    hidden: torch.Tensor,
+    index: SeqIndex,
+    packed: torch.Tensor,
+    *,
+    unpack: bool,
+    lanes: torch.Tensor | None = None,
 ) -> None:
     """Pack (``hidden`` rows → ``packed``) or unpack (``packed`` → ``hidden`` rows) in one launch.
 
@@ -60,11 +80,14 @@ def copy_hidden(
         packed: ``[num_rows, hidden_size]`` integer view of ``hidden``'s width, contiguous;
             ``num_rows > 0``.
         unpack: write ``packed`` into ``hidden`` instead of reading it.
+        lanes: ``[2]`` int64 zeros, or None: add the digest's lane sums of the packed elements
+            into it (``packed`` of 4- or 8-byte integers only).
     """
     num_rows, hidden_size = packed.shape
     block_h = min(triton.next_power_of_2(hidden_size), 1024)
     grid = lambda meta: (triton.cdiv(num_rows, meta["BLOCK_T"]), triton.cdiv(hidden_size, block_h))
-    key = (hidden_size, block_h, unpack, hidden.dtype, packed.dtype)  # the autotuner's, in effect
+    digest = lanes is not None
+    key = (hidden_size, block_h, unpack, digest, hidden.dtype, packed.dtype)  # the autotuner's
     _HIDDEN_COPY(
         key,
         grid,
@@ -72,6 +95,7 @@ def copy_hidden(
         cu_seqlens_ptr=index.cu_seqlens,
         src_start_ptr=index.src_start,
         packed_ptr=packed,
+        digest_ptr=lanes if digest else index.cu_seqlens,  # never read without DIGEST
         num_rows=num_rows,
         num_sel=index.num_sel,
         search_steps=index.search_steps,
@@ -80,6 +104,8 @@ def copy_hidden(
         stride_col=hidden.stride(1),
         BLOCK_H=block_h,
         UNPACK=unpack,
+        DIGEST=digest,
+        WORDS=max(packed.element_size() // 4, 1),
     )
 
 

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ._autotune import TunedLaunch, autotune_bench, autotune_configs
+from ._digest_triton import add_lanes, tile_lanes
 from ._index import SeqIndex, flat_token
 
 __all__ = ["LaunchGroup", "copy_kv", "launch_groups"]
@@ -46,6 +47,7 @@ def _copy_heads(
     cache_ptr,  # [*] integer view: base of every layer's address
     layer_offset,  # element offset of this layer's K (or V) view from cache_ptr
     packed_ptr,  # [num_rows, num_kv_heads, head_size] this layer's K (or V) part of the packed tensor
+    packed_first,  # element offset of packed_ptr in the whole packed tensor (digest positions)
     rows,
     row_ok,
     cached,
@@ -59,8 +61,12 @@ def _copy_heads(
     HEAD_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
     UNPACK: tl.constexpr,
+    STORE: tl.constexpr,
+    DIGEST: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
-    """Copy BLOCK_T rows × all heads between one cache view and the packed tensor."""
+    """Copy BLOCK_T rows × all heads between one cache view and the packed tensor; returns the
+    lane sums of the packed elements it moved (zeros without DIGEST)."""
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < HEAD_SIZE  # folds away when BLOCK_D == HEAD_SIZE, keeping accesses vectorised
     # All offsets are int64 tensors (block, offset and rows are): no int32 wrap-around. Integer
@@ -68,22 +74,33 @@ def _copy_heads(
     cache_rows = layer_offset + block * stride_b + offset * stride_n
     cache_cols = cols.to(tl.int64) * stride_d
     packed_rows = rows * num_kv_heads * HEAD_SIZE
+    sum_a = tl.zeros((), dtype=tl.uint64)
+    sum_b = tl.zeros((), dtype=tl.uint64)
     for _ in range(num_kv_heads):
         cache_addr = cache_ptr + cache_rows[:, None] + cache_cols[None, :]
         packed_addr = packed_ptr + packed_rows[:, None] + cols[None, :]
         if UNPACK:
-            x = tl.load(packed_addr, mask=cached[:, None] & col_ok[None, :])
+            # with the digest, rows without a slot are read too: the digest covers every row
+            read_ok = row_ok if DIGEST else cached
+            x = tl.load(packed_addr, mask=read_ok[:, None] & col_ok[None, :], other=0)
             tl.store(cache_addr, x, mask=cached[:, None] & col_ok[None, :])
         else:
             x = tl.load(cache_addr, mask=cached[:, None] & col_ok[None, :], other=0)
-            tl.store(packed_addr, x, mask=row_ok[:, None] & col_ok[None, :])
+            if STORE:
+                tl.store(packed_addr, x, mask=row_ok[:, None] & col_ok[None, :])
+        if DIGEST:
+            elem = packed_first + packed_rows[:, None] + cols[None, :]
+            a, b = tile_lanes(x, elem, row_ok[:, None] & col_ok[None, :], WORDS)
+            sum_a += a
+            sum_b += b
         cache_rows += stride_h
         packed_rows += HEAD_SIZE
+    return sum_a, sum_b
 
 
 # stride_kh tells the layouts apart (head_size for NHD, block_size * head_size for HND, ...): it
 # does not change with the number of blocks, so a cache does not retune as it grows.
-_KEY = ["num_kv_heads", "HEAD_SIZE", "HAS_V", "UNPACK", "stride_kh"]
+_KEY = ["num_kv_heads", "HEAD_SIZE", "HAS_V", "UNPACK", "STORE", "DIGEST", "stride_kh"]
 
 
 @triton.autotune(configs=autotune_configs(), key=_KEY, do_bench=autotune_bench)
@@ -95,6 +112,8 @@ def _kv_copy_kernel(
     cu_seqlens_ptr,  # [num_sel + 1] int64
     src_start_ptr,  # [num_sel] int64
     packed_ptr,  # [num_layers, 1 + HAS_V, num_rows, num_kv_heads, head_size], contiguous
+    digest_ptr,  # [2] int64 lane sums (DIGEST only)
+    packed_first,  # element offset of packed_ptr in the whole packed tensor
     num_rows,
     num_sel,
     search_steps,
@@ -115,13 +134,18 @@ def _kv_copy_kernel(
     HEAD_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
     UNPACK: tl.constexpr,
+    STORE: tl.constexpr,
+    DIGEST: tl.constexpr,
+    WORDS: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     """Pack (cache → packed) or unpack (packed → cache) every layer in one launch.
 
     Grid ``(cdiv(num_rows, BLOCK_T), num_layers)``: a program copies BLOCK_T packed rows of one
     layer, all heads, K then V. Rows whose slot is -1 are written as zeros when packing and skipped
-    when unpacking.
+    when unpacking. With DIGEST, each program adds the lane sums (:mod:`tritonkv.digest`) of the
+    packed elements it wrote (pack) or read (unpack) into ``digest_ptr``, ``WORDS`` 32-bit words
+    per element; without STORE (pack only) nothing is written but the lane sums.
     """
     layer = tl.program_id(1).to(tl.int64)
     rows, row_ok, cached, block, offset = _kv_rows(
@@ -135,10 +159,11 @@ def _kv_copy_kernel(
         BLOCK_T,
     )
     k_offset = tl.multiple_of(tl.load(layer_offsets_ptr + 2 * layer), ALIGN)
-    _copy_heads(
+    sum_a, sum_b = _copy_heads(
         cache_ptr,
         k_offset,
         packed_ptr + layer * stride_packed_layer,
+        packed_first + layer * stride_packed_layer,
         rows,
         row_ok,
         cached,
@@ -152,13 +177,17 @@ def _kv_copy_kernel(
         HEAD_SIZE,
         BLOCK_D,
         UNPACK,
+        STORE,
+        DIGEST,
+        WORDS,
     )
     if HAS_V:
         v_offset = tl.multiple_of(tl.load(layer_offsets_ptr + 2 * layer + 1), ALIGN)
-        _copy_heads(
+        v_a, v_b = _copy_heads(
             cache_ptr,
             v_offset,
             packed_ptr + layer * stride_packed_layer + stride_packed_part,
+            packed_first + layer * stride_packed_layer + stride_packed_part,
             rows,
             row_ok,
             cached,
@@ -172,7 +201,14 @@ def _kv_copy_kernel(
             HEAD_SIZE,
             BLOCK_D,
             UNPACK,
+            STORE,
+            DIGEST,
+            WORDS,
         )
+        sum_a += v_a
+        sum_b += v_b
+    if DIGEST:
+        add_lanes(digest_ptr, sum_a, sum_b)
 
 
 @dataclass
@@ -218,6 +254,8 @@ def copy_kv(
     *,
     has_v: bool,
     unpack: bool,
+    lanes: torch.Tensor | None = None,
+    store: bool = True,
 ) -> None:
     """Pack (cache → ``packed``) or unpack (``packed`` → cache) with one launch per group.
 
@@ -230,6 +268,9 @@ def copy_kv(
             contiguous.
         has_v: whether the layers have V views (False for MLA).
         unpack: write ``packed`` into the cache instead of reading it.
+        lanes: ``[2]`` int64 zeros, or None: the launch adds the digest's lane sums of the packed
+            elements into it (``packed`` of 4- or 8-byte integers only).
+        store: False (pack only): write nothing into ``packed``, only the lane sums.
     """
     num_rows = packed.shape[2]
     if num_rows == 0:
@@ -238,7 +279,8 @@ def copy_kv(
     for group in groups:
         grid = lambda meta: (triton.cdiv(num_rows, meta["BLOCK_T"]), group.stop - group.start)  # noqa: B023
         # _KEY's values and the tensor arguments' dtypes (the rest are int64 tables)
-        key = (num_kv_heads, head_size, has_v, unpack, group.k_strides[1])
+        digest = lanes is not None
+        key = (num_kv_heads, head_size, has_v, unpack, store, digest, group.k_strides[1])
         key += (group.base.dtype, slot_mapping.dtype, packed.dtype)
         stride_kb, stride_kh, stride_kn, stride_kd = group.k_strides
         stride_vb, stride_vh, stride_vn, stride_vd = group.v_strides
@@ -251,6 +293,8 @@ def copy_kv(
             cu_seqlens_ptr=index.cu_seqlens,
             src_start_ptr=index.src_start,
             packed_ptr=packed[group.start : group.stop],
+            digest_ptr=lanes if digest else slot_mapping,  # never read without DIGEST
+            packed_first=group.start * packed.stride(0),
             num_rows=num_rows,
             num_sel=index.num_sel,
             search_steps=index.search_steps,
@@ -271,6 +315,9 @@ def copy_kv(
             HEAD_SIZE=head_size,
             BLOCK_D=triton.next_power_of_2(head_size),
             UNPACK=unpack,
+            STORE=store,
+            DIGEST=digest,
+            WORDS=max(packed.element_size() // 4, 1),
         )
 
 

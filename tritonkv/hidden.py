@@ -14,17 +14,28 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _hidden_torch, _hidden_triton
+from . import _digest_triton, _hidden_torch, _hidden_triton
 from ._checks import checks_enabled
 from ._dispatch import use_triton
 from ._index import seq_index
 from ._intview import as_int, widest_int_view
+from .digest import finalize, packed_digest
 
 __all__ = ["pack_hidden", "pack_hidden_torch", "unpack_hidden", "unpack_hidden_torch"]
 
 
-def _run(hidden_states, query_start_loc, seq_ids, packed, *, last_only, unpack, force_torch):
-    """Validate, address, widen and dispatch; returns ``(packed, SeqIndex)``."""
+def _run(
+    hidden_states,
+    query_start_loc,
+    seq_ids,
+    packed,
+    *,
+    last_only,
+    unpack,
+    force_torch,
+    digest=False,
+):
+    """Validate, address, widen and dispatch; returns ``(packed, SeqIndex, digest or None)``."""
     if not isinstance(hidden_states, torch.Tensor):
         raise TypeError(f"hidden_states: expected a tensor, got {type(hidden_states).__name__}")
     if hidden_states.dim() != 2 or hidden_states.shape[1] == 0:
@@ -60,12 +71,22 @@ def _run(hidden_states, query_start_loc, seq_ids, packed, *, last_only, unpack, 
     num_rows = packed.shape[0]
     width = widest_int_view([hidden_states, packed], hidden_size * hidden_states.element_size())
     hidden_int, packed_int = as_int(hidden_states, width), as_int(packed, width)
+    result = None
     if use_triton(device) and not force_torch:
+        fused = digest and width >= 4
+        lanes = torch.zeros(2, dtype=torch.int64, device=device) if digest else None
         if num_rows:
-            _hidden_triton.copy_hidden(hidden_int, index, packed_int, unpack=unpack)
+            _hidden_triton.copy_hidden(
+                hidden_int, index, packed_int, unpack=unpack, lanes=lanes if fused else None
+            )
+        if digest and not fused:  # 1- or 2-byte integers: the digest's own launch
+            _digest_triton.byte_lanes(packed, lanes)
+        if digest:
+            result = finalize(lanes, packed.numel() * packed.element_size())
     else:
         _hidden_torch.copy_hidden(hidden_int, index, packed_int, unpack=unpack)
-    return packed, index
+        result = packed_digest(packed) if digest else None
+    return packed, index, result
 
 
 def pack_hidden(
@@ -75,7 +96,8 @@ def pack_hidden(
     *,
     last_only: bool = False,
     out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    digest: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pack the selected sequences' hidden-state rows into one contiguous tensor.
 
     Args:
@@ -85,22 +107,30 @@ def pack_hidden(
         last_only: pack only each selected sequence's last query row.
         out: optional contiguous ``[rows, hidden_size]`` tensor of ``hidden_states``' dtype, rows =
             the selected sequences' query tokens (``len(seq_ids)`` with ``last_only``).
+        digest: also return the integrity digest of ``packed`` (:mod:`tritonkv.digest`), as
+            :func:`tritonkv.pack_kv` does.
 
     Returns:
         ``(packed, cu_seqlens)``: ``packed`` ``[rows, hidden_size]`` and ``cu_seqlens``
         ``[len(seq_ids) + 1]`` int64 row offsets of each selected sequence (``0, 1, 2, ...`` with
-        ``last_only``).
+        ``last_only``). With ``digest=True``, ``(packed, cu_seqlens, digest)``, ``digest`` ``[2]``
+        int64.
     """
-    packed, index = _run(
+    return _pack(hidden_states, query_start_loc, seq_ids, last_only, out, digest, False)
+
+
+def _pack(hidden_states, query_start_loc, seq_ids, last_only, out, digest, force_torch):
+    packed, index, result = _run(
         hidden_states,
         query_start_loc,
         seq_ids,
         out,
         last_only=last_only,
         unpack=False,
-        force_torch=False,
+        force_torch=force_torch,
+        digest=bool(digest),
     )
-    return packed, index.cu_seqlens
+    return (packed, index.cu_seqlens, result) if digest else (packed, index.cu_seqlens)
 
 
 def unpack_hidden(
@@ -110,14 +140,16 @@ def unpack_hidden(
     seq_ids: torch.Tensor | Sequence[int] | None = None,
     *,
     last_only: bool = False,
-) -> None:
+    digest: bool = False,
+) -> torch.Tensor | None:
     """Write rows made by :func:`pack_hidden` back to the same positions of ``hidden_states``.
 
     Args:
         packed: ``[rows, hidden_size]`` contiguous, ``hidden_states``' dtype.
         hidden_states, query_start_loc, seq_ids, last_only: as in :func:`pack_hidden`.
+        digest: return the ``[2]`` int64 digest of ``packed`` as read (else None).
     """
-    _run(
+    return _run(
         hidden_states,
         query_start_loc,
         seq_ids,
@@ -125,26 +157,22 @@ def unpack_hidden(
         last_only=last_only,
         unpack=True,
         force_torch=False,
-    )
+        digest=bool(digest),
+    )[2]
 
 
-def pack_hidden_torch(hidden_states, query_start_loc, seq_ids=None, *, last_only=False, out=None):
+def pack_hidden_torch(
+    hidden_states, query_start_loc, seq_ids=None, *, last_only=False, out=None, digest=False
+):
     """:func:`pack_hidden` on the plain-torch twin, whatever the device and ``TRITONKV_KERNELS``."""
-    packed, index = _run(
-        hidden_states,
-        query_start_loc,
-        seq_ids,
-        out,
-        last_only=last_only,
-        unpack=False,
-        force_torch=True,
-    )
-    return packed, index.cu_seqlens
+    return _pack(hidden_states, query_start_loc, seq_ids, last_only, out, digest, True)
 
 
-def unpack_hidden_torch(packed, hidden_states, query_start_loc, seq_ids=None, *, last_only=False):
+def unpack_hidden_torch(
+    packed, hidden_states, query_start_loc, seq_ids=None, *, last_only=False, digest=False
+):
     """:func:`unpack_hidden` on the plain-torch twin, whatever the device and ``TRITONKV_KERNELS``."""
-    _run(
+    return _run(
         hidden_states,
         query_start_loc,
         seq_ids,
@@ -152,4 +180,5 @@ def unpack_hidden_torch(packed, hidden_states, query_start_loc, seq_ids=None, *,
         last_only=last_only,
         unpack=True,
         force_torch=True,
-    )
+        digest=bool(digest),
+    )[2]

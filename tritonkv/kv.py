@@ -18,14 +18,22 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _kv_torch, _kv_triton
+from . import _digest_triton, _kv_torch, _kv_triton
 from ._checks import check_index, checks_enabled
 from ._dispatch import use_triton
 from ._index import seq_index
 from ._intview import as_int, widest_int_view
 from ._layer_sets import LAYER_SETS, Layers
+from .digest import finalize, packed_digest
 
-__all__ = ["pack_kv", "pack_kv_torch", "unpack_kv", "unpack_kv_torch"]
+__all__ = [
+    "kv_digest",
+    "kv_digest_torch",
+    "pack_kv",
+    "pack_kv_torch",
+    "unpack_kv",
+    "unpack_kv_torch",
+]
 
 
 def _check_packed(name: str, packed: torch.Tensor, shape: tuple, dtype, device) -> None:
@@ -50,8 +58,24 @@ def _check_slots(slot_mapping: torch.Tensor, flat: torch.Tensor, num_slots: int)
         )
 
 
-def _run(layers, slot_mapping, query_start_loc, seq_ids, packed, *, unpack, force_torch):
-    """Common path of pack/unpack: validate, address, widen, dispatch. Returns the SeqIndex."""
+def _run(
+    layers,
+    slot_mapping,
+    query_start_loc,
+    seq_ids,
+    packed,
+    *,
+    unpack,
+    force_torch,
+    digest=False,
+    store=True,
+):
+    """Common path of pack/unpack: validate, address, widen, dispatch.
+
+    Returns ``(packed, SeqIndex, digest or None)``. ``digest``: also compute the digest of the
+    packed tensor (written or read); ``store`` False (pack only): the digest is what is wanted,
+    the packed rows need not be kept.
+    """
     layer_set = LAYER_SETS.lookup(layers)
     shape, dtype, device, has_v = (
         layer_set.shape,
@@ -94,13 +118,30 @@ def _run(layers, slot_mapping, query_start_loc, seq_ids, packed, *, unpack, forc
     row_bytes = head_size * packed.element_size()
     width = min(layer_set.width, widest_int_view([packed], row_bytes, widest), widest)
     packed_int = as_int(packed, width)
+    result = None
     if triton_path:
         groups = layer_set.launches(width, layers)
-        _kv_triton.copy_kv(groups, slot_mapping, index, packed_int, has_v=has_v, unpack=unpack)
+        fused = digest and width >= 4  # the copy reads whole 32-bit words: digest in its launch
+        lanes = torch.zeros(2, dtype=torch.int64, device=device) if digest else None
+        _kv_triton.copy_kv(
+            groups,
+            slot_mapping,
+            index,
+            packed_int,
+            has_v=has_v,
+            unpack=unpack,
+            lanes=lanes if fused else None,
+            store=store or not fused,
+        )
+        if digest and not fused:  # 1- or 2-byte integers: the digest's own launch
+            _digest_triton.byte_lanes(packed, lanes)
+        if digest:
+            result = finalize(lanes, packed.numel() * packed.element_size())
     else:
         groups = layer_set.plan(width, layers)
         _kv_torch.copy_kv(groups, slot_mapping, index, packed_int, unpack=unpack, flat=flat)
-    return packed, index
+        result = packed_digest(packed) if digest else None
+    return packed, index, result
 
 
 def pack_kv(
@@ -110,7 +151,8 @@ def pack_kv(
     seq_ids: torch.Tensor | Sequence[int] | None = None,
     *,
     out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    digest: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pack the selected sequences' KV, every layer, into one contiguous tensor.
 
     Sequence ``i`` of the flat batch owns tokens ``query_start_loc[i] : query_start_loc[i + 1]``;
@@ -134,20 +176,38 @@ def pack_kv(
             be captured in a CUDA graph (after one warm-up call outside the capture, which runs
             autotuning and caches the layer address table; it lives as long as these ``layers``
             view objects do, so keep them alive while the graph may replay).
+        digest: also return the integrity digest of ``packed`` (:mod:`tritonkv.digest`),
+            computed by the Triton kernel in its copy launch (its own launch when the copy moves
+            1- or 2-byte integers) and finalised by two tiny torch ops, with no host
+            synchronisation (not yet tried under CUDA-graph capture); by the twin, in a NumPy
+            pass over ``packed`` after the copy (several times the copy's time on a CPU:
+            ``bench/bench_kv.py --suite digest``).
 
     Returns:
         ``(packed, cu_seqlens)``: ``packed`` as ``out`` above (cache dtype) and ``cu_seqlens``
         ``[len(seq_ids) + 1]`` int64 offsets of each selected sequence in ``packed``'s dim 2.
+        With ``digest=True``, ``(packed, cu_seqlens, digest)``, ``digest`` ``[2]`` int64.
 
     Raises:
         TypeError, ValueError: inputs of the wrong type, shape, dtype or range (the message says
             what was expected and what was given). Offsets and slots are range-checked when the
             index tensors are on the CPU, or on the GPU when ``TRITONKV_CHECK=1``.
     """
-    packed, index = _run(
-        layers, slot_mapping, query_start_loc, seq_ids, out, unpack=False, force_torch=False
+    return _pack(layers, slot_mapping, query_start_loc, seq_ids, out, digest, force_torch=False)
+
+
+def _pack(layers, slot_mapping, query_start_loc, seq_ids, out, digest, *, force_torch):
+    packed, index, result = _run(
+        layers,
+        slot_mapping,
+        query_start_loc,
+        seq_ids,
+        out,
+        unpack=False,
+        force_torch=force_torch,
+        digest=bool(digest),
     )
-    return packed, index.cu_seqlens
+    return (packed, index.cu_seqlens, result) if digest else (packed, index.cu_seqlens)
 
 
 def unpack_kv(
@@ -156,7 +216,9 @@ def unpack_kv(
     slot_mapping: torch.Tensor,
     query_start_loc: torch.Tensor | None = None,
     seq_ids: torch.Tensor | Sequence[int] | None = None,
-) -> None:
+    *,
+    digest: bool = False,
+) -> torch.Tensor | None:
     """Write a tensor made by :func:`pack_kv` into a paged cache, in place.
 
     The addressing mirrors :func:`pack_kv`: packed row ``r`` of selected sequence ``j`` goes to slot
@@ -168,18 +230,92 @@ def unpack_kv(
         packed: ``[num_layers, 2 (1 for MLA), total_selected_tokens, num_kv_heads, head_size]``,
             contiguous, cache dtype.
         layers, slot_mapping, query_start_loc, seq_ids: as in :func:`pack_kv`, for the destination.
+        digest: return the digest of ``packed`` as this call read it (every row, slot -1 rows
+            too), computed as in :func:`pack_kv`; compare it with the producer's
+            (:func:`tritonkv.digest.digests_equal`) to know the bytes arrived intact.
+
+    Returns:
+        None, or with ``digest=True`` the ``[2]`` int64 digest of what was read.
     """
-    _run(layers, slot_mapping, query_start_loc, seq_ids, packed, unpack=True, force_torch=False)
+    return _run(
+        layers,
+        slot_mapping,
+        query_start_loc,
+        seq_ids,
+        packed,
+        unpack=True,
+        force_torch=False,
+        digest=bool(digest),
+    )[2]
 
 
-def pack_kv_torch(layers, slot_mapping, query_start_loc=None, seq_ids=None, *, out=None):
+def kv_digest(
+    layers: Layers,
+    slot_mapping: torch.Tensor,
+    query_start_loc: torch.Tensor | None = None,
+    seq_ids: torch.Tensor | Sequence[int] | None = None,
+) -> torch.Tensor:
+    """The digest :func:`pack_kv` would return for these arguments, without keeping the rows.
+
+    The write-back check: after :func:`unpack_kv`, call it on the destination with slots derived
+    **independently** of the ones the unpack wrote through (e.g. from the block table): it equals
+    the transferred digest only if the destination holds the packed rows at those slots. With the
+    same ``slot_mapping`` as the write it would only re-read what was written, and catch nothing
+    but a failed store. Costs one read of the addressed rows (the Triton kernel stores nothing;
+    the twin packs into a temporary and digests it).
+
+    Args:
+        layers, slot_mapping, query_start_loc, seq_ids: as in :func:`pack_kv`.
+
+    Returns:
+        ``[2]`` int64 digest.
+    """
+    return _run(
+        layers,
+        slot_mapping,
+        query_start_loc,
+        seq_ids,
+        None,
+        unpack=False,
+        force_torch=False,
+        digest=True,
+        store=False,
+    )[2]
+
+
+def pack_kv_torch(
+    layers, slot_mapping, query_start_loc=None, seq_ids=None, *, out=None, digest=False
+):
     """:func:`pack_kv` on the plain-torch twin, whatever the device and ``TRITONKV_KERNELS``."""
-    packed, index = _run(
-        layers, slot_mapping, query_start_loc, seq_ids, out, unpack=False, force_torch=True
-    )
-    return packed, index.cu_seqlens
+    return _pack(layers, slot_mapping, query_start_loc, seq_ids, out, digest, force_torch=True)
 
 
-def unpack_kv_torch(packed, layers, slot_mapping, query_start_loc=None, seq_ids=None) -> None:
+def unpack_kv_torch(
+    packed, layers, slot_mapping, query_start_loc=None, seq_ids=None, *, digest=False
+):
     """:func:`unpack_kv` on the plain-torch twin, whatever the device and ``TRITONKV_KERNELS``."""
-    _run(layers, slot_mapping, query_start_loc, seq_ids, packed, unpack=True, force_torch=True)
+    return _run(
+        layers,
+        slot_mapping,
+        query_start_loc,
+        seq_ids,
+        packed,
+        unpack=True,
+        force_torch=True,
+        digest=bool(digest),
+    )[2]
+
+
+def kv_digest_torch(layers, slot_mapping, query_start_loc=None, seq_ids=None) -> torch.Tensor:
+    """:func:`kv_digest` on the plain-torch twin, whatever the device and ``TRITONKV_KERNELS``."""
+    return _run(
+        layers,
+        slot_mapping,
+        query_start_loc,
+        seq_ids,
+        None,
+        unpack=False,
+        force_torch=True,
+        digest=True,
+        store=False,
+    )[2]

@@ -93,8 +93,20 @@ class ConnectorConfig:
     #: producer: serve on a non-loopback ``host`` without a secret (refused at start otherwise;
     #: warns once).
     insecure: bool = False
-    #: consumer, **tests only**: a request whose params hold ``"tritonkv_debug_corrupt": true``
-    #: gets scrambled KV (the negative control that proves the KV is used).
+    #: both: the integrity digest of every transfer (:mod:`tritonkv.digest`): the producer
+    #: stores the digest its pack computes with the entry, the consumer's unpack checks what it
+    #: read against it; a mismatch is a failed load (recomputed, warned, counted in
+    #: ``digest_failures``). Not a MAC: the secret's authentication is what stops an attacker.
+    #: False is **for benchmarks only** (the digest's cost): corrupted KV then goes unseen.
+    digest: bool = True
+    #: consumer: after the unpack (and with ``digest``), read the slots just written back once
+    #: more, as derived anew from the block table, and compare their digest with the received
+    #: rows' (catches a wrong destination slot). Costs one more read of the loaded KV and a
+    #: digest of it (``bench/bench_kv.py``), hence off by default.
+    digest_write_back: bool = False
+    #: both, **tests only**: a request whose params hold ``"tritonkv_debug_corrupt": true``
+    #: gets scrambled KV (the negative control that proves the KV is used), and one holding
+    #: ``"tritonkv_debug_fault"`` the faults it names (``integrity.FAULTS``: the digest's tests).
     debug_allow_corrupt: bool = False
 
     @classmethod

@@ -9,7 +9,10 @@ allocating it: :func:`expected_bytes`), before the step's forward pass, or,
 with ``async_load``, fetches on load threads and unpacks in the first ``get_finished`` after, on
 the worker's own thread. It asks producers, on a thread of its own, to drop entries nobody here
 will load, and stops asking a producer that timed out for a while (:class:`ProducerBackoff`).
-Every failure is logged and its blocks go to the error set: vLLM recomputes them. No vLLM import.
+Every failure is logged and its blocks go to the error set: vLLM recomputes them. With ``digest`` on
+(the default) the unpack's digest of what it read must equal the producer's, and with
+``digest_write_back`` the written slots are read back too (:mod:`.integrity`); a mismatch is such
+a failure, also counted in ``digest_failures``. No vLLM import.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from ..transport.errors import (
     error_text,
 )
 from ..transport.threads import pin_current_thread
+from . import integrity
 from .cache_views import PAGES_ONLY, RankCaches
 from .config import ConnectorConfig
 from .metadata import LoadSpec, ReleaseSpec
@@ -47,8 +51,9 @@ from .tp_mapping import HeadSource, plan_heads, rank_heads
 log = get_logger("connector")
 
 Addr = tuple[str, int]
-# ([(source, packed KV)], whether they hold whole pages, fetch ms): what one load's pulls got
-Fetched = tuple[list[tuple[HeadSource, torch.Tensor]], bool, float]
+# ([(source, packed KV, its expected digest)], whether they hold whole pages, fetch ms): what one
+# load's pulls got
+Fetched = tuple[list[tuple[HeadSource, torch.Tensor, integrity.Expected]], bool, float]
 
 
 class ProducerBackoff:
@@ -285,13 +290,15 @@ class Consumer:
             gather = self._pool("gather", 8)
             futures = [gather.submit(self._fetch_part, spec, s) for s in sources]
             got = [f.result() for f in futures]  # the first failure fails the whole load
-        paged = {kv_format for kv_format, _ in got} == {"pages"}
-        parts = [(source, packed) for source, (_, packed) in zip(sources, got, strict=True)]
+        paged = {kv_format for kv_format, _, _ in got} == {"pages"}
+        parts = [(source, *rest) for source, (_, *rest) in zip(sources, got, strict=True)]
         return parts, paged, 1e3 * (time.perf_counter() - t0)
 
-    def _fetch_part(self, spec: LoadSpec, source: HeadSource) -> tuple[str, torch.Tensor]:
-        """``(kv_format, packed)`` of one pull: ``source``'s heads of producer rank
-        ``source.rank``."""
+    def _fetch_part(
+        self, spec: LoadSpec, source: HeadSource
+    ) -> tuple[str, torch.Tensor, integrity.Expected]:
+        """``(kv_format, packed, expected digest)`` of one pull: ``source``'s heads of producer
+        rank ``source.rank``."""
         addr = (spec.host, spec.port + source.rank)
         self.backoff.check(addr, spec.transfer_id)
         held = (
@@ -325,7 +332,10 @@ class Consumer:
                 ) from None
             raise
         self.backoff.answered(addr)
-        return check_entry(self.caches, self.tp_size, spec, source, meta, tensors.get("kv"))
+        entry = check_entry(self.caches, self.tp_size, spec, source, meta, tensors.get("kv"))
+        heads = None if part is None else (part.start, part.stop)
+        want = integrity.expected(meta, heads) if self.cfg.digest else None
+        return (*entry, want)
 
     def _load(self, spec: LoadSpec, t0: float, fetch: Callable[[], Fetched]) -> None:
         """Unpack what ``fetch()`` returns (see :meth:`_fetch`) into ``spec``'s slots, on the
@@ -345,9 +355,11 @@ class Consumer:
             parts, paged, fetch_ms = fetch()
             t1 = time.perf_counter()
             nbytes = 0
-            for source, packed in parts:  # every pull arrived: now write (one unpack each)
-                if spec.corrupt:
-                    packed = _corrupted(packed)
+            for source, packed, want in parts:  # every pull arrived: now write (one unpack each)
+                if spec.corrupt:  # the negative control's scrambled KV is meant to land
+                    packed, want = _corrupted(packed), None
+                if "no_digest" in spec.debug_fault:  # test hook: the check switched off
+                    want = None
                 rows = packed.shape[2]
                 if paged:
                     views, first = caches.pages, spec.start // block_size * block_size
@@ -355,7 +367,15 @@ class Consumer:
                 else:
                     views = caches.head_views(source.dst)
                     first, stop = spec.start, spec.start + spec.count
-                unpack_kv(packed, views, caches.slots(spec.block_ids, first, stop, rows))
+                slots = caches.slots(spec.block_ids, first, stop, rows)
+                if "wrong_slot" in spec.debug_fault:  # test hook
+                    slots = integrity.shifted_slots(slots, first, stop)
+                read = unpack_kv(packed, views, slots, digest=isinstance(want, str))
+                integrity.check_read(want, packed, read)
+                if want is not None and self.cfg.digest_write_back:
+                    integrity.check_write_back(
+                        packed, views, spec.block_ids, block_size, first, stop
+                    )
                 nbytes += packed.numel() * packed.element_size() * (stop - first) // max(rows, 1)
             if caches.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
@@ -381,7 +401,7 @@ class Consumer:
             "pages" if paged else "tokens",
             spec.host,
             spec.port,
-            ",".join(f"{s.rank}[{s.src[0]}:{s.src[1]}]" for s, _ in parts),
+            ",".join(f"{s.rank}[{s.src[0]}:{s.src[1]}]" for s, *_ in parts),
         )
 
     def _fail(self, spec: LoadSpec, t0: float, exc: BaseException) -> None:
@@ -392,6 +412,8 @@ class Consumer:
         }
         self._load_errors |= failed
         self.stats.record_load_failure()
+        if isinstance(exc, integrity.DigestMismatch):
+            self.stats.record_digest_failure()
         log.warning(
             "tritonkv: load of transfer %s for %s from %s:%d failed after %.1f ms (%s: %s); "
             "its %d blocks will be recomputed",

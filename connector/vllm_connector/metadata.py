@@ -21,6 +21,7 @@ class SaveSpec:
     block_ids: list[int]
     num_tokens: int
     prompt_digest: str = field(kw_only=True)
+    debug_fault: str = field(default="", kw_only=True)  # tests only (integrity.FAULTS)
 
 
 @dataclass
@@ -39,6 +40,7 @@ class LoadSpec:
     producer_tp: int = 1  # the producer's TP size: which of its ranks hold this rank's heads
     corrupt: bool = False
     prompt_digest: str = field(kw_only=True)
+    debug_fault: str = field(default="", kw_only=True)  # tests only (integrity.FAULTS)
 
 
 @dataclass

@@ -5,7 +5,8 @@ every layer with **one** :func:`tritonkv.pack_kv` call (token rows or whole page
 ``kv_format`` option) into the rank's :class:`~connector.kvstore.KVBuffer` under its transfer id;
 each entry is bound to its prompt's digest (``SaveSpec.prompt_digest``), so that the
 :class:`~connector.kvstore.KVServer` serving the buffer on ``engine_port + tp_rank`` (GET and
-DISCARD only) serves or drops it only for a request presenting that digest; and a :class:`BufferWatcher` logs the buffer's occupancy. No vLLM import.
+DISCARD only) serves or drops it only for a request presenting that digest; and a :class:`BufferWatcher` logs the buffer's occupancy. With ``digest`` on (the default) the entry's meta also
+carries the integrity digest the pack computed (:mod:`.integrity`). No vLLM import.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..transport.auth import MIN_SECRET_BYTES, SECRET_ENV, is_loopback
 from ..transport.errors import error_text
 from .cache_views import RankCaches
 from .config import ConnectorConfig
+from .integrity import entry_meta, flip_bit
 from .metadata import SaveSpec
 from .stats import TransferStats
 
@@ -190,11 +192,18 @@ class Producer:
         t0 = time.perf_counter()
         # Whole pages: every slot of the prompt's blocks, the last one's past the prompt too.
         rows = len(spec.block_ids) * self.caches.block_size if paged else spec.num_tokens
-        packed, _ = pack_kv(views, self.caches.slots(spec.block_ids, 0, rows, rows))
+        slots = self.caches.slots(spec.block_ids, 0, rows, rows)
+        meta = {"fingerprint": self.fingerprint, "kv_format": self.kv_format}
+        if self.cfg.digest:  # computed by the pack itself (integrity.py)
+            packed, _, digest = pack_kv(views, slots, digest=True)
+            meta.update(entry_meta(packed, digest, self.kv_format))
+        else:
+            packed, _ = pack_kv(views, slots)
+        if "flip_bit" in spec.debug_fault:  # test hook: after the digest was taken
+            flip_bit(packed)
         if self.caches.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         t1 = time.perf_counter()
-        meta = {"fingerprint": self.fingerprint, "kv_format": self.kv_format}
         if paged:
             meta["page_kind"] = self.caches.page_kind
         self._buffer.put(

@@ -27,6 +27,7 @@ from .handoff import (
     prompt_digest,
     shown,
 )
+from .integrity import faults
 from .metadata import LoadSpec, ReleaseSpec, SaveSpec
 from .tp_mapping import plan_heads
 
@@ -206,6 +207,7 @@ class SchedulerSide:
                 prompt_digest=params["prompt_digest"],
                 corrupt=self.cfg.debug_allow_corrupt
                 and params.get("tritonkv_debug_corrupt") is True,
+                debug_fault=faults(params, self.cfg.debug_allow_corrupt),
             )
         )
 
@@ -247,6 +249,7 @@ class SchedulerSide:
                     list(block_ids[0][:needed]),
                     prompt_len,
                     prompt_digest=prompt_digest(request.prompt_token_ids),
+                    debug_fault=faults(request.kv_transfer_params, self.cfg.debug_allow_corrupt),
                 )
             )
             self._saved[req_id] = transfer_id

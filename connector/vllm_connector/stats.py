@@ -8,7 +8,15 @@ merges and reduces it with :func:`merge` and :func:`reduce`.
 from __future__ import annotations
 
 # Counters that make an interval worth reporting (the rest are sums and timings).
-COUNTS = ("saves", "loads", "save_failures", "load_failures", "auth_failures")
+COUNTS = (
+    "saves",
+    "loads",
+    "save_failures",
+    "load_failures",
+    "auth_failures",
+    "hidden_saves",
+    "hidden_save_failures",
+)
 
 
 def empty_stats() -> dict:
@@ -19,6 +27,8 @@ def empty_stats() -> dict:
         "save_failures": 0,
         "load_failures": 0,
         "auth_failures": 0,
+        "hidden_saves": 0,  # requests whose hidden states were taken (extract_hidden_states)
+        "hidden_save_failures": 0,
         "bytes_saved": 0,
         "bytes_loaded": 0,
         "tokens_saved": 0,
@@ -47,6 +57,17 @@ class TransferStats:
         self._data["tokens_loaded"] += num_tokens
         self._data["fetch_ms"].append(fetch_ms)
         self._data["unpack_ms"].append(unpack_ms)
+
+    def record_hidden_save(self, *, nbytes: int, num_tokens: int, pack_ms: float) -> None:
+        """One request's hidden states taken (``nbytes`` of them; ``pack_ms``: its share of
+        the step's one pack)."""
+        self._data["hidden_saves"] += 1
+        self._data["bytes_saved"] += nbytes
+        self._data["tokens_saved"] += num_tokens
+        self._data["pack_ms"].append(pack_ms)
+
+    def record_hidden_failure(self) -> None:
+        self._data["hidden_save_failures"] += 1
 
     def record_save_failure(self) -> None:
         self._data["save_failures"] += 1

@@ -269,7 +269,9 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
             group=self.hidden["group"],
             storage_path=self.cfg.shared_storage_path if self.cfg.hidden_states_files else None,
             allow_custom_path=self.cfg.allow_custom_save_path,
-            serve_at=(self.cfg.advertise_host or self.cfg.host, self.engine_port) if serve else None,
+            serve_at=(self.cfg.advertise_host or self.cfg.host, self.engine_port)
+            if serve
+            else None,
         )
 
     @property
@@ -364,7 +366,9 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
             cache,
             tp_rank=tp_rank,
             writer=writer,
-            buffer=(lambda: worker.producer.buffer if worker.producer else None) if served else None,
+            buffer=(lambda: worker.producer.buffer if worker.producer else None)
+            if served
+            else None,
             stats=worker.stats,
             put_timeout_s=self.cfg.put_timeout_s,
         )

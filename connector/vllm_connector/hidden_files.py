@@ -45,9 +45,8 @@ def _error_path(path: str) -> str:
 
 
 def _write_error(path: str, why: str) -> None:
-    with contextlib.suppress(OSError):  # the disk may be what failed
-        with open(_error_path(path), "w") as f:
-            f.write(why + "\n")
+    with contextlib.suppress(OSError), open(_error_path(path), "w") as f:  # the disk may fail
+        f.write(why + "\n")
 
 
 @dataclass

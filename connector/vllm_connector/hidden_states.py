@@ -45,7 +45,7 @@ from .hidden_files import HiddenFileWriter
 
 log = get_logger("connector")
 
-__all__ = ["HiddenDrop", "HiddenSaveSpec", "HiddenScheduler", "HiddenWorker", "PARAM_KEYS"]
+__all__ = ["PARAM_KEYS", "HiddenDrop", "HiddenSaveSpec", "HiddenScheduler", "HiddenWorker"]
 
 #: the ``kv_transfer_params`` keys a finished request's hidden states are announced under
 PARAM_KEYS = (
@@ -200,7 +200,8 @@ class HiddenWorker:
         buffer: a callable returning the KV buffer that serves them (None, or returning None:
             not served).
         stats: a :class:`~.stats.TransferStats` (``hidden_saves``, ``hidden_save_failures``).
-        put_timeout_s: the most a full buffer may hold up one request (its ``full_policy``).
+        put_timeout_s: the most a full buffer may hold up one request (its ``full_policy``;
+            None: the buffer's own).
     """
 
     def __init__(
@@ -211,7 +212,7 @@ class HiddenWorker:
         writer: HiddenFileWriter | None,
         buffer=None,
         stats=None,
-        put_timeout_s: float = 0.0,
+        put_timeout_s: float | None = None,
     ):
         if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
             raise ValueError(
@@ -320,11 +321,11 @@ class HiddenWorker:
                 pack_ms=pack_ms,
             )
 
-    def _fail(self, spec: HiddenSaveSpec, exc: BaseException, where: str = "them") -> None:
+    def _fail(self, spec: HiddenSaveSpec, exc: BaseException, where: str = "the pack") -> None:
         if self.stats is not None:
             self.stats.record_hidden_failure()
         log.error(
-            "tritonkv: request %s: could not put its hidden states (transfer %s) in %s: %s: %s",
+            "tritonkv: request %s: its hidden states (transfer %s) failed in %s: %s: %s",
             spec.req_id,
             short_id(spec.transfer_id),
             where,

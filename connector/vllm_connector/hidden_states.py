@@ -281,9 +281,15 @@ class HiddenWorker:
             return
         bounds = cu_seqlens.tolist()
         for i, spec in enumerate(good):
-            self._deliver(spec, rows[bounds[i] : bounds[i + 1]], ready, pack_ms / len(good))
+            self._deliver(spec, rows[bounds[i] : bounds[i + 1]], ready)
+        log.info(
+            "tritonkv: took the hidden states of %d requests, %d tokens, in one pack of %.2f ms",
+            len(good),
+            bounds[-1],
+            pack_ms,
+        )
 
-    def _deliver(self, spec: HiddenSaveSpec, hidden: torch.Tensor, ready, pack_ms: float) -> None:
+    def _deliver(self, spec: HiddenSaveSpec, hidden: torch.Tensor, ready) -> None:
         tensors = {
             "hidden_states": hidden,
             "token_ids": torch.tensor(spec.token_ids, dtype=torch.int64),
@@ -315,11 +321,7 @@ class HiddenWorker:
                 ok = False
                 self._fail(spec, exc, "the KV buffer")
         if ok and self.stats is not None:
-            self.stats.record_hidden_save(
-                nbytes=hidden.numel() * hidden.element_size(),
-                num_tokens=spec.num_tokens,
-                pack_ms=pack_ms,
-            )
+            self.stats.record_hidden_save(num_tokens=spec.num_tokens)
 
     def _fail(self, spec: HiddenSaveSpec, exc: BaseException, where: str = "the pack") -> None:
         if self.stats is not None:

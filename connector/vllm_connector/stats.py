@@ -29,6 +29,7 @@ def empty_stats() -> dict:
         "auth_failures": 0,
         "hidden_saves": 0,  # requests whose hidden states were taken (extract_hidden_states)
         "hidden_save_failures": 0,
+        "hidden_tokens_saved": 0,
         "bytes_saved": 0,
         "bytes_loaded": 0,
         "tokens_saved": 0,
@@ -58,13 +59,10 @@ class TransferStats:
         self._data["fetch_ms"].append(fetch_ms)
         self._data["unpack_ms"].append(unpack_ms)
 
-    def record_hidden_save(self, *, nbytes: int, num_tokens: int, pack_ms: float) -> None:
-        """One request's hidden states taken (``nbytes`` of them; ``pack_ms``: its share of
-        the step's one pack)."""
+    def record_hidden_save(self, *, num_tokens: int) -> None:
+        """One request's hidden states taken (apart from the KV figures)."""
         self._data["hidden_saves"] += 1
-        self._data["bytes_saved"] += nbytes
-        self._data["tokens_saved"] += num_tokens
-        self._data["pack_ms"].append(pack_ms)
+        self._data["hidden_tokens_saved"] += num_tokens
 
     def record_hidden_failure(self) -> None:
         self._data["hidden_save_failures"] += 1

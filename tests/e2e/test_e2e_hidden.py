@@ -31,7 +31,7 @@ LENGTHS = [5, 33, 150, 64, 12]  # 150 > the 64-token budget: three prefill steps
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_llama_dir):
     workdir = tmp_path_factory.mktemp("e2e_hidden")
-    storage = workdir / "hidden"
+    storage = workdir / "dataset"  # not "hidden": the server's own scratch folder has that name
     kv_port, http_port = free_port_run(2), free_port_run(1)
     spec = {
         "method": "extract_hidden_states",

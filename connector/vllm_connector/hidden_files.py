@@ -16,7 +16,8 @@ place, so a crash never leaves a half-written file under the final name. A write
 leaves no file, only ``<path>.error`` with the reason (what :func:`read_hidden_file` raises).
 
 :class:`HiddenFileWriter` is one thread with a queue bounded in bytes: a request whose tensors
-would overflow it is refused at once (its ``.error`` says so), never waited for on the step.
+would overflow it is refused at once (its ``.error`` says so), never waited for on the step. The
+thread runs on the connector's ``transfer_cpus`` when they are set, like the KV server's.
 No vLLM import.
 """
 
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..logs import get_logger
+from ..transport.threads import transfer_thread
 
 log = get_logger("connector")
 
@@ -76,7 +78,7 @@ class HiddenFileWriter:
         self._queued_bytes = 0
         self._closed = False
         self._counts = collections.Counter()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = transfer_thread(self._run, name)  # on transfer_cpus, if set
         self._thread.start()
 
     # ------------------------------------------------------------------ the step's side

@@ -119,6 +119,13 @@ class HiddenScheduler:
                 request.request_id,
             )
             return
+        params = request.kv_transfer_params
+        if isinstance(params, dict) and params.get("include_output_tokens"):
+            log.warning(
+                "tritonkv: request %s asks for include_output_tokens, which tritonkv does not "
+                "support: its hidden states hold the prompt's tokens only",
+                request.request_id,
+            )
         self._watched[request.request_id] = request
 
     def _path(self, request) -> str | None:

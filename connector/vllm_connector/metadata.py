@@ -8,7 +8,9 @@ server serves or drops the entry only for a request presenting it. No vLLM impor
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -53,3 +55,18 @@ class ReleaseSpec:
     port: int
     producer_tp: int = 1
     prompt_digest: str = field(kw_only=True)
+
+
+def finishing_prompts(scheduler_output, watched: dict, done) -> Iterator[tuple[str, Any, Any]]:
+    """``(request id, request, block ids per cache group or None)`` of every request in
+    ``watched`` (request id -> request), not in ``done``, whose last prompt token this step
+    computes (``scheduler_output`` is vLLM's ``SchedulerOutput``)."""
+    block_state = scheduler_output.kv_connector_block_state
+    for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+        request = watched.get(req_id)
+        if request is None or req_id in done:
+            continue
+        start, prompt_len = request.num_computed_tokens, request.num_prompt_tokens
+        if start < prompt_len <= start + scheduled:
+            groups = block_state.get_block_ids(req_id) if block_state is not None else None
+            yield req_id, request, groups

@@ -28,7 +28,7 @@ from .handoff import (
     shown,
 )
 from .integrity import faults
-from .metadata import LoadSpec, ReleaseSpec, SaveSpec
+from .metadata import LoadSpec, ReleaseSpec, SaveSpec, finishing_prompts
 from .tp_mapping import plan_heads
 
 log = get_logger("connector")
@@ -228,15 +228,10 @@ class SchedulerSide:
             saves=[], loads=self._pending_loads, discards=self._discards, releases=self._releases
         )
         self._pending_loads, self._discards, self._releases = [], [], []
-        block_state = scheduler_output.kv_connector_block_state
-        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
-            request = self._watched.get(req_id)
-            if request is None or req_id in self._saved:
-                continue
-            start, prompt_len = request.num_computed_tokens, request.num_prompt_tokens
-            if not start < prompt_len <= start + scheduled:
-                continue  # not the step that computes the last prompt token
-            block_ids = block_state.get_block_ids(req_id) if block_state is not None else None
+        for req_id, request, block_ids in finishing_prompts(
+            scheduler_output, self._watched, self._saved
+        ):
+            prompt_len = request.num_prompt_tokens
             if not block_ids:
                 log.error("tritonkv: no block ids for %s; its KV cannot be saved", req_id)
                 continue

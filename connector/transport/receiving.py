@@ -296,7 +296,13 @@ class _PayloadReceiver:
                 key=key,
                 waited_s=time.monotonic() - t0,
             )
-        slot = _WorkSlot(pg.recv([buf], pipe.peer_rank, TAG), deadline - time.monotonic())
+        try:  # gloo may refuse the receive at once (the peer's pair already closed)
+            work = pg.recv([buf], pipe.peer_rank, TAG)
+        except Exception as e:
+            if st.peer_gone is not None:
+                raise st.gone_error(key, time.monotonic() - t0) from None
+            raise classify_failure(e, peer=st.peer, key=key, waited=time.monotonic() - t0) from None
+        slot = _WorkSlot(work, deadline - time.monotonic())
         with st.cond:
             self._waitq.append(slot)
             st.cond.notify_all()

@@ -468,6 +468,32 @@ class _HeldSend:
         return getattr(self._pg, name)
 
 
+class _RefusingRecv:
+    """A process group whose ``recv`` fails as it is posted, as gloo's does once the peer's pair
+    connection closed (seen when a sender was killed mid-transfer)."""
+
+    def __init__(self, pg):
+        self._pg = pg
+
+    def recv(self, *args):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]")
+
+    def __getattr__(self, name):
+        return getattr(self._pg, name)
+
+
+@pytest.mark.timeout(60)
+def test_a_receive_refused_as_it_is_posted_is_a_peer_dead_error_and_breaks_the_pipe():
+    """Before, the RuntimeError itself left recv: no transport error, no peer, no key."""
+    with pipe_pair("gloo") as (server, client):
+        server.process_group = _RefusingRecv(server.process_group)
+        client.send("k", {"x": torch.ones(MIB, dtype=torch.uint8)})
+        with pytest.raises(PeerDeadError, match="closed by peer") as ei:
+            server.recv(timeout_s=10)
+        assert "'k'" in str(ei.value) and f"peer={server.peer}" in str(ei.value)
+        assert isinstance(server.broken, PeerDeadError)
+
+
 @pytest.mark.timeout(60)
 def test_nothing_lands_in_out_after_recv_gave_up_on_close():
     """close() from another thread ends a recv(out=...) whose payload is late. The gloo receive

@@ -210,6 +210,19 @@ def _pack(layers, slot_mapping, query_start_loc, seq_ids, out, digest, *, force_
     return (packed, index.cu_seqlens, result) if digest else (packed, index.cu_seqlens)
 
 
+def _unpack(packed, layers, slot_mapping, query_start_loc, seq_ids, digest, *, force_torch):
+    return _run(
+        layers,
+        slot_mapping,
+        query_start_loc,
+        seq_ids,
+        packed,
+        unpack=True,
+        force_torch=force_torch,
+        digest=bool(digest),
+    )[2]
+
+
 def unpack_kv(
     packed: torch.Tensor,
     layers: Layers,
@@ -237,16 +250,9 @@ def unpack_kv(
     Returns:
         None, or with ``digest=True`` the ``[2]`` int64 digest of what was read.
     """
-    return _run(
-        layers,
-        slot_mapping,
-        query_start_loc,
-        seq_ids,
-        packed,
-        unpack=True,
-        force_torch=False,
-        digest=bool(digest),
-    )[2]
+    return _unpack(
+        packed, layers, slot_mapping, query_start_loc, seq_ids, digest, force_torch=False
+    )
 
 
 def kv_digest(
@@ -294,16 +300,7 @@ def unpack_kv_torch(
     packed, layers, slot_mapping, query_start_loc=None, seq_ids=None, *, digest=False
 ):
     """:func:`unpack_kv` on the plain-torch twin, whatever the device and ``TRITONKV_KERNELS``."""
-    return _run(
-        layers,
-        slot_mapping,
-        query_start_loc,
-        seq_ids,
-        packed,
-        unpack=True,
-        force_torch=True,
-        digest=bool(digest),
-    )[2]
+    return _unpack(packed, layers, slot_mapping, query_start_loc, seq_ids, digest, force_torch=True)
 
 
 def kv_digest_torch(layers, slot_mapping, query_start_loc=None, seq_ids=None) -> torch.Tensor:

@@ -255,6 +255,20 @@ def unpack_kv(
     )
 
 
+def _digest(layers, slot_mapping, query_start_loc, seq_ids, *, force_torch):
+    return _run(
+        layers,
+        slot_mapping,
+        query_start_loc,
+        seq_ids,
+        None,
+        unpack=False,
+        force_torch=force_torch,
+        digest=True,
+        store=False,
+    )[2]
+
+
 def kv_digest(
     layers: Layers,
     slot_mapping: torch.Tensor,
@@ -276,17 +290,7 @@ def kv_digest(
     Returns:
         ``[2]`` int64 digest.
     """
-    return _run(
-        layers,
-        slot_mapping,
-        query_start_loc,
-        seq_ids,
-        None,
-        unpack=False,
-        force_torch=False,
-        digest=True,
-        store=False,
-    )[2]
+    return _digest(layers, slot_mapping, query_start_loc, seq_ids, force_torch=False)
 
 
 def pack_kv_torch(
@@ -305,14 +309,4 @@ def unpack_kv_torch(
 
 def kv_digest_torch(layers, slot_mapping, query_start_loc=None, seq_ids=None) -> torch.Tensor:
     """:func:`kv_digest` on the plain-torch twin, whatever the device and ``TRITONKV_KERNELS``."""
-    return _run(
-        layers,
-        slot_mapping,
-        query_start_loc,
-        seq_ids,
-        None,
-        unpack=False,
-        force_torch=True,
-        digest=True,
-        store=False,
-    )[2]
+    return _digest(layers, slot_mapping, query_start_loc, seq_ids, force_torch=True)

@@ -66,26 +66,10 @@ def main():
     digest_off = {"STORE": True, "DIGEST": False, "WORDS": 2}
     # Llama-3-8B-like bf16 NHD cache, head_size 128 = 256 bytes = 32 int64 elements; 8 KV heads.
     strides = ["stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn"]
-    for unpack in (False, True):
-        for has_v in (True, False):
-            constexprs = {
-                "HAS_V": has_v,
-                "ALIGN": 2,
-                "HEAD_SIZE": 32,
-                "BLOCK_D": 32,
-                "UNPACK": unpack,
-                "BLOCK_T": 16,
-                "stride_kd": 1,
-                "stride_vd": 1,
-                **digest_off,
-            }
-            divisible = [*kv_pointers, *strides, "stride_packed_layer", "stride_packed_part"]
-            result = compile_variant(_kv_copy_kernel, kv_pointers, constexprs, divisible)
-            print(json.dumps({"kernel": "kv", "unpack": unpack, "has_v": has_v, **result}))
-    # The digest fused in the copy: pack, unpack, and kv_digest's read-only pack (no stores).
-    for unpack, store in ((False, True), (True, True), (False, False)):
-        constexprs = {
-            "HAS_V": True,
+
+    def kv_constexprs(has_v: bool, unpack: bool, **digest) -> dict:
+        return {
+            "HAS_V": has_v,
             "ALIGN": 2,
             "HEAD_SIZE": 32,
             "BLOCK_D": 32,
@@ -93,10 +77,18 @@ def main():
             "BLOCK_T": 16,
             "stride_kd": 1,
             "stride_vd": 1,
-            "STORE": store,
-            "DIGEST": True,
-            "WORDS": 2,
+            **digest,
         }
+
+    for unpack in (False, True):
+        for has_v in (True, False):
+            constexprs = kv_constexprs(has_v, unpack, **digest_off)
+            divisible = [*kv_pointers, *strides, "stride_packed_layer", "stride_packed_part"]
+            result = compile_variant(_kv_copy_kernel, kv_pointers, constexprs, divisible)
+            print(json.dumps({"kernel": "kv", "unpack": unpack, "has_v": has_v, **result}))
+    # The digest fused in the copy: pack, unpack, and kv_digest's read-only pack (no stores).
+    for unpack, store in ((False, True), (True, True), (False, False)):
+        constexprs = kv_constexprs(True, unpack, STORE=store, DIGEST=True, WORDS=2)
         divisible = [*kv_pointers, *strides, "stride_packed_layer", "stride_packed_part"]
         result = compile_variant(_kv_copy_kernel, kv_pointers, constexprs, divisible)
         print(json.dumps({"kernel": "kv-digest", "unpack": unpack, "store": store, **result}))

@@ -1,6 +1,6 @@
 """Prompts in, a dataset of hidden states out, through a vLLM server running TritonKVConnector with
-``extract_hidden_states``: ``python -m connector.serve.extract`` (``tritonkv_connector.serve.extract``
-when installed).
+``extract_hidden_states``: ``tritonkv-extract`` once installed (``python -m connector.serve.extract``
+from a checkout).
 
 Input: a JSONL file, one prompt a line: ``{"id": "a1", "prompt": "text"}`` or ``{"id": "a1",
 "prompt_token_ids": [1, 2, 3]}`` (``id`` optional: the line number). Output folder: one
@@ -14,7 +14,7 @@ dataset). A prompt that fails is reported and left out; the run goes on.
 
 Example::
 
-    python -m connector.serve.extract --url http://127.0.0.1:8000 --prompts prompts.jsonl \\
+    tritonkv-extract --url http://127.0.0.1:8000 --prompts prompts.jsonl \\
         --out dataset/ --concurrency 4 --secret-file /etc/tritonkv.secret
 """
 

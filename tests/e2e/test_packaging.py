@@ -156,6 +156,7 @@ def test_the_wheel_installs_tritonkv_and_tritonkv_connector_with_plugin_and_scri
     assert dict(entry_points["console_scripts"]) == {
         "tritonkv-proxy": "tritonkv_connector.serve.proxy:main",
         "tritonkv-demo": "tritonkv_connector.serve.demo:main",
+        "tritonkv-extract": "tritonkv_connector.serve.extract:main",
     }
 
 
@@ -201,7 +202,7 @@ def test_vllm_loads_the_plugin_from_the_wheel(venv, user_env, outside):
 
 @installs_mark
 def test_console_scripts_run_outside_the_checkout(venv, user_env, outside):
-    for script in ("tritonkv-proxy", "tritonkv-demo"):
+    for script in ("tritonkv-proxy", "tritonkv-demo", "tritonkv-extract"):
         out = _run([venv / "bin" / script, "--help"], timeout_s=120, cwd=outside, env=user_env)
         assert out.startswith(f"usage: {script} "), out
 

@@ -12,8 +12,8 @@ setup               what runs, and what a client does after the completion (``ma
 plain               no connector, no extraction: nothing (the ceiling)
 tritonkv-noread     TritonKVConnector serving them, files off, nobody reading them: what the
                     extraction costs the server (entries stay until their TTL)
-tritonkv-net        TritonKVConnector, files off: pulls them from the KV server
-                    (``connector.hidden_reader.fetch_hidden_states``)
+tritonkv-net        TritonKVConnector, files off: pulls them from the KV server (a
+                    ``connector.hidden_reader.HiddenStatesReader`` per client: kept connections)
 tritonkv-files      TritonKVConnector, files on: reads the file (``read_hidden_file``)
 example             vLLM's ExampleHiddenStatesConnector with only its pinned memory and CUDA
                     stream calls made CPU no-ops (``tests/support/hidden_runs.py``): reads the
@@ -36,6 +36,7 @@ import json
 import random
 import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -56,7 +57,7 @@ SPEC = {
 
 def _server(name: str, cluster: Cluster, model: Path, storage: Path):
     """Start ``name``'s server; returns ``(proc, reader)``: ``reader(params) -> dict`` or None."""
-    from connector.hidden_reader import fetch_hidden_states, read_hidden_file
+    from connector.hidden_reader import HiddenStatesReader, read_hidden_file
 
     args = ["--max-num-batched-tokens", "512", "--no-enable-prefix-caching"]
     env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
@@ -77,10 +78,14 @@ def _server(name: str, cluster: Cluster, model: Path, storage: Path):
         elif files:
             reader = lambda p: read_hidden_file(p["hidden_states_path"], timeout_s=60)
         else:
-            reader = lambda p: fetch_hidden_states(
-                p["hidden_states_host"], p["hidden_states_port"], p["hidden_states_transfer_id"],
-                timeout_s=60,
-            )  # fmt: skip
+            local = threading.local()  # a reader per client thread: it keeps its connection
+
+            def reader(p):
+                if not hasattr(local, "reader"):
+                    local.reader = HiddenStatesReader(timeout_s=60)
+                return local.reader.fetch(
+                    p["hidden_states_host"], p["hidden_states_port"], p["hidden_states_transfer_id"]
+                )
     elif name == "example":
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
             load_hidden_states,

@@ -6,7 +6,8 @@ A finished request's ``kv_transfer_params`` (in the OpenAI response of vLLM's se
 - ``hidden_states_path``: a safetensors file, vLLM's ``ExampleHiddenStatesConnector`` format
   (read with :func:`read_hidden_file`, or vLLM's own ``load_hidden_states``);
 - ``hidden_states_transfer_id``, ``hidden_states_host``, ``hidden_states_port``: the producer's KV
-  server holds them (read with :func:`fetch_hidden_states`; no shared storage needed). The entry
+  server holds them (read with :func:`fetch_hidden_states`, or many with a
+  :class:`HiddenStatesReader`, which keeps its connections; no shared storage needed). The entry
   is delivered once, then dropped; unread ones expire after the server's ``ttl_s``.
 
 Either way you get ``{"hidden_states": [num_tokens, num_hidden_states, hidden_size] (the model's
@@ -31,12 +32,103 @@ The server authenticates every connection with the shared secret it was started 
 
 from __future__ import annotations
 
+import collections
+import threading
+
 import torch
 
 from .kvstore import KVClient
+from .transport import auth, check_timeout
+from .transport.errors import PeerDeadError, PipeClosedError
 from .vllm_connector.hidden_files import read_hidden_file
 
-__all__ = ["fetch_hidden_states", "read_hidden_file"]
+__all__ = ["HiddenStatesReader", "fetch_hidden_states", "read_hidden_file"]
+
+
+class HiddenStatesReader:
+    """Pulls many requests' hidden states over connections it keeps, one per producer address.
+
+    Each connection is authenticated once, then carries one request after another, where
+    :func:`fetch_hidden_states` pays a handshake (and the server a connection) per request: use
+    this when reading a dataset's worth. One request at a time per reader (thread-safe,
+    serialised); give each client thread its own. A connection the server closed while it was
+    idle is made again once, transparently (no entry is claimed by a request that never reached
+    the server).
+
+    Args: as :func:`fetch_hidden_states` (``secret``, ``timeout_s``, ``connect_timeout_s``,
+    ``transport``), for every request; ``max_peers``: connections kept at most (the least
+    recently used one is closed beyond that).
+    """
+
+    def __init__(
+        self,
+        *,
+        secret: bytes | str | None = None,
+        timeout_s: float = 30.0,
+        connect_timeout_s: float = 10.0,
+        transport: str = "socket",
+        max_peers: int = 8,
+    ):
+        if isinstance(max_peers, bool) or not isinstance(max_peers, int) or max_peers < 1:
+            raise ValueError(f"max_peers: expected an int >= 1, got {max_peers!r}")
+        self._client_args = {
+            "transport": transport,
+            "timeout_s": check_timeout("timeout_s", timeout_s),
+            "connect_timeout_s": check_timeout("connect_timeout_s", connect_timeout_s),
+            "secret": auth.check_secret(secret),
+        }
+        self.max_peers = max_peers
+        self._clients: collections.OrderedDict[tuple[str, int], KVClient] = (
+            collections.OrderedDict()
+        )
+        self._lock = threading.Lock()
+
+    def fetch(
+        self, host: str, port: int, transfer_id: str, *, wait_s: float = 0.0
+    ) -> dict[str, torch.Tensor]:
+        """One request's hidden states (see :func:`fetch_hidden_states` for what is returned
+        and raised)."""
+        if not isinstance(transfer_id, str) or not transfer_id:
+            raise TypeError(f"transfer_id: expected a non-empty str, got {transfer_id!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise ValueError(f"port: expected an int in 1..65535, got {port!r}")
+        with self._lock:
+            client = self._client(host, port)
+            kept = client.stats()["connects"] > 0  # a request over a connection made before
+            try:
+                tensors, meta = client.get(transfer_id, wait_s=wait_s)
+            except (PeerDeadError, PipeClosedError):
+                if not kept:
+                    raise
+                # the server closed the kept connection (idle, restarted): once on a new one
+                tensors, meta = client.get(transfer_id, wait_s=wait_s)
+        if meta.get("kind") != "hidden_states" or set(tensors) != {"hidden_states", "token_ids"}:
+            raise ValueError(
+                f"transfer {transfer_id[:8]}: expected hidden states, got an entry of kind "
+                f"{meta.get('kind')!r} with tensors {sorted(tensors)}"
+            )
+        return {"hidden_states": tensors["hidden_states"], "token_ids": tensors["token_ids"]}
+
+    def _client(self, host: str, port: int) -> KVClient:
+        client = self._clients.pop((host, port), None)
+        if client is None:
+            client = KVClient(host, port, **self._client_args)
+            while len(self._clients) >= self.max_peers:
+                self._clients.popitem(last=False)[1].close()
+        self._clients[(host, port)] = client  # most recently used last
+        return client
+
+    def close(self) -> None:
+        """Close every kept connection (idempotent)."""
+        with self._lock:
+            while self._clients:
+                self._clients.popitem()[1].close()
+
+    def __enter__(self) -> HiddenStatesReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def fetch_hidden_states(
@@ -50,7 +142,8 @@ def fetch_hidden_states(
     wait_s: float = 0.0,
     transport: str = "socket",
 ) -> dict[str, torch.Tensor]:
-    """Pull one request's hidden states from the producer's KV server.
+    """Pull one request's hidden states from the producer's KV server, over a connection of its
+    own (many requests: :class:`HiddenStatesReader` keeps its connections).
 
     Args:
         host, port: ``hidden_states_host`` and ``hidden_states_port`` of its params.
@@ -71,22 +164,8 @@ def fetch_hidden_states(
             already read, expired, or its request was aborted); the reason says which it knows.
         connector.transport.errors.TransferTimeout, PeerDeadError, ...: the pull failed in time.
     """
-    if not isinstance(transfer_id, str) or not transfer_id:
-        raise TypeError(f"transfer_id: expected a non-empty str, got {transfer_id!r}")
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-        raise ValueError(f"port: expected an int in 1..65535, got {port!r}")
-    with KVClient(
-        host,
-        port,
-        transport=transport,
-        timeout_s=timeout_s,
-        connect_timeout_s=connect_timeout_s,
-        secret=secret,
-    ) as client:
-        tensors, meta = client.get(transfer_id, wait_s=wait_s)
-    if meta.get("kind") != "hidden_states" or set(tensors) != {"hidden_states", "token_ids"}:
-        raise ValueError(
-            f"transfer {transfer_id[:8]}: expected hidden states, got an entry of kind "
-            f"{meta.get('kind')!r} with tensors {sorted(tensors)}"
-        )
-    return {"hidden_states": tensors["hidden_states"], "token_ids": tensors["token_ids"]}
+    reader = HiddenStatesReader(
+        secret=secret, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, transport=transport
+    )
+    with reader:
+        return reader.fetch(host, port, transfer_id, wait_s=wait_s)

@@ -31,7 +31,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from ..hidden_reader import fetch_hidden_states, read_hidden_file
+from ..hidden_reader import HiddenStatesReader, read_hidden_file
 from .launch import http_json
 
 __all__ = ["extract", "main", "read_prompts"]
@@ -73,7 +73,7 @@ def _save(tensors: dict, path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _one(url: str, model: str, pid: str, fields: dict, out: Path, via: str, secret, timeout_s):
+def _one(url: str, model: str, pid: str, fields: dict, out: Path, via: str, readers, timeout_s):
     body = {"model": model, "max_tokens": 1, "temperature": 0, **fields}
     params = http_json(url + "/v1/completions", body, timeout_s=timeout_s).get("kv_transfer_params")
     if not params:
@@ -84,12 +84,10 @@ def _one(url: str, model: str, pid: str, fields: dict, out: Path, via: str, secr
             raise RuntimeError(
                 f"the server does not serve hidden states (params: {sorted(params)})"
             )
-        tensors = fetch_hidden_states(
+        tensors = readers.get().fetch(
             params["hidden_states_host"],
             params["hidden_states_port"],
             params["hidden_states_transfer_id"],
-            secret=secret,
-            timeout_s=timeout_s,
         )
         _save(tensors, target)
     else:
@@ -103,6 +101,33 @@ def _one(url: str, model: str, pid: str, fields: dict, out: Path, via: str, secr
         for leftover in (source, source + ".lock"):
             Path(leftover).unlink(missing_ok=True)
     return int(tensors["token_ids"].numel())
+
+
+class _Readers:
+    """A :class:`HiddenStatesReader` per client thread (each keeps its connections), all closed
+    at the end."""
+
+    def __init__(self, secret, timeout_s: float):
+        self._args = {"secret": secret, "timeout_s": timeout_s}
+        self._local = threading.local()
+        self._all: list[HiddenStatesReader] = []
+        self._lock = threading.Lock()
+
+    def get(self) -> HiddenStatesReader:
+        reader = getattr(self._local, "reader", None)
+        if reader is None:
+            reader = self._local.reader = HiddenStatesReader(**self._args)
+            with self._lock:
+                self._all.append(reader)
+        return reader
+
+    def __enter__(self) -> _Readers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            for reader in self._all:
+                reader.close()
 
 
 def extract(
@@ -128,9 +153,14 @@ def extract(
     todo = [(pid, f) for pid, f in prompts if not (out / f"{pid}.safetensors").exists()]
     counts = {"done": 0, "skipped": len(prompts) - len(todo), "failed": 0, "tokens": 0}
     lock = threading.Lock()
-    with ThreadPoolExecutor(concurrency) as pool, open(out / "index.jsonl", "a") as index:
+    readers = _Readers(secret, timeout_s)
+    with (
+        readers,
+        ThreadPoolExecutor(concurrency) as pool,
+        open(out / "index.jsonl", "a") as index,
+    ):
         futures = {
-            pool.submit(_one, url, model, pid, f, out, via, secret, timeout_s): pid
+            pool.submit(_one, url, model, pid, f, out, via, readers, timeout_s): pid
             for pid, f in todo
         }
         for future in as_completed(futures):

@@ -66,7 +66,7 @@ def stand_in(tmp_path):
     http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=http.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{http.server_address[1]}", calls
+    yield f"http://127.0.0.1:{http.server_address[1]}", calls, kv
     http.shutdown()
     writer.close()
     kv.close()
@@ -81,7 +81,7 @@ def _prompts_file(tmp_path, items) -> str:
 
 @pytest.mark.parametrize("via", ["network", "files"])
 def test_extract_and_resume(stand_in, tmp_path, via) -> None:
-    url, calls = stand_in
+    url, calls, _ = stand_in
     items = [
         {"id": "a", "prompt_token_ids": [3, 4, 5]},
         {"id": "b", "prompt_token_ids": [7, 8]},
@@ -106,6 +106,16 @@ def test_extract_and_resume(stand_in, tmp_path, via) -> None:
     again = extract(url, prompts, out, via=via, secret=SECRET)  # resumed: only "bad" again
     assert again == {"done": 0, "skipped": 2, "failed": 1, "tokens": 0}
     assert len(calls) == asked + 1 and calls[-1]["prompt"] == [13]
+
+
+def test_network_reads_keep_one_connection_per_client_thread(stand_in, tmp_path) -> None:
+    url, _, kv = stand_in
+    items = [{"id": f"p{i}", "prompt_token_ids": [20 + i, 3]} for i in range(12)]
+    prompts = read_prompts(_prompts_file(tmp_path, items))
+    counts = extract(url, prompts, tmp_path / "dataset", via="network", secret=SECRET,
+                     concurrency=2)  # fmt: skip
+    assert counts == {"done": 12, "skipped": 0, "failed": 0, "tokens": 24}
+    assert 1 <= kv.stats()["connections"] <= 2  # one per client thread, not one per prompt
 
 
 def test_bad_inputs(tmp_path) -> None:

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from connector.hidden_reader import fetch_hidden_states
+from connector.hidden_reader import HiddenStatesReader, fetch_hidden_states
 from connector.kvstore import KVBuffer, KVServer
 from connector.transport.errors import KeyMissError, TransferError
 from connector.vllm_connector import hidden_files
@@ -195,3 +195,67 @@ def test_fetch_refusals(server) -> None:
         fetch_hidden_states("127.0.0.1", srv.port, "", secret=SECRET)
     with pytest.raises(ValueError, match="port"):
         fetch_hidden_states("127.0.0.1", 0, "x", secret=SECRET)
+
+
+def _same(got: dict, want: dict) -> bool:
+    return torch.equal(
+        got["hidden_states"].view(torch.int32), want["hidden_states"].view(torch.int32)
+    ) and torch.equal(got["token_ids"], want["token_ids"])
+
+
+def test_reader_pulls_many_over_one_connection(server) -> None:
+    buffer, srv = server
+    want = {f"t{i}": _tensors(3 + i, seed=i) for i in range(5)}
+    for key, tensors in want.items():
+        buffer.put(key, tensors, {"kind": "hidden_states"})
+    with HiddenStatesReader(secret=SECRET, timeout_s=10) as reader:
+        for key, tensors in want.items():
+            assert _same(reader.fetch("127.0.0.1", srv.port, key), tensors)
+        with pytest.raises(KeyMissError):  # delivered once, and the connection lives on
+            reader.fetch("127.0.0.1", srv.port, "t0")
+        buffer.put("late", want["t1"], {"kind": "hidden_states"})
+        assert _same(reader.fetch("127.0.0.1", srv.port, "late"), want["t1"])
+    stats = srv.stats()
+    assert stats["connections"] == 1 and stats["requests"] == 7, stats
+
+
+def test_reader_makes_a_connection_the_server_closed_again(server) -> None:
+    buffer, srv = server
+    with HiddenStatesReader(secret=SECRET, timeout_s=10) as reader:
+        buffer.put("a", _tensors(), {"kind": "hidden_states"})
+        assert _same(reader.fetch("127.0.0.1", srv.port, "a"), _tensors())
+        port = srv.port
+        srv.close()  # the server restarts: the kept connection is closed under the reader
+        again = KVServer(buffer, "127.0.0.1", port, secret=SECRET)
+        try:
+            buffer.put("b", _tensors(7), {"kind": "hidden_states"})
+            assert _same(reader.fetch("127.0.0.1", port, "b"), _tensors(7))
+            assert again.stats()["connections"] == 1
+        finally:
+            again.close()
+
+
+def test_reader_keeps_at_most_max_peers(server) -> None:
+    buffer, srv = server
+    other = KVServer(buffer, "127.0.0.1", 0, secret=SECRET)
+    try:
+        with HiddenStatesReader(secret=SECRET, timeout_s=10, max_peers=1) as reader:
+            for key, port in (("a", srv.port), ("b", other.port), ("c", srv.port)):
+                buffer.put(key, _tensors(), {"kind": "hidden_states"})
+                assert _same(reader.fetch("127.0.0.1", port, key), _tensors())
+                assert list(reader._clients) == [("127.0.0.1", port)]
+        assert srv.stats()["connections"] == 2 and other.stats()["connections"] == 1
+    finally:
+        other.close()
+
+
+def test_reader_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="max_peers"):
+        HiddenStatesReader(max_peers=0)
+    with pytest.raises((TypeError, ValueError), match="timeout_s"):
+        HiddenStatesReader(timeout_s=-1)
+    with HiddenStatesReader() as reader:
+        with pytest.raises(TypeError, match="transfer_id"):
+            reader.fetch("127.0.0.1", 1, "")
+        with pytest.raises(ValueError, match="port"):
+            reader.fetch("127.0.0.1", 70000, "x")

@@ -103,6 +103,7 @@ class _Table:
             raise ValueError(f"tombstones: expected a positive int, got {tombstones!r}")
         self.entries: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
         self.nbytes = 0
+        self.pinned: set[str] = set()  # keys of the entries a lease holds
         self.prefix = PrefixIndex(block_size)
         # key -> (why it went, its digest): the reason is told only to who presents the digest
         self._tombs: collections.OrderedDict[str, tuple[str, str | None]] = (
@@ -118,6 +119,7 @@ class _Table:
 
     def remove(self, e: _Entry, reason: str) -> None:
         del self.entries[e.key]
+        self.pinned.discard(e.key)
         self.nbytes -= e.nbytes
         self.prefix.remove(e.key)
         self._tombs[e.key] = (reason, e.digest)
@@ -322,7 +324,12 @@ class KVBuffer:
         if self.ttl_s is None:
             return None
         limit = now - self.ttl_s
-        for e in [e for e in self._table.unpinned() if e.created <= limit]:
+        old = []  # entries are oldest first (put appends, with the clock's time): stop at a new one
+        for e in self._table.unpinned():
+            if e.created > limit:
+                break
+            old.append(e)
+        for e in old:
             log.warning(
                 "KVBuffer: entry %s expired unclaimed after %.1f s",
                 short_id(e.key),
@@ -406,6 +413,7 @@ class KVBuffer:
                 )
             e.pins += 1
             e.part_pins += part is not None
+            self._table.pinned.add(e.key)
         try:
             if part is not None:
                 part.check(e.tensors)
@@ -431,6 +439,8 @@ class KVBuffer:
         """Unpin ``e`` after a delivery (of ``part``) and count it; claim it if delivered."""
         e.pins -= 1
         e.part_pins -= part is not None
+        if e.pins == 0 and self._table.entries.get(e.key) is e:
+            self._table.pinned.discard(e.key)
         if delivered:
             self._c["bytes_sent"] += nbytes
             if part is not None:
@@ -549,7 +559,7 @@ class KVBuffer:
             out["entries"] = len(self._table.entries)
             out["bytes"] = self._table.nbytes
             out["capacity_bytes"] = self.capacity_bytes
-            out["pinned"] = sum(1 for e in self._table.entries.values() if e.pins)
+            out["pinned"] = len(self._table.pinned)
             return out
 
     def close(self) -> None:

@@ -194,6 +194,26 @@ def test_an_entry_being_delivered_does_not_expire():
 
 
 @pytest.mark.timeout(30)
+def test_expiry_passes_a_held_old_entry_and_stops_at_the_first_young_one():
+    clock = [100.0]
+    buf = KVBuffer(1000, ttl_s=0.2, clock=lambda: clock[0])
+    buf.put("held", _t(10))
+    lease = buf.checkout("held")
+    buf.put("old", _t(10))
+    clock[0] += 0.15
+    buf.put("young", _t(10))
+    clock[0] += 0.1  # "held" and "old" are past their TTL, "young" is not
+    s = buf.stats()
+    assert (s["expirations"], s["entries"], s["pinned"]) == (1, 2, 1) and accounted(s)
+    assert "old" not in buf and "held" in buf and "young" in buf
+    buf.checkin(lease, delivered=False)
+    s = buf.stats()
+    assert (s["expirations"], s["entries"], s["pinned"]) == (2, 1, 0) and "young" in buf
+    clock[0] += 0.5
+    assert buf.stats()["entries"] == 0
+
+
+@pytest.mark.timeout(30)
 def test_checkout_waits_for_a_late_put():
     buf = KVBuffer(1000)
     threading.Timer(0.1, lambda: buf.put("late", _t(4))).start()

@@ -10,6 +10,9 @@ from ``--clients`` concurrent clients; a request counts when its reader holds it
 setup               what runs, and what a client does after the completion (``max_tokens=1``)
 ==================  =========================================================================
 plain               no connector, no extraction: nothing (the ceiling)
+spec-only           vLLM's ``extract_hidden_states`` method, no connector: what vLLM's own
+                    side of the extraction costs, whichever connector takes the states (the
+                    floor of every other setup)
 tritonkv-noread     TritonKVConnector serving them, files off, nobody reading them: what the
                     extraction costs the server (entries stay until their TTL)
 tritonkv-net        TritonKVConnector, files off: pulls them from the KV server (a
@@ -46,7 +49,7 @@ from connector.serve.tiny_model import build_tiny_llama
 
 from .common import REPO, RESULTS, git_sha
 
-SETUPS = ("plain", "tritonkv-noread", "tritonkv-net", "tritonkv-files", "example")
+SETUPS = ("plain", "spec-only", "tritonkv-noread", "tritonkv-net", "tritonkv-files", "example")
 LAYERS = [0, 1]
 SPEC = {
     "method": "extract_hidden_states",

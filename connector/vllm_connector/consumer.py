@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -32,6 +33,7 @@ from tritonkv import unpack_kv
 
 from ..kvstore import KVClient, Part, hide_ids, short_id
 from ..logs import get_logger
+from ..transport.buffers import host_empty
 from ..transport.errors import (
     ClientBusyError,
     PeerDeadError,
@@ -42,10 +44,18 @@ from ..transport.errors import (
 )
 from ..transport.threads import pin_current_thread
 from . import integrity
-from .cache_views import PAGES_ONLY, RankCaches
+from .cache_views import PAGES_ONLY, RankCaches, packed_shape
 from .config import ConnectorConfig
 from .metadata import LoadSpec, ReleaseSpec
 from .stats import TransferStats
+from .streams import (
+    DeviceBudget,
+    DeviceBudgetExceeded,
+    Pending,
+    StreamOps,
+    gpu_budget_line,
+    wait_events,
+)
 from .tp_mapping import HeadSource, plan_heads, rank_heads
 
 log = get_logger("connector")
@@ -54,6 +64,26 @@ Addr = tuple[str, int]
 # ([(source, packed KV, its expected digest)], whether they hold whole pages, fetch ms): what one
 # load's pulls got
 Fetched = tuple[list[tuple[HeadSource, torch.Tensor, integrity.Expected]], bool, float]
+# How long a consumer on a GPU lets the producer's server wait for an entry not yet stored: a
+# producer on a GPU stores it once its pack and copy to the host completed (producer.Publisher).
+PUBLISH_WAIT_S = 0.5
+
+
+@dataclass
+class _Landing:
+    """A load whose unpack was launched on a GPU and has not completed (:meth:`Consumer._settle`):
+    its digests, copied to the host behind the unpack, are compared once ``pending`` completed."""
+
+    spec: LoadSpec
+    t0: float
+    fetch_ms: float
+    nbytes: int
+    log_args: tuple
+    pending: Pending
+    checks: list  # [(expected, index of its first row in digests, what)]
+    digests: torch.Tensor | None  # [n, 2] int64 host copy of the digests the checks compare
+    is_async: bool
+    stuck: bool = False  # its unpack outlived the wait for it: failed
 
 
 class ProducerBackoff:
@@ -149,6 +179,9 @@ class Consumer:
         connect: ``connect(host, port)`` makes the client of one producer rank (default: a
             :class:`~connector.kvstore.KVClient` with the config's transport and deadlines);
             each is made once, shared by the load threads, and closed at :meth:`shutdown`.
+        streams: the device's streams and events (:class:`~.streams.StreamOps`, made for CUDA
+            caches; a test passes a stand-in). With them nothing waits for the GPU on the step:
+            see :meth:`_load`.
     """
 
     def __init__(
@@ -163,6 +196,7 @@ class Consumer:
         secret: bytes | None,
         stats: TransferStats,
         connect: Callable[[str, int], KVClient] | None = None,
+        streams: StreamOps | None = None,
     ):
         self.cfg, self.caches = cfg, caches
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -177,6 +211,18 @@ class Consumer:
         self._loading: dict[str, tuple[LoadSpec, float, Future]] = {}
         self._releasing: list[Future] = []
         self._pools: dict[str, ThreadPoolExecutor] = {}
+        if streams is None and caches.device.type == "cuda":
+            streams = StreamOps(caches.device)
+        self._streams = streams
+        #: the transport carries device memory (nccl): received KV lands on the device, else on
+        #: the host, and the copy to the device is ours, on vLLM's stream
+        self._device_wire = cfg.transport_for(caches.device) == "nccl"
+        #: the device memory of the device copies of received KV (:class:`~.streams.DeviceBudget`)
+        self.budget = DeviceBudget(cfg.gpu_memory_bytes)
+        self._landing: list[_Landing] = []  # loads whose unpack is in flight (with streams)
+        self._stuck: list[Pending] = []  # unpacks that outlived fetch_timeout_s (kept)
+        if caches.device.type == "cuda":
+            log.info("%s", gpu_budget_line(caches.device, self.budget.limit_bytes, 0))
 
     def _pool(self, name: str, workers: int) -> ThreadPoolExecutor:
         """The ``tritonkv-<name>`` threads (load: async fetches; release; gather: concurrent
@@ -210,14 +256,21 @@ class Consumer:
         """Async loads whose fetch completed: unpacked here, on the worker's own thread (or, when
         the fetch failed, their blocks put in the error set)."""
         done = [req_id for req_id, (_, _, future) in self._loading.items() if future.done()]
+        finished = set()
         for req_id in done:
             spec, t0, future = self._loading.pop(req_id)
-            self._load(spec, t0, future.result)
-        return set(done) or None
+            if not self._load(spec, t0, future.result, is_async=True):
+                finished.add(req_id)  # done here, or failed
+        # On a GPU: those whose unpack completed (polled, never waited for), digests compared.
+        finished |= {s.spec.req_id for s in self._settle(wait=False) if s.is_async}
+        return finished or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # A failed async load adds its blocks in the get_finished call that reports the request,
         # which vLLM makes before this one in the same step (its rule: no later than that step).
+        # A sync load on a GPU whose digest is to be checked is waited for here, at the end of
+        # the step: its own unpack, launched before the forward pass (not the forward pass).
+        self._settle(wait=True)
         failed, self._load_errors = self._load_errors, set()
         return failed
 
@@ -262,10 +315,11 @@ class Consumer:
             )
 
     def _new_client(self, host: str, port: int) -> KVClient:
+        # Host memory for gloo and socket: the copy to the device is the consumer's (_load).
         return KVClient(
             host,
             port,
-            device=self.caches.device,
+            device=self.caches.device if self._device_wire else "cpu",
             transport=self.cfg.transport_for(self.caches.device),
             timeout_s=self.cfg.fetch_timeout_s,
             connect_timeout_s=self.cfg.connect_timeout_s,
@@ -309,11 +363,19 @@ class Consumer:
         part = Part("kv", 3, *source.src) if source.num_heads < held else None
         try:
             client = self._clients.get(*addr)
+            max_bytes = expected_bytes(self.caches, self.tp_size, spec, source)
+            lands_on_device = self._streams is not None and self._device_wire
+            if lands_on_device and max_bytes > self.budget.limit_bytes:
+                raise DeviceBudgetExceeded(
+                    f"a pull of up to {max_bytes} bytes would land in GPU memory, more than "
+                    f"gpu_memory_bytes={self.budget.limit_bytes}: refused"
+                )
             tensors, meta = client.get(
                 spec.transfer_id,
                 part=part,
                 digest=spec.prompt_digest,
-                max_bytes=expected_bytes(self.caches, self.tp_size, spec, source),
+                max_bytes=max_bytes,
+                **({"wait_s": PUBLISH_WAIT_S} if self._streams is not None else {}),
             )
         except TransferTimeout as exc:
             # A producer that did not connect or answer in time: every further load from it
@@ -337,7 +399,9 @@ class Consumer:
         want = integrity.expected(meta, heads) if self.cfg.digest else None
         return (*entry, want)
 
-    def _load(self, spec: LoadSpec, t0: float, fetch: Callable[[], Fetched]) -> None:
+    def _load(
+        self, spec: LoadSpec, t0: float, fetch: Callable[[], Fetched], is_async: bool = False
+    ) -> bool:
         """Unpack what ``fetch()`` returns (see :meth:`_fetch`) into ``spec``'s slots, on the
         worker's thread; a failure of either is logged and its blocks go to the error set.
 
@@ -346,11 +410,15 @@ class Consumer:
         the last allocated one of the prompt: that writes the last prompt token too, which vLLM
         then recomputes, and slots past the prompt in its block, which only later tokens use.
 
-        ``t0`` is when the load started. On CUDA the unpack runs on the current stream and is
-        waited for, so the received tensor is not freed under a running copy and ``unpack_ms``
-        is the copy's time, not its launch's.
+        ``t0`` is when the load started. Off a GPU the load is complete when this returns
+        (False). On a GPU (True, unless it failed here) the copy of host-staged KV to the device
+        (within the :class:`~.streams.DeviceBudget`) and the unpack run on the current stream
+        (vLLM's: the forward pass comes after them), the digests they computed are copied to
+        the host behind them, and nothing waits: :meth:`_settle` compares the digests and lets
+        the tensors go once the unpack's event completed.
         """
-        caches, block_size = self.caches, self.caches.block_size
+        caches, block_size, ops = self.caches, self.caches.block_size, self._streams
+        keep, checks, digests, reserved = [], [], [], 0
         try:
             parts, paged, fetch_ms = fetch()
             t1 = time.perf_counter()
@@ -360,6 +428,15 @@ class Consumer:
                     packed, want = _corrupted(packed), None
                 if "no_digest" in spec.debug_fault:  # test hook: the check switched off
                     want = None
+                if ops is not None and not self._device_wire:  # host-staged: ours to copy
+                    fail = "alloc_fail" in spec.debug_fault
+                    what = f"the load of transfer {short_id(spec.transfer_id)}"
+                    dev, got = self.budget.empty(ops, packed.shape, packed.dtype, what, fail)
+                    reserved += got
+                    dev.copy_(packed, non_blocking=True)
+                    keep.append(packed)
+                    packed = dev
+                keep.append(packed)
                 rows = packed.shape[2]
                 if paged:
                     views, first = caches.pages, spec.start // block_size * block_size
@@ -370,21 +447,96 @@ class Consumer:
                 slots = caches.slots(spec.block_ids, first, stop, rows)
                 if "wrong_slot" in spec.debug_fault:  # test hook
                     slots = integrity.shifted_slots(slots, first, stop)
+                keep.append(slots)
                 read = unpack_kv(packed, views, slots, digest=isinstance(want, str))
-                integrity.check_read(want, packed, read)
-                if want is not None and self.cfg.digest_write_back:
-                    integrity.check_write_back(
-                        packed, views, spec.block_ids, block_size, first, stop
-                    )
+                write_back = want is not None and self.cfg.digest_write_back
+                if ops is None:
+                    integrity.check_read(want, packed, read)
+                    if write_back:
+                        integrity.check_write_back(
+                            packed, views, spec.block_ids, block_size, first, stop
+                        )
+                elif want is not None:  # compared in _settle, on a host copy
+                    n = sum(len(d) for d in digests)
+                    digests.append(integrity.read_digests(want, packed, read))
+                    checks.append((want, n, "read"))
+                    if write_back:
+                        n = sum(len(d) for d in digests)
+                        digests.append(
+                            integrity.write_back_digests(
+                                packed, views, spec.block_ids, block_size, first, stop
+                            )
+                        )
+                        checks.append((None, n, "write-back"))
                 nbytes += packed.numel() * packed.element_size() * (stop - first) // max(rows, 1)
-            if caches.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()
+            log_args = (fetch_ms, paged, parts)
+            if ops is not None:
+                host = None
+                if digests:
+                    found = torch.cat(digests)
+                    host = host_empty(found.numel() * 8).view(torch.int64).view(found.shape)
+                    host.copy_(found, non_blocking=True)
+                    keep.append(found)
+                event = ops.event(ops.current())
+                pending = Pending(event, keep=tuple(keep), reserved=reserved, started=t1)
+                reserved = 0  # the landing's from here on
+                landing = _Landing(
+                    spec, t0, fetch_ms, nbytes, log_args, pending, checks, host, is_async
+                )
+                self._landing.append(landing)
+                return True
             t2 = time.perf_counter()
         except Exception as exc:  # any failure of one load (OOM, a bad entry...) is its own
+            self.budget.release(reserved)
             self._fail(spec, t0, exc)
-            return
+            return False
+        self._loaded(spec, nbytes, 1e3 * (t2 - t1), log_args)
+        return False
+
+    def _settle(self, wait: bool) -> list[_Landing]:
+        """The loads whose unpack on the GPU completed since the last call: their digests
+        compared (a mismatch fails the load), their tensors and device memory let go. ``wait``:
+        first wait (polling, up to ``fetch_timeout_s``) for the sync loads whose digests are to
+        be compared; one that does not complete by then fails (its tensors are kept)."""
+        if wait:
+            checked = [s.pending.event for s in self._landing if s.checks and not s.is_async]
+            if checked and not wait_events(checked, time.monotonic() + self.cfg.fetch_timeout_s):
+                for landing in self._landing:
+                    landing.stuck = landing.pending.event in checked and not landing.pending.done()
+        settled, still = [], []
+        for landing in self._landing:
+            if not landing.pending.done() and not landing.stuck:
+                still.append(landing)
+                continue
+            spec = landing.spec
+            try:
+                if landing.stuck:
+                    raise TimeoutError("its unpack did not complete within fetch_timeout_s")
+                for want, row, check in landing.checks:
+                    integrity.compare(check, want, landing.digests, row)
+            except Exception as exc:
+                self._fail(spec, landing.t0, exc)
+            else:
+                unpack_ms = 1e3 * (time.perf_counter() - landing.pending.started)
+                self._loaded(spec, landing.nbytes, unpack_ms, landing.log_args)
+            if landing.pending.done():
+                self.budget.release(landing.pending.reserved)
+            else:  # stuck: its tensors stay referenced for as long as the GPU may use them
+                self._stuck.append(landing.pending)
+            settled.append(landing)
+        self._landing = still
+        stuck, self._stuck = self._stuck, []
+        for pending in stuck:
+            if pending.done():
+                self.budget.release(pending.reserved)
+            else:
+                self._stuck.append(pending)
+        return settled
+
+    def _loaded(self, spec: LoadSpec, nbytes: int, unpack_ms: float, log_args: tuple) -> None:
+        fetch_ms, paged, parts = log_args
         self.stats.record_load(
-            nbytes=nbytes, num_tokens=spec.count, fetch_ms=fetch_ms, unpack_ms=1e3 * (t2 - t1)
+            nbytes=nbytes, num_tokens=spec.count, fetch_ms=fetch_ms, unpack_ms=unpack_ms
         )
         log.info(
             "tritonkv: loaded transfer %s for %s: %d tokens (positions %d..%d; %d local), %d bytes, "
@@ -397,7 +549,7 @@ class Consumer:
             spec.start,
             nbytes,
             fetch_ms,
-            1e3 * (t2 - t1),
+            unpack_ms,
             "pages" if paged else "tokens",
             spec.host,
             spec.port,
@@ -465,12 +617,6 @@ def _entry_views(
     raise ValueError(f"entry's kv_format is {kv_format!r}, expected 'tokens' or 'pages'")
 
 
-def _packed_shape(views, rows: int) -> tuple[int, ...]:
-    """``[num_layers, 1 or 2 (K, V), rows, num_kv_heads, head_size]``: what fills ``views``."""
-    k0 = views[0][0]
-    return (len(views), 1 + (views[0][1] is not None), rows, k0.shape[1], k0.shape[3])
-
-
 def expected_bytes(caches: RankCaches, tp_size: int, spec: LoadSpec, source: HeadSource) -> int:
     """The most bytes a pull of ``source``'s heads of ``spec`` may hold for this rank: the
     packed KV of token rows (``num_tokens`` × the bytes of a row of those heads over every layer)
@@ -483,7 +629,7 @@ def expected_bytes(caches: RankCaches, tp_size: int, spec: LoadSpec, source: Hea
             views, rows = _entry_views(caches, tp_size, spec, source, kv_format)
         except ValueError:
             continue
-        sizes.append(math.prod(_packed_shape(views, rows)) * views[0][0].element_size())
+        sizes.append(math.prod(packed_shape(views, rows)) * views[0][0].element_size())
     return max(sizes)
 
 
@@ -501,7 +647,7 @@ def check_entry(
             '"kv_format": "tokens" on the producer to move KV between unlike caches'
         )
     k0 = views[0][0]
-    want = _packed_shape(views, rows)
+    want = packed_shape(views, rows)
     if packed is None or tuple(packed.shape) != want or packed.dtype != k0.dtype:
         got = "nothing" if packed is None else f"{tuple(packed.shape)} {packed.dtype}"
         raise ValueError(f"entry holds {got}, expected {want} {k0.dtype}")

@@ -274,7 +274,6 @@ class Producer:
         """On the publisher thread: wait for ``job``'s pack, copy it to pinned host memory
         (unless entries live on the device) and store it."""
         ops, spec = self._streams, job.spec
-        self._stuck = [j for j in self._stuck if not self._let_go(j)]
         complete = False
         try:
             if not wait_events([job.pending.event], deadline):
@@ -310,6 +309,7 @@ class Producer:
                 self._let_go(job)
             else:  # its tensors stay referenced (and counted) for as long as the GPU may use them
                 self._stuck.append(job)
+            self._stuck = [j for j in self._stuck if not self._let_go(j)]
 
     def _let_go(self, job: _Job) -> bool:
         """Release ``job``'s device memory once its work completed (True), else nothing."""

@@ -266,7 +266,7 @@ def test_where_entries_live(extra, device, on_device):
 
 
 def test_bad_memory_options_are_refused():
-    with pytest.raises(ValueError, match="buffer_memory: expected auto|host|device, got 'gpu'"):
+    with pytest.raises(ValueError, match=r"buffer_memory: expected auto\|host\|device, got 'gpu'"):
         ConnectorConfig.from_extra({"buffer_memory": "gpu"})
     with pytest.raises(ValueError, match="gpu_memory_bytes: expected > 0, got 0"):
         ConnectorConfig.from_extra({"gpu_memory_bytes": 0})

@@ -2,8 +2,9 @@
 and events): nothing in vLLM's step reads the device or synchronises, the work is ordered by
 events, an entry is stored and a load counted only once its event completed, and device memory
 stays within ``gpu_memory_bytes`` (a transfer past it, or whose allocation fails, is that
-transfer's failure: recomputed). tests/vllm_connector/test_gpu_step_gpu.py does the same on a GPU
-with ``torch.cuda.set_sync_debug_mode("error")``."""
+transfer's failure: recomputed). The ``gpu`` test at the end does a save and a load on a GPU
+under ``torch.cuda.set_sync_debug_mode("error")``, and tests/vllm_connector/test_two_workers.py
+two processes driving the halves as vLLM does."""
 
 from __future__ import annotations
 
@@ -270,3 +271,50 @@ def test_bad_memory_options_are_refused():
         ConnectorConfig.from_extra({"buffer_memory": "gpu"})
     with pytest.raises(ValueError, match="gpu_memory_bytes: expected > 0, got 0"):
         ConnectorConfig.from_extra({"gpu_memory_bytes": 0})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("buffer_memory", ["host", "device"])
+def test_on_a_gpu_the_step_never_synchronises(buffer_memory):
+    """The real thing: CUDA streams and events, sync-debug mode "error" around the halves'
+    calls (after a warm-up round: Triton compiles, tritonkv builds its layer table)."""
+    cfg = ConnectorConfig(kv_format="tokens", transport="gloo", buffer_memory=buffer_memory)
+    src = [c.cuda() for c in caches(NHD, seed=1)]
+    prod = producer(src, BLOCK_SIZE, cfg=cfg)
+    buffer = KVBuffer(1 << 24)
+    prod.attach_buffer(buffer)
+    dst = [c.cuda() for c in caches(NHD, seed=None)]
+    seen = []
+
+    def get(key, **kw):
+        tensors, meta = deliver(buffer, key, **kw)
+        seen.append(tensors["kv"].device.type)
+        return tensors, meta
+
+    cons = consumer(dst, BLOCK_SIZE, cfg=cfg, connect=lambda h, p: fake_client(get))
+    compute = torch.cuda.Stream()
+    for round_no in range(2):
+        tid = f"{round_no:032x}"
+        spec = SaveSpec("p", tid, SRC_BLOCKS, NUM_TOKENS, prompt_digest=DIGEST)
+        load = _load_spec()
+        load.transfer_id = tid
+        with torch.cuda.stream(compute):
+            if round_no:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                prod.wait_for_save([spec])
+                assert prod.flush(30)
+                cons.start_load_kv([load])
+                cons.get_finished()
+                errors = cons.get_block_ids_with_load_errors()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert errors == set()
+    assert seen == ["cuda" if buffer_memory == "device" else "cpu"] * 2
+    torch.cuda.synchronize()
+    got = _positions([c.cpu() for c in dst], DST_BLOCKS, NUM_TOKENS - 1)
+    assert torch.equal(got, _positions([c.cpu() for c in src], SRC_BLOCKS, NUM_TOKENS - 1))
+    assert prod.budget.in_use == 0 and cons.budget.in_use == 0
+    cons.shutdown()
+    prod.shutdown()

@@ -43,13 +43,15 @@ class ConnectorConfig:
     #: producer on a GPU: where the buffer's entries live. ``host``: pinned host memory (the
     #: pack's device scratch is copied there by a thread of ours, then freed), for ``gloo`` and
     #: ``socket``, which carry host memory; ``device``: GPU memory (NCCL sends from there), at most
-    #: ``min(buffer_bytes, gpu_memory_bytes // 2)`` of it, counted in the startup log line;
+    #: ``min(buffer_bytes, gpu_memory_bytes // 2)``, taken from ``gpu_memory_bytes``;
     #: ``auto``: ``device`` when the transport is ``nccl``, else ``host``. Ignored off a GPU.
     buffer_memory: str = "auto"
-    #: both, on a GPU: the device bytes tritonkv may take outside vLLM's memory budget besides
-    #: device-resident entries (pack scratch in flight, the consumer's device copies of received
-    #: KV). A save or load that would need more is refused (recomputed), never an out-of-memory
-    #: error; the startup log says how much to lower ``--gpu-memory-utilization`` (default 1 GiB).
+    #: both, on a GPU: the device bytes one rank of tritonkv may take outside vLLM's memory
+    #: budget: pack scratch in flight, the consumer's device copies of received KV, and
+    #: device-resident entries (``buffer_memory``). A save or load that would need more is refused
+    #: (recomputed), never an out-of-memory error; the startup log line says how much to lower
+    #: ``--gpu-memory-utilization`` (default 1 GiB; with ``transport: nccl`` NCCL's own buffers come
+    #: on top).
     gpu_memory_bytes: int = 1 << 30
     #: producer: when the buffer is full, ``evict`` the oldest unclaimed entry, ``wait`` for room
     #: (``put_timeout_s``) or fail the save (``error``).
@@ -199,6 +201,13 @@ class ConnectorConfig:
         if self.buffer_memory == "auto":
             return self.transport_for(device) == "nccl"
         return self.buffer_memory == "device"
+
+    def device_buffer_bytes(self, device) -> int:
+        """The capacity of a producer's KV buffer kept on ``device`` (0: entries on the host):
+        ``min(buffer_bytes, gpu_memory_bytes // 2)``, taken from ``gpu_memory_bytes``."""
+        if not self.entries_on_device(device):
+            return 0
+        return min(self.buffer_bytes, self.gpu_memory_bytes // 2)
 
     def _check_choices(self) -> None:
         for name, choices in (

@@ -53,7 +53,6 @@ from .streams import (
     DeviceBudgetExceeded,
     Pending,
     StreamOps,
-    gpu_budget_line,
     wait_events,
 )
 from .tp_mapping import HeadSource, plan_heads, rank_heads
@@ -182,6 +181,7 @@ class Consumer:
         streams: the device's streams and events (:class:`~.streams.StreamOps`, made for CUDA
             caches; a test passes a stand-in). With them nothing waits for the GPU on the step:
             see :meth:`_load`.
+        budget: the rank's device memory budget (default: one of this consumer's own).
     """
 
     def __init__(
@@ -197,6 +197,7 @@ class Consumer:
         stats: TransferStats,
         connect: Callable[[str, int], KVClient] | None = None,
         streams: StreamOps | None = None,
+        budget: DeviceBudget | None = None,
     ):
         self.cfg, self.caches = cfg, caches
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -218,11 +219,9 @@ class Consumer:
         #: the host, and the copy to the device is ours, on vLLM's stream
         self._device_wire = cfg.transport_for(caches.device) == "nccl"
         #: the device memory of the device copies of received KV (:class:`~.streams.DeviceBudget`)
-        self.budget = DeviceBudget(cfg.gpu_memory_bytes)
+        self.budget = budget or DeviceBudget(cfg.gpu_memory_bytes)
         self._landing: list[_Landing] = []  # loads whose unpack is in flight (with streams)
         self._stuck: list[Pending] = []  # unpacks that outlived fetch_timeout_s (kept)
-        if caches.device.type == "cuda":
-            log.info("%s", gpu_budget_line(caches.device, self.budget.limit_bytes, 0))
 
     def _pool(self, name: str, workers: int) -> ThreadPoolExecutor:
         """The ``tritonkv-<name>`` threads (load: async fetches; release; gather: concurrent

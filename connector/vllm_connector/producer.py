@@ -33,7 +33,7 @@ from .config import ConnectorConfig
 from .integrity import digest_tensors, entry_meta, flip_bit, meta_from_digests
 from .metadata import SaveSpec
 from .stats import TransferStats
-from .streams import DeviceBudget, Pending, StreamOps, gpu_budget_line, wait_events
+from .streams import DeviceBudget, Pending, StreamOps, wait_events
 
 log = get_logger("connector")
 
@@ -52,6 +52,7 @@ class Producer:
         streams: the device's streams and events (:class:`~.streams.StreamOps`, made for CUDA
             caches; a test passes a stand-in). With them a save is launched on the step and
             stored by the publisher thread; without (the CPU) it is stored on the step.
+        budget: the rank's device memory budget (default: one of this producer's own).
 
     Raises:
         ValueError: ``kv_format`` asks for what these caches cannot give.
@@ -68,6 +69,7 @@ class Producer:
         secret: bytes | None,
         stats: TransferStats,
         streams: StreamOps | None = None,
+        budget: DeviceBudget | None = None,
     ):
         self.cfg, self.caches, self.tp_rank = cfg, caches, tp_rank
         self.engine_port, self.fingerprint = engine_port, fingerprint
@@ -87,12 +89,11 @@ class Producer:
         self._publisher: Publisher | None = None
         #: entries kept in device memory (``buffer_memory``), else in pinned host memory
         self.entries_on_device = cfg.entries_on_device(caches.device)
-        #: device entries take at most half of ``gpu_memory_bytes``; the rest is pack scratch
-        self.device_buffer_bytes = (
-            min(cfg.buffer_bytes, cfg.gpu_memory_bytes // 2) if self.entries_on_device else 0
-        )
-        #: the device memory of saves in flight (:class:`~.streams.DeviceBudget`)
-        self.budget = DeviceBudget(cfg.gpu_memory_bytes - self.device_buffer_bytes)
+        #: the capacity of the KV buffer when its entries live on the device, else 0
+        self.device_buffer_bytes = cfg.device_buffer_bytes(caches.device)
+        #: the device memory of saves in flight (:class:`~.streams.DeviceBudget`; the rank's,
+        #: shared with its consumer, when given)
+        self.budget = budget or DeviceBudget(cfg.gpu_memory_bytes - self.device_buffer_bytes)
 
     @property
     def buffer(self) -> KVBuffer | None:
@@ -125,13 +126,6 @@ class Producer:
                 f"servers, in the {SECRET_ENV} environment variable or in a file named by "
                 '"secret_file" in kv_connector_extra_config (e.g. `openssl rand -hex 32`), or '
                 'listen on a loopback address, or set "insecure": true to accept that'
-            )
-        if self.caches.device.type == "cuda":
-            log.info(
-                "%s",
-                gpu_budget_line(
-                    self.caches.device, self.budget.limit_bytes, self.device_buffer_bytes
-                ),
             )
         self._buffer = KVBuffer(
             self.device_buffer_bytes or self.cfg.buffer_bytes,

@@ -318,3 +318,25 @@ def test_on_a_gpu_the_step_never_synchronises(buffer_memory):
     assert prod.budget.in_use == 0 and cons.budget.in_use == 0
     cons.shutdown()
     prod.shutdown()
+
+
+@pytest.mark.parametrize(("faults", "fails"), [("", False), ("wrong_slot", True)])
+def test_the_write_back_check_runs_once_the_unpack_completed(faults, fails):
+    """With ``digest_write_back`` the cache is read back behind the unpack and compared once its
+    event completed: an off-by-one slot mapping fails the load, a right one passes."""
+    cfg = ConnectorConfig(kv_format="tokens", digest_write_back=True, debug_allow_corrupt=True)
+    fake = FakeStreams()
+    prod, buffer, _, _ = _save(fake, cfg)
+    fake.complete_all()
+    assert prod.flush(10) and TID in buffer
+    cons, _ = _consumer(fake, buffer, cfg)
+    spec = _load_spec(faults=faults)
+    cons.start_load_kv([spec])
+    assert cons.get_finished() is None and cons.stats.peek()["load_failures"] == 0
+    fake.complete_all()
+    errors = cons.get_block_ids_with_load_errors()
+    stats = cons.stats.peek()
+    if fails:
+        assert errors == set(DST_BLOCKS) and stats["digest_failures"] == 1
+    else:
+        assert errors == set() and stats["loads"] == 1

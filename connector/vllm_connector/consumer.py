@@ -20,11 +20,9 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -33,11 +31,8 @@ from tritonkv import unpack_kv
 
 from ..kvstore import KVClient, Part, hide_ids, short_id
 from ..logs import get_logger
-from ..transport.buffers import host_empty
 from ..transport.errors import (
     ClientBusyError,
-    PeerDeadError,
-    PipeClosedError,
     RemoteError,
     TransferTimeout,
     error_text,
@@ -46,121 +41,21 @@ from ..transport.threads import pin_current_thread
 from . import integrity
 from .cache_views import PAGES_ONLY, RankCaches, packed_shape
 from .config import ConnectorConfig
+from .landings import GpuLoad, Landing, Landings
 from .metadata import LoadSpec, ReleaseSpec
+from .producer_clients import ProducerBackoff, ProducerClients, release_entries
 from .stats import TransferStats
-from .streams import (
-    DeviceBudget,
-    DeviceBudgetExceeded,
-    Pending,
-    StreamOps,
-    wait_events,
-)
+from .streams import DeviceBudget, StreamOps, device_streams
 from .tp_mapping import HeadSource, plan_heads, rank_heads
 
 log = get_logger("connector")
 
-Addr = tuple[str, int]
 # ([(source, packed KV, its expected digest)], whether they hold whole pages, fetch ms): what one
 # load's pulls got
 Fetched = tuple[list[tuple[HeadSource, torch.Tensor, integrity.Expected]], bool, float]
 # How long a consumer on a GPU lets the producer's server wait for an entry not yet stored: a
 # producer on a GPU stores it once its pack and copy to the host completed (producer.Publisher).
 PUBLISH_WAIT_S = 0.5
-
-
-@dataclass
-class _Landing:
-    """A load whose unpack was launched on a GPU and has not completed (:meth:`Consumer._settle`):
-    its digests, copied to the host behind the unpack, are compared once ``pending`` completed."""
-
-    spec: LoadSpec
-    t0: float
-    fetch_ms: float
-    nbytes: int
-    log_args: tuple
-    pending: Pending
-    checks: list  # [(expected, index of its first row in digests, what)]
-    digests: torch.Tensor | None  # [n, 2] int64 host copy of the digests the checks compare
-    is_async: bool
-    stuck: bool = False  # its unpack outlived the wait for it: failed
-
-
-class ProducerBackoff:
-    """Producer hosts that did not connect or answer in time, not asked again for ``hold_s``.
-
-    Sync loads stall the whole decode batch: after one pull from a host timed out, further pulls
-    from it fail at once (and are recomputed) until ``hold_s`` has passed. By host, not by port:
-    hand-offs that name one unresponsive address with ever other ports (a tarpit) stall the
-    batch once per ``hold_s``, not once per port. At most ``max_hosts`` are remembered (the
-    oldest forgotten first).
-    """
-
-    def __init__(self, hold_s: float, max_hosts: int = 1024):
-        self.hold_s, self.max_hosts = hold_s, max_hosts
-        self._down: OrderedDict[str, tuple[float, str]] = OrderedDict()  # host -> (retry at, why)
-
-    def check(self, addr: Addr, transfer_id: str) -> None:
-        """PeerDeadError if the producer host of ``addr`` timed out less than ``hold_s`` ago."""
-        retry_at, why = self._down.get(addr[0], (0.0, ""))
-        if time.monotonic() < retry_at:
-            raise PeerDeadError(
-                f"not tried: this producer timed out ({why}) less than connect_timeout_s "
-                f"({self.hold_s:g} s) ago",
-                peer=f"{addr[0]}:{addr[1]}",
-                key=transfer_id,
-            )
-
-    def timed_out(self, addr: Addr, why: str) -> None:
-        self._down.pop(addr[0], None)
-        self._down[addr[0]] = (time.monotonic() + self.hold_s, why)
-        while len(self._down) > self.max_hosts:
-            self._down.popitem(last=False)
-
-    def answered(self, addr: Addr) -> None:
-        self._down.pop(addr[0], None)
-
-
-class ProducerClients:
-    """One client per producer rank, made on first use by ``connect(host, port)`` and shared by
-    the load threads (a KVClient serialises its requests); none are made after :meth:`close`.
-
-    At most ``max_clients`` are kept: making one more closes the least recently used (a request
-    still running on it fails, and its load is recomputed), so hand-offs naming ever new
-    addresses cannot pile up connections.
-    """
-
-    def __init__(self, connect: Callable[[str, int], KVClient], max_clients: int = 64):
-        self._connect = connect
-        self.max_clients = max_clients
-        self._clients: OrderedDict[Addr, KVClient] = OrderedDict()
-        self._closed = False
-        self._lock = threading.Lock()
-
-    def get(self, host: str, port: int) -> KVClient:
-        with self._lock:
-            if self._closed:  # a release or async fetch still running after shutdown
-                raise PipeClosedError("connector shut down", peer=f"{host}:{port}")
-            client = self._clients.get((host, port))
-            if client is not None:
-                self._clients.move_to_end((host, port))
-                return client
-            client = self._clients[(host, port)] = self._connect(host, port)
-            evicted = []
-            while len(self._clients) > self.max_clients:
-                evicted.append(self._clients.popitem(last=False)[1])
-        for old in evicted:
-            old.close()
-        return client
-
-    def __len__(self) -> int:
-        return len(self._clients)
-
-    def close(self) -> None:
-        with self._lock:  # load and release threads may still be adding clients
-            self._closed = True
-            clients = list(self._clients.values())
-        for client in clients:
-            client.close()
 
 
 class Consumer:
@@ -179,8 +74,7 @@ class Consumer:
             :class:`~connector.kvstore.KVClient` with the config's transport and deadlines);
             each is made once, shared by the load threads, and closed at :meth:`shutdown`.
         streams: the device's streams and events (:class:`~.streams.StreamOps`, made for CUDA
-            caches; a test passes a stand-in). With them nothing waits for the GPU on the step:
-            see :meth:`_load`.
+            caches; a test passes a stand-in): see :meth:`_load`.
         budget: the rank's device memory budget (default: one of this consumer's own).
     """
 
@@ -212,16 +106,12 @@ class Consumer:
         self._loading: dict[str, tuple[LoadSpec, float, Future]] = {}
         self._releasing: list[Future] = []
         self._pools: dict[str, ThreadPoolExecutor] = {}
-        if streams is None and caches.device.type == "cuda":
-            streams = StreamOps(caches.device)
-        self._streams = streams
-        #: the transport carries device memory (nccl): received KV lands on the device, else on
-        #: the host, and the copy to the device is ours, on vLLM's stream
+        self._streams = streams if streams is not None else device_streams(caches.device)
+        # nccl carries device memory: received KV lands there; else on the host, and the copy to
+        # the device is ours, on vLLM's stream, within the budget (streams.DeviceBudget)
         self._device_wire = cfg.transport_for(caches.device) == "nccl"
-        #: the device memory of the device copies of received KV (:class:`~.streams.DeviceBudget`)
         self.budget = budget or DeviceBudget(cfg.gpu_memory_bytes)
-        self._landing: list[_Landing] = []  # loads whose unpack is in flight (with streams)
-        self._stuck: list[Pending] = []  # unpacks that outlived fetch_timeout_s (kept)
+        self._landings = Landings(self.budget, cfg.fetch_timeout_s)  # launched on a GPU
 
     def _pool(self, name: str, workers: int) -> ThreadPoolExecutor:
         """The ``tritonkv-<name>`` threads (load: async fetches; release; gather: concurrent
@@ -261,14 +151,13 @@ class Consumer:
             if not self._load(spec, t0, future.result, is_async=True):
                 finished.add(req_id)  # done here, or failed
         # On a GPU: those whose unpack completed (polled, never waited for), digests compared.
-        finished |= {s.spec.req_id for s in self._settle(wait=False) if s.is_async}
+        finished |= {s.spec.req_id for s in self._settle(False) if s.is_async}
         return finished or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # A failed async load adds its blocks in the get_finished call that reports the request,
         # which vLLM makes before this one in the same step (its rule: no later than that step).
-        # A sync load on a GPU whose digest is to be checked is waited for here, at the end of
-        # the step: its own unpack, launched before the forward pass (not the forward pass).
+        # On a GPU a sync load's digest verdict waits here for its own unpack (not the forward).
         self._settle(wait=True)
         failed, self._load_errors = self._load_errors, set()
         return failed
@@ -281,37 +170,10 @@ class Consumer:
         """Have the producers drop entries no request here will load, now (on the release thread
         when given to :meth:`start_load_kv`: a dead producer costs the connect deadline, which
         the worker must not wait out). Failures are logged: the entry's TTL drops it later."""
-        targets = [  # each producer rank is asked by one rank here
-            (spec, spec.port + rank)
-            for spec in releases
-            for rank in range(self.tp_rank, spec.producer_tp, self.tp_size)
-        ]
-        for spec, port in targets:
-            try:
-                self.backoff.check((spec.host, port), spec.transfer_id)
-                client = self._clients.get(spec.host, port)
-                dropped = client.discard(
-                    spec.transfer_id,
-                    timeout_s=self.cfg.connect_timeout_s,
-                    digest=spec.prompt_digest,
-                )
-            except Exception as exc:  # whatever it is, the entry's TTL drops it later
-                log.info(
-                    "tritonkv: could not release transfer %s on %s:%d (%s: %s); its TTL will",
-                    short_id(spec.transfer_id),
-                    spec.host,
-                    port,
-                    type(exc).__name__,
-                    hide_ids(error_text(exc)),
-                )
-                continue
-            log.info(
-                "tritonkv: released unused transfer %s on %s:%d (%s)",
-                short_id(spec.transfer_id),
-                spec.host,
-                port,
-                "dropped" if dropped else "already gone",
-            )
+        timeout_s = self.cfg.connect_timeout_s
+        release_entries(
+            releases, self.tp_rank, self.tp_size, self.backoff, self._clients, timeout_s
+        )
 
     def _new_client(self, host: str, port: int) -> KVClient:
         # Host memory for gloo and socket: the copy to the device is the consumer's (_load).
@@ -363,12 +225,8 @@ class Consumer:
         try:
             client = self._clients.get(*addr)
             max_bytes = expected_bytes(self.caches, self.tp_size, spec, source)
-            lands_on_device = self._streams is not None and self._device_wire
-            if lands_on_device and max_bytes > self.budget.limit_bytes:
-                raise DeviceBudgetExceeded(
-                    f"a pull of up to {max_bytes} bytes would land in GPU memory, more than "
-                    f"gpu_memory_bytes={self.budget.limit_bytes}: refused"
-                )
+            if self._streams is not None and self._device_wire:  # it lands in GPU memory
+                self.budget.check_room(max_bytes, "a pull received on the device")
             tensors, meta = client.get(
                 spec.transfer_id,
                 part=part,
@@ -413,11 +271,11 @@ class Consumer:
         (False). On a GPU (True, unless it failed here) the copy of host-staged KV to the device
         (within the :class:`~.streams.DeviceBudget`) and the unpack run on the current stream
         (vLLM's: the forward pass comes after them), the digests they computed are copied to
-        the host behind them, and nothing waits: :meth:`_settle` compares the digests and lets
+        the host behind them, and nothing waits: :mod:`.landings` compares the digests and lets
         the tensors go once the unpack's event completed.
         """
         caches, block_size, ops = self.caches, self.caches.block_size, self._streams
-        keep, checks, digests, reserved = [], [], [], 0
+        gpu = GpuLoad(ops, self.budget, spec) if ops is not None else None
         try:
             parts, paged, fetch_ms = fetch()
             t1 = time.perf_counter()
@@ -427,15 +285,8 @@ class Consumer:
                     packed, want = _corrupted(packed), None
                 if "no_digest" in spec.debug_fault:  # test hook: the check switched off
                     want = None
-                if ops is not None and not self._device_wire:  # host-staged: ours to copy
-                    fail = "alloc_fail" in spec.debug_fault
-                    what = f"the load of transfer {short_id(spec.transfer_id)}"
-                    dev, got = self.budget.empty(ops, packed.shape, packed.dtype, what, fail)
-                    reserved += got
-                    dev.copy_(packed, non_blocking=True)
-                    keep.append(packed)
-                    packed = dev
-                keep.append(packed)
+                if gpu is not None and not self._device_wire:  # host-staged: ours to copy
+                    packed = gpu.to_device(packed)
                 rows = packed.shape[2]
                 if paged:
                     views, first = caches.pages, spec.start // block_size * block_size
@@ -446,114 +297,37 @@ class Consumer:
                 slots = caches.slots(spec.block_ids, first, stop, rows)
                 if "wrong_slot" in spec.debug_fault:  # test hook
                     slots = integrity.shifted_slots(slots, first, stop)
-                keep.append(slots)
                 read = unpack_kv(packed, views, slots, digest=isinstance(want, str))
                 write_back = want is not None and self.cfg.digest_write_back
-                if ops is None:
+                where = (views, spec.block_ids, block_size, first, stop)
+                if gpu is not None:  # compared once the unpack completed, on a host copy
+                    gpu.keep += [packed, slots]
+                    if want is not None:
+                        gpu.check(want, packed, read, where if write_back else None)
+                else:
                     integrity.check_read(want, packed, read)
                     if write_back:
-                        integrity.check_write_back(
-                            packed, views, spec.block_ids, block_size, first, stop
-                        )
-                elif want is not None:  # compared in _settle, on a host copy
-                    n = sum(len(d) for d in digests)
-                    digests.append(integrity.read_digests(want, packed, read))
-                    checks.append((want, n, "read"))
-                    if write_back:
-                        n = sum(len(d) for d in digests)
-                        digests.append(
-                            integrity.write_back_digests(
-                                packed, views, spec.block_ids, block_size, first, stop
-                            )
-                        )
-                        checks.append((None, n, "write-back"))
+                        integrity.check_write_back(packed, *where)
                 nbytes += packed.numel() * packed.element_size() * (stop - first) // max(rows, 1)
             log_args = (fetch_ms, paged, parts)
-            if ops is not None:
-                host = None
-                if digests:
-                    found = torch.cat(digests)
-                    host = host_empty(found.numel() * 8).view(torch.int64).view(found.shape)
-                    host.copy_(found, non_blocking=True)
-                    keep.append(found)
-                event = ops.event(ops.current())
-                pending = Pending(event, keep=tuple(keep), reserved=reserved, started=t1)
-                reserved = 0  # the landing's from here on
-                landing = _Landing(
-                    spec, t0, fetch_ms, nbytes, log_args, pending, checks, host, is_async
+            if gpu is not None:
+                pending, checks, host = gpu.launch(t1)
+                self._landings.add(
+                    Landing(spec, t0, fetch_ms, nbytes, log_args, pending, checks, host, is_async)
                 )
-                self._landing.append(landing)
                 return True
             t2 = time.perf_counter()
         except Exception as exc:  # any failure of one load (OOM, a bad entry...) is its own
-            self.budget.release(reserved)
+            if gpu is not None:
+                gpu.release()
             self._fail(spec, t0, exc)
             return False
-        self._loaded(spec, nbytes, 1e3 * (t2 - t1), log_args)
+        record_loaded(self.stats, spec, nbytes, 1e3 * (t2 - t1), log_args)
         return False
 
-    def _settle(self, wait: bool) -> list[_Landing]:
-        """The loads whose unpack on the GPU completed since the last call: their digests
-        compared (a mismatch fails the load), their tensors and device memory let go. ``wait``:
-        first wait (polling, up to ``fetch_timeout_s``) for the sync loads whose digests are to
-        be compared; one that does not complete by then fails (its tensors are kept)."""
-        if wait:
-            checked = [s.pending.event for s in self._landing if s.checks and not s.is_async]
-            if checked and not wait_events(checked, time.monotonic() + self.cfg.fetch_timeout_s):
-                for landing in self._landing:
-                    landing.stuck = landing.pending.event in checked and not landing.pending.done()
-        settled, still = [], []
-        for landing in self._landing:
-            if not landing.pending.done() and not landing.stuck:
-                still.append(landing)
-                continue
-            spec = landing.spec
-            try:
-                if landing.stuck:
-                    raise TimeoutError("its unpack did not complete within fetch_timeout_s")
-                for want, row, check in landing.checks:
-                    integrity.compare(check, want, landing.digests, row)
-            except Exception as exc:
-                self._fail(spec, landing.t0, exc)
-            else:
-                unpack_ms = 1e3 * (time.perf_counter() - landing.pending.started)
-                self._loaded(spec, landing.nbytes, unpack_ms, landing.log_args)
-            if landing.pending.done():
-                self.budget.release(landing.pending.reserved)
-            else:  # stuck: its tensors stay referenced for as long as the GPU may use them
-                self._stuck.append(landing.pending)
-            settled.append(landing)
-        self._landing = still
-        stuck, self._stuck = self._stuck, []
-        for pending in stuck:
-            if pending.done():
-                self.budget.release(pending.reserved)
-            else:
-                self._stuck.append(pending)
-        return settled
-
-    def _loaded(self, spec: LoadSpec, nbytes: int, unpack_ms: float, log_args: tuple) -> None:
-        fetch_ms, paged, parts = log_args
-        self.stats.record_load(
-            nbytes=nbytes, num_tokens=spec.count, fetch_ms=fetch_ms, unpack_ms=unpack_ms
-        )
-        log.info(
-            "tritonkv: loaded transfer %s for %s: %d tokens (positions %d..%d; %d local), %d bytes, "
-            "fetch %.2f ms, unpack %.2f ms, kv_format %s, from %s:%d ranks %s",
-            short_id(spec.transfer_id),
-            spec.req_id,
-            spec.count,
-            spec.start,
-            spec.start + spec.count - 1,
-            spec.start,
-            nbytes,
-            fetch_ms,
-            unpack_ms,
-            "pages" if paged else "tokens",
-            spec.host,
-            spec.port,
-            ",".join(f"{s.rank}[{s.src[0]}:{s.src[1]}]" for s, *_ in parts),
-        )
+    def _settle(self, wait: bool) -> list[Landing]:
+        """See :meth:`.landings.Landings.settle`."""
+        return self._landings.settle(wait, self._fail, partial(record_loaded, self.stats))
 
     def _fail(self, spec: LoadSpec, t0: float, exc: BaseException) -> None:
         """Put ``spec``'s blocks in the error set (vLLM recomputes them), count and log it."""
@@ -659,3 +433,26 @@ def _corrupted(packed: torch.Tensor) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1234)
     noise = torch.randint(1, 255, raw.shape, generator=gen, dtype=torch.uint8)
     return (raw ^ noise.to(raw.device)).view(packed.dtype).view(packed.shape)
+
+
+def record_loaded(stats, spec: LoadSpec, nbytes: int, unpack_ms: float, log_args: tuple) -> None:
+    """Count and log a completed load (``log_args``: ``(fetch_ms, paged, parts)``)."""
+    fetch_ms, paged, parts = log_args
+    stats.record_load(nbytes=nbytes, num_tokens=spec.count, fetch_ms=fetch_ms, unpack_ms=unpack_ms)
+    log.info(
+        "tritonkv: loaded transfer %s for %s: %d tokens (positions %d..%d; %d local), %d bytes, "
+        "fetch %.2f ms, unpack %.2f ms, kv_format %s, from %s:%d ranks %s",
+        short_id(spec.transfer_id),
+        spec.req_id,
+        spec.count,
+        spec.start,
+        spec.start + spec.count - 1,
+        spec.start,
+        nbytes,
+        fetch_ms,
+        unpack_ms,
+        "pages" if paged else "tokens",
+        spec.host,
+        spec.port,
+        ",".join(f"{s.rank}[{s.src[0]}:{s.src[1]}]" for s, *_ in parts),
+    )

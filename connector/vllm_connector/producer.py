@@ -33,7 +33,7 @@ from .config import ConnectorConfig
 from .integrity import digest_tensors, entry_meta, flip_bit, meta_from_digests
 from .metadata import SaveSpec
 from .stats import TransferStats
-from .streams import DeviceBudget, Pending, StreamOps, wait_events
+from .streams import DeviceBudget, Pending, StreamOps, device_streams, wait_events
 
 log = get_logger("connector")
 
@@ -81,11 +81,7 @@ class Producer:
         self._server: KVServer | None = None
         self._watcher: BufferWatcher | None = None
         self._auth_failures_seen = 0
-        if streams is None and caches.device.type == "cuda":
-            streams = StreamOps(caches.device)
-        self._streams = streams
-        self._copy_stream = None  # the publisher's (made on its thread)
-        self._stuck: list[_Job] = []  # saves whose pack outlived publish_timeout_s (kept)
+        self._streams = streams if streams is not None else device_streams(caches.device)
         self._publisher: Publisher | None = None
         #: entries kept in device memory (``buffer_memory``), else in pinned host memory
         self.entries_on_device = cfg.entries_on_device(caches.device)
@@ -229,7 +225,7 @@ class Producer:
         """The pack on a GPU, launched without waiting for it (:mod:`.streams`): on our stream,
         after an event of vLLM's (the forward pass wrote the KV); vLLM's stream then waits for
         the pack's event (what it runs next may overwrite these blocks). The publisher thread
-        copies the entry to the host and stores it once the pack completed."""
+        copies the entry to the host and stores it once the pack completed (:meth:`Publisher.publish`)."""
         ops = self._streams
         vllm_stream = ops.current()
         with ops.use(ops.side):
@@ -263,55 +259,6 @@ class Producer:
         """Wait until every save launched so far is stored or failed (True), or ``timeout_s``
         passed (False). Immediate off a GPU, where :meth:`wait_for_save` stores its saves."""
         return self._publisher is None or self._publisher.flush(timeout_s)
-
-    def _publish(self, job: _Job, deadline: float) -> None:
-        """On the publisher thread: wait for ``job``'s pack, copy it to pinned host memory
-        (unless entries live on the device) and store it."""
-        ops, spec = self._streams, job.spec
-        complete = False
-        try:
-            if not wait_events([job.pending.event], deadline):
-                raise TimeoutError("its pack did not complete within publish_timeout_s")
-            pack_ms = 1e3 * (time.perf_counter() - job.pending.started)
-            entry, digests = job.packed, job.digests
-            with ops.use(self._copy_stream):
-                if not self.entries_on_device:
-                    entry = host_empty(job.nbytes).view(job.packed.dtype).view(job.packed.shape)
-                    entry.copy_(job.packed, non_blocking=True)
-                if digests is not None:
-                    digests = host_empty(digests.numel() * 8).view(torch.int64).view(digests.shape)
-                    digests.copy_(job.digests, non_blocking=True)
-                copied = ops.event(self._copy_stream)
-            if not wait_events([copied], deadline):
-                job.pending.event = copied  # what the GPU may still be doing with its tensors
-                raise TimeoutError("its copy to the host did not complete within publish_timeout_s")
-            complete = True
-            if not self.entries_on_device:
-                job.packed = None  # the device scratch goes back to the allocator
-                self.budget.release(job.pending.reserved)
-                job.pending.reserved = 0
-            meta = dict(job.meta)
-            if digests is not None:
-                meta.update(meta_from_digests(digests, self.kv_format))
-            if "flip_bit" in spec.debug_fault:  # test hook: after the digest was taken
-                flip_bit(entry)
-            self._store(spec, entry, meta, job.nbytes, pack_ms)
-        except Exception as exc:
-            self._save_failed(spec, exc)
-        finally:
-            if complete:  # a device-resident entry is counted by the buffer's capacity now
-                self._let_go(job)
-            else:  # its tensors stay referenced (and counted) for as long as the GPU may use them
-                self._stuck.append(job)
-            self._stuck = [j for j in self._stuck if not self._let_go(j)]
-
-    def _let_go(self, job: _Job) -> bool:
-        """Release ``job``'s device memory once its work completed (True), else nothing."""
-        if not job.pending.done():
-            return False
-        self.budget.release(job.pending.reserved)
-        job.pending.reserved = 0
-        return True
 
     def _store(self, spec: SaveSpec, packed, meta: dict, nbytes: int, pack_ms: float) -> None:
         self._buffer.put(
@@ -380,13 +327,15 @@ class _Job:
 
 class Publisher:
     """The ``tritonkv-publish`` thread of a producer on a GPU: stores its launched saves, in
-    order, once each one's pack completed (:meth:`Producer._publish`), off vLLM's step. A save
+    order, once each one's pack completed (:meth:`publish`), off vLLM's step. A save
     whose pack or copy does not complete within ``publish_timeout_s`` fails (recomputed)."""
 
     def __init__(self, producer: Producer, publish_timeout_s: float = 30.0):
         self._producer = producer
         self.publish_timeout_s = publish_timeout_s
         self._jobs: collections.deque[_Job] = collections.deque()
+        self._copy_stream = None  # made on the thread
+        self.stuck: list[_Job] = []  # saves whose pack outlived publish_timeout_s (kept)
         self._cond = threading.Condition()
         self._busy = False
         self._stopped = False
@@ -416,11 +365,60 @@ class Publisher:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
 
-    def _run(self) -> None:
-        producer = self._producer
+    def publish(self, job: _Job, deadline: float) -> None:
+        """Wait for ``job``'s pack, copy it to pinned host memory (unless entries live on the
+        device) and store it."""
+        producer, spec = self._producer, job.spec
         ops = producer._streams
+        complete = False
+        try:
+            if not wait_events([job.pending.event], deadline):
+                raise TimeoutError("its pack did not complete within publish_timeout_s")
+            pack_ms = 1e3 * (time.perf_counter() - job.pending.started)
+            entry, digests = job.packed, job.digests
+            with ops.use(self._copy_stream):
+                if not producer.entries_on_device:
+                    entry = host_empty(job.nbytes).view(job.packed.dtype).view(job.packed.shape)
+                    entry.copy_(job.packed, non_blocking=True)
+                if digests is not None:
+                    digests = host_empty(digests.numel() * 8).view(torch.int64).view(digests.shape)
+                    digests.copy_(job.digests, non_blocking=True)
+                copied = ops.event(self._copy_stream)
+            if not wait_events([copied], deadline):
+                job.pending.event = copied  # what the GPU may still be doing with its tensors
+                raise TimeoutError("its copy to the host did not complete within publish_timeout_s")
+            complete = True
+            if not producer.entries_on_device:
+                job.packed = None  # the device scratch goes back to the allocator
+                producer.budget.release(job.pending.reserved)
+                job.pending.reserved = 0
+            meta = dict(job.meta)
+            if digests is not None:
+                meta.update(meta_from_digests(digests, producer.kv_format))
+            if "flip_bit" in spec.debug_fault:  # test hook: after the digest was taken
+                flip_bit(entry)
+            producer._store(spec, entry, meta, job.nbytes, pack_ms)
+        except Exception as exc:
+            producer._save_failed(spec, exc)
+        finally:
+            if complete:  # a device-resident entry is counted by the buffer's capacity now
+                self._let_go(job)
+            else:  # its tensors stay referenced (and counted) for as long as the GPU may use them
+                self.stuck.append(job)
+            self.stuck = [j for j in self.stuck if not self._let_go(j)]
+
+    def _let_go(self, job: _Job) -> bool:
+        """Release ``job``'s device memory once its work completed (True), else nothing."""
+        if not job.pending.done():
+            return False
+        self._producer.budget.release(job.pending.reserved)
+        job.pending.reserved = 0
+        return True
+
+    def _run(self) -> None:
+        ops = self._producer._streams
         ops.bind_thread()
-        producer._copy_stream = ops.new_stream()
+        self._copy_stream = ops.new_stream()
         while True:
             with self._cond:
                 while not self._jobs and not self._stopped:
@@ -432,7 +430,7 @@ class Publisher:
                 job = self._jobs.popleft()
                 self._busy = True
             try:
-                producer._publish(job, time.monotonic() + self.publish_timeout_s)
+                self.publish(job, time.monotonic() + self.publish_timeout_s)
             finally:
                 del job
                 with self._cond:

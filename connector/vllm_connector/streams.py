@@ -75,6 +75,11 @@ class StreamOps:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
 
+def device_streams(device: torch.device) -> StreamOps | None:
+    """The :class:`StreamOps` of caches on ``device``: CUDA's, or None (the CPU needs none)."""
+    return StreamOps(device) if device.type == "cuda" else None
+
+
 def wait_events(events, deadline: float) -> bool:
     """Poll ``events`` until every one completed (True) or ``deadline`` (``time.monotonic``)
     passed (False). Never a host synchronisation: ``query`` only."""
@@ -127,16 +132,25 @@ class DeviceBudget:
     def reserve(self, nbytes: int, what: str) -> int:
         """Take ``nbytes`` of the budget for ``what`` (returns ``nbytes``, to release later)."""
         with self._lock:
-            if self.in_use + nbytes > self.limit_bytes:
-                self.refusals += 1
-                raise DeviceBudgetExceeded(
-                    f"{what} needs {nbytes} bytes of GPU memory, {self.in_use} of "
-                    f"gpu_memory_bytes={self.limit_bytes} are in use: refused (raise "
-                    "gpu_memory_bytes, lowering --gpu-memory-utilization as the startup log says)"
-                )
+            self._refuse(nbytes, self.in_use, what)
             self.in_use += nbytes
             self.peak = max(self.peak, self.in_use)
         return nbytes
+
+    def check_room(self, nbytes: int, what: str) -> None:
+        """DeviceBudgetExceeded if ``nbytes`` could never fit the budget (memory taken outside
+        it: a transport's receive on the device, bounded by the budget but not counted)."""
+        with self._lock:
+            self._refuse(nbytes, 0, what)
+
+    def _refuse(self, nbytes: int, in_use: int, what: str) -> None:
+        if in_use + nbytes > self.limit_bytes:
+            self.refusals += 1
+            raise DeviceBudgetExceeded(
+                f"{what} needs {nbytes} bytes of GPU memory, {in_use} of "
+                f"gpu_memory_bytes={self.limit_bytes} are in use: refused (raise "
+                "gpu_memory_bytes, lowering --gpu-memory-utilization as the startup log says)"
+            )
 
     def release(self, nbytes: int) -> None:
         with self._lock:

@@ -224,12 +224,12 @@ def test_a_pack_that_never_completes_fails_its_save_and_keeps_its_memory():
     assert prod.flush(10)
     assert TID not in buffer and prod.stats.peek()["save_failures"] == 1
     # the GPU may still write its output: kept, and counted, until its event completes
-    assert prod.budget.in_use == NUM_TOKENS * ROW_BYTES and len(prod._stuck) == 1
+    assert prod.budget.in_use == NUM_TOKENS * ROW_BYTES and len(prod._publisher.stuck) == 1
     prod._publisher_thread().publish_timeout_s = 10
     prod.wait_for_save([SaveSpec("q", "cd" * 16, [0], 3, prompt_digest=DIGEST)])
     fake.complete_all()
     assert prod.flush(10) and "cd" * 16 in buffer
-    assert prod.budget.in_use == 0 and prod._stuck == []
+    assert prod.budget.in_use == 0 and prod._publisher.stuck == []
     prod.shutdown()
 
 

@@ -315,7 +315,7 @@ class Producer:
 
 @dataclass
 class _Job:
-    """A save launched on the GPU, waiting for its pack: what :meth:`Producer._publish` needs."""
+    """A save launched on the GPU, waiting for its pack: what :meth:`Publisher.publish` needs."""
 
     spec: SaveSpec
     packed: torch.Tensor | None  # the pack's device output, kept until it is copied or stored

@@ -135,6 +135,8 @@ def producer_main(device: str, transport: str, port: int, conn) -> None:
         fake, compute = _streams(device)
         cfg = ConnectorConfig(transport=transport, kv_format="tokens", port=port)
         caches = flash_caches(device)
+        if device == "cuda":  # filled on the default stream; the "forward" runs on another
+            torch.cuda.synchronize()
         prod = Producer(
             cfg,
             rank_caches(caches, device),

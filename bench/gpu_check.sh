@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # One-shot GPU check for tritonkv: the `gpu`-marked tests (kernels; CUDA tensors on every
-# transport), a reduced benchmark (do_bench + autotune)
-# and a profiler count of kernel launches, in under 5 minutes, into at most 8 files in OUTDIR:
+# transport), the connector's worker halves on one GPU (two processes, as vLLM drives them), a
+# reduced benchmark (do_bench + autotune) and a profiler count of kernel launches, in under 8
+# minutes, into at most 9 files in OUTDIR:
 #   gpu_check.log  everything printed (versions, nvidia-smi, test summary, tables, goal summary)
 #   pytest.log     the gpu tests' output
+#   workers.log    the worker halves' gpu tests: a producer and a consumer process on one GPU
+#                  (socket and gloo, FlashAttention-shaped bf16 caches, sync-debug mode "error"
+#                  around the connector's calls, a CUDA graph reading the loaded blocks, injected
+#                  allocation failures), and both halves in one process with the KV buffer on
+#                  the host and on the device (tests/vllm_connector/test_two_workers.py,
+#                  test_gpu_step.py); --dry-run: their CPU variants
 #   bench.csv      the reduced benchmark, schema of bench/common.py (COLUMNS)
 #   tokens.png     tokens sweep: GB/s and fraction of copy, per op and case
 #   seqs.png       seqs sweep: ms and speed-up over the loop
@@ -26,8 +33,10 @@ fi
 OUTDIR=${1:?usage: bench/gpu_check.sh [--dry-run] OUTDIR}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-python3}
-TOTAL_S=285      # hard limit for the whole script (the issue asks for < 5 min)
+TOTAL_S=470      # hard limit for the whole script (< 8 min: the device run is 10 min at most)
 TESTS_S=120      # the gpu tests (autotuning compiles most of this time)
+WORKERS_S=180    # the worker halves' gpu tests (two processes start CUDA and compile each)
+BENCH_S=165      # the reduced benchmark and launch count (what they had before the workers' step)
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
 
@@ -66,7 +75,7 @@ fi
 
 status=0
 echo
-echo "== 1/2 gpu tests (limit ${TESTS_S} s)"
+echo "== 1/3 gpu tests (limit ${TESTS_S} s)"
 if "$PY" -c "import pytest" 2>/dev/null; then
     rc=0
     # One launch config per kernel key (TRITONKV_AUTOTUNE=0): the tests check correctness, and
@@ -91,9 +100,40 @@ else
     [[ $DRY == 1 ]] || status=1
 fi
 
-left=$((TOTAL_S - SECONDS))
 echo
-echo "== 2/2 reduced benchmark + launch count (limit ${left} s; nothing new starts after $((left - 50)) s)"
+echo "== 2/3 worker halves on one GPU (limit ${WORKERS_S} s)"
+if "$PY" -c "import pytest" 2>/dev/null; then
+    rc=0
+    workers=(tests/vllm_connector/test_two_workers.py tests/vllm_connector/test_gpu_step.py)
+    if [[ $DRY == 1 ]]; then  # the same checks on the CPU: the halves' GPU path on stand-in streams
+        select=(-m "not gpu")
+    else
+        select=(-m gpu)
+    fi
+    TRITONKV_AUTOTUNE=0 timeout -k 5 "$WORKERS_S" "$PY" -m pytest "${select[@]}" -v -p no:cacheprovider \
+        "${workers[@]}" >"$OUTDIR/workers.log" 2>&1 || rc=$?
+    tail -n 12 "$OUTDIR/workers.log"
+    if [[ $rc == 124 || $rc == 137 ]]; then
+        echo "worker halves: TIMED OUT after ${WORKERS_S} s (workers.log names the tests that ran)"
+        status=1
+    elif [[ $rc != 0 ]]; then
+        echo "worker halves: FAILED (exit $rc)"
+        status=1
+    elif ! grep -q " passed" "$OUTDIR/workers.log"; then
+        echo "worker halves: FAILED (none passed: all skipped?)"
+        status=1
+    else
+        echo "worker halves: passed"
+    fi
+else
+    echo "pytest missing: worker halves NOT run (put pytest on PYTHONPATH)" | tee "$OUTDIR/workers.log"
+    [[ $DRY == 1 ]] || status=1
+fi
+
+left=$((TOTAL_S - SECONDS))
+(( left > BENCH_S )) && left=$BENCH_S
+echo
+echo "== 3/3 reduced benchmark + launch count (limit ${left} s; nothing new starts after $((left - 50)) s)"
 rc=0
 dry_flag=()
 [[ $DRY == 1 ]] && dry_flag=(--dry-run)

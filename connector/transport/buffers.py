@@ -65,13 +65,15 @@ class RecvPool:
                     drop.add(i)
                     held -= size
                 self._bufs = [x for i, x in enumerate(self._bufs) if i not in drop]
-            buf = _host_empty(nbytes, self.pinned)
+            buf = host_empty(nbytes, self.pinned)
             if held + nbytes <= self.max_bytes:
                 self._bufs.append((buf, _storage_users(buf)))
             return buf[:nbytes]
 
 
-def _host_empty(nbytes: int, pinned: bool) -> torch.Tensor:
+def host_empty(nbytes: int, pinned: bool = True) -> torch.Tensor:
+    """``[nbytes]`` uint8 host memory, page-locked when ``pinned`` and CUDA is there (from
+    PyTorch's caching host allocator: freed blocks are kept for the next one)."""
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned and torch.cuda.is_available())
 
 
@@ -84,7 +86,7 @@ def staging_buffer(nbytes: int) -> torch.Tensor:
     """A uint8 host buffer of ``nbytes`` to stage device bytes through: pinned when CUDA is
     there, from :data:`STAGING_POOL` when large enough (reused once nothing references it)."""
     buf = STAGING_POOL.alloc(nbytes)
-    return buf if buf is not None else _host_empty(nbytes, True)
+    return buf if buf is not None else host_empty(nbytes, True)
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

@@ -132,6 +132,13 @@ class RankCaches:
         return self._sliced[heads]
 
 
+def packed_shape(views: Views, rows: int) -> tuple[int, ...]:
+    """``[num_layers, 1 or 2 (K, V), rows, num_kv_heads, head_size]``: the packed KV of
+    ``rows`` token rows (or page rows) that fills ``views``."""
+    k0 = views[0][0]
+    return (len(views), 1 + (views[0][1] is not None), rows, k0.shape[1], k0.shape[3])
+
+
 # Layouts whose token rows tritonkv cannot address: they move as whole pages only (and why).
 PAGES_ONLY = {
     "opaque_pages": "unknown layout",

@@ -18,6 +18,7 @@ FULL_POLICIES = ("evict", "wait", "error")  # the KV buffer's, in the order the 
 TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
 KERNEL_CHOICES = ("auto", "torch", "triton")
 KV_FORMATS = ("auto", "tokens", "pages")
+BUFFER_MEMORY = ("auto", "host", "device")
 # Keys that take a string although their default is None.
 _OPTIONAL_STR = ("advertise_host", "kernels")
 
@@ -39,6 +40,19 @@ class ConnectorConfig:
     port: int = 14600
     #: producer: the capacity of the KV buffer, in tensor bytes (default 2 GiB).
     buffer_bytes: int = 2 << 30
+    #: producer on a GPU: where the buffer's entries live. ``host``: pinned host memory (the
+    #: pack's device scratch is copied there by a thread of ours, then freed), for ``gloo`` and
+    #: ``socket``, which carry host memory; ``device``: GPU memory (NCCL sends from there), at most
+    #: ``min(buffer_bytes, gpu_memory_bytes // 2)``, taken from ``gpu_memory_bytes``;
+    #: ``auto``: ``device`` when the transport is ``nccl``, else ``host``. Ignored off a GPU.
+    buffer_memory: str = "auto"
+    #: both, on a GPU: the device bytes one rank of tritonkv may take outside vLLM's memory
+    #: budget: pack scratch in flight, the consumer's device copies of received KV, and
+    #: device-resident entries (``buffer_memory``). A save or load that would need more is refused
+    #: (recomputed), never an out-of-memory error; the startup log line says how much to lower
+    #: ``--gpu-memory-utilization`` (default 1 GiB; with ``transport: nccl`` NCCL's own buffers come
+    #: on top).
+    gpu_memory_bytes: int = 1 << 30
     #: producer: when the buffer is full, ``evict`` the oldest unclaimed entry, ``wait`` for room
     #: (``put_timeout_s``) or fail the save (``error``).
     full_policy: str = "evict"
@@ -179,11 +193,28 @@ class ConnectorConfig:
         device's default (nccl on CUDA, else gloo) for ``auto``."""
         return self.transport if self.transport != "auto" else default_transport(device)
 
+    def entries_on_device(self, device) -> bool:
+        """Whether a producer over caches on ``device`` keeps its entries there (see
+        ``buffer_memory``)."""
+        if device.type != "cuda":
+            return False
+        if self.buffer_memory == "auto":
+            return self.transport_for(device) == "nccl"
+        return self.buffer_memory == "device"
+
+    def device_buffer_bytes(self, device) -> int:
+        """The capacity of a producer's KV buffer kept on ``device`` (0: entries on the host):
+        ``min(buffer_bytes, gpu_memory_bytes // 2)``, taken from ``gpu_memory_bytes``."""
+        if not self.entries_on_device(device):
+            return 0
+        return min(self.buffer_bytes, self.gpu_memory_bytes // 2)
+
     def _check_choices(self) -> None:
         for name, choices in (
             ("full_policy", FULL_POLICIES),
             ("transport", TRANSPORT_CHOICES),
             ("kv_format", KV_FORMATS),
+            ("buffer_memory", BUFFER_MEMORY),
             ("kernels", (None, *KERNEL_CHOICES)),
         ):
             if getattr(self, name) not in choices:
@@ -194,6 +225,8 @@ class ConnectorConfig:
                 raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
         if self.transfer_cpus not in ("", "auto"):
             parse_cpus(self.transfer_cpus)
+        if self.gpu_memory_bytes <= 0:
+            raise ValueError(f"gpu_memory_bytes: expected > 0, got {self.gpu_memory_bytes}")
         if self.hidden_writer_bytes <= 0:
             raise ValueError(f"hidden_writer_bytes: expected > 0, got {self.hidden_writer_bytes}")
         if not 0 < self.port < 65536 or self.buffer_bytes <= 0:

@@ -29,8 +29,11 @@ Flow (the proxy, ``connector.serve.proxy``, drives it):
    is served by a :class:`~connector.kvstore.KVServer` on ``host:engine_port + tp_rank``.
    ``request_finished`` returns the ``kv_transfer_params`` the decode side needs (see
    :func:`TritonKVConnector.request_finished`).
-   Blocks are freed at once (``delay_free_blocks=False``): the pack is a copy and has completed,
-   synchronously, before the scheduler learns the request finished.
+   Blocks are freed at once (``delay_free_blocks=False``): on the CPU the pack has completed
+   before the scheduler learns the request finished; on a GPU it runs on a stream of ours and
+   vLLM's stream waits for its event, so no later kernel there overwrites the blocks before the
+   pack read them (:mod:`.streams`; the entry is stored once the pack and its copy to the host
+   completed, and a consumer's GET waits for it briefly).
 2. The proxy passes those params to the **consumer**. Its scheduler-side connector reports
    ``prompt_len - 1 - num_computed_tokens`` external tokens (token-granular: vLLM recomputes only
    the last prompt token to get logits; ``num_computed_tokens`` is the local prefix-cache hit, whose
@@ -388,12 +391,15 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Async loads whose fetch completed: unpacked here, on the worker's own thread (or, when
-        the fetch failed, their blocks put in the error set)."""
+        the fetch failed, their blocks put in the error set); on a GPU reported once their
+        unpack's event completed and their digest matched (polled, never waited for)."""
         return self._worker.get_finished(finished_req_ids)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for per layer: a sync load completes inside ``start_load_kv`` (before the
-        forward pass), and vLLM schedules an async-loaded request only after ``get_finished``."""
+        forward pass; on a GPU its unpack is launched there, on vLLM's stream, ahead of the
+        forward's kernels), and vLLM schedules an async-loaded request only after
+        ``get_finished``."""
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
         """Saving packs all layers at once in ``wait_for_save``, after the forward pass."""

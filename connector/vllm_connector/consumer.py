@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -34,104 +33,29 @@ from ..kvstore import KVClient, Part, hide_ids, short_id
 from ..logs import get_logger
 from ..transport.errors import (
     ClientBusyError,
-    PeerDeadError,
-    PipeClosedError,
     RemoteError,
     TransferTimeout,
     error_text,
 )
 from ..transport.threads import pin_current_thread
 from . import integrity
-from .cache_views import PAGES_ONLY, RankCaches
+from .cache_views import PAGES_ONLY, RankCaches, packed_shape
 from .config import ConnectorConfig
+from .landings import GpuLoad, Landing, Landings
 from .metadata import LoadSpec, ReleaseSpec
+from .producer_clients import ProducerBackoff, ProducerClients, release_entries
 from .stats import TransferStats
+from .streams import DeviceBudget, StreamOps, device_streams
 from .tp_mapping import HeadSource, plan_heads, rank_heads
 
 log = get_logger("connector")
 
-Addr = tuple[str, int]
 # ([(source, packed KV, its expected digest)], whether they hold whole pages, fetch ms): what one
 # load's pulls got
 Fetched = tuple[list[tuple[HeadSource, torch.Tensor, integrity.Expected]], bool, float]
-
-
-class ProducerBackoff:
-    """Producer hosts that did not connect or answer in time, not asked again for ``hold_s``.
-
-    Sync loads stall the whole decode batch: after one pull from a host timed out, further pulls
-    from it fail at once (and are recomputed) until ``hold_s`` has passed. By host, not by port:
-    hand-offs that name one unresponsive address with ever other ports (a tarpit) stall the
-    batch once per ``hold_s``, not once per port. At most ``max_hosts`` are remembered (the
-    oldest forgotten first).
-    """
-
-    def __init__(self, hold_s: float, max_hosts: int = 1024):
-        self.hold_s, self.max_hosts = hold_s, max_hosts
-        self._down: OrderedDict[str, tuple[float, str]] = OrderedDict()  # host -> (retry at, why)
-
-    def check(self, addr: Addr, transfer_id: str) -> None:
-        """PeerDeadError if the producer host of ``addr`` timed out less than ``hold_s`` ago."""
-        retry_at, why = self._down.get(addr[0], (0.0, ""))
-        if time.monotonic() < retry_at:
-            raise PeerDeadError(
-                f"not tried: this producer timed out ({why}) less than connect_timeout_s "
-                f"({self.hold_s:g} s) ago",
-                peer=f"{addr[0]}:{addr[1]}",
-                key=transfer_id,
-            )
-
-    def timed_out(self, addr: Addr, why: str) -> None:
-        self._down.pop(addr[0], None)
-        self._down[addr[0]] = (time.monotonic() + self.hold_s, why)
-        while len(self._down) > self.max_hosts:
-            self._down.popitem(last=False)
-
-    def answered(self, addr: Addr) -> None:
-        self._down.pop(addr[0], None)
-
-
-class ProducerClients:
-    """One client per producer rank, made on first use by ``connect(host, port)`` and shared by
-    the load threads (a KVClient serialises its requests); none are made after :meth:`close`.
-
-    At most ``max_clients`` are kept: making one more closes the least recently used (a request
-    still running on it fails, and its load is recomputed), so hand-offs naming ever new
-    addresses cannot pile up connections.
-    """
-
-    def __init__(self, connect: Callable[[str, int], KVClient], max_clients: int = 64):
-        self._connect = connect
-        self.max_clients = max_clients
-        self._clients: OrderedDict[Addr, KVClient] = OrderedDict()
-        self._closed = False
-        self._lock = threading.Lock()
-
-    def get(self, host: str, port: int) -> KVClient:
-        with self._lock:
-            if self._closed:  # a release or async fetch still running after shutdown
-                raise PipeClosedError("connector shut down", peer=f"{host}:{port}")
-            client = self._clients.get((host, port))
-            if client is not None:
-                self._clients.move_to_end((host, port))
-                return client
-            client = self._clients[(host, port)] = self._connect(host, port)
-            evicted = []
-            while len(self._clients) > self.max_clients:
-                evicted.append(self._clients.popitem(last=False)[1])
-        for old in evicted:
-            old.close()
-        return client
-
-    def __len__(self) -> int:
-        return len(self._clients)
-
-    def close(self) -> None:
-        with self._lock:  # load and release threads may still be adding clients
-            self._closed = True
-            clients = list(self._clients.values())
-        for client in clients:
-            client.close()
+# How long a consumer on a GPU lets the producer's server wait for an entry not yet stored: a
+# producer on a GPU stores it once its pack and copy to the host completed (producer.Publisher).
+PUBLISH_WAIT_S = 0.5
 
 
 class Consumer:
@@ -149,6 +73,9 @@ class Consumer:
         connect: ``connect(host, port)`` makes the client of one producer rank (default: a
             :class:`~connector.kvstore.KVClient` with the config's transport and deadlines);
             each is made once, shared by the load threads, and closed at :meth:`shutdown`.
+        streams: the device's streams and events (:class:`~.streams.StreamOps`, made for CUDA
+            caches; a test passes a stand-in): see :meth:`_load`.
+        budget: the rank's device memory budget (default: one of this consumer's own).
     """
 
     def __init__(
@@ -163,6 +90,8 @@ class Consumer:
         secret: bytes | None,
         stats: TransferStats,
         connect: Callable[[str, int], KVClient] | None = None,
+        streams: StreamOps | None = None,
+        budget: DeviceBudget | None = None,
     ):
         self.cfg, self.caches = cfg, caches
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -177,6 +106,12 @@ class Consumer:
         self._loading: dict[str, tuple[LoadSpec, float, Future]] = {}
         self._releasing: list[Future] = []
         self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._streams = streams if streams is not None else device_streams(caches.device)
+        # nccl carries device memory: received KV lands there; else on the host, and the copy to
+        # the device is ours, on vLLM's stream, within the budget (streams.DeviceBudget)
+        self._device_wire = cfg.transport_for(caches.device) == "nccl"
+        self.budget = budget or DeviceBudget(cfg.gpu_memory_bytes)
+        self._landings = Landings(self.budget, cfg.fetch_timeout_s)  # launched on a GPU
 
     def _pool(self, name: str, workers: int) -> ThreadPoolExecutor:
         """The ``tritonkv-<name>`` threads (load: async fetches; release; gather: concurrent
@@ -210,14 +145,20 @@ class Consumer:
         """Async loads whose fetch completed: unpacked here, on the worker's own thread (or, when
         the fetch failed, their blocks put in the error set)."""
         done = [req_id for req_id, (_, _, future) in self._loading.items() if future.done()]
+        finished = set()
         for req_id in done:
             spec, t0, future = self._loading.pop(req_id)
-            self._load(spec, t0, future.result)
-        return set(done) or None
+            if not self._load(spec, t0, future.result, is_async=True):
+                finished.add(req_id)  # done here, or failed
+        # On a GPU: those whose unpack completed (polled, never waited for), digests compared.
+        finished |= {s.spec.req_id for s in self._settle(False) if s.is_async}
+        return finished or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # A failed async load adds its blocks in the get_finished call that reports the request,
         # which vLLM makes before this one in the same step (its rule: no later than that step).
+        # On a GPU a sync load's digest verdict waits here for its own unpack (not the forward).
+        self._settle(wait=True)
         failed, self._load_errors = self._load_errors, set()
         return failed
 
@@ -229,43 +170,17 @@ class Consumer:
         """Have the producers drop entries no request here will load, now (on the release thread
         when given to :meth:`start_load_kv`: a dead producer costs the connect deadline, which
         the worker must not wait out). Failures are logged: the entry's TTL drops it later."""
-        targets = [  # each producer rank is asked by one rank here
-            (spec, spec.port + rank)
-            for spec in releases
-            for rank in range(self.tp_rank, spec.producer_tp, self.tp_size)
-        ]
-        for spec, port in targets:
-            try:
-                self.backoff.check((spec.host, port), spec.transfer_id)
-                client = self._clients.get(spec.host, port)
-                dropped = client.discard(
-                    spec.transfer_id,
-                    timeout_s=self.cfg.connect_timeout_s,
-                    digest=spec.prompt_digest,
-                )
-            except Exception as exc:  # whatever it is, the entry's TTL drops it later
-                log.info(
-                    "tritonkv: could not release transfer %s on %s:%d (%s: %s); its TTL will",
-                    short_id(spec.transfer_id),
-                    spec.host,
-                    port,
-                    type(exc).__name__,
-                    hide_ids(error_text(exc)),
-                )
-                continue
-            log.info(
-                "tritonkv: released unused transfer %s on %s:%d (%s)",
-                short_id(spec.transfer_id),
-                spec.host,
-                port,
-                "dropped" if dropped else "already gone",
-            )
+        timeout_s = self.cfg.connect_timeout_s
+        release_entries(
+            releases, self.tp_rank, self.tp_size, self.backoff, self._clients, timeout_s
+        )
 
     def _new_client(self, host: str, port: int) -> KVClient:
+        # Host memory for gloo and socket: the copy to the device is the consumer's (_load).
         return KVClient(
             host,
             port,
-            device=self.caches.device,
+            device=self.caches.device if self._device_wire else "cpu",
             transport=self.cfg.transport_for(self.caches.device),
             timeout_s=self.cfg.fetch_timeout_s,
             connect_timeout_s=self.cfg.connect_timeout_s,
@@ -309,11 +224,15 @@ class Consumer:
         part = Part("kv", 3, *source.src) if source.num_heads < held else None
         try:
             client = self._clients.get(*addr)
+            max_bytes = expected_bytes(self.caches, self.tp_size, spec, source)
+            if self._streams is not None and self._device_wire:  # it lands in GPU memory
+                self.budget.check_room(max_bytes, "a pull received on the device")
             tensors, meta = client.get(
                 spec.transfer_id,
                 part=part,
                 digest=spec.prompt_digest,
-                max_bytes=expected_bytes(self.caches, self.tp_size, spec, source),
+                max_bytes=max_bytes,
+                **({"wait_s": PUBLISH_WAIT_S} if self._streams is not None else {}),
             )
         except TransferTimeout as exc:
             # A producer that did not connect or answer in time: every further load from it
@@ -337,7 +256,9 @@ class Consumer:
         want = integrity.expected(meta, heads) if self.cfg.digest else None
         return (*entry, want)
 
-    def _load(self, spec: LoadSpec, t0: float, fetch: Callable[[], Fetched]) -> None:
+    def _load(
+        self, spec: LoadSpec, t0: float, fetch: Callable[[], Fetched], is_async: bool = False
+    ) -> bool:
         """Unpack what ``fetch()`` returns (see :meth:`_fetch`) into ``spec``'s slots, on the
         worker's thread; a failure of either is logged and its blocks go to the error set.
 
@@ -346,11 +267,15 @@ class Consumer:
         the last allocated one of the prompt: that writes the last prompt token too, which vLLM
         then recomputes, and slots past the prompt in its block, which only later tokens use.
 
-        ``t0`` is when the load started. On CUDA the unpack runs on the current stream and is
-        waited for, so the received tensor is not freed under a running copy and ``unpack_ms``
-        is the copy's time, not its launch's.
+        ``t0`` is when the load started. Off a GPU the load is complete when this returns
+        (False). On a GPU (True, unless it failed here) the copy of host-staged KV to the device
+        (within the :class:`~.streams.DeviceBudget`) and the unpack run on the current stream
+        (vLLM's: the forward pass comes after them), the digests they computed are copied to
+        the host behind them, and nothing waits: :mod:`.landings` compares the digests and lets
+        the tensors go once the unpack's event completed.
         """
-        caches, block_size = self.caches, self.caches.block_size
+        caches, block_size, ops = self.caches, self.caches.block_size, self._streams
+        gpu = GpuLoad(ops, self.budget, spec) if ops is not None else None
         try:
             parts, paged, fetch_ms = fetch()
             t1 = time.perf_counter()
@@ -360,6 +285,8 @@ class Consumer:
                     packed, want = _corrupted(packed), None
                 if "no_digest" in spec.debug_fault:  # test hook: the check switched off
                     want = None
+                if gpu is not None and not self._device_wire:  # host-staged: ours to copy
+                    packed = gpu.to_device(packed)
                 rows = packed.shape[2]
                 if paged:
                     views, first = caches.pages, spec.start // block_size * block_size
@@ -371,38 +298,36 @@ class Consumer:
                 if "wrong_slot" in spec.debug_fault:  # test hook
                     slots = integrity.shifted_slots(slots, first, stop)
                 read = unpack_kv(packed, views, slots, digest=isinstance(want, str))
-                integrity.check_read(want, packed, read)
-                if want is not None and self.cfg.digest_write_back:
-                    integrity.check_write_back(
-                        packed, views, spec.block_ids, block_size, first, stop
-                    )
+                write_back = want is not None and self.cfg.digest_write_back
+                where = (views, spec.block_ids, block_size, first, stop)
+                if gpu is not None:  # compared once the unpack completed, on a host copy
+                    gpu.keep += [packed, slots]
+                    if want is not None:
+                        gpu.check(want, packed, read, where if write_back else None)
+                else:
+                    integrity.check_read(want, packed, read)
+                    if write_back:
+                        integrity.check_write_back(packed, *where)
                 nbytes += packed.numel() * packed.element_size() * (stop - first) // max(rows, 1)
-            if caches.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()
+            log_args = (fetch_ms, paged, parts)
+            if gpu is not None:
+                pending, checks, host = gpu.launch(t1)
+                self._landings.add(
+                    Landing(spec, t0, fetch_ms, nbytes, log_args, pending, checks, host, is_async)
+                )
+                return True
             t2 = time.perf_counter()
         except Exception as exc:  # any failure of one load (OOM, a bad entry...) is its own
+            if gpu is not None:
+                gpu.release()
             self._fail(spec, t0, exc)
-            return
-        self.stats.record_load(
-            nbytes=nbytes, num_tokens=spec.count, fetch_ms=fetch_ms, unpack_ms=1e3 * (t2 - t1)
-        )
-        log.info(
-            "tritonkv: loaded transfer %s for %s: %d tokens (positions %d..%d; %d local), %d bytes, "
-            "fetch %.2f ms, unpack %.2f ms, kv_format %s, from %s:%d ranks %s",
-            short_id(spec.transfer_id),
-            spec.req_id,
-            spec.count,
-            spec.start,
-            spec.start + spec.count - 1,
-            spec.start,
-            nbytes,
-            fetch_ms,
-            1e3 * (t2 - t1),
-            "pages" if paged else "tokens",
-            spec.host,
-            spec.port,
-            ",".join(f"{s.rank}[{s.src[0]}:{s.src[1]}]" for s, *_ in parts),
-        )
+            return False
+        record_loaded(self.stats, spec, nbytes, 1e3 * (t2 - t1), log_args)
+        return False
+
+    def _settle(self, wait: bool) -> list[Landing]:
+        """See :meth:`.landings.Landings.settle`."""
+        return self._landings.settle(wait, self._fail, partial(record_loaded, self.stats))
 
     def _fail(self, spec: LoadSpec, t0: float, exc: BaseException) -> None:
         """Put ``spec``'s blocks in the error set (vLLM recomputes them), count and log it."""
@@ -465,12 +390,6 @@ def _entry_views(
     raise ValueError(f"entry's kv_format is {kv_format!r}, expected 'tokens' or 'pages'")
 
 
-def _packed_shape(views, rows: int) -> tuple[int, ...]:
-    """``[num_layers, 1 or 2 (K, V), rows, num_kv_heads, head_size]``: what fills ``views``."""
-    k0 = views[0][0]
-    return (len(views), 1 + (views[0][1] is not None), rows, k0.shape[1], k0.shape[3])
-
-
 def expected_bytes(caches: RankCaches, tp_size: int, spec: LoadSpec, source: HeadSource) -> int:
     """The most bytes a pull of ``source``'s heads of ``spec`` may hold for this rank: the
     packed KV of token rows (``num_tokens`` × the bytes of a row of those heads over every layer)
@@ -483,7 +402,7 @@ def expected_bytes(caches: RankCaches, tp_size: int, spec: LoadSpec, source: Hea
             views, rows = _entry_views(caches, tp_size, spec, source, kv_format)
         except ValueError:
             continue
-        sizes.append(math.prod(_packed_shape(views, rows)) * views[0][0].element_size())
+        sizes.append(math.prod(packed_shape(views, rows)) * views[0][0].element_size())
     return max(sizes)
 
 
@@ -501,7 +420,7 @@ def check_entry(
             '"kv_format": "tokens" on the producer to move KV between unlike caches'
         )
     k0 = views[0][0]
-    want = _packed_shape(views, rows)
+    want = packed_shape(views, rows)
     if packed is None or tuple(packed.shape) != want or packed.dtype != k0.dtype:
         got = "nothing" if packed is None else f"{tuple(packed.shape)} {packed.dtype}"
         raise ValueError(f"entry holds {got}, expected {want} {k0.dtype}")
@@ -514,3 +433,26 @@ def _corrupted(packed: torch.Tensor) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1234)
     noise = torch.randint(1, 255, raw.shape, generator=gen, dtype=torch.uint8)
     return (raw ^ noise.to(raw.device)).view(packed.dtype).view(packed.shape)
+
+
+def record_loaded(stats, spec: LoadSpec, nbytes: int, unpack_ms: float, log_args: tuple) -> None:
+    """Count and log a completed load (``log_args``: ``(fetch_ms, paged, parts)``)."""
+    fetch_ms, paged, parts = log_args
+    stats.record_load(nbytes=nbytes, num_tokens=spec.count, fetch_ms=fetch_ms, unpack_ms=unpack_ms)
+    log.info(
+        "tritonkv: loaded transfer %s for %s: %d tokens (positions %d..%d; %d local), %d bytes, "
+        "fetch %.2f ms, unpack %.2f ms, kv_format %s, from %s:%d ranks %s",
+        short_id(spec.transfer_id),
+        spec.req_id,
+        spec.count,
+        spec.start,
+        spec.start + spec.count - 1,
+        spec.start,
+        nbytes,
+        fetch_ms,
+        unpack_ms,
+        "pages" if paged else "tokens",
+        spec.host,
+        spec.port,
+        ",".join(f"{s.rank}[{s.src[0]}:{s.src[1]}]" for s, *_ in parts),
+    )

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +44,10 @@ from ..logs import get_logger
 from ..transport.errors import error_text
 from .hidden_files import HiddenFileWriter
 from .metadata import finishing_prompts
+from .streams import wait_events
 
 log = get_logger("connector")
+PUT_WAIT_S = 30.0  # on a GPU: the most an entry waits for its copy to the host before it fails
 
 __all__ = ["PARAM_KEYS", "HiddenDrop", "HiddenSaveSpec", "HiddenScheduler", "HiddenWorker"]
 
@@ -226,6 +229,7 @@ class HiddenWorker:
         self.num_blocks, self.num_hidden_states, self.block_size, self.hidden_size = cache.shape
         self.writer, self._buffer, self.stats = writer, buffer, stats
         self.put_timeout_s = put_timeout_s
+        self._put_thread: ThreadPoolExecutor | None = None
 
     @property
     def buffer(self):
@@ -268,7 +272,14 @@ class HiddenWorker:
             lengths = torch.tensor([s.num_tokens for s in good], dtype=torch.int64)
             query_start_loc = torch.zeros(len(good) + 1, dtype=torch.int64)
             torch.cumsum(lengths, 0, out=query_start_loc[1:])
-            packed, _ = pack_kv([(self.cache, None)], torch.cat(slots), query_start_loc)
+            # rows known on the host: the pack's output sized from them (no read of the device)
+            total = sum(s.num_tokens for s in good)
+            out = torch.empty(
+                (1, 1, total, self.num_hidden_states, self.hidden_size),
+                dtype=self.cache.dtype,
+                device=self.cache.device,
+            )
+            packed, _ = pack_kv([(self.cache, None)], torch.cat(slots), query_start_loc, out=out)
             rows = packed[0, 0]  # [total_tokens, num_hidden_states, hidden_size]
             ready = None
             if rows.device.type == "cuda":  # files and the wire read host memory, off the step
@@ -309,22 +320,40 @@ class HiddenWorker:
                 ok = False
                 self._fail(spec, exc, "its file")
         buffer = self.buffer
+        if buffer is not None and ready is not None:  # stored once the copy completed, off the step
+            self._putter().submit(self._put, buffer, spec, tensors, ready, ok)
+            return
         if buffer is not None:
-            try:
-                if ready is not None:
-                    ready.synchronize()
-                meta = {
-                    "kind": "hidden_states",
-                    "num_tokens": spec.num_tokens,
-                    "num_hidden_states": self.num_hidden_states,
-                    "hidden_size": self.hidden_size,
-                }
-                buffer.put(spec.transfer_id, tensors, meta, timeout_s=self.put_timeout_s)
-            except Exception as exc:
-                ok = False
-                self._fail(spec, exc, "the KV buffer")
+            ok = self._put(buffer, spec, tensors, None, ok)
+        elif ok and self.stats is not None:
+            self.stats.record_hidden_save(num_tokens=spec.num_tokens)
+
+    def _putter(self) -> ThreadPoolExecutor:
+        """The ``tritonkv-hidden-put`` thread (on a GPU: stores entries once their copy to the
+        host completed)."""
+        if self._put_thread is None:
+            self._put_thread = ThreadPoolExecutor(1, thread_name_prefix="tritonkv-hidden-put")
+        return self._put_thread
+
+    def _put(self, buffer, spec: HiddenSaveSpec, tensors: dict, ready, ok: bool) -> bool:
+        """Store ``spec``'s hidden states in the KV buffer (after ``ready``, an event, completed)
+        and count the request (``ok``: its file went well)."""
+        try:
+            if ready is not None and not wait_events([ready], time.monotonic() + PUT_WAIT_S):
+                raise TimeoutError(f"its copy to the host did not complete in {PUT_WAIT_S} s")
+            meta = {
+                "kind": "hidden_states",
+                "num_tokens": spec.num_tokens,
+                "num_hidden_states": self.num_hidden_states,
+                "hidden_size": self.hidden_size,
+            }
+            buffer.put(spec.transfer_id, tensors, meta, timeout_s=self.put_timeout_s)
+        except Exception as exc:
+            ok = False
+            self._fail(spec, exc, "the KV buffer")
         if ok and self.stats is not None:
             self.stats.record_hidden_save(num_tokens=spec.num_tokens)
+        return ok
 
     def _fail(self, spec: HiddenSaveSpec, exc: BaseException, where: str = "the pack") -> None:
         if self.stats is not None:
@@ -353,5 +382,7 @@ class HiddenWorker:
             )
 
     def shutdown(self) -> None:
+        if self._put_thread is not None:
+            self._put_thread.shutdown(wait=True, cancel_futures=False)
         if self.writer is not None:
             self.writer.close()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from tritonkv import kv_digest
-from tritonkv.digest import digest_hex, digests_hex, tensor_digest
+from tritonkv.digest import digests_hex, tensor_digest
 
 DIGEST_KEY = "kv_digest"  # entry meta: 16 hex digits of the whole packed KV
 HEAD_DIGESTS_KEY = "kv_head_digests"  # entry meta: 16 hex digits per head, concatenated
@@ -33,7 +33,8 @@ Expected = str | list[str] | None  # whole-entry digest, per-head digests of a s
 # flip_bit (producer): one bit of the saved entry flips after the digest was taken (flip_bit);
 # wrong_slot (consumer): every loaded row is written one slot on (an off-by-one slot mapping);
 # no_digest (consumer): this load is not checked (the switch off, for the negative control).
-FAULTS = ("flip_bit", "wrong_slot", "no_digest")
+# alloc_fail (either): the device allocation of this transfer fails as out of memory would.
+FAULTS = ("flip_bit", "wrong_slot", "no_digest", "alloc_fail")
 
 
 def faults(params, allowed: bool) -> str:
@@ -85,10 +86,26 @@ class DigestMismatch(ValueError):
 def entry_meta(packed: torch.Tensor, digest: torch.Tensor, kv_format: str) -> dict:
     """The meta fields a producer stores with ``packed`` (``[num_layers, 1 or 2, rows, heads,
     head_size]``) whose pack returned ``digest``."""
-    meta = {DIGEST_KEY: digest_hex(digest)}
-    if kv_format == "tokens" and packed.shape[3] > 1:  # a consumer may pull a slice of heads
-        heads = [tensor_digest(packed[:, :, :, h]) for h in range(packed.shape[3])]
-        meta[HEAD_DIGESTS_KEY] = "".join(digests_hex(heads))
+    return meta_from_digests(digest_tensors(packed, digest, kv_format), kv_format)
+
+
+def digest_tensors(packed: torch.Tensor, digest: torch.Tensor, kv_format: str) -> torch.Tensor:
+    """``[n, 2]`` int64 on ``packed``'s device, launched without a host synchronisation: the
+    pack's ``digest`` of the whole entry, then, for token rows of more than one head, one digest
+    per head (a consumer may pull a slice of the heads)."""
+    rows = [digest]
+    if kv_format == "tokens" and packed.shape[3] > 1:
+        rows += [tensor_digest(packed[:, :, :, h]) for h in range(packed.shape[3])]
+    return torch.stack(rows)
+
+
+def meta_from_digests(digests: torch.Tensor, kv_format: str) -> dict:
+    """The meta fields of :func:`digest_tensors`' digests (read on the host: give a host copy
+    on a GPU)."""
+    values = digests_hex(list(digests))
+    meta = {DIGEST_KEY: values[0]}
+    if len(values) > 1:
+        meta[HEAD_DIGESTS_KEY] = "".join(values[1:])
     return meta
 
 
@@ -125,37 +142,64 @@ def _is_hex(value) -> bool:
     )
 
 
-def check_read(want: Expected, packed: torch.Tensor, read: torch.Tensor | None) -> None:
-    """Compare what the unpack read (``read``: its digest, for a whole entry) with ``want``;
-    for a slice of heads, each head of ``packed`` is digested here. DigestMismatch if unlike."""
-    if want is None:
+def read_digests(want: Expected, packed: torch.Tensor, read: torch.Tensor | None) -> torch.Tensor:
+    """``[n, 2]`` int64 on ``packed``'s device, without a host synchronisation: what the unpack
+    read (``read``: its digest, for a whole entry), or for a slice of heads (``want`` a list)
+    the digest of each head of ``packed``."""
+    if isinstance(want, str):
+        return read.unsqueeze(0)
+    return torch.stack([tensor_digest(packed[:, :, :, j]) for j in range(len(want))])
+
+
+def write_back_digests(
+    packed: torch.Tensor, views, block_ids: list[int], block_size: int, first: int, stop: int
+) -> torch.Tensor:
+    """``[2, 2]`` int64 on ``packed``'s device, without a host synchronisation: the digest of
+    the received rows ``first .. stop - 1``, then that of positions ``[first, stop)`` read back
+    from ``views`` through slots derived again from ``block_ids`` (not the slot mapping the
+    unpack wrote through)."""
+    slots = torch.tensor(
+        [block_ids[p // block_size] * block_size + p % block_size for p in range(first, stop)],
+        dtype=torch.int64,
+    )
+    sent = tensor_digest(packed[:, :, first:stop])
+    return torch.stack([sent, kv_digest(views, slots.to(packed.device, non_blocking=True))])
+
+
+def compare(check: str, want: Expected, digests: torch.Tensor, row: int) -> None:
+    """Compare the digests of one check, rows ``row ..`` of ``digests`` (:func:`read_digests`
+    for ``check`` ``"read"``, :func:`write_back_digests` for ``"write-back"``; on the host, or
+    this reads them there), with ``want``. DigestMismatch if unlike."""
+    if check == "write-back":
+        sent, got = digests_hex(list(digests[row : row + 2]))
+        if got != sent:
+            raise DigestMismatch("write-back", sent, got)
         return
     if isinstance(want, str):
-        got = digest_hex(read)
+        got = digests_hex([digests[row]])[0]
         if got != want:
             raise DigestMismatch("read", want, got)
         return
-    got = digests_hex([tensor_digest(packed[:, :, :, j]) for j in range(len(want))])
+    got = digests_hex(list(digests[row : row + len(want)]))
     for j, (sent, seen) in enumerate(zip(want, got, strict=True)):
         if seen != sent:
             raise DigestMismatch("read", sent, seen, what=f"head {j} of the slice")
 
 
+def check_read(want: Expected, packed: torch.Tensor, read: torch.Tensor | None) -> None:
+    """Compare what the unpack read (``read``: its digest, for a whole entry) with ``want``;
+    for a slice of heads, each head of ``packed`` is digested here. DigestMismatch if unlike."""
+    if want is not None:
+        compare("read", want, read_digests(want, packed, read), 0)
+
+
 def check_write_back(
     packed: torch.Tensor, views, block_ids: list[int], block_size: int, first: int, stop: int
 ) -> None:
-    """Read positions ``[first, stop)`` back from ``views`` through slots derived again from
-    ``block_ids`` (not the slot mapping the unpack wrote through) and compare their digest with
-    the received rows ``first .. stop - 1`` (already checked by :func:`check_read`).
+    """:func:`write_back_digests`, compared here.
 
     Raises:
         DigestMismatch: the cache does not hold those rows there (e.g. a wrong destination slot).
     """
-    slots = torch.tensor(
-        [block_ids[p // block_size] * block_size + p % block_size for p in range(first, stop)],
-        dtype=torch.int64,
-    )
-    want = digest_hex(tensor_digest(packed[:, :, first:stop]))
-    got = digest_hex(kv_digest(views, slots.to(packed.device)))
-    if got != want:
-        raise DigestMismatch("write-back", want, got)
+    digests = write_back_digests(packed, views, block_ids, block_size, first, stop)
+    compare("write-back", None, digests, 0)

@@ -11,9 +11,12 @@ carries the integrity digest the pack computed (:mod:`.integrity`). No vLLM impo
 
 from __future__ import annotations
 
+import collections
+import math
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -23,12 +26,14 @@ from ..kvstore import KVBuffer, KVServer, hide_ids, short_id
 from ..logs import get_logger
 from ..transport import addresses_of
 from ..transport.auth import MIN_SECRET_BYTES, SECRET_ENV, is_loopback
+from ..transport.buffers import host_empty
 from ..transport.errors import error_text
-from .cache_views import RankCaches
+from .cache_views import RankCaches, packed_shape
 from .config import ConnectorConfig
-from .integrity import entry_meta, flip_bit
+from .integrity import digest_tensors, entry_meta, flip_bit, meta_from_digests
 from .metadata import SaveSpec
 from .stats import TransferStats
+from .streams import DeviceBudget, Pending, StreamOps, device_streams, wait_events
 
 log = get_logger("connector")
 
@@ -44,6 +49,10 @@ class Producer:
         fingerprint: what a producer's and a consumer's caches must share (in every entry).
         secret: the shared secret of every KV connection (None: none; never logged).
         stats: where saves are counted.
+        streams: the device's streams and events (:class:`~.streams.StreamOps`, made for CUDA
+            caches; a test passes a stand-in). With them a save is launched on the step and
+            stored by the publisher thread; without (the CPU) it is stored on the step.
+        budget: the rank's device memory budget (default: one of this producer's own).
 
     Raises:
         ValueError: ``kv_format`` asks for what these caches cannot give.
@@ -59,6 +68,8 @@ class Producer:
         fingerprint: str,
         secret: bytes | None,
         stats: TransferStats,
+        streams: StreamOps | None = None,
+        budget: DeviceBudget | None = None,
     ):
         self.cfg, self.caches, self.tp_rank = cfg, caches, tp_rank
         self.engine_port, self.fingerprint = engine_port, fingerprint
@@ -70,6 +81,15 @@ class Producer:
         self._server: KVServer | None = None
         self._watcher: BufferWatcher | None = None
         self._auth_failures_seen = 0
+        self._streams = streams if streams is not None else device_streams(caches.device)
+        self._publisher: Publisher | None = None
+        #: entries kept in device memory (``buffer_memory``), else in pinned host memory
+        self.entries_on_device = cfg.entries_on_device(caches.device)
+        #: the capacity of the KV buffer when its entries live on the device, else 0
+        self.device_buffer_bytes = cfg.device_buffer_bytes(caches.device)
+        #: the device memory of saves in flight (:class:`~.streams.DeviceBudget`; the rank's,
+        #: shared with its consumer, when given)
+        self.budget = budget or DeviceBudget(cfg.gpu_memory_bytes - self.device_buffer_bytes)
 
     @property
     def buffer(self) -> KVBuffer | None:
@@ -104,7 +124,7 @@ class Producer:
                 'listen on a loopback address, or set "insecure": true to accept that'
             )
         self._buffer = KVBuffer(
-            self.cfg.buffer_bytes,
+            self.device_buffer_bytes or self.cfg.buffer_bytes,
             ttl_s=self.cfg.ttl_s,
             full_policy=self.cfg.full_policy,
             put_timeout_s=self.cfg.put_timeout_s,
@@ -159,15 +179,7 @@ class Producer:
             try:
                 self._save(spec)
             except Exception as exc:
-                self.stats.record_save_failure()
-                log.error(
-                    "tritonkv: could not save transfer %s for %s (%s: %s): the decode side will "
-                    "recompute it",
-                    short_id(spec.transfer_id),
-                    spec.req_id,
-                    type(exc).__name__,
-                    hide_ids(error_text(exc)),
-                )
+                self._save_failed(spec, exc)
 
     def entry_bytes(self, spec: SaveSpec) -> int:
         """Bytes of ``spec``'s packed entry, known before packing: its rows (whole pages: every
@@ -175,9 +187,7 @@ class Producer:
         paged = self.kv_format == "pages"
         views = self.caches.pages if paged else self.caches.layers
         rows = len(spec.block_ids) * self.caches.block_size if paged else spec.num_tokens
-        k0 = views[0][0]
-        row_bytes = len(views) * (1 + (views[0][1] is not None)) * k0.shape[1] * k0.shape[3]
-        return rows * row_bytes * k0.element_size()
+        return math.prod(packed_shape(views, rows)) * views[0][0].element_size()
 
     def _save(self, spec: SaveSpec) -> None:
         paged = self.kv_format == "pages"
@@ -191,36 +201,92 @@ class Producer:
             )
         t0 = time.perf_counter()
         # Whole pages: every slot of the prompt's blocks, the last one's past the prompt too.
+        # The rows are known here, on the host: the pack gets its output sized from them.
         rows = len(spec.block_ids) * self.caches.block_size if paged else spec.num_tokens
-        slots = self.caches.slots(spec.block_ids, 0, rows, rows)
+        shape = packed_shape(views, rows)
         meta = {"fingerprint": self.fingerprint, "kv_format": self.kv_format}
-        if self.cfg.digest:  # computed by the pack itself (integrity.py)
-            packed, _, digest = pack_kv(views, slots, digest=True)
-            meta.update(entry_meta(packed, digest, self.kv_format))
-        else:
-            packed, _ = pack_kv(views, slots)
-        if "flip_bit" in spec.debug_fault:  # test hook: after the digest was taken
-            flip_bit(packed)
-        if self.caches.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
-        t1 = time.perf_counter()
         if paged:
             meta["page_kind"] = self.caches.page_kind
+        if self._streams is not None:
+            self._launch(spec, views, shape, nbytes, meta, t0)
+            return
+        out = torch.empty(shape, dtype=views[0][0].dtype, device=self.caches.device)
+        slots = self.caches.slots(spec.block_ids, 0, rows, rows)
+        if self.cfg.digest:  # computed by the pack itself (integrity.py)
+            packed, _, digest = pack_kv(views, slots, out=out, digest=True)
+            meta.update(entry_meta(packed, digest, self.kv_format))
+        else:
+            packed, _ = pack_kv(views, slots, out=out)
+        if "flip_bit" in spec.debug_fault:  # test hook: after the digest was taken
+            flip_bit(packed)
+        self._store(spec, packed, meta, nbytes, 1e3 * (time.perf_counter() - t0))
+
+    def _launch(self, spec: SaveSpec, views, shape, nbytes: int, meta: dict, t0: float) -> None:
+        """The pack on a GPU, launched without waiting for it (:mod:`.streams`): on our stream,
+        after an event of vLLM's (the forward pass wrote the KV); vLLM's stream then waits for
+        the pack's event (what it runs next may overwrite these blocks). The publisher thread
+        copies the entry to the host and stores it once the pack completed (:meth:`Publisher.publish`)."""
+        ops = self._streams
+        vllm_stream = ops.current()
+        with ops.use(ops.side):
+            what = f"the pack of transfer {short_id(spec.transfer_id)}"
+            fail = "alloc_fail" in spec.debug_fault
+            out, reserved = self.budget.empty(ops, shape, views[0][0].dtype, what, fail)
+            try:
+                ops.side.wait_event(ops.event(vllm_stream))
+                rows = shape[2]
+                slots = self.caches.slots(spec.block_ids, 0, rows, rows)
+                digests = None
+                if self.cfg.digest:
+                    packed, _, digest = pack_kv(views, slots, out=out, digest=True)
+                    digests = digest_tensors(packed, digest, self.kv_format)
+                else:
+                    packed, _ = pack_kv(views, slots, out=out)
+                packed_ev = ops.event(ops.side)
+            except BaseException:
+                self.budget.release(reserved)
+                raise
+        vllm_stream.wait_event(packed_ev)
+        pending = Pending(packed_ev, keep=(slots,), reserved=reserved, started=t0)
+        self._publisher_thread().submit(_Job(spec, packed, digests, meta, nbytes, pending))
+
+    def _publisher_thread(self) -> Publisher:
+        if self._publisher is None:
+            self._publisher = Publisher(self)
+        return self._publisher
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every save launched so far is stored or failed (True), or ``timeout_s``
+        passed (False). Immediate off a GPU, where :meth:`wait_for_save` stores its saves."""
+        return self._publisher is None or self._publisher.flush(timeout_s)
+
+    def _store(self, spec: SaveSpec, packed, meta: dict, nbytes: int, pack_ms: float) -> None:
         self._buffer.put(
             spec.transfer_id,
             {"kv": packed},
             {**meta, "num_tokens": spec.num_tokens},
             digest=spec.prompt_digest,
         )
-        self.stats.record_save(nbytes=nbytes, num_tokens=spec.num_tokens, pack_ms=1e3 * (t1 - t0))
+        self.stats.record_save(nbytes=nbytes, num_tokens=spec.num_tokens, pack_ms=pack_ms)
         log.info(
             "tritonkv: saved transfer %s for %s: %d tokens, %d bytes, pack %.2f ms, kv_format %s",
             short_id(spec.transfer_id),
             spec.req_id,
             spec.num_tokens,
             nbytes,
-            1e3 * (t1 - t0),
+            pack_ms,
             self.kv_format,
+        )
+
+    def _save_failed(self, spec: SaveSpec, exc: BaseException) -> None:
+        self.stats.record_save_failure()
+        log.error(
+            "tritonkv: could not save transfer %s for %s (%s: %s): the decode side will "
+            "recompute it",
+            short_id(spec.transfer_id),
+            spec.req_id,
+            type(exc).__name__,
+            hide_ids(error_text(exc)),
         )
 
     def count_auth_failures(self) -> None:
@@ -237,12 +303,139 @@ class Producer:
         # without the GIL and aborts the process ("terminate called without an active exception").
         if self._watcher is not None:
             self._watcher.stop()
+        if self._publisher is not None:
+            self._publisher.stop()
         if self._server is not None:
             self._server.close()
             self._server = None
         if self._buffer is not None:
             self._buffer.close()
             self._buffer = None
+
+
+@dataclass
+class _Job:
+    """A save launched on the GPU, waiting for its pack: what :meth:`Publisher.publish` needs."""
+
+    spec: SaveSpec
+    packed: torch.Tensor | None  # the pack's device output, kept until it is copied or stored
+    digests: torch.Tensor | None  # [n, 2] int64 on the device (integrity.digest_tensors)
+    meta: dict
+    nbytes: int
+    pending: Pending
+
+
+class Publisher:
+    """The ``tritonkv-publish`` thread of a producer on a GPU: stores its launched saves, in
+    order, once each one's pack completed (:meth:`publish`), off vLLM's step. A save
+    whose pack or copy does not complete within ``publish_timeout_s`` fails (recomputed)."""
+
+    def __init__(self, producer: Producer, publish_timeout_s: float = 30.0):
+        self._producer = producer
+        self.publish_timeout_s = publish_timeout_s
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._copy_stream = None  # made on the thread
+        self.stuck: list[_Job] = []  # saves whose pack outlived publish_timeout_s (kept)
+        self._cond = threading.Condition()
+        self._busy = False
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="tritonkv-publish", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: _Job) -> None:
+        with self._cond:
+            self._jobs.append(job)
+            self._cond.notify_all()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until no job is queued or being published (True) or ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._jobs or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    def publish(self, job: _Job, deadline: float) -> None:
+        """Wait for ``job``'s pack, copy it to pinned host memory (unless entries live on the
+        device) and store it."""
+        producer, spec = self._producer, job.spec
+        ops = producer._streams
+        complete = False
+        try:
+            if not wait_events([job.pending.event], deadline):
+                raise TimeoutError("its pack did not complete within publish_timeout_s")
+            pack_ms = 1e3 * (time.perf_counter() - job.pending.started)
+            entry, digests = job.packed, job.digests
+            with ops.use(self._copy_stream):
+                if not producer.entries_on_device:
+                    entry = host_empty(job.nbytes).view(job.packed.dtype).view(job.packed.shape)
+                    entry.copy_(job.packed, non_blocking=True)
+                if digests is not None:
+                    digests = host_empty(digests.numel() * 8).view(torch.int64).view(digests.shape)
+                    digests.copy_(job.digests, non_blocking=True)
+                copied = ops.event(self._copy_stream)
+            if not wait_events([copied], deadline):
+                job.pending.event = copied  # what the GPU may still be doing with its tensors
+                raise TimeoutError("its copy to the host did not complete within publish_timeout_s")
+            complete = True
+            if not producer.entries_on_device:
+                job.packed = None  # the device scratch goes back to the allocator
+                producer.budget.release(job.pending.reserved)
+                job.pending.reserved = 0
+            meta = dict(job.meta)
+            if digests is not None:
+                meta.update(meta_from_digests(digests, producer.kv_format))
+            if "flip_bit" in spec.debug_fault:  # test hook: after the digest was taken
+                flip_bit(entry)
+            producer._store(spec, entry, meta, job.nbytes, pack_ms)
+        except Exception as exc:
+            producer._save_failed(spec, exc)
+        finally:
+            if complete:  # a device-resident entry is counted by the buffer's capacity now
+                self._let_go(job)
+            else:  # its tensors stay referenced (and counted) for as long as the GPU may use them
+                self.stuck.append(job)
+            self.stuck = [j for j in self.stuck if not self._let_go(j)]
+
+    def _let_go(self, job: _Job) -> bool:
+        """Release ``job``'s device memory once its work completed (True), else nothing."""
+        if not job.pending.done():
+            return False
+        self._producer.budget.release(job.pending.reserved)
+        job.pending.reserved = 0
+        return True
+
+    def _run(self) -> None:
+        ops = self._producer._streams
+        ops.bind_thread()
+        self._copy_stream = ops.new_stream()
+        while True:
+            with self._cond:
+                while not self._jobs and not self._stopped:
+                    self._cond.wait()
+                if self._stopped:
+                    self._jobs.clear()
+                    self._cond.notify_all()
+                    return
+                job = self._jobs.popleft()
+                self._busy = True
+            try:
+                self.publish(job, time.monotonic() + self.publish_timeout_s)
+            finally:
+                del job
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
 
 
 class BufferWatcher:

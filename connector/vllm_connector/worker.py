@@ -21,6 +21,7 @@ from .consumer import Consumer
 from .metadata import LoadSpec, ReleaseSpec, SaveSpec
 from .producer import Producer
 from .stats import TransferStats
+from .streams import DeviceBudget, gpu_budget_line
 
 log = get_logger("connector")
 
@@ -92,6 +93,11 @@ class WorkerSide:
             isa=self.cpu_attn_isa,
         )
         self.caches = views
+        # One budget of device memory for the rank's halves (streams.DeviceBudget).
+        device_buffer = self.cfg.device_buffer_bytes(views.device) if self.is_producer else 0
+        budget = DeviceBudget(self.cfg.gpu_memory_bytes - device_buffer)
+        if views.device.type == "cuda":
+            log.info("%s", gpu_budget_line(views.device, budget.limit_bytes, device_buffer))
         self.consumer = Consumer(
             self.cfg,
             views,
@@ -101,6 +107,7 @@ class WorkerSide:
             use_mla=self.use_mla,
             secret=self._secret,
             stats=self.stats,
+            budget=budget,
         )
         if self.is_producer:
             self.producer = Producer(
@@ -111,6 +118,7 @@ class WorkerSide:
                 fingerprint=self.fingerprint,
                 secret=self._secret,
                 stats=self.stats,
+                budget=budget,
             )
         k0 = views.layers[0][0]
         log.info(

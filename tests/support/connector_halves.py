@@ -65,8 +65,10 @@ def producer(
     tp_rank=0,
     engine_port=14600,
     secret=None,
+    streams=None,
 ) -> Producer:
-    """A producer over ``tensors`` (not serving yet: :meth:`Producer.serve` or ``attach_buffer``)."""
+    """A producer over ``tensors`` (not serving yet: :meth:`Producer.serve` or ``attach_buffer``);
+    ``streams``: a stand-in for a GPU's (support.fake_streams)."""
     return Producer(
         cfg or ConnectorConfig(kv_format=kv_format),
         rank_caches(tensors, block_size, use_mla=use_mla, isa=isa),
@@ -75,6 +77,7 @@ def producer(
         fingerprint="fp",
         secret=secret,
         stats=TransferStats(),
+        streams=streams,
     )
 
 
@@ -90,6 +93,7 @@ def consumer(
     total_kv_heads=None,
     secret=None,
     connect=None,
+    streams=None,
 ) -> Consumer:
     """A consumer over ``tensors``; ``total_kv_heads`` defaults to this rank's heads (TP 1)."""
     views = rank_caches(tensors, block_size, use_mla=use_mla, isa=isa)
@@ -103,6 +107,7 @@ def consumer(
         secret=secret,
         stats=TransferStats(),
         connect=connect,
+        streams=streams,
     )
 
 

@@ -1,0 +1,141 @@
+"""The producers a consumer pulls from: one client per producer rank
+(:class:`ProducerClients`), the hosts that timed out, not asked again for a while
+(:class:`ProducerBackoff`), and the requests to drop entries no one will load
+(:func:`release_entries`). No vLLM import."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from ..kvstore import KVClient, hide_ids, short_id
+from ..logs import get_logger
+from ..transport.errors import PeerDeadError, PipeClosedError, error_text
+
+log = get_logger("connector")
+
+Addr = tuple[str, int]
+
+
+class ProducerBackoff:
+    """Producer hosts that did not connect or answer in time, not asked again for ``hold_s``.
+
+    Sync loads stall the whole decode batch: after one pull from a host timed out, further pulls
+    from it fail at once (and are recomputed) until ``hold_s`` has passed. By host, not by port:
+    hand-offs that name one unresponsive address with ever other ports (a tarpit) stall the
+    batch once per ``hold_s``, not once per port. At most ``max_hosts`` are remembered (the
+    oldest forgotten first).
+    """
+
+    def __init__(self, hold_s: float, max_hosts: int = 1024):
+        self.hold_s, self.max_hosts = hold_s, max_hosts
+        self._down: OrderedDict[str, tuple[float, str]] = OrderedDict()  # host -> (retry at, why)
+
+    def check(self, addr: Addr, transfer_id: str) -> None:
+        """PeerDeadError if the producer host of ``addr`` timed out less than ``hold_s`` ago."""
+        retry_at, why = self._down.get(addr[0], (0.0, ""))
+        if time.monotonic() < retry_at:
+            raise PeerDeadError(
+                f"not tried: this producer timed out ({why}) less than connect_timeout_s "
+                f"({self.hold_s:g} s) ago",
+                peer=f"{addr[0]}:{addr[1]}",
+                key=transfer_id,
+            )
+
+    def timed_out(self, addr: Addr, why: str) -> None:
+        self._down.pop(addr[0], None)
+        self._down[addr[0]] = (time.monotonic() + self.hold_s, why)
+        while len(self._down) > self.max_hosts:
+            self._down.popitem(last=False)
+
+    def answered(self, addr: Addr) -> None:
+        self._down.pop(addr[0], None)
+
+
+class ProducerClients:
+    """One client per producer rank, made on first use by ``connect(host, port)`` and shared by
+    the load threads (a KVClient serialises its requests); none are made after :meth:`close`.
+
+    At most ``max_clients`` are kept: making one more closes the least recently used (a request
+    still running on it fails, and its load is recomputed), so hand-offs naming ever new
+    addresses cannot pile up connections.
+    """
+
+    def __init__(self, connect: Callable[[str, int], KVClient], max_clients: int = 64):
+        self._connect = connect
+        self.max_clients = max_clients
+        self._clients: OrderedDict[Addr, KVClient] = OrderedDict()
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def get(self, host: str, port: int) -> KVClient:
+        with self._lock:
+            if self._closed:  # a release or async fetch still running after shutdown
+                raise PipeClosedError("connector shut down", peer=f"{host}:{port}")
+            client = self._clients.get((host, port))
+            if client is not None:
+                self._clients.move_to_end((host, port))
+                return client
+            client = self._clients[(host, port)] = self._connect(host, port)
+            evicted = []
+            while len(self._clients) > self.max_clients:
+                evicted.append(self._clients.popitem(last=False)[1])
+        for old in evicted:
+            old.close()
+        return client
+
+    def __len__(self) -> int:
+        return len(self._clients)
+
+    def close(self) -> None:
+        with self._lock:  # load and release threads may still be adding clients
+            self._closed = True
+            clients = list(self._clients.values())
+        for client in clients:
+            client.close()
+
+
+def release_entries(
+    releases: list,
+    tp_rank: int,
+    tp_size: int,
+    backoff: ProducerBackoff,
+    clients: ProducerClients,
+    timeout_s: float,
+) -> None:
+    """Ask each producer rank of ``releases`` (ReleaseSpec) that TP rank ``tp_rank`` of
+    ``tp_size`` asks to drop the entry, through ``clients``, within ``timeout_s`` each; failures
+    are logged (the entry's TTL drops it later)."""
+    targets = [  # each producer rank is asked by one rank here
+        (spec, spec.port + rank)
+        for spec in releases
+        for rank in range(tp_rank, spec.producer_tp, tp_size)
+    ]
+    for spec, port in targets:
+        try:
+            backoff.check((spec.host, port), spec.transfer_id)
+            client = clients.get(spec.host, port)
+            dropped = client.discard(
+                spec.transfer_id,
+                timeout_s=timeout_s,
+                digest=spec.prompt_digest,
+            )
+        except Exception as exc:  # whatever it is, the entry's TTL drops it later
+            log.info(
+                "tritonkv: could not release transfer %s on %s:%d (%s: %s); its TTL will",
+                short_id(spec.transfer_id),
+                spec.host,
+                port,
+                type(exc).__name__,
+                hide_ids(error_text(exc)),
+            )
+            continue
+        log.info(
+            "tritonkv: released unused transfer %s on %s:%d (%s)",
+            short_id(spec.transfer_id),
+            spec.host,
+            port,
+            "dropped" if dropped else "already gone",
+        )

@@ -1,0 +1,188 @@
+"""What the worker halves need of a GPU: streams and events, and a budget of device memory.
+
+vLLM calls ``wait_for_save``, ``start_load_kv`` and ``get_finished`` on its step. On CUDA none of
+them waits for the GPU: work is ordered by events, and the tensors it uses are kept until its
+event completes.
+
+- The producer's pack waits for an event recorded on vLLM's stream (the forward pass wrote the
+  KV), runs on :attr:`StreamOps.side`, and vLLM's stream waits for the pack's event before it
+  runs anything later (which may overwrite the blocks). The entry is copied to pinned host
+  memory and published by a thread of ours once the pack's event completed.
+- The consumer's copy to the device and its unpack run on vLLM's stream before the forward pass
+  (stream order puts attention after them); the received tensors are kept, and the digest
+  checked on a host copy of it, once the unpack's event completed (:class:`Pending`).
+
+Events are only ever polled (``query``), with a deadline: CUDA has no timed wait on an event.
+:class:`StreamOps` is the one place that speaks ``torch.cuda``; a test replaces it by a
+stand-in on CPU tensors (tests/vllm_connector/fake_streams.py). :class:`DeviceBudget` counts
+the device memory tritonkv takes outside vLLM's memory budget. No vLLM import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..logs import get_logger
+
+log = get_logger("connector")
+
+POLL_S = (0.0001, 0.001)  # first and longest sleep between two polls of an event
+
+
+class StreamOps:
+    """``torch.cuda``'s streams and events for one CUDA device (see the module docstring)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._side = None
+
+    @property
+    def side(self):
+        """tritonkv's own stream on this device (made on first use)."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return self._side
+
+    def new_stream(self):
+        """Another stream of ours on this device."""
+        return torch.cuda.Stream(self.device)
+
+    def bind_thread(self) -> None:
+        """Make this device the calling thread's current one (a new thread starts on GPU 0)."""
+        torch.cuda.set_device(self.device)
+
+    def current(self):
+        """The calling thread's current stream on this device (vLLM's, on its step)."""
+        return torch.cuda.current_stream(self.device)
+
+    def use(self, stream):
+        """Context making ``stream`` current (its allocations belong to it)."""
+        return torch.cuda.stream(stream)
+
+    def event(self, stream):
+        """A new event recorded on ``stream`` now."""
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor on this device, from the current stream's pool."""
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+
+def device_streams(device: torch.device) -> StreamOps | None:
+    """The :class:`StreamOps` of caches on ``device``: CUDA's, or None (the CPU needs none)."""
+    return StreamOps(device) if device.type == "cuda" else None
+
+
+def wait_events(events, deadline: float) -> bool:
+    """Poll ``events`` until every one completed (True) or ``deadline`` (``time.monotonic``)
+    passed (False). Never a host synchronisation: ``query`` only."""
+    pause = POLL_S[0]
+    while not all(ev.query() for ev in events):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_S[1])
+    return True
+
+
+@dataclass
+class Pending:
+    """GPU work in flight: ``event`` completes after it; ``keep`` holds the tensors it uses, so
+    that none is freed (and reused) under a running copy; ``reserved`` device bytes of the
+    :class:`DeviceBudget` it holds until then."""
+
+    event: object
+    keep: tuple = ()
+    reserved: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+class DeviceBudgetExceeded(MemoryError):
+    """An allocation that would take tritonkv's device memory past its budget (refused before
+    allocating: that one transfer fails, vLLM recomputes)."""
+
+
+class DeviceBudget:
+    """Device bytes tritonkv may hold outside vLLM's memory budget (``gpu_memory_bytes``): pack
+    scratch until its entry reached the host or the buffer, and the consumer's device copies of
+    received KV until their unpack completed. Thread-safe; a reservation is released explicitly
+    once the work using it completed.
+
+    Args:
+        limit_bytes: the budget; an allocation past it raises :class:`DeviceBudgetExceeded`.
+    """
+
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes = limit_bytes
+        self._lock = threading.Lock()
+        self.in_use = 0
+        self.peak = 0
+        self.refusals = 0
+
+    def reserve(self, nbytes: int, what: str) -> int:
+        """Take ``nbytes`` of the budget for ``what`` (returns ``nbytes``, to release later)."""
+        with self._lock:
+            self._refuse(nbytes, self.in_use, what)
+            self.in_use += nbytes
+            self.peak = max(self.peak, self.in_use)
+        return nbytes
+
+    def check_room(self, nbytes: int, what: str) -> None:
+        """DeviceBudgetExceeded if ``nbytes`` could never fit the budget (memory taken outside
+        it: a transport's receive on the device, bounded by the budget but not counted)."""
+        with self._lock:
+            self._refuse(nbytes, 0, what)
+
+    def _refuse(self, nbytes: int, in_use: int, what: str) -> None:
+        if in_use + nbytes > self.limit_bytes:
+            self.refusals += 1
+            raise DeviceBudgetExceeded(
+                f"{what} needs {nbytes} bytes of GPU memory, {in_use} of "
+                f"gpu_memory_bytes={self.limit_bytes} are in use: refused (raise "
+                "gpu_memory_bytes, lowering --gpu-memory-utilization as the startup log says)"
+            )
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.in_use -= nbytes
+
+    def empty(self, ops, shape, dtype: torch.dtype, what: str, fail: bool = False):
+        """``(tensor, reserved bytes)``: a tensor from ``ops.empty`` within the budget. ``fail``
+        (the ``alloc_fail`` test hook): the allocation fails as a CUDA out-of-memory would."""
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        self.reserve(nbytes, what)
+        try:
+            if fail:
+                raise torch.OutOfMemoryError(f"tritonkv test hook alloc_fail: {what}")
+            return ops.empty(shape, dtype), nbytes
+        except BaseException:
+            self.release(nbytes)
+            raise
+
+
+def gpu_budget_line(device: torch.device, budget_bytes: int, buffer_bytes: int) -> str:
+    """The startup line that tells an operator how much GPU memory tritonkv takes beside
+    vLLM's budget (``buffer_bytes``: producer entries kept on the device, 0 for host ones)."""
+    total = budget_bytes + buffer_bytes
+    with contextlib.suppress(Exception):
+        gpu = torch.cuda.get_device_properties(device).total_memory
+        return (
+            f"tritonkv will use up to {total / 2**30:.2f} GiB of GPU memory outside vLLM's "
+            f"budget: lower --gpu-memory-utilization by {total / gpu:.3f} (gpu_memory_bytes "
+            f"{budget_bytes}, device-resident KV buffer {buffer_bytes} bytes, of the GPU's "
+            f"{gpu / 2**30:.1f} GiB; with transport nccl, NCCL's own buffers come on top)"
+        )
+    return (
+        f"tritonkv will use up to {total / 2**30:.2f} GiB of GPU memory outside vLLM's budget: "
+        f"lower --gpu-memory-utilization by that share of the GPU's memory"
+    )

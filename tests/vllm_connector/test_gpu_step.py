@@ -1,0 +1,342 @@
+"""The worker halves' GPU path on CPU tensors (support.fake_streams stands in for CUDA's streams
+and events): nothing in vLLM's step reads the device or synchronises, the work is ordered by
+events, an entry is stored and a load counted only once its event completed, and device memory
+stays within ``gpu_memory_bytes`` (a transfer past it, or whose allocation fails, is that
+transfer's failure: recomputed). The ``gpu`` test at the end does a save and a load on a GPU
+under ``torch.cuda.set_sync_debug_mode("error")``, and tests/vllm_connector/test_two_workers.py
+two processes driving the halves as vLLM does."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import pytest
+import torch
+from support.connector_halves import (
+    DIGEST,
+    NHD,
+    SENTINEL,
+    bits,
+    caches,
+    consumer,
+    fake_client,
+    producer,
+)
+from support.fake_streams import FakeStreams, no_host_reads
+from support.kvstore import deliver
+
+import connector.vllm_connector.consumer as consumer_mod
+import connector.vllm_connector.integrity as integrity_mod
+import connector.vllm_connector.producer as producer_mod
+from connector.kvstore import KVBuffer
+from connector.vllm_connector.config import ConnectorConfig
+from connector.vllm_connector.metadata import LoadSpec, SaveSpec
+from connector.vllm_connector.streams import DeviceBudget, DeviceBudgetExceeded, gpu_budget_line
+
+BLOCK_SIZE = 4
+TID = "ab" * 16
+NUM_TOKENS = 10  # 3 blocks of 4, the last one partly
+SRC_BLOCKS, DST_BLOCKS = [4, 1, 3], [2, 5, 0]
+MODULES = (producer_mod, consumer_mod, integrity_mod)
+# caches(NHD): 2 layers of bf16, 2 KV heads of 8: one token row is 2 * 2 * 2 * 8 * 2 bytes.
+ROW_BYTES = 128
+
+
+def _save(fake, cfg, faults=""):
+    """A producer on fake streams, its buffer, and one prompt's save launched (under the
+    audit): ``(producer, buffer, its cache tensors, the audit's violations)``."""
+    src = caches(NHD, seed=1)
+    prod = producer(src, BLOCK_SIZE, cfg=cfg, streams=fake)
+    for t in src:
+        fake.on_device(t)
+    buffer = KVBuffer(1 << 24)
+    prod.attach_buffer(buffer)
+    spec = SaveSpec("p", TID, SRC_BLOCKS, NUM_TOKENS, prompt_digest=DIGEST, debug_fault=faults)
+    with no_host_reads(fake, MODULES) as violations:
+        prod.wait_for_save([spec])
+    return prod, buffer, src, list(violations)
+
+
+def _load_spec(faults=""):
+    return LoadSpec(
+        "c",
+        TID,
+        "h",
+        1,
+        DST_BLOCKS,
+        0,
+        NUM_TOKENS - 1,
+        NUM_TOKENS,
+        prompt_digest=DIGEST,
+        debug_fault=faults,
+    )
+
+
+def _consumer(fake, buffer, cfg):
+    dst = caches(NHD, seed=None)
+    for t in dst:
+        fake.on_device(t)
+    cons = consumer(
+        dst,
+        BLOCK_SIZE,
+        cfg=cfg,
+        streams=fake,
+        connect=lambda host, port: fake_client(partial(deliver, buffer)),
+    )
+    return cons, dst
+
+
+def _positions(tensors, blocks, count):
+    """``[layers, 2, count, heads, head_size]`` int16 of prompt positions ``[0, count)``."""
+    b = bits(tensors)  # [layers, 2, num_blocks, block_size, heads, head_size]
+    rows = [b[:, :, blocks[p // BLOCK_SIZE], p % BLOCK_SIZE] for p in range(count)]
+    return torch.stack(rows, dim=2)
+
+
+@pytest.mark.parametrize("digest", [True, False], ids=["digest", "no-digest"])
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("kv_format", ["tokens", "pages"])
+def test_the_step_never_reads_the_device_and_work_is_ordered_by_events(
+    monkeypatch, digest, async_load, kv_format
+):
+    monkeypatch.setenv("TRITONKV_KERNELS", "triton")  # the GPU's path, under the interpreter
+    cfg = ConnectorConfig(kv_format=kv_format, digest=digest, async_load=async_load)
+    fake = FakeStreams()
+    prod, buffer, src, violations = _save(fake, cfg)
+    assert violations == []
+    # ordering: the pack waited for vLLM's stream, vLLM's stream waits for the pack
+    [ready] = fake.side.waited
+    assert ready.stream is fake.vllm
+    assert [ev.stream for ev in fake.vllm.waited] == [fake.side]
+    # nothing is stored before the pack's event completed, nor device memory let go
+    time.sleep(0.05)
+    assert TID not in buffer and prod.budget.in_use > 0
+    fake.complete_all()
+    assert prod.flush(10)
+    assert TID in buffer and prod.budget.in_use == 0
+    assert prod.stats.peek()["saves"] == 1
+    stored = buffer.stats()
+    assert stored["entries"] == 1
+
+    cons, dst = _consumer(fake, buffer, cfg)
+    with no_host_reads(fake, MODULES) as violations:
+        cons.start_load_kv([_load_spec()])
+    if async_load:
+        cons._loading["c"][2].result(10)  # the fetch, on a load thread
+    with no_host_reads(fake, MODULES) as more:
+        finished = cons.get_finished()  # launched the async unpack: not finished before its event
+    assert violations + more == [] and finished is None
+    assert cons.stats.peek()["loads"] == 0 and cons.budget.in_use > 0
+    fake.complete_all()
+    with no_host_reads(fake, []) as violations:
+        finished = cons.get_finished()
+        errors = cons.get_block_ids_with_load_errors()
+    assert [v for v in violations if "synchronize" in v] == []
+    assert errors == set()
+    assert finished == ({"c"} if async_load else None)
+    assert cons.stats.peek()["loads"] == 1 and cons.budget.in_use == 0
+    got = _positions(dst, DST_BLOCKS, NUM_TOKENS - 1)
+    assert torch.equal(got, _positions(src, SRC_BLOCKS, NUM_TOKENS - 1))
+    if kv_format == "tokens":  # position 9 (block 0, offset 1) is vLLM's to compute
+        assert torch.all(bits(dst)[:, :, 0, 1] == SENTINEL)
+    cons.shutdown()
+    prod.shutdown()
+
+
+def test_the_audit_sees_a_host_read_of_a_device_tensor():
+    """The negative control: the audit is not blind."""
+    fake = FakeStreams()
+    t = fake.on_device(torch.arange(4))
+    with no_host_reads(fake) as violations:
+        int(t[1])  # a view of its memory
+        t.sum().item()  # a new tensor, not memory of the fake device: unseen
+        t.tolist()
+    assert len(violations) == 2
+    assert "Tensor.__int__" in violations[0] and "Tensor.tolist" in violations[1]
+
+
+def test_a_corrupted_entry_fails_once_its_unpack_completed():
+    cfg = ConnectorConfig(kv_format="tokens", debug_allow_corrupt=True)
+    fake = FakeStreams(auto_complete=True)
+    prod, buffer, _, _ = _save(fake, cfg, faults="flip_bit")
+    assert prod.flush(10) and TID in buffer
+    cons, _ = _consumer(fake, buffer, cfg)
+    cons.start_load_kv([_load_spec()])
+    errors = cons.get_block_ids_with_load_errors()
+    assert errors == set(DST_BLOCKS)
+    stats = cons.stats.peek()
+    assert (stats["loads"], stats["load_failures"], stats["digest_failures"]) == (0, 1, 1)
+    assert cons.budget.in_use == 0
+
+
+def test_a_save_past_gpu_memory_bytes_is_refused_before_allocating():
+    entry = NUM_TOKENS * ROW_BYTES
+    cfg = ConnectorConfig(kv_format="tokens", gpu_memory_bytes=entry - 1)
+    fake = FakeStreams(auto_complete=True)
+    prod, buffer, _, _ = _save(fake, cfg)
+    assert prod.flush(10)
+    assert TID not in buffer and len(fake.events) == 0, "allocated or launched anyway"
+    assert (prod.budget.refusals, prod.budget.in_use) == (1, 0)
+    assert prod.stats.peek()["save_failures"] == 1
+    small = SaveSpec("q", "cd" * 16, [0], 3, prompt_digest=DIGEST)
+    prod.wait_for_save([small])
+    assert prod.flush(10) and "cd" * 16 in buffer and prod.budget.in_use == 0
+
+
+def test_an_allocation_failure_fails_that_save_and_that_load_only():
+    cfg = ConnectorConfig(kv_format="tokens", debug_allow_corrupt=True)
+    fake = FakeStreams(auto_complete=True)
+    prod, buffer, _, _ = _save(fake, cfg, faults="alloc_fail")
+    assert prod.flush(10)
+    assert TID not in buffer and prod.stats.peek()["save_failures"] == 1
+    assert prod.budget.in_use == 0
+    prod.wait_for_save([SaveSpec("p", TID, SRC_BLOCKS, NUM_TOKENS, prompt_digest=DIGEST)])
+    assert prod.flush(10) and TID in buffer
+    cons, _ = _consumer(fake, buffer, cfg)
+    cons.start_load_kv([_load_spec(faults="alloc_fail")])
+    assert cons.get_block_ids_with_load_errors() == set(DST_BLOCKS)
+    assert cons.stats.peek()["load_failures"] == 1 and cons.budget.in_use == 0
+
+
+def test_a_load_past_gpu_memory_bytes_is_recomputed():
+    cfg = ConnectorConfig(kv_format="tokens")
+    fake = FakeStreams(auto_complete=True)
+    prod, buffer, _, _ = _save(fake, cfg)
+    assert prod.flush(10) and TID in buffer
+    small = ConnectorConfig(kv_format="tokens", gpu_memory_bytes=ROW_BYTES)
+    cons, dst = _consumer(fake, buffer, small)
+    cons.start_load_kv([_load_spec()])
+    assert cons.get_block_ids_with_load_errors() == set(DST_BLOCKS)
+    assert cons.budget.refusals == 1 and cons.budget.in_use == 0
+    assert torch.all(bits(dst) == SENTINEL), "a refused load wrote into the cache"
+
+
+def test_a_pack_that_never_completes_fails_its_save_and_keeps_its_memory():
+    cfg = ConnectorConfig(kv_format="tokens")
+    fake = FakeStreams()
+    src = caches(NHD, seed=1)
+    prod = producer(src, BLOCK_SIZE, cfg=cfg, streams=fake)
+    buffer = KVBuffer(1 << 24)
+    prod.attach_buffer(buffer)
+    prod._publisher_thread().publish_timeout_s = 0.05
+    prod.wait_for_save([SaveSpec("p", TID, SRC_BLOCKS, NUM_TOKENS, prompt_digest=DIGEST)])
+    assert prod.flush(10)
+    assert TID not in buffer and prod.stats.peek()["save_failures"] == 1
+    # the GPU may still write its output: kept, and counted, until its event completes
+    assert prod.budget.in_use == NUM_TOKENS * ROW_BYTES and len(prod._publisher.stuck) == 1
+    prod._publisher_thread().publish_timeout_s = 10
+    prod.wait_for_save([SaveSpec("q", "cd" * 16, [0], 3, prompt_digest=DIGEST)])
+    fake.complete_all()
+    assert prod.flush(10) and "cd" * 16 in buffer
+    assert prod.budget.in_use == 0 and prod._publisher.stuck == []
+    prod.shutdown()
+
+
+def test_the_budget_counts_and_refuses():
+    budget = DeviceBudget(100)
+    fake = FakeStreams()
+    t, got = budget.empty(fake, (10,), torch.int32, "x")
+    assert (got, budget.in_use, t.shape) == (40, 40, (10,))
+    with pytest.raises(DeviceBudgetExceeded, match="needs 80 bytes of GPU memory, 40 of"):
+        budget.empty(fake, (20,), torch.int32, "y")
+    with pytest.raises(torch.OutOfMemoryError):
+        budget.empty(fake, (5,), torch.int32, "z", fail=True)
+    budget.release(got)
+    assert (budget.in_use, budget.peak, budget.refusals) == (0, 60, 1)  # z held 20 briefly
+
+
+def test_the_startup_line_says_how_much_to_lower_gpu_memory_utilization():
+    line = gpu_budget_line(torch.device("cpu"), 1 << 30, 1 << 29)
+    assert "tritonkv will use up to 1.50 GiB of GPU memory outside vLLM's budget" in line
+    assert "lower --gpu-memory-utilization" in line
+
+
+@pytest.mark.parametrize(
+    ("extra", "device", "on_device"),
+    [
+        ({}, "cuda", True),  # auto: nccl on CUDA sends device memory
+        ({"transport": "gloo"}, "cuda", False),
+        ({"transport": "gloo", "buffer_memory": "device"}, "cuda", True),
+        ({"buffer_memory": "host"}, "cuda", False),
+        ({"buffer_memory": "device"}, "cpu", False),
+    ],
+)
+def test_where_entries_live(extra, device, on_device):
+    assert ConnectorConfig.from_extra(extra).entries_on_device(torch.device(device)) is on_device
+
+
+def test_bad_memory_options_are_refused():
+    with pytest.raises(ValueError, match=r"buffer_memory: expected auto\|host\|device, got 'gpu'"):
+        ConnectorConfig.from_extra({"buffer_memory": "gpu"})
+    with pytest.raises(ValueError, match="gpu_memory_bytes: expected > 0, got 0"):
+        ConnectorConfig.from_extra({"gpu_memory_bytes": 0})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("buffer_memory", ["host", "device"])
+def test_on_a_gpu_the_step_never_synchronises(buffer_memory):
+    """The real thing: CUDA streams and events, sync-debug mode "error" around the halves'
+    calls (after a warm-up round: Triton compiles, tritonkv builds its layer table)."""
+    cfg = ConnectorConfig(kv_format="tokens", transport="gloo", buffer_memory=buffer_memory)
+    src = [c.cuda() for c in caches(NHD, seed=1)]
+    prod = producer(src, BLOCK_SIZE, cfg=cfg)
+    buffer = KVBuffer(1 << 24)
+    prod.attach_buffer(buffer)
+    dst = [c.cuda() for c in caches(NHD, seed=None)]
+    seen = []
+
+    def get(key, **kw):
+        tensors, meta = deliver(buffer, key, **kw)
+        seen.append(tensors["kv"].device.type)
+        return tensors, meta
+
+    cons = consumer(dst, BLOCK_SIZE, cfg=cfg, connect=lambda h, p: fake_client(get))
+    compute = torch.cuda.Stream()
+    for round_no in range(2):
+        tid = f"{round_no:032x}"
+        spec = SaveSpec("p", tid, SRC_BLOCKS, NUM_TOKENS, prompt_digest=DIGEST)
+        load = _load_spec()
+        load.transfer_id = tid
+        with torch.cuda.stream(compute):
+            if round_no:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                prod.wait_for_save([spec])
+                assert prod.flush(30)
+                cons.start_load_kv([load])
+                cons.get_finished()
+                errors = cons.get_block_ids_with_load_errors()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert errors == set()
+    assert seen == ["cuda" if buffer_memory == "device" else "cpu"] * 2
+    torch.cuda.synchronize()
+    got = _positions([c.cpu() for c in dst], DST_BLOCKS, NUM_TOKENS - 1)
+    assert torch.equal(got, _positions([c.cpu() for c in src], SRC_BLOCKS, NUM_TOKENS - 1))
+    assert prod.budget.in_use == 0 and cons.budget.in_use == 0
+    cons.shutdown()
+    prod.shutdown()
+
+
+@pytest.mark.parametrize(("faults", "fails"), [("", False), ("wrong_slot", True)])
+def test_the_write_back_check_runs_once_the_unpack_completed(faults, fails):
+    """With ``digest_write_back`` the cache is read back behind the unpack and compared once its
+    event completed: an off-by-one slot mapping fails the load, a right one passes."""
+    cfg = ConnectorConfig(kv_format="tokens", digest_write_back=True, debug_allow_corrupt=True)
+    fake = FakeStreams()
+    prod, buffer, _, _ = _save(fake, cfg)
+    fake.complete_all()
+    assert prod.flush(10) and TID in buffer
+    cons, _ = _consumer(fake, buffer, cfg)
+    spec = _load_spec(faults=faults)
+    cons.start_load_kv([spec])
+    assert cons.get_finished() is None and cons.stats.peek()["load_failures"] == 0
+    fake.complete_all()
+    errors = cons.get_block_ids_with_load_errors()
+    stats = cons.stats.peek()
+    if fails:
+        assert errors == set(DST_BLOCKS) and stats["digest_failures"] == 1
+    else:
+        assert errors == set() and stats["loads"] == 1

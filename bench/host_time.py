@@ -19,8 +19,9 @@ git ref exported to a temporary directory, default ``main``) in a child process.
 Cases: Llama-3-8B (32 layers, 8 KV heads) and Llama-3-70B at TP 8 (80 layers, 1 KV head), bf16
 NHD caches of 16-token blocks, one selected 16-token sequence, ``out=`` given: ``pack_kv`` and
 ``unpack_kv`` with the views as a list (the plain path) and, where the tree has it, prepared once
-with ``prepare_kv``. Each figure is the least over 7 repeats of ``--calls`` back-to-back calls
-(on a shared machine other load only ever adds time).
+with ``prepare_kv``. Each figure is the calling thread's CPU time per call (``time.thread_time``:
+on a shared machine, wall time would count the waits for a core), the least over 7 repeats of
+``--calls`` back-to-back calls.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CASES = {"llama3-8b": (32, 8), "llama3-70b-tp8": (80, 1)}  # name: (num_layers, num_kv_heads)
 HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS, ROWS = 128, 16, 8, 16
-REPEATS = 7  # the least of these per figure (the machine's other load only adds time)
+REPEATS = 7  # the least of these per figure (other load on the machine only adds time)
 LAUNCHES: list[tuple] = []  # every stubbed launch's arguments, in order
 
 
@@ -132,13 +133,14 @@ def _caches(num_layers: int, num_kv_heads: int, seed: int):
 
 
 def _per_call_us(fn, calls: int) -> float:
+    """CPU time of this thread per call (µs), the least of :data:`REPEATS` runs of ``calls``."""
     fn()
     runs = []
     for _ in range(REPEATS):
-        start = time.perf_counter()
+        start = time.thread_time()
         for _ in range(calls):
             fn()
-        runs.append((time.perf_counter() - start) / calls * 1e6)
+        runs.append((time.thread_time() - start) / calls * 1e6)
     return min(runs)
 
 
@@ -222,7 +224,7 @@ def report(before: dict, after: dict, base: str, head: str, calls: int) -> str:
 
     lines = [
         "host time per call of the GPU path, measured on a CPU with Triton's launcher stubbed "
-        f"(python -m bench.host_time; least of {REPEATS} x {calls} calls; torch {torch.__version__}, "
+        f"(python -m bench.host_time; thread CPU time, least of {REPEATS} x {calls} calls; torch {torch.__version__}, "
         f"triton {triton.__version__}, {os.cpu_count()} CPUs)",
         f"before: {base} (main)   after: {head} (this tree)",
         "one 16-token sequence, bf16 NHD, out= given, index tensors treated as on the GPU "

@@ -298,23 +298,35 @@ def copy_kv(
             elements into it (``width`` 4 or 8 only).
         store: False (pack only): write nothing into ``packed``, only the lane sums.
     """
-    num_rows = packed.shape[2]
+    num_rows = packed.size(2)
     if num_rows == 0:
         return
     digest = lanes is not None
     digest_t = lanes if digest else slot_mapping  # never read without DIGEST
     ratio = width // packed.element_size()
-    stride_layer, stride_part = packed.stride(0) // ratio, packed.stride(1) // ratio
+    strides = packed.stride()
+    stride_layer, stride_part = strides[0] // ratio, strides[1] // ratio
     packed_address = packed.data_ptr()
     cu_seqlens, src_start = index.addresses()
+    num_sel, search_steps = index.num_sel, index.search_steps
     device = current_device() if DIRECT else None
-    # What Triton specialises on in the arguments that are not fixed per group (see _launch).
+    # What Triton specialises on in the arguments that are not fixed per group (see _launch),
+    # flat: the key is hashed on every call.
     spec = (
-        *(unpack, store, digest, slot_mapping.dtype, device),
-        *(pointer_spec(a) for a in (slot_mapping.data_ptr(), cu_seqlens, src_start)),
+        unpack,
+        store,
+        digest,
+        slot_mapping.dtype,
+        device,
+        pointer_spec(slot_mapping.data_ptr()),
+        pointer_spec(cu_seqlens),
+        pointer_spec(src_start),
         pointer_spec(digest_t.data_ptr()),
-        *(int_spec(num_rows), int_spec(index.num_sel), int_spec(index.search_steps)),
-        *(int_spec(stride_layer), int_spec(stride_part)),
+        int_spec(num_rows),
+        int_spec(num_sel),
+        int_spec(search_steps),
+        int_spec(stride_layer),
+        int_spec(stride_part),
     )
     for group in groups:
         packed_first = group.start * stride_layer
@@ -322,10 +334,11 @@ def copy_kv(
         group_spec = (*spec, pointer_spec(address), int_spec(packed_first))
         direct = group.direct.get(group_spec)
         if direct is not None:
-            grid = (triton.cdiv(num_rows, direct.meta["BLOCK_T"]), group.stop - group.start, 1)
+            # (-(-a // b): triton.cdiv is a constexpr function, costly to call from the host)
+            grid = (-(-num_rows // direct.meta["BLOCK_T"]), group.stop - group.start, 1)
             _KV_COPY.kernel.best_config = direct.config
             values = (slot_mapping, cu_seqlens, src_start, address, digest_t, packed_first)
-            values += (num_rows, index.num_sel, index.search_steps, stride_layer, stride_part)
+            values += (num_rows, num_sel, search_steps, stride_layer, stride_part)
             direct(grid, values, device)
             continue
         grid = lambda meta: (triton.cdiv(num_rows, meta["BLOCK_T"]), group.stop - group.start)  # noqa: B023

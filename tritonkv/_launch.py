@@ -64,10 +64,15 @@ DIRECT = _enabled()
 """Whether launches may go direct (see the module docstring)."""
 
 
-def int_spec(value: int) -> tuple[bool, bool, bool, bool]:
-    """What Triton's specialisation of an integer argument reads, and more: 32-bit range, 64-bit
-    signed range, ``== 1``, divisibility by 16."""
-    return (-(2**31) <= value < 2**31, value < 2**63, value == 1, value % 16 == 0)
+def int_spec(value: int) -> int:
+    """What Triton's specialisation of an integer argument reads, and more, as bits: ``== 1``,
+    divisibility by 16, 32-bit range, 64-bit signed range (one small int: cheap to hash)."""
+    return (
+        (value == 1)
+        | (value % 16 == 0) << 1
+        | (-(2**31) <= value < 2**31) << 2
+        | (-(2**63) <= value < 2**63) << 3
+    )
 
 
 def pointer_spec(address: int) -> bool:

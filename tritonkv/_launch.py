@@ -93,7 +93,7 @@ class DirectLaunch:
     compiled: object  # triton.compiler.CompiledKernel
     args: list
     runs: tuple[tuple[int, int, int], ...]  # (start, stop, first)
-    meta: dict  # the launch's keyword arguments (config constexprs such as BLOCK_T among them)
+    meta: dict  # the launch's fixed keyword arguments (config constexprs such as BLOCK_T too)
     config: object = None  # the autotuner's config, reported as its best_config on each launch
 
     @classmethod
@@ -112,8 +112,10 @@ class DirectLaunch:
                 runs[-1][1] += 1
             else:
                 runs.append([slot, slot + 1, first])
-        args = [kwargs[name] for name in names]
-        return cls(compiled, args, tuple(map(tuple, runs)), kwargs, config)
+        # The varying values are left out: the first call's tensors must not be kept alive.
+        args = [None if name in varying else kwargs[name] for name in names]
+        meta = {k: v for k, v in kwargs.items() if k not in varying}
+        return cls(compiled, args, tuple(map(tuple, runs)), meta, config)
 
     def __call__(self, grid: tuple[int, int, int], values: tuple, device: int) -> None:
         """Launch on ``grid`` on ``device`` (:func:`current_device`) with ``values`` for the

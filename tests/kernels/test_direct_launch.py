@@ -52,6 +52,17 @@ def test_direct_copy_launch_passes_what_the_jit_launch_passes(report):
         assert second["launches"] == first["launches"], what
 
 
+def test_direct_launch_of_another_call_passes_what_its_jit_launch_passes(report):
+    """A call with other values of the same specialisation (other rows, index tensors, packed
+    strides) reuses the first call's kernel directly, with its own arguments: those its own JIT
+    launch passes."""
+    assert len(report["other_calls"]) == 2 * 2
+    for case in report["other_calls"]:
+        direct, jit = case["direct"], case["jit"]
+        assert (direct["jit_runs"], jit["jit_runs"]) == (0, 1), case
+        assert direct["launches"] == jit["launches"], case
+
+
 def test_a_new_specialisation_goes_through_the_jit_first(report):
     """A packed tensor 8 bytes off 16-byte alignment (another Triton specialisation) is not
     launched with the aligned call's kernel: its first copy runs the JIT."""

@@ -88,6 +88,24 @@ def main() -> None:
                     found |= {"layout": layout, "ids": ids, "shift": shift, "unpack": unpack}
                     found["digest"] = digest
                     report["cases"].append(found)
+        # Another call of the same specialisation (17 rows, not 19; other index tensors): its
+        # direct launch, reusing the first call's kernel, equals its own JIT launch.
+        for unpack in (False, True):
+            first = host_seq_index(qsl, torch.tensor([2, 0]), 20, last_only=False)
+            other = host_seq_index(torch.tensor([0, 14, 17, 20]), torch.tensor([0, 2]), 20, False)
+            n = 3 * parts * 17 * heads * 16
+            kw = {"width": 8, "has_v": layer_set.has_v, "unpack": unpack}
+            groups[8][0].direct.clear()
+            _copy_twice(
+                groups[8], slots, first, room[: n // 17 * 19].view(3, parts, 19, heads, 16), **kw
+            )
+            packed = room[:n].view(3, parts, 17, heads, 16)
+            direct = _copy_twice(groups[8], slots, other, packed, **kw)["first"]
+            groups[8][0].direct.clear()
+            jit = _copy_twice(groups[8], slots, other, packed, **kw)["first"]
+            report.setdefault("other_calls", []).append(
+                {"layout": layout, "unpack": unpack, "direct": direct, "jit": jit}
+            )
         # The whole call: the second pack / unpack launches the index and copy kernels directly.
         out = torch.empty(3, parts, 19, heads, 16, dtype=dtype)
         for name, call in (

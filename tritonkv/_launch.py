@@ -100,10 +100,12 @@ class DirectLaunch:
     def make(cls, compiled, fn, kwargs: dict, varying: tuple[str, ...], config=None):
         """The direct launch of ``compiled`` (what ``fn.run`` returned for ``kwargs``; ``varying``
         names the parameters that change per call, in the order ``__call__`` gets them), or None
-        when direct launches are off, ``compiled`` is not a compiled kernel or ``kwargs`` misses
-        a parameter."""
+        when direct launches are off, ``compiled`` is not a compiled kernel, ``kwargs`` misses
+        a parameter or ``fn`` has pre-run hooks."""
         names = fn.arg_names
         if not DIRECT or not hasattr(compiled, "packed_metadata") or set(names) - set(kwargs):
+            return None
+        if getattr(fn, "pre_run_hooks", None):  # (run by JITFunction.run before each launch)
             return None
         runs = []
         for first, name in enumerate(varying):
@@ -129,11 +131,17 @@ class DirectLaunch:
         enter = triton.knobs.runtime.launch_enter_hook
         exit_ = triton.knobs.runtime.launch_exit_hook
         # The launcher hands launch_metadata to the hooks alone: none registered, none needed.
-        hooked = enter is not None and getattr(enter, "calls", True)
+        hooked = _hooked(enter) or _hooked(exit_)
         meta = kernel.launch_metadata(grid, stream, *args) if hooked else None
         kernel.run(
             *grid, stream, kernel.function, kernel.packed_metadata, meta, enter, exit_, *args
         )
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook does anything: set (a callable, older Triton) or a chain with calls
+    (a HookChain, Triton 3.9)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def current_device() -> int:

@@ -84,3 +84,11 @@ def test_direct_index_launch_passes_what_the_jit_launch_passes(report):
         assert launch["args"][INDEX_OUT_PTR] == launch["out_address"]
     strip = lambda args: args[:INDEX_OUT_PTR] + args[INDEX_OUT_PTR + 1 :]
     assert strip(direct["args"]) == strip(jit["args"])
+
+
+def test_direct_launch_feeds_registered_launch_hooks(report):
+    """With a launch hook registered (as profilers do), the direct launch hands it the launch's
+    metadata as Triton's own launch does (first launch: JIT; second: direct)."""
+    if report["hooked"] is None:
+        pytest.skip("this Triton's launch hooks are not a HookChain")
+    assert report["hooked"] == ["_seq_index_kernel"] * 2

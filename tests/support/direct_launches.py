@@ -137,6 +137,18 @@ def main() -> None:
             }
         )
     report["index"] = index_launches
+    # A launch hook registered (a profiler's): the direct launch calls it as Triton's would, with
+    # the launch's metadata.
+    seen = []
+    hooks = triton.knobs.runtime.launch_enter_hook
+    if hasattr(hooks, "add"):  # (a HookChain: Triton 3.9)
+        hooks.add(lambda metadata: seen.append(metadata.get()["name"]))
+        for _ in range(2):
+            LAUNCHES.clear()
+            _index.device_seq_index(qsl, ids, torch.device("cpu"), False)
+            (launch,) = LAUNCHES
+            launch[7](launch[6])  # what the C launcher does with the enter hook
+    report["hooked"] = seen if hasattr(hooks, "add") else None
     print(json.dumps(report))
 
 

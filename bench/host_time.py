@@ -226,7 +226,7 @@ def report(before: dict, after: dict, base: str, head: str, calls: int) -> str:
         "host time per call of the GPU path, measured on a CPU with Triton's launcher stubbed "
         f"(python -m bench.host_time; thread CPU time, least of {REPEATS} x {calls} calls; torch {torch.__version__}, "
         f"triton {triton.__version__}, {os.cpu_count()} CPUs)",
-        f"before: {base} (main)   after: {head} (this tree)",
+        f"before: {base} (main, {before['tritonkv']})   after: {head} ({after['tritonkv']})",
         "one 16-token sequence, bf16 NHD, out= given, index tensors treated as on the GPU "
         "(no value checks); launches = kernel launches per call",
         "",

@@ -4,7 +4,9 @@ A decode-sized transfer (one 16-token sequence) moves a few MiB, which an H200 c
 microseconds, so the call's cost is what the host does around the launch. For each case this
 prints the host time per call (enqueue only, averaged over back-to-back calls), the wall time of a
 call followed by a device synchronisation, the same for a bare ``copy_`` of the packed bytes, and a
-cProfile of the calls (top functions by own time).
+cProfile of the calls (top functions by own time); ``pack_kv`` and ``unpack_kv`` with the views as
+a list and prepared once (``tritonkv.prepare_kv``). ``bench/host_time.py`` measures the Python part
+of the same calls on a CPU.
 
     python -m bench.host_overhead [--out FILE] [--dry-run]
 
@@ -81,9 +83,12 @@ def main() -> None:
         index = (batch.slot_mapping, batch.query_start_loc, batch.seq_ids)
         out = tritonkv.pack_kv(layers, *index)[0]
         copy_dst = torch.empty_like(out)
+        src, dst = tritonkv.prepare_kv(layers), tritonkv.prepare_kv(dst_layers)
         fns = {
             "pack_kv": lambda: tritonkv.pack_kv(layers, *index, out=out),  # noqa: B023
             "unpack_kv": lambda: tritonkv.unpack_kv(out, dst_layers, *index),  # noqa: B023
+            "pack_kv prepared": lambda: tritonkv.pack_kv(src, *index, out=out),  # noqa: B023
+            "unpack_kv prepared": lambda: tritonkv.unpack_kv(out, dst, *index),  # noqa: B023
             "copy_": lambda: copy_dst.copy_(out),  # noqa: B023
         }
         mib = out.numel() * out.element_size() / 2**20
@@ -91,8 +96,8 @@ def main() -> None:
         for name, fn in fns.items():
             host = _per_call_us(fn, device, sync_each=False)
             wall = _per_call_us(fn, device, sync_each=True)
-            report.append(f"  {name:10s} host {host:8.1f} us/call   wall+sync {wall:8.1f} us/call")
-        for name in ("pack_kv", "unpack_kv"):
+            report.append(f"  {name:18s} host {host:8.1f} us/call   wall+sync {wall:8.1f} us/call")
+        for name in ("pack_kv", "unpack_kv", "pack_kv prepared", "unpack_kv prepared"):
             report.append(f"\n  cProfile {name}, {CALLS} calls, by own time:")
             report.append(_profile(fns[name], args.top))
     hidden = torch.zeros(17, 4096, dtype=torch.bfloat16, device=device)
@@ -103,7 +108,7 @@ def main() -> None:
     host = _per_call_us(fn, device, sync_each=False)
     wall = _per_call_us(fn, device, sync_each=True)
     report.append("\n== pack_hidden, 16 of 17 rows of 4096 bf16")
-    report.append(f"  {'pack_hidden':10s} host {host:8.1f} us/call   wall+sync {wall:8.1f} us/call")
+    report.append(f"  {'pack_hidden':18s} host {host:8.1f} us/call   wall+sync {wall:8.1f} us/call")
     report.append(f"\n  cProfile pack_hidden, {CALLS} calls, by own time:")
     report.append(_profile(fn, args.top))
     text = "\n".join(report)

@@ -4,6 +4,7 @@ Public API::
 
     from tritonkv import pack_kv, unpack_kv, pack_hidden, unpack_hidden, layouts
     from tritonkv import kv_digest, digest  # integrity digests (pack_kv(..., digest=True))
+    from tritonkv import prepare_kv, KVCacheSet  # layers prepared once (host cost per call)
 
 See :mod:`tritonkv.layouts` for the view convention every op uses.
 """
@@ -12,9 +13,19 @@ from . import digest, layouts
 from ._dispatch import use_triton
 from ._version import __version__
 from .hidden import pack_hidden, pack_hidden_torch, unpack_hidden, unpack_hidden_torch
-from .kv import kv_digest, kv_digest_torch, pack_kv, pack_kv_torch, unpack_kv, unpack_kv_torch
+from .kv import (
+    KVCacheSet,
+    kv_digest,
+    kv_digest_torch,
+    pack_kv,
+    pack_kv_torch,
+    prepare_kv,
+    unpack_kv,
+    unpack_kv_torch,
+)
 
 __all__ = [
+    "KVCacheSet",
     "__version__",
     "digest",
     "kv_digest",
@@ -24,6 +35,7 @@ __all__ = [
     "pack_hidden_torch",
     "pack_kv",
     "pack_kv_torch",
+    "prepare_kv",
     "unpack_hidden",
     "unpack_hidden_torch",
     "unpack_kv",

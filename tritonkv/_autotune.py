@@ -56,11 +56,14 @@ class TunedLaunch:
         self.kernel = kernel
         self.configs: dict[tuple, triton.Config] = {}
 
-    def __call__(self, key: tuple, grid, *args, **kwargs) -> None:
+    def __call__(self, key: tuple, grid, *args, **kwargs) -> tuple[object, triton.Config]:
+        """Launch; return what the JIT function's launch returned (its compiled kernel, which a
+        :class:`~tritonkv._launch.DirectLaunch` can relaunch) and the config it ran with."""
         config = self.configs.get(key)
         if config is None:
-            self.kernel[grid](*args, **kwargs)
-            self.configs[key] = self.kernel.best_config
+            compiled = self.kernel[grid](*args, **kwargs)
+            config = self.configs[key] = self.kernel.best_config
         else:
             self.kernel.best_config = config  # what the autotuner reports for the last launch
-            self.kernel.fn[grid](*args, **kwargs, **config.all_kwargs())
+            compiled = self.kernel.fn[grid](*args, **kwargs, **config.all_kwargs())
+        return compiled, config

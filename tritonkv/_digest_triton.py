@@ -44,12 +44,16 @@ def tile_lanes(x, elem, mask, WORDS: tl.constexpr):
     """Lane sums of a tile of packed elements: ``x`` int32 (``WORDS`` 1) or int64 (``WORDS`` 2)
     integers at element positions ``elem`` (int64) of the packed tensor; ``mask`` picks the tile's
     real elements."""
+    # (No return inside the `if`: the compiler would still build what follows it, and fail on
+    # the 64-bit bitcast of 32-bit words; the interpreter, running Python, never showed it.)
     if WORDS == 1:
-        return _word_lanes(x.to(tl.uint32, bitcast=True), elem, mask)
-    u = x.to(tl.uint64, bitcast=True)
-    a_lo, b_lo = _word_lanes((u & 0xFFFFFFFF).to(tl.uint32), 2 * elem, mask)
-    a_hi, b_hi = _word_lanes((u >> 32).to(tl.uint32), 2 * elem + 1, mask)
-    return a_lo + a_hi, b_lo + b_hi
+        a, b = _word_lanes(x.to(tl.uint32, bitcast=True), elem, mask)
+    else:
+        u = x.to(tl.uint64, bitcast=True)
+        a_lo, b_lo = _word_lanes((u & 0xFFFFFFFF).to(tl.uint32), 2 * elem, mask)
+        a_hi, b_hi = _word_lanes((u >> 32).to(tl.uint32), 2 * elem + 1, mask)
+        a, b = a_lo + a_hi, b_lo + b_hi
+    return a, b
 
 
 @triton.jit

@@ -18,7 +18,6 @@ is flat token ``0 + (5 - 1) = 4``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,11 +25,16 @@ import triton
 import triton.language as tl
 
 from ._checks import check_index, checks_enabled
+from ._launch import DIRECT, DirectLaunch, current_device, int_spec, pointer_spec
 
 
-@dataclass
 class SeqIndex:
     """Where each selected sequence's rows come from and go to (all on the data device, int64).
+
+    Made of its two tensors, or (the index kernel's output, :meth:`in_buffer`) of one buffer that
+    holds ``cu_seqlens`` then ``src_start``: their slices are then made only when asked for, as
+    the copy kernels need their addresses alone (:meth:`addresses`; each slice costs the host a
+    torch op).
 
     Attributes:
         cu_seqlens: ``[num_sel + 1]`` packed-row offsets of the selected sequences.
@@ -38,9 +42,36 @@ class SeqIndex:
         num_sel: number of selected sequences.
     """
 
-    cu_seqlens: torch.Tensor
-    src_start: torch.Tensor
-    num_sel: int
+    def __init__(self, cu_seqlens: torch.Tensor, src_start: torch.Tensor, num_sel: int) -> None:
+        self._cu_seqlens, self._src_start, self.num_sel = cu_seqlens, src_start, num_sel
+        self._buffer: torch.Tensor | None = None
+
+    @classmethod
+    def in_buffer(cls, buffer: torch.Tensor, num_sel: int) -> SeqIndex:
+        """The index held by ``buffer``: ``[2 * num_sel + 1]`` int64, contiguous, ``cu_seqlens``
+        then ``src_start``."""
+        index = cls(None, None, num_sel)
+        index._buffer = buffer
+        return index
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        if self._cu_seqlens is None:
+            self._cu_seqlens = self._buffer[: self.num_sel + 1]
+        return self._cu_seqlens
+
+    @property
+    def src_start(self) -> torch.Tensor:
+        if self._src_start is None:
+            self._src_start = self._buffer[self.num_sel + 1 :]
+        return self._src_start
+
+    def addresses(self) -> tuple[int, int]:
+        """Device addresses of ``cu_seqlens`` and ``src_start`` (making no tensor)."""
+        if self._buffer is not None:
+            first = self._buffer.data_ptr()
+            return first, first + (self.num_sel + 1) * self._buffer.element_size()
+        return self._cu_seqlens.data_ptr(), self._src_start.data_ptr()
 
     @property
     def search_steps(self) -> int:
@@ -179,29 +210,47 @@ def _seq_index_kernel(
         done += tl.sum(rows, 0)
 
 
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` and contiguous: ``t`` itself when it already is (no torch op)."""
+    if t.device == device and t.is_contiguous():
+        return t
+    return t.to(device, non_blocking=True).contiguous()
+
+
+# The index kernel's direct launches (:mod:`tritonkv._launch`), by what Triton specialises on.
+_INDEX_LAUNCHES: dict[tuple, DirectLaunch] = {}
+_INDEX_VARYING = ("query_start_loc_ptr", "seq_ids_ptr", "out_ptr", "num_sel")
+
+
 def device_seq_index(query_start_loc, seq_ids, device: torch.device, last_only: bool) -> SeqIndex:
     """:func:`seq_index` for index tensors on the GPU: one launch of a one-program kernel and no
     host sync (each torch op of the same work costs the host more than this launch does).
 
     Every tensor of the result is contiguous: the kernels read them with stride 1.
     """
-    qsl = query_start_loc.to(device, non_blocking=True).contiguous()
+    qsl = on_device(query_start_loc, device)
     num_sel = qsl.numel() - 1 if seq_ids is None else seq_ids.numel()
-    ids = qsl if seq_ids is None else seq_ids.to(device, non_blocking=True).contiguous()
+    ids = qsl if seq_ids is None else on_device(seq_ids, device)
     if num_sel == 0:  # (an empty tensor has no address to pass)
         out = torch.zeros(1, dtype=torch.int64, device=device)
         return SeqIndex(out, out[1:], 0)
     out = torch.empty(2 * num_sel + 1, dtype=torch.int64, device=device)
-    _seq_index_kernel[(1,)](
-        qsl,
-        ids,
-        out,
-        num_sel,
-        HAS_IDS=seq_ids is not None,
-        LAST_ONLY=last_only,
-        BLOCK=INDEX_BLOCK,
-    )
-    return SeqIndex(out[: num_sel + 1], out[num_sel + 1 :], num_sel)
+    values = (qsl, ids, out, num_sel)
+    device_index = current_device() if DIRECT else None
+    spec = (qsl.dtype, ids.dtype, seq_ids is not None, last_only, device_index, int_spec(num_sel))
+    spec += (pointer_spec(qsl.data_ptr()), pointer_spec(ids.data_ptr()))
+    spec += (pointer_spec(out.data_ptr()),)
+    direct = _INDEX_LAUNCHES.get(spec)
+    if direct is not None:
+        direct((1, 1, 1), values, device_index)
+    else:
+        kwargs = dict(zip(_INDEX_VARYING, values, strict=True))
+        kwargs |= {"HAS_IDS": seq_ids is not None, "LAST_ONLY": last_only, "BLOCK": INDEX_BLOCK}
+        compiled = _seq_index_kernel[(1,)](**kwargs)
+        direct = DirectLaunch.make(compiled, _seq_index_kernel, kwargs, _INDEX_VARYING)
+        if direct is not None:
+            _INDEX_LAUNCHES[spec] = direct
+    return SeqIndex.in_buffer(out, num_sel)
 
 
 def _host_offsets(query_start_loc, seq_ids) -> tuple[np.ndarray, np.ndarray]:

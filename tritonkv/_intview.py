@@ -24,6 +24,18 @@ def widest_int_view(tensors: Sequence[torch.Tensor], row_bytes: int, widest: int
     itemsize = tensors[0].element_size()
     patterns = {(t.stride(), t.element_size()) for t in tensors}  # few: every layer is alike
     addresses = [t.data_ptr() for t in tensors]
+    return widest_width(patterns, addresses, itemsize, row_bytes, widest)
+
+
+def widest_width(
+    patterns: set[tuple[tuple[int, ...], int]],
+    addresses: Sequence[int],
+    itemsize: int,
+    row_bytes: int,
+    widest: int,
+) -> int:
+    """:func:`widest_int_view` from the tensors' ``(strides, element size)`` patterns and
+    addresses (an address may be given mod 16)."""
     for w in (16, 8, 4, 2):
         if w > widest or w <= itemsize or row_bytes % w:
             continue

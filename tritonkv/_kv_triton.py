@@ -8,7 +8,7 @@ group; strides come from the views, so any layout is "just strides".
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -17,6 +17,8 @@ import triton.language as tl
 from ._autotune import TunedLaunch, autotune_bench, autotune_configs
 from ._digest_triton import add_lanes, tile_lanes
 from ._index import SeqIndex, flat_token
+from ._intview import as_int
+from ._launch import DIRECT, DirectLaunch, current_device, int_spec, pointer_spec
 
 __all__ = ["LaunchGroup", "copy_kv", "launch_groups"]
 
@@ -222,6 +224,7 @@ class LaunchGroup:
     k_strides: tuple[int, ...]
     v_strides: tuple[int, ...]
     align: int  # every offset is a multiple of this (16-byte aligned views), else 1
+    direct: dict = field(default_factory=dict)  # (op variant, argument spec) -> DirectLaunch
 
 
 def launch_groups(views: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[LaunchGroup]:
@@ -246,12 +249,30 @@ def launch_groups(views: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list
     return groups
 
 
+# The arguments of _kv_copy_kernel that change from call to call; the rest are fixed per launch
+# group and op variant (the group's tables and strides, the constexprs).
+_VARYING = (
+    "slot_mapping_ptr",
+    "cu_seqlens_ptr",
+    "src_start_ptr",
+    "packed_ptr",
+    "digest_ptr",
+    "packed_first",
+    "num_rows",
+    "num_sel",
+    "search_steps",
+    "stride_packed_layer",
+    "stride_packed_part",
+)
+
+
 def copy_kv(
     groups: list[LaunchGroup],
     slot_mapping: torch.Tensor,
     index: SeqIndex,
     packed: torch.Tensor,
     *,
+    width: int,
     has_v: bool,
     unpack: bool,
     lanes: torch.Tensor | None = None,
@@ -259,66 +280,121 @@ def copy_kv(
 ) -> None:
     """Pack (cache → ``packed``) or unpack (``packed`` → cache) with one launch per group.
 
+    A group's launch goes direct (:mod:`tritonkv._launch`) once the group has launched this op
+    variant with arguments that specialise alike: the call then costs the launcher, and no torch
+    op (the kernel gets ``packed``'s address and its strides in ``width``-byte integers).
+
     Args:
         groups: the layer set's :func:`launch_groups` (one group for vLLM caches); their integer
-            views are ``[num_blocks, num_kv_heads, block_size, head_size]`` of ``packed``'s dtype.
+            views are ``[num_blocks, num_kv_heads, block_size, head_size]`` of ``width`` bytes.
         slot_mapping: ``[num_tokens]`` int32/int64, contiguous, on the views' device.
         index: the selected sequences' :class:`~tritonkv._index.SeqIndex`, on that device.
-        packed: ``[num_layers, 1 + has_v, num_rows, num_kv_heads, head_size]`` integer view,
-            contiguous.
+        packed: ``[num_layers, 1 + has_v, num_rows, num_kv_heads, head_size]``, contiguous, of
+            the cache dtype, which ``width``-byte integers can view (:mod:`tritonkv._intview`).
+        width: the integer width in bytes the copy moves (the groups' views').
         has_v: whether the layers have V views (False for MLA).
         unpack: write ``packed`` into the cache instead of reading it.
         lanes: ``[2]`` int64 zeros, or None: the launch adds the digest's lane sums of the packed
-            elements into it (``packed`` of 4- or 8-byte integers only).
+            elements into it (``width`` 4 or 8 only).
         store: False (pack only): write nothing into ``packed``, only the lane sums.
     """
-    num_rows = packed.shape[2]
+    num_rows = packed.size(2)
     if num_rows == 0:
         return
-    _, num_kv_heads, block_size, head_size = groups[0].base.shape
+    digest = lanes is not None
+    digest_t = lanes if digest else slot_mapping  # never read without DIGEST
+    ratio = width // packed.element_size()
+    strides = packed.stride()
+    stride_layer, stride_part = strides[0] // ratio, strides[1] // ratio
+    packed_address = packed.data_ptr()
+    cu_seqlens, src_start = index.addresses()
+    num_sel, search_steps = index.num_sel, index.search_steps
+    device = current_device() if DIRECT else None
+    # What Triton specialises on in the arguments that are not fixed per group (see _launch),
+    # flat: the key is hashed on every call.
+    spec = (
+        unpack,
+        store,
+        digest,
+        slot_mapping.dtype,
+        device,
+        pointer_spec(slot_mapping.data_ptr()),
+        pointer_spec(cu_seqlens),
+        pointer_spec(src_start),
+        pointer_spec(digest_t.data_ptr()),
+        int_spec(num_rows),
+        int_spec(num_sel),
+        int_spec(search_steps),
+        int_spec(stride_layer),
+        int_spec(stride_part),
+    )
     for group in groups:
+        packed_first = group.start * stride_layer
+        address = packed_address + packed_first * width
+        group_spec = (*spec, pointer_spec(address), int_spec(packed_first))
+        direct = group.direct.get(group_spec)
+        if direct is not None:
+            # (-(-a // b): triton.cdiv is a constexpr function, costly to call from the host)
+            grid = (-(-num_rows // direct.meta["BLOCK_T"]), group.stop - group.start, 1)
+            _KV_COPY.kernel.best_config = direct.config
+            values = (slot_mapping, cu_seqlens, src_start, address, digest_t, packed_first)
+            values += (num_rows, num_sel, search_steps, stride_layer, stride_part)
+            direct(grid, values, device)
+            continue
         grid = lambda meta: (triton.cdiv(num_rows, meta["BLOCK_T"]), group.stop - group.start)  # noqa: B023
+        packed_int = as_int(packed, width)
         # _KEY's values and the tensor arguments' dtypes (the rest are int64 tables)
-        digest = lanes is not None
+        _, num_kv_heads, _, head_size = group.base.shape
         key = (num_kv_heads, head_size, has_v, unpack, store, digest, group.k_strides[1])
-        key += (group.base.dtype, slot_mapping.dtype, packed.dtype)
-        stride_kb, stride_kh, stride_kn, stride_kd = group.k_strides
-        stride_vb, stride_vh, stride_vn, stride_vd = group.v_strides
-        _KV_COPY(
-            key,
-            grid,
-            cache_ptr=group.base,
-            layer_offsets_ptr=group.offsets,
-            slot_mapping_ptr=slot_mapping,
-            cu_seqlens_ptr=index.cu_seqlens,
-            src_start_ptr=index.src_start,
-            packed_ptr=packed[group.start : group.stop],
-            digest_ptr=lanes if digest else slot_mapping,  # never read without DIGEST
-            packed_first=group.start * packed.stride(0),
-            num_rows=num_rows,
-            num_sel=index.num_sel,
-            search_steps=index.search_steps,
-            block_size=block_size,
-            num_kv_heads=num_kv_heads,
-            stride_kb=stride_kb,
-            stride_kh=stride_kh,
-            stride_kn=stride_kn,
-            stride_kd=stride_kd,
-            stride_vb=stride_vb,
-            stride_vh=stride_vh,
-            stride_vn=stride_vn,
-            stride_vd=stride_vd,
-            stride_packed_layer=packed.stride(0),
-            stride_packed_part=packed.stride(1),
-            HAS_V=has_v,
-            ALIGN=group.align,
-            HEAD_SIZE=head_size,
-            BLOCK_D=triton.next_power_of_2(head_size),
-            UNPACK=unpack,
-            STORE=store,
-            DIGEST=digest,
-            WORDS=max(packed.element_size() // 4, 1),
+        key += (group.base.dtype, slot_mapping.dtype, packed_int.dtype)
+        kwargs = _group_kwargs(group, has_v) | {
+            "slot_mapping_ptr": slot_mapping,
+            "cu_seqlens_ptr": index.cu_seqlens,
+            "src_start_ptr": index.src_start,
+            "packed_ptr": packed_int[group.start : group.stop],
+            "digest_ptr": digest_t,
+            "packed_first": packed_first,
+            "num_rows": num_rows,
+            "num_sel": index.num_sel,
+            "search_steps": index.search_steps,
+            "stride_packed_layer": stride_layer,
+            "stride_packed_part": stride_part,
+            "UNPACK": unpack,
+            "STORE": store,
+            "DIGEST": digest,
+            "WORDS": max(width // 4, 1),
+        }
+        compiled, config = _KV_COPY(key, grid, **kwargs)
+        direct = DirectLaunch.make(
+            compiled, _KV_COPY.kernel.fn, kwargs | config.kwargs, _VARYING, config
         )
+        if direct is not None:
+            group.direct[group_spec] = direct
+
+
+def _group_kwargs(group: LaunchGroup, has_v: bool) -> dict:
+    """The kernel arguments fixed by the group (its views' table, sizes and strides)."""
+    _, num_kv_heads, block_size, head_size = group.base.shape
+    stride_kb, stride_kh, stride_kn, stride_kd = group.k_strides
+    stride_vb, stride_vh, stride_vn, stride_vd = group.v_strides
+    return {
+        "cache_ptr": group.base,
+        "layer_offsets_ptr": group.offsets,
+        "block_size": block_size,
+        "num_kv_heads": num_kv_heads,
+        "stride_kb": stride_kb,
+        "stride_kh": stride_kh,
+        "stride_kn": stride_kn,
+        "stride_kd": stride_kd,
+        "stride_vb": stride_vb,
+        "stride_vh": stride_vh,
+        "stride_vn": stride_vn,
+        "stride_vd": stride_vd,
+        "HAS_V": has_v,
+        "ALIGN": group.align,
+        "HEAD_SIZE": head_size,
+        "BLOCK_D": triton.next_power_of_2(head_size),
+    }
 
 
 _KV_COPY = TunedLaunch(_kv_copy_kernel)

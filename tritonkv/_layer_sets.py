@@ -19,7 +19,15 @@ import torch
 from . import _kv_torch, _kv_triton
 from ._intview import as_int, widest_int_view
 
-__all__ = ["LAYER_SETS", "LayerSet", "LayerSets", "Layers", "check_layers"]
+__all__ = [
+    "LAYER_SETS",
+    "KVCacheSet",
+    "LayerSet",
+    "LayerSets",
+    "Layers",
+    "check_layers",
+    "prepare_kv",
+]
 
 Layers = Sequence[tuple[torch.Tensor, "torch.Tensor | None"]]
 
@@ -171,15 +179,24 @@ class LayerSets:
         entry = self._entries.get(key) if key is not None else None
         if entry is not None and entry.signature == _signature(tensors):
             return entry
-        shape, dtype, device, has_v = check_layers(layers)
-        tensors = _flat(layers)
-        width = widest_int_view(tensors, shape[3] * tensors[0].element_size(), widest=16)
-        entry = LayerSet(shape, dtype, device, has_v, _signature(tensors), width)
+        entry = make_layer_set(layers)
         if key is not None:
             drop = partial(_drop, self._entries, key)
-            entry.refs = [weakref.ref(t, drop) for t in tensors]
+            entry.refs = [weakref.ref(t, drop) for t in _flat(layers)]
             self._entries[key] = entry
         return entry
+
+
+def make_layer_set(layers: Layers) -> LayerSet:
+    """Check ``layers`` and make its :class:`LayerSet` (held by no cache).
+
+    Raises:
+        TypeError, ValueError: as :func:`check_layers`.
+    """
+    shape, dtype, device, has_v = check_layers(layers)
+    tensors = _flat(layers)
+    width = widest_int_view(tensors, shape[3] * tensors[0].element_size(), widest=16)
+    return LayerSet(shape, dtype, device, has_v, _signature(tensors), width)
 
 
 def _drop(entries: dict, key: tuple, _ref: object) -> None:
@@ -188,3 +205,111 @@ def _drop(entries: dict, key: tuple, _ref: object) -> None:
 
 
 LAYER_SETS = LayerSets()
+
+
+class KVCacheSet:
+    """A ``layers`` argument prepared once (:func:`prepare_kv`), which the KV ops take in its place.
+
+    It holds what every call derives from the views alone (their checks, integer views, the
+    device table of layer addresses, the launch groups), so a call with it skips looking the views
+    up and comparing their addresses, shapes and strides layer by layer: the host cost of a call no
+    longer grows with the number of layers. It holds views of the caches' memory (keeping it
+    allocated) and weak references to the caller's view objects.
+
+    Refused, with a ``ValueError`` naming the fix (prepare again), once any of the caller's views
+    has been freed (e.g. caches reallocated), and when a view no longer has the address, shape,
+    strides, dtype or device it had when prepared: checked on every call whose value checks run
+    (index tensors on the CPU, or ``TRITONKV_CHECK=1``; see :func:`tritonkv.pack_kv`), and by
+    :meth:`check`. Views changed in place (``set_``, ``as_strided_``, ``resize_``) on a GPU call
+    without value checks are not seen: prepare again after changing views (vLLM never does).
+
+    Attributes:
+        num_layers: number of ``(k, v)`` pairs.
+        shape: the views' ``[num_blocks, num_kv_heads, block_size, head_size]``.
+        dtype, device: the views'.
+        has_v: whether the layers have V views (False for MLA).
+    """
+
+    def __init__(self, layers: Layers) -> None:
+        self.layer_set = make_layer_set(layers)
+        self.num_layers = len(layers)
+        # Our own view objects of the same memory, which the integer views are made from.
+        self.views = [(_alias(k), None if v is None else _alias(v)) for k, v in layers]
+        self._freed = False
+        self._refs = [weakref.ref(t, self._on_free) for t in _flat(layers)]
+
+    def _on_free(self, _ref: object) -> None:
+        self._freed = True
+
+    shape = property(lambda self: self.layer_set.shape)
+    dtype = property(lambda self: self.layer_set.dtype)
+    device = property(lambda self: self.layer_set.device)
+    has_v = property(lambda self: self.layer_set.has_v)
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCacheSet(num_layers={self.num_layers}, shape={tuple(self.shape)}, "
+            f"dtype={self.dtype}, device={self.device}, has_v={self.has_v})"
+        )
+
+    def resolve(self, *, full_check: bool) -> LayerSet:
+        """The prepared :class:`LayerSet`, after the O(1) check that no view was freed and, with
+        ``full_check``, :meth:`check`.
+
+        Raises:
+            ValueError: as :meth:`check`.
+        """
+        if self._freed or full_check:
+            self.check()
+        return self.layer_set
+
+    def check(self) -> None:
+        """Check that every view prepared is alive and unchanged (address, shape, strides, dtype,
+        device).
+
+        Raises:
+            ValueError: a view was freed or changed; the message names the first such layer.
+        """
+        tensors = [ref() for ref in self._refs]
+        per_layer = 1 + self.has_v
+        if any(t is None for t in tensors):
+            first = next(i for i, t in enumerate(tensors) if t is None) // per_layer
+            raise ValueError(
+                f"KVCacheSet: the view of layer {first} it was prepared from has been freed (the "
+                "caches were reallocated?): call prepare_kv on the current views"
+            )
+        now, was = _signature(tensors), self.layer_set.signature
+        if now != was:
+            pairs = list(zip(now, was, strict=True))  # (now, then) of each property
+            changed = (i for i in range(len(tensors)) if any(n[i] != w[i] for n, w in pairs))
+            first = next(changed) // per_layer
+            raise ValueError(
+                f"KVCacheSet: the view of layer {first} no longer has the address, shape, "
+                "strides, dtype or device it was prepared with: call prepare_kv on the current "
+                "views"
+            )
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A new view object of exactly ``t``'s elements."""
+    return t.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def prepare_kv(layers: Layers) -> KVCacheSet:
+    """Prepare ``layers`` once for many :func:`tritonkv.pack_kv` / :func:`tritonkv.unpack_kv` /
+    :func:`tritonkv.kv_digest` calls: pass the result as their ``layers`` argument.
+
+    Args:
+        layers: per-layer ``(k, v)`` views, as :func:`tritonkv.pack_kv` takes them. Keep them
+            alive while the handle is used: it is refused once one is freed.
+
+    Returns:
+        A :class:`KVCacheSet`.
+
+    Raises:
+        TypeError, ValueError: as :func:`tritonkv.pack_kv` for a bad ``layers``.
+    """
+    return KVCacheSet(layers)

@@ -14,6 +14,7 @@ fp16, bf16, fp8 and uint8-viewed caches are copied bit for bit; there is no arit
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -21,16 +22,18 @@ import torch
 from . import _digest_triton, _kv_torch, _kv_triton
 from ._checks import check_index, checks_enabled
 from ._dispatch import use_triton
-from ._index import seq_index
-from ._intview import as_int, widest_int_view
-from ._layer_sets import LAYER_SETS, Layers
+from ._index import on_device, seq_index
+from ._intview import as_int, widest_width
+from ._layer_sets import LAYER_SETS, KVCacheSet, Layers, prepare_kv
 from .digest import finalize, packed_digest
 
 __all__ = [
+    "KVCacheSet",
     "kv_digest",
     "kv_digest_torch",
     "pack_kv",
     "pack_kv_torch",
+    "prepare_kv",
     "unpack_kv",
     "unpack_kv_torch",
 ]
@@ -58,6 +61,15 @@ def _check_slots(slot_mapping: torch.Tensor, flat: torch.Tensor, num_slots: int)
         )
 
 
+@functools.lru_cache(maxsize=1024)
+def _packed_width(
+    strides: tuple[int, ...], address_mod_16: int, itemsize: int, row_bytes: int, widest: int
+) -> int:
+    """:func:`~tritonkv._intview.widest_int_view` of one packed tensor from its strides and its
+    address mod 16 (all that matters for widths up to 16 bytes): calls of one shape reuse it."""
+    return widest_width({(strides, itemsize)}, [address_mod_16], itemsize, row_bytes, widest)
+
+
 def _run(
     layers,
     slot_mapping,
@@ -76,23 +88,26 @@ def _run(
     packed tensor (written or read); ``store`` False (pack only): the digest is what is wanted,
     the packed rows need not be kept.
     """
-    layer_set = LAYER_SETS.lookup(layers)
+    check_index("slot_mapping", slot_mapping, allow_none=False)
+    checks = checks_enabled(query_start_loc, seq_ids, slot_mapping)
+    if isinstance(layers, KVCacheSet):
+        layer_set, views = layers.resolve(full_check=checks), layers.views
+    else:
+        layer_set, views = LAYER_SETS.lookup(layers), layers
     shape, dtype, device, has_v = (
         layer_set.shape,
         layer_set.dtype,
         layer_set.device,
         layer_set.has_v,
     )
-    check_index("slot_mapping", slot_mapping, allow_none=False)
     if unpack and packed is None:
         raise TypeError("packed: expected a tensor, got None")
     num_blocks, num_kv_heads, block_size, head_size = shape
     index = seq_index(query_start_loc, seq_ids, slot_mapping.numel(), device)
-    checks = checks_enabled(query_start_loc, seq_ids, slot_mapping)
-    slot_mapping = slot_mapping.to(device, non_blocking=True).contiguous()  # kernel: stride 1
+    slot_mapping = on_device(slot_mapping, device)  # kernel: stride 1
 
     def packed_shape(rows: int) -> tuple[int, ...]:
-        return (len(layers), 1 + has_v, rows, num_kv_heads, head_size)
+        return (len(views), 1 + has_v, rows, num_kv_heads, head_size)
 
     if packed is None:
         rows = index.total()
@@ -114,20 +129,21 @@ def _run(
     # The widest access both the views and this packed tensor allow (the allowed widths of each
     # are all the sizes up to its widest, so the smaller of the two widest); the kernels move at
     # most 8-byte integers, the CPU twin 16-byte elements too (fewer, longer element copies).
-    widest = 8 if triton_path else 16
-    row_bytes = head_size * packed.element_size()
-    width = min(layer_set.width, widest_int_view([packed], row_bytes, widest), widest)
-    packed_int = as_int(packed, width)
+    widest = min(layer_set.width, 8 if triton_path else 16)
+    itemsize = packed.element_size()
+    address_mod_16 = packed.data_ptr() % 16
+    width = _packed_width(packed.stride(), address_mod_16, itemsize, head_size * itemsize, widest)
     result = None
     if triton_path:
-        groups = layer_set.launches(width, layers)
+        groups = layer_set.launches(width, views)
         fused = digest and width >= 4  # the copy reads whole 32-bit words: digest in its launch
         lanes = torch.zeros(2, dtype=torch.int64, device=device) if digest else None
         _kv_triton.copy_kv(
             groups,
             slot_mapping,
             index,
-            packed_int,
+            packed,
+            width=width,
             has_v=has_v,
             unpack=unpack,
             lanes=lanes if fused else None,
@@ -138,7 +154,8 @@ def _run(
         if digest:
             result = finalize(lanes, packed.numel() * packed.element_size())
     else:
-        groups = layer_set.plan(width, layers)
+        groups = layer_set.plan(width, views)
+        packed_int = as_int(packed, width)
         _kv_torch.copy_kv(groups, slot_mapping, index, packed_int, unpack=unpack, flat=flat)
         result = packed_digest(packed) if digest else None
     return packed, index, result
@@ -164,6 +181,10 @@ def pack_kv(
     Args:
         layers: per-layer ``(k, v)`` views, each ``[num_blocks, num_kv_heads, block_size,
             head_size]`` with any strides; ``v`` None for MLA. Same shape, dtype, device for all.
+            Or the :class:`~tritonkv.KVCacheSet` :func:`~tritonkv.prepare_kv` made of them once:
+            the same copy, at a host cost that does not grow with the number of layers (the
+            views are then not compared layer by layer on each call; see :class:`KVCacheSet`
+            for what it checks).
         slot_mapping: ``[num_tokens]`` int32/int64 slot of each flat-batch token; ``-1`` (padding)
             packs as zeros.
         query_start_loc: ``[num_seqs + 1]`` int32/int64 offsets of each sequence in the flat
@@ -175,7 +196,8 @@ def pack_kv(
             index tensors already on the GPU the call never synchronises with the host, so it can
             be captured in a CUDA graph (after one warm-up call outside the capture, which runs
             autotuning and caches the layer address table; it lives as long as these ``layers``
-            view objects do, so keep them alive while the graph may replay).
+            view objects do, or the :class:`~tritonkv.KVCacheSet`, so keep them alive while the
+            graph may replay).
         digest: also return the integrity digest of ``packed`` (:mod:`tritonkv.digest`),
             computed by the Triton kernel in its copy launch (its own launch when the copy moves
             1- or 2-byte integers) and finalised by two tiny torch ops, with no host

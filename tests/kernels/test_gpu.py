@@ -208,3 +208,107 @@ def test_digest_on_cuda_is_the_reference_and_sees_a_flip(layout, dtype, head_siz
     assert [digest_hex(d) for d in (sent, read, again)] == [want] * 3
     packed.view(torch.uint8).view(-1)[packed.numel() // 3] ^= 0x20
     assert digest_hex(unpack_kv(packed, dst_layers, slots, QSL, [2, 0], digest=True)) != want
+
+
+def _prepared_case(layout="flash_attn_nhd", dtype=torch.bfloat16, num_layers=4):
+    raw, layers = make_cache(layout, dtype, num_layers=num_layers, head_size=16)
+    parts, heads = 1 + (layers[0][1] is not None), layers[0][0].shape[1]
+    out = torch.empty(num_layers, parts, 19, heads, 16, dtype=dtype, device="cuda")
+    return raw, layers, out
+
+
+@pytest.mark.parametrize("layout", ["flash_attn_nhd", "flash_attn_hnd", "mla", "vllm_pages_lbnhc"])
+def test_prepared_handle_on_cuda_is_the_plain_path(layout):
+    """pack/unpack with a prepared handle, direct launches from the second call on: the plain
+    path's bits, the loop oracle's, and sentinel caches written exactly as the plain path does."""
+    from tritonkv import _launch, prepare_kv
+
+    raw, layers, out = _prepared_case(layout)
+    slots, ids = _slots(), torch.tensor([2, 0], device="cuda")
+    handle = prepare_kv(layers)
+    expected = loop_pack(layers, slots.cpu(), QSL.cpu(), [2, 0])
+    for _ in range(3):
+        out.fill_(0)
+        pack_kv(handle, slots, QSL, ids, out=out)
+        assert_bits_equal(out.cpu(), expected, f"prepared pack {layout}")
+    assert_bits_equal(pack_kv(layers, slots, QSL, ids)[0].cpu(), expected, "plain pack")
+    width = min(handle.layer_set.width, 8)  # the kernels move at most 8-byte integers
+    groups = handle.layer_set.launches(width, handle.views)
+    assert bool(groups[0].direct) == _launch.DIRECT  # the direct launches are the ones checked
+    dst_raw, dst_layers = like_with_sentinel(raw, layout)
+    plain_raw, plain_layers = like_with_sentinel(raw, layout)
+    dst = prepare_kv(dst_layers)
+    for _ in range(2):
+        unpack_kv(out, dst, slots, QSL, ids)
+    unpack_kv(out, plain_layers, slots, QSL, ids)
+    for got, want in zip(storage_bits(dst_raw), storage_bits(plain_raw), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_prepared_out_path_never_syncs():
+    """With out= (pack) or packed (unpack) and index tensors on the GPU, a prepared call makes no
+    host sync (torch's sync debug mode raises on one)."""
+    from tritonkv import prepare_kv
+
+    raw, layers, out = _prepared_case()
+    _, dst_layers = like_with_sentinel(raw, "flash_attn_nhd")
+    src, dst = prepare_kv(layers), prepare_kv(dst_layers)
+    slots, ids = _slots(), torch.tensor([2, 0], device="cuda")
+    pack_kv(src, slots, QSL, ids, out=out)  # warm-up: compiles, tunes, files the direct launch
+    unpack_kv(out, dst, slots, QSL, ids)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            pack_kv(src, slots, QSL, ids, out=out)
+            unpack_kv(out, dst, slots, QSL, ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert_bits_equal(out.cpu(), loop_pack(layers, slots.cpu(), QSL.cpu(), [2, 0]), "pack")
+
+
+def test_cuda_graph_capture_of_prepared_calls():
+    """The prepared out= path captures and replays in a CUDA graph as the plain path does (the
+    direct launches run on the capturing stream)."""
+    from tritonkv import prepare_kv
+
+    raw, layers, out = _prepared_case()
+    dst_raw, dst_layers = like_with_sentinel(raw, "flash_attn_nhd")
+    src, dst = prepare_kv(layers), prepare_kv(dst_layers)
+    slots, ids = _slots(), torch.tensor([2, 0], device="cuda")
+    for _ in range(2):  # warm-up: the second call already goes direct
+        pack_kv(src, slots, QSL, ids, out=out)
+        unpack_kv(out, dst, slots, QSL, ids)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pack_kv(src, slots, QSL, ids, out=out)
+        unpack_kv(out, dst, slots, QSL, ids)
+    gen = torch.Generator().manual_seed(6)
+    for r in raw:
+        random_bits_(r, gen)  # new contents, same addresses
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = loop_pack(layers, slots.cpu(), QSL.cpu(), [2, 0])
+    assert_bits_equal(out.cpu(), expected, "replayed prepared pack")
+    unpacked = loop_pack(dst_layers, slots.cpu(), QSL.cpu(), [2, 0])
+    assert_bits_equal(unpacked, expected, "replayed prepared unpack")
+
+
+def test_prepared_fused_digest_of_4_byte_words_on_cuda():
+    """fp32 caches move 4-byte words (or 8): the fused digest of either width compiles and equals
+    the reference digest (a 4-byte width failed to compile before tile_lanes lost its early
+    return)."""
+    from tritonkv import prepare_kv
+    from tritonkv.digest import packed_digest
+
+    _raw, layers = make_cache("flash_attn_nhd", torch.float32, num_layers=3, head_size=12)
+    handle = prepare_kv(layers)
+    slots = _slots()
+    room = torch.empty(3 * 2 * 20 * 2 * 12 + 1, dtype=torch.float32, device="cuda")
+    for shift in (0, 1):  # 16-byte aligned (8-byte words), then 4 bytes off (4-byte words)
+        out = room[shift : shift + 3 * 2 * 20 * 2 * 12].view(3, 2, 20, 2, 12)
+        for _ in range(2):
+            _, _, digest = pack_kv(handle, slots, QSL, out=out, digest=True)
+            assert torch.equal(digest.cpu(), packed_digest(out.cpu())), shift

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tritonkv import layouts
+from tritonkv import KVCacheSet, layouts, prepare_kv
 
 from ..logs import get_logger
 
@@ -73,6 +73,16 @@ class RankCaches:
             self.page_kind = page_kind(caches[0], self.layout, block_size, isa=isa)
         self.device = caches[0].device
         self._sliced: dict[tuple[int, int], Views] = {}  # head range -> its views
+        self._prepared: dict[int, tuple[Views, KVCacheSet]] = {}  # id(views) -> them, prepared
+
+    def prepared(self, views: Views) -> KVCacheSet:
+        """``views`` (this object's :attr:`layers`, :attr:`pages` or :meth:`head_views`) prepared
+        once for the KV ops (:func:`tritonkv.prepare_kv`): a call's host time then no longer
+        grows with the number of layers."""
+        known = self._prepared.get(id(views))
+        if known is None or known[0] is not views:
+            known = self._prepared[id(views)] = (views, prepare_kv(views))
+        return known[1]
 
     @property
     def num_slots(self) -> int:

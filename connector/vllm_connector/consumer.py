@@ -297,7 +297,9 @@ class Consumer:
                 slots = caches.slots(spec.block_ids, first, stop, rows)
                 if "wrong_slot" in spec.debug_fault:  # test hook
                     slots = integrity.shifted_slots(slots, first, stop)
-                read = unpack_kv(packed, views, slots, digest=isinstance(want, str))
+                read = unpack_kv(
+                    packed, caches.prepared(views), slots, digest=isinstance(want, str)
+                )
                 write_back = want is not None and self.cfg.digest_write_back
                 where = (views, spec.block_ids, block_size, first, stop)
                 if gpu is not None:  # compared once the unpack completed, on a host copy

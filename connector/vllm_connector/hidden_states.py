@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tritonkv import pack_kv
+from tritonkv import pack_kv, prepare_kv
 
 from ..kvstore import short_id
 from ..logs import get_logger
@@ -226,6 +226,7 @@ class HiddenWorker:
                 f"block_size, hidden_size], got {getattr(cache, 'shape', type(cache).__name__)}"
             )
         self.cache, self.tp_rank = cache, tp_rank
+        self._layers = prepare_kv([(cache, None)])  # one "layer": the hidden-state cache
         self.num_blocks, self.num_hidden_states, self.block_size, self.hidden_size = cache.shape
         self.writer, self._buffer, self.stats = writer, buffer, stats
         self.put_timeout_s = put_timeout_s
@@ -279,7 +280,7 @@ class HiddenWorker:
                 dtype=self.cache.dtype,
                 device=self.cache.device,
             )
-            packed, _ = pack_kv([(self.cache, None)], torch.cat(slots), query_start_loc, out=out)
+            packed, _ = pack_kv(self._layers, torch.cat(slots), query_start_loc, out=out)
             rows = packed[0, 0]  # [total_tokens, num_hidden_states, hidden_size]
             ready = None
             if rows.device.type == "cuda":  # files and the wire read host memory, off the step

@@ -213,10 +213,10 @@ class Producer:
         out = torch.empty(shape, dtype=views[0][0].dtype, device=self.caches.device)
         slots = self.caches.slots(spec.block_ids, 0, rows, rows)
         if self.cfg.digest:  # computed by the pack itself (integrity.py)
-            packed, _, digest = pack_kv(views, slots, out=out, digest=True)
+            packed, _, digest = pack_kv(self.caches.prepared(views), slots, out=out, digest=True)
             meta.update(entry_meta(packed, digest, self.kv_format))
         else:
-            packed, _ = pack_kv(views, slots, out=out)
+            packed, _ = pack_kv(self.caches.prepared(views), slots, out=out)
         if "flip_bit" in spec.debug_fault:  # test hook: after the digest was taken
             flip_bit(packed)
         self._store(spec, packed, meta, nbytes, 1e3 * (time.perf_counter() - t0))
@@ -238,10 +238,12 @@ class Producer:
                 slots = self.caches.slots(spec.block_ids, 0, rows, rows)
                 digests = None
                 if self.cfg.digest:
-                    packed, _, digest = pack_kv(views, slots, out=out, digest=True)
+                    packed, _, digest = pack_kv(
+                        self.caches.prepared(views), slots, out=out, digest=True
+                    )
                     digests = digest_tensors(packed, digest, self.kv_format)
                 else:
-                    packed, _ = pack_kv(views, slots, out=out)
+                    packed, _ = pack_kv(self.caches.prepared(views), slots, out=out)
                 packed_ev = ops.event(ops.side)
             except BaseException:
                 self.budget.release(reserved)

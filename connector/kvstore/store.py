@@ -38,6 +38,7 @@ buffer's ``limits`` refuse.
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -152,6 +153,19 @@ class _Table:
         if tomb is not None and same_digest(tomb[1], digest):
             return tomb[0]
         return f"not put within wait_s={wait_s:g} s" if wait_s > 0 else "never put (or forgotten)"
+
+    def pin(self, e: _Entry, part) -> None:
+        """A lease (of ``part``, or None: the whole entry) now holds ``e``."""
+        e.pins += 1
+        e.part_pins += part is not None
+        self.pinned.add(e.key)
+
+    def unpin(self, e: _Entry, part) -> None:
+        """A lease of ``e`` ended (``e`` may have been removed meanwhile)."""
+        e.pins -= 1
+        e.part_pins -= part is not None
+        if e.pins == 0 and self.entries.get(e.key) is e:
+            self.pinned.discard(e.key)
 
     def unpinned(self):
         """The entries no lease holds, oldest first."""
@@ -324,12 +338,8 @@ class KVBuffer:
         if self.ttl_s is None:
             return None
         limit = now - self.ttl_s
-        old = []  # entries are oldest first (put appends, with the clock's time): stop at a new one
-        for e in self._table.unpinned():
-            if e.created > limit:
-                break
-            old.append(e)
-        for e in old:
+        # entries are oldest first (put appends them with the clock's time): stop at a young one
+        for e in list(itertools.takewhile(lambda e: e.created <= limit, self._table.unpinned())):
             log.warning(
                 "KVBuffer: entry %s expired unclaimed after %.1f s",
                 short_id(e.key),
@@ -411,9 +421,7 @@ class KVBuffer:
                 raise KeyMissError(
                     "key not in buffer", reason=reason, key=key, waited_s=self.clock() - t0
                 )
-            e.pins += 1
-            e.part_pins += part is not None
-            self._table.pinned.add(e.key)
+            self._table.pin(e, part)
         try:
             if part is not None:
                 part.check(e.tensors)
@@ -437,10 +445,7 @@ class KVBuffer:
 
     def _release_locked(self, e: _Entry, part: Part | None, delivered: bool, nbytes: int) -> None:
         """Unpin ``e`` after a delivery (of ``part``) and count it; claim it if delivered."""
-        e.pins -= 1
-        e.part_pins -= part is not None
-        if e.pins == 0 and self._table.entries.get(e.key) is e:
-            self._table.pinned.discard(e.key)
+        self._table.unpin(e, part)
         if delivered:
             self._c["bytes_sent"] += nbytes
             if part is not None:

@@ -281,10 +281,8 @@ class Consumer:
             t1 = time.perf_counter()
             nbytes = 0
             for source, packed, want in parts:  # every pull arrived: now write (one unpack each)
-                if spec.corrupt:  # the negative control's scrambled KV is meant to land
-                    packed, want = _corrupted(packed), None
-                if "no_digest" in spec.debug_fault:  # test hook: the check switched off
-                    want = None
+                if spec.corrupt or "no_digest" in spec.debug_fault:  # test hooks: no check (the
+                    packed, want = _corrupted(packed) if spec.corrupt else packed, None  # KV lands)
                 if gpu is not None and not self._device_wire:  # host-staged: ours to copy
                     packed = gpu.to_device(packed)
                 rows = packed.shape[2]
@@ -297,9 +295,8 @@ class Consumer:
                 slots = caches.slots(spec.block_ids, first, stop, rows)
                 if "wrong_slot" in spec.debug_fault:  # test hook
                     slots = integrity.shifted_slots(slots, first, stop)
-                read = unpack_kv(
-                    packed, caches.prepared(views), slots, digest=isinstance(want, str)
-                )
+                layers = caches.prepared(views)
+                read = unpack_kv(packed, layers, slots, digest=isinstance(want, str))
                 write_back = want is not None and self.cfg.digest_write_back
                 where = (views, spec.block_ids, block_size, first, stop)
                 if gpu is not None:  # compared once the unpack completed, on a host copy

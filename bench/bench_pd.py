@@ -535,9 +535,13 @@ def ensure_nixl(python: str) -> bool:
 
 
 def main(argv=None) -> int:
+    from . import pd_link  # (it imports this module)
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--setups", default=",".join(SETUPS), help="comma-separated, of " + ",".join(SETUPS)
+        "--setups",
+        default=None,
+        help=f"comma-separated, of {','.join(SETUPS)} (--link: {','.join(pd_link.SETUPS)})",
     )
     parser.add_argument("--reps", type=int, default=11, help="requests per prompt length and kind")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
@@ -546,10 +550,18 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="3 reps, 64/1024 tokens, 1/4 clients")
     parser.add_argument("--outdir", type=Path, default=RESULTS / "cpu")
     parser.add_argument("--workdir", type=Path, default=None, help="model and server logs")
+    pd_link.add_args(parser)
     args = parser.parse_args(argv)
+
+    def progress(msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.link:
+        return pd_link.run(args, progress)
     if args.quick:
         args.reps, args.lengths, args.concurrency = 3, "64,1024", "1,4"
-    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
+    setups = [s.strip() for s in (args.setups or ",".join(SETUPS)).split(",") if s.strip()]
     unknown = [s for s in setups if s not in SETUPS]
     if unknown:
         parser.error(f"--setups: unknown {unknown}; expected some of {SETUPS}")
@@ -560,13 +572,9 @@ def main(argv=None) -> int:
     if max(lengths) + TTFT_TOKENS > MAX_MODEL_LEN:
         parser.error(f"--lengths: at most {MAX_MODEL_LEN - TTFT_TOKENS} tokens")
     concurrency = [int(x) for x in args.concurrency.split(",")]
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if any(s.startswith("nixl") for s in setups) and not ensure_nixl(sys.executable):
         print("bench_pd: NIXL could not be installed; leaving out nixl, nixl-tuned")
         setups = [s for s in setups if not s.startswith("nixl")]
-
-    def progress(msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tkv-pd-"))
     workdir.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,9 @@ Every answer is compared token for token with the colocated server's answer to t
 (greedy); a point with a wrong answer is reported as wrong and left out of the plots and the
 summary (a point with a failed request is left out of the plots too). Results: ``bench/results/cpu/pd-lengths.csv``, ``pd-concurrency.csv``, ``pd-ttft.png``,
 ``pd-concurrency.png`` and ``pd-summary.txt``.
+
+``--link`` runs the link-limited mode instead (:mod:`bench.pd_link`: the servers in network
+namespaces joined by a rate-limited veth, load from ``vllm bench serve``'s code).
 """
 
 from __future__ import annotations

@@ -409,8 +409,9 @@ def plot(rows: list[dict], outdir: Path) -> list[Path]:
                 xs = [r["rate_mbit"] for r in pts if r[key] is not None]
                 ys = [r[key] for r in pts if r[key] is not None]
                 ax.plot(xs, ys, marker="os^v"[k % 4], color=f"C{k}", label=setup)
-            ax.set(xscale="log", xlabel="link rate (Mbit/s)", title=f"{title}, {c} clients")
+            ax.set(xscale="log", xlabel="link rate (Mbit/s)", title=f"{title}, clients={c}")
             ax.set_xticks(rates, [f"{r}\n{RATES.get(r, '')}" for r in rates])
+            ax.minorticks_off()
             ax.grid(True, alpha=0.3)
     axes[0][0].legend()
     fig.suptitle("P/D over a rate-limited veth (tbf), vllm bench serve through the proxy")

@@ -550,7 +550,11 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
     parser.add_argument("--budget-s", type=float, default=240, help="time per P/D setup's requests")
-    parser.add_argument("--quick", action="store_true", help="3 reps, 64/1024 tokens, 1/4 clients")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="3 reps, 64/1024 tokens, 1/4 clients (--link: 4 prompts of 256 tokens, 1/2 clients)",
+    )
     parser.add_argument("--outdir", type=Path, default=RESULTS / "cpu")
     parser.add_argument("--workdir", type=Path, default=None, help="model and server logs")
     pd_link.add_args(parser)

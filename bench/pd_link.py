@@ -83,10 +83,9 @@ def loadavg() -> str:
 
 @dataclass
 class LinkSetup:
-    """A started setup: where the client sends requests (``entry``), the servers behind it."""
+    """A started setup: where the client sends requests (the proxy, or the colocated server)."""
 
     name: str
-    servers: list[Proc]
     entry: Proc
 
 
@@ -120,7 +119,7 @@ def start_link_setup(name: str, cluster: Cluster, model: Path, link: netlink.Lin
             prefix=link.prefix("consumer"), **common,
         )  # fmt: skip
         cluster.wait_ready([server])
-        return LinkSetup(name, [server], server)
+        return LinkSetup(name, server)
     if name not in SETUPS:
         raise ValueError(f"setup: expected one of {SETUPS}, got {name!r}")
     secret, kv_port = secrets.token_hex(32), free_port_run(1)
@@ -151,7 +150,7 @@ def start_link_setup(name: str, cluster: Cluster, model: Path, link: netlink.Lin
         free_port(), [producer.url], [consumer.url], prefix=link.prefix("consumer")
     )
     cluster.wait_ready([producer, consumer, proxy])
-    return LinkSetup(name, [producer, consumer, proxy], proxy)
+    return LinkSetup(name, proxy)
 
 
 # --------------------------------------------------------------------------------- the load

@@ -39,7 +39,7 @@ bench: setup
 # ExampleConnector, every answer checked against colocated (bench/bench_pd.py); about 15 minutes.
 # NIXL (no CUDA needed) is installed into .bench_deps/nixl first, never into the venv.
 # LINK=1: the link-limited mode (bench/pd_link.py: network namespaces and a rate-limited veth, root
-# only; load from vLLM's own benchmark client); about 20 minutes.
+# only; load from vLLM's own benchmark client); about 15 minutes.
 bench-pd: setup
 	$(PY) -m bench.bench_pd $(if $(LINK),--link)
 

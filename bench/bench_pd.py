@@ -39,6 +39,9 @@ Every answer is compared token for token with the colocated server's answer to t
 (greedy); a point with a wrong answer is reported as wrong and left out of the plots and the
 summary (a point with a failed request is left out of the plots too). Results: ``bench/results/cpu/pd-lengths.csv``, ``pd-concurrency.csv``, ``pd-ttft.png``,
 ``pd-concurrency.png`` and ``pd-summary.txt``.
+
+``--link`` runs the link-limited mode instead (:mod:`bench.pd_link`: the servers in network
+namespaces joined by a rate-limited veth, load from ``vllm bench serve``'s code).
 """
 
 from __future__ import annotations
@@ -535,21 +538,37 @@ def ensure_nixl(python: str) -> bool:
 
 
 def main(argv=None) -> int:
+    from . import pd_link  # (it imports this module)
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--setups", default=",".join(SETUPS), help="comma-separated, of " + ",".join(SETUPS)
+        "--setups",
+        default=None,
+        help=f"comma-separated, of {','.join(SETUPS)} (--link: {','.join(pd_link.SETUPS)})",
     )
     parser.add_argument("--reps", type=int, default=11, help="requests per prompt length and kind")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
     parser.add_argument("--budget-s", type=float, default=240, help="time per P/D setup's requests")
-    parser.add_argument("--quick", action="store_true", help="3 reps, 64/1024 tokens, 1/4 clients")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="3 reps, 64/1024 tokens, 1/4 clients (--link: 4 prompts of 256 tokens, 1/2 clients)",
+    )
     parser.add_argument("--outdir", type=Path, default=RESULTS / "cpu")
     parser.add_argument("--workdir", type=Path, default=None, help="model and server logs")
+    pd_link.add_args(parser)
     args = parser.parse_args(argv)
+
+    def progress(msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.link:
+        return pd_link.run(args, progress)
     if args.quick:
         args.reps, args.lengths, args.concurrency = 3, "64,1024", "1,4"
-    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
+    setups = [s.strip() for s in (args.setups or ",".join(SETUPS)).split(",") if s.strip()]
     unknown = [s for s in setups if s not in SETUPS]
     if unknown:
         parser.error(f"--setups: unknown {unknown}; expected some of {SETUPS}")
@@ -560,13 +579,9 @@ def main(argv=None) -> int:
     if max(lengths) + TTFT_TOKENS > MAX_MODEL_LEN:
         parser.error(f"--lengths: at most {MAX_MODEL_LEN - TTFT_TOKENS} tokens")
     concurrency = [int(x) for x in args.concurrency.split(",")]
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if any(s.startswith("nixl") for s in setups) and not ensure_nixl(sys.executable):
         print("bench_pd: NIXL could not be installed; leaving out nixl, nixl-tuned")
         setups = [s for s in setups if not s.startswith("nixl")]
-
-    def progress(msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tkv-pd-"))
     workdir.mkdir(parents=True, exist_ok=True)

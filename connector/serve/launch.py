@@ -273,16 +273,20 @@ class Cluster:
         max_model_len: int = 2048,
         log_stats: bool = False,
         kv_config: dict | None = None,
+        host: str = "127.0.0.1",
+        prefix: list[str] = (),
     ) -> Proc:
         """Start ``python -m vllm.entrypoints.openai.api_server`` (a TritonKVConnector when ``role``).
 
         ``kv_config``: another ``--kv-transfer-config`` to pass as it is (another connector; then
         ``role``, ``kv_port`` and ``extra_config`` are not used). ``log_stats``: keep vLLM's
-        statistics (its Prometheus counters at ``/metrics`` need them).
+        statistics (its Prometheus counters at ``/metrics`` need them). ``host``: the HTTP
+        address to listen on; ``prefix``: a command the server runs under (e.g. ``ip netns exec
+        NAME``).
         """
         cmd = [
-            self.python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+            *prefix, self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--host", host, "--port", str(port),
             "--served-model-name", "tiny", "--enforce-eager", "--dtype", "float32",
             "--max-model-len", str(max_model_len), "--block-size", "32", "--seed", "0",
             "--enable-prompt-tokens-details", "--tensor-parallel-size", str(tp),
@@ -305,13 +309,19 @@ class Cluster:
             cmd += ["--kv-transfer-config", json.dumps(config)]
         cmd += list(args)
         run_env = vllm_env(self.workdir / name, cpu=cpu, extra=env)
-        return self.start(name, cmd, run_env, url=f"http://127.0.0.1:{port}")
+        return self.start(name, cmd, run_env, url=f"http://{host}:{port}")
 
     def start_proxy(
-        self, port: int, prefill: list[str], decode: list[str], args: list[str] = ()
+        self,
+        port: int,
+        prefill: list[str],
+        decode: list[str],
+        args: list[str] = (),
+        prefix: list[str] = (),
     ) -> Proc:
+        """Start the P/D proxy on 127.0.0.1 (under ``prefix``, as :meth:`start_vllm`)."""
         proxy = self.proxy_cmd or [self.python, "-m", f"{__package__}.proxy"]
-        cmd = [*proxy, "--port", str(port), *args]
+        cmd = [*prefix, *proxy, "--port", str(port), *args]
         for url in prefill:
             cmd += ["--prefill", url]
         for url in decode:

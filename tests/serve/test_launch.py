@@ -115,3 +115,23 @@ def test_servers_by_plugin_name_with_another_interpreter_proxy_and_cwd(tmp_path:
         assert "kv_connector_module_path" not in config
         proxy = argv(cluster.start_proxy(3, ["http://p"], ["http://d"]))
         assert proxy[0] == str(outside) and proxy[1:5] == [str(fake), script, "--port", "3"]
+
+
+def test_servers_and_proxy_run_under_a_prefix_and_listen_on_the_host(tmp_path: Path) -> None:
+    """What ``bench_pd --link`` starts: ``ip netns exec NAME`` before each command, the server's
+    HTTP address and URL on the namespace's own address."""
+    fake = tmp_path / "fake-prefix"  # stands for `ip netns exec NAME`: records its arguments
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$0" "$@"\n')
+    fake.chmod(0o755)
+    with Cluster(tmp_path / "prefixed") as cluster:
+        server = cluster.start_vllm(
+            "p", tmp_path, 7, role=None, host="10.9.8.1", prefix=[str(fake), "ns-a"]
+        )
+        server.popen.wait(30)
+        lines = server.log_text().splitlines()
+        assert lines[:3] == [str(fake), "ns-a", cluster.python]
+        assert lines[lines.index("--host") + 1] == "10.9.8.1"
+        assert server.url == "http://10.9.8.1:7"
+        proxy = cluster.start_proxy(3, [server.url], ["http://d"], prefix=[str(fake), "ns-b"])
+        proxy.popen.wait(30)
+        assert proxy.log_text().splitlines()[:2] == [str(fake), "ns-b"]

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _digest_triton, _kv_torch, _kv_triton
+from . import _cpu_digest, _digest_triton, _kv_torch, _kv_triton
 from ._checks import check_index, checks_enabled
 from ._dispatch import use_triton
 from ._index import seq_index
@@ -137,11 +137,23 @@ def _run(
             _digest_triton.byte_lanes(packed, lanes)
         if digest:
             result = finalize(lanes, packed.numel() * packed.element_size())
+    elif (lib := _native_digest(digest, device, force_torch)) is not None:
+        slots = slot_mapping.to(torch.int64)[flat]  # the twin's copy and the digest in one pass
+        table = layer_set.row_table(layers)
+        result = _cpu_digest.copy_with_digest(lib, table, slots, packed, unpack=unpack, store=store)
     else:
         groups = layer_set.plan(width, layers)
         _kv_torch.copy_kv(groups, slot_mapping, index, packed_int, unpack=unpack, flat=flat)
         result = packed_digest(packed) if digest else None
     return packed, index, result
+
+
+def _native_digest(digest: bool, device: torch.device, force_torch: bool):
+    """The fused copy + digest library for a CPU call with ``digest`` (None: the twin's copy,
+    then :func:`packed_digest`; always so for the ``*_torch`` oracles)."""
+    if not digest or force_torch or device.type != "cpu":
+        return None
+    return _cpu_digest.native()
 
 
 def pack_kv(

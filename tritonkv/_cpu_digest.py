@@ -119,8 +119,12 @@ class Native:
             _u32p,  # lanes
         ]
         self._copy.restype = ctypes.c_int
+        lib.tkv_select.restype = ctypes.c_char_p
+        lib.tkv_select.argtypes = [ctypes.c_int]
+        portable_only = os.environ.get("TRITONKV_NATIVE_ISA", "").strip() == "default"
+        lib.tkv_select(int(portable_only))  # process-wide, like the library itself
         lib.tkv_isa.restype = ctypes.c_char_p
-        self.isa = lib.tkv_isa().decode()
+        self.isa = lib.tkv_isa().decode()  # the lane loops that run
 
     def lanes(self, data: np.ndarray, first_word: int = 0) -> tuple[int, int]:
         """Lane sums of the bytes of contiguous ``data`` (a last partial word zero-padded), its

@@ -1,14 +1,16 @@
 /* Row copies with the integrity digest of the packed side accumulated on the fly: the CPU twins'
- * fused copy + digest (tritonkv/_native.py builds and loads this file; tritonkv/digest.py holds
- * the definition, which this must match bit for bit).
+ * fused copy + digest (tritonkv/_cpu_digest.py builds and loads this file; tritonkv/digest.py
+ * holds the definition, which this matches bit for bit).
  *
  * The packed tensor is seen as num_views * num_rows rows of row_bytes bytes (view-major: packed
  * [num_layers, 1 + has_v, num_rows, num_kv_heads, head_size] contiguous); packed row r of view v
- * is element [b, h, n, d] of that view's cache for slot = slots[r], b = slot / block_size,
+ * is elements [b, :, n, :] of that view's cache for slot = slots[r], b = slot / block_size,
  * n = slot % block_size, addressed by the view's byte strides. A call handles the global rows
- * [g0, g1) (g = v * num_rows + r) in chunks of a few KiB: it copies a chunk (gather into packed,
- * or scatter out of it), then adds the chunk's digest terms while its bytes are still in cache.
- * Callers split work at multiples of 4 rows, so every chunk starts on a 32-bit word.
+ * [g0, g1) (g = v * num_rows + r). Where a head is whole 32-bit words, each contiguous run (a
+ * token row, or one head of it) is copied and digested in one loop: the words the copy loads
+ * feed the digest, whose arithmetic overlaps the copy's memory traffic. Otherwise (odd byte
+ * counts: words straddle heads) chunks of a few KiB are copied, then digested while in cache;
+ * callers split work at multiples of 4 rows, so every chunk starts on a word.
  *
  * No Python headers: plain C, loaded with ctypes (which releases the GIL during the call).
  */
@@ -39,41 +41,45 @@ typedef struct {
 
 static const v8u STEPS = {0u, KEY, 2u * KEY, 3u * KEY, 4u * KEY, 5u * KEY, 6u * KEY, 7u * KEY};
 
-/* The terms of nwords words at src (copied to dst as they are read when COPY: one pass, the
- * copy's loads feed the digest), the first at position first (mod 2**32), added to acc. */
-#define RUN_BODY(COPY)                                                                          \
-    {                                                                                           \
-        v8u a = acc->a, b = acc->b, k = (first * KEY + SEED) + STEPS;                           \
-        int64_t j = 0;                                                                          \
-        for (; j + 8 <= nwords; j += 8, k += 8u * KEY) {                                        \
-            v8u w, h;                                                                           \
-            memcpy(&w, src + 4 * j, 32);                                                        \
-            if (COPY) memcpy(dst + 4 * j, &w, 32);                                              \
-            h = w ^ k;                                                                   \
-            h ^= h >> 16;                                                                       \
-            h *= FMIX_1;                                                                        \
-            h ^= h >> 13;                                                                       \
-            h *= FMIX_2;                                                                        \
-            h ^= h >> 16;                                                                       \
-            a += h;                                                                             \
-            b += h * (k | 1u);                                                                  \
-        }                                                                                       \
-        acc->a = a;                                                                             \
-        acc->b = b;                                                                             \
-        for (uint32_t kk = first * KEY + SEED + (uint32_t)j * KEY; j < nwords; j++, kk += KEY) { \
-            uint32_t w;                                                                         \
-            memcpy(&w, src + 4 * j, 4);                                                         \
-            if (COPY) memcpy(dst + 4 * j, &w, 4);                                               \
-            w ^= kk;                                                                   \
-            w ^= w >> 16;                                                                       \
-            w *= FMIX_1;                                                                        \
-            w ^= w >> 13;                                                                       \
-            w *= FMIX_2;                                                                        \
-            w ^= w >> 16;                                                                       \
-            acc->sa += w;                                                                       \
-            acc->sb += w * (kk | 1u);                                                           \
-        }                                                                                       \
+/* One word's terms (h, and its position key k) added to a and b, by the definition. */
+#define MIX(h, k)                                                                               \
+    do {                                                                                        \
+        (h) ^= (k);                                                                             \
+        (h) ^= (h) >> 16;                                                                       \
+        (h) *= FMIX_1;                                                                          \
+        (h) ^= (h) >> 13;                                                                       \
+        (h) *= FMIX_2;                                                                          \
+        (h) ^= (h) >> 16;                                                                       \
+    } while (0)
+
+/* The terms of nwords words at src, the first at position first (mod 2**32), added to acc;
+ * with copy, the words are stored to dst as they are read (one pass: the copy's loads feed the
+ * digest). Inlined into each clone below, which compiles it for its instruction set. */
+static inline __attribute__((always_inline)) void run(uint8_t *restrict dst,
+                                                      const uint8_t *restrict src,
+                                                      int64_t nwords, uint32_t first,
+                                                      acc_t *acc, int copy) {
+    v8u a = acc->a, b = acc->b, k = (first * KEY + SEED) + STEPS;
+    int64_t j = 0;
+    for (; j + 8 <= nwords; j += 8, k += 8u * KEY) {
+        v8u h;
+        memcpy(&h, src + 4 * j, 32);
+        if (copy) memcpy(dst + 4 * j, &h, 32);
+        MIX(h, k);
+        a += h;
+        b += h * (k | 1u);
     }
+    acc->a = a;
+    acc->b = b;
+    for (uint32_t kk = first * KEY + SEED + (uint32_t)j * KEY; j < nwords; j++, kk += KEY) {
+        uint32_t h;
+        memcpy(&h, src + 4 * j, 4);
+        if (copy) memcpy(dst + 4 * j, &h, 4);
+        MIX(h, kk);
+        acc->sa += h;
+        acc->sb += h * (kk | 1u);
+    }
+}
 
 #define LANES_ARGS const uint8_t *restrict src, int64_t nwords, uint32_t first, acc_t *acc
 #define COPY_ARGS                                                                               \
@@ -86,22 +92,15 @@ typedef struct {
     const char *name;
 } kernels_t;
 
-static void lanes_default(LANES_ARGS) {
-    uint8_t *dst = NULL;
-    (void)dst;
-    RUN_BODY(0)
-}
-static void copy_lanes_default(COPY_ARGS) RUN_BODY(1)
+static void lanes_default(LANES_ARGS) { run(NULL, src, nwords, first, acc, 0); }
+static void copy_lanes_default(COPY_ARGS) { run(dst, src, nwords, first, acc, 1); }
 static const kernels_t KERNELS_DEFAULT = {lanes_default, copy_lanes_default, "default"};
 
 #if defined(__x86_64__) || defined(__i386__)
 #define HAVE_AVX2 1
-__attribute__((target("avx2"))) static void lanes_avx2(LANES_ARGS) {
-    uint8_t *dst = NULL;
-    (void)dst;
-    RUN_BODY(0)
-}
-__attribute__((target("avx2"))) static void copy_lanes_avx2(COPY_ARGS) RUN_BODY(1)
+#define AVX2 __attribute__((target("avx2")))
+AVX2 static void lanes_avx2(LANES_ARGS) { run(NULL, src, nwords, first, acc, 0); }
+AVX2 static void copy_lanes_avx2(COPY_ARGS) { run(dst, src, nwords, first, acc, 1); }
 static const kernels_t KERNELS_AVX2 = {lanes_avx2, copy_lanes_avx2, "avx2"};
 #endif
 
@@ -117,19 +116,25 @@ static void acc_add_to(const acc_t *acc, uint32_t *lanes) {
     lanes[1] += b;
 }
 
-/* The lane loops for this CPU (the AVX2 clone where the CPU has AVX2, else the portable one). */
-static const kernels_t *kernels(void) {
-    static const kernels_t *chosen;
-    const kernels_t *k = __atomic_load_n(&chosen, __ATOMIC_ACQUIRE);
-    if (k == NULL) { /* every thread that gets here stores the same pointer */
-        k = &KERNELS_DEFAULT;
+static const kernels_t *chosen; /* set by tkv_select before any copy */
+
+/* Pick the lane loops: the AVX2 clone where the CPU has AVX2 (unless portable_only), else the
+ * portable one. Returns the name of the one picked. */
+const char *tkv_select(int portable_only) {
+    const kernels_t *k = &KERNELS_DEFAULT;
 #ifdef HAVE_AVX2
-        __builtin_cpu_init();
-        if (__builtin_cpu_supports("avx2")) k = &KERNELS_AVX2;
+    __builtin_cpu_init();
+    if (!portable_only && __builtin_cpu_supports("avx2")) k = &KERNELS_AVX2;
+#else
+    (void)portable_only;
 #endif
-        __atomic_store_n(&chosen, k, __ATOMIC_RELEASE);
-    }
-    return k;
+    __atomic_store_n(&chosen, k, __ATOMIC_RELEASE);
+    return k->name;
+}
+
+static const kernels_t *kernels(void) {
+    const kernels_t *k = __atomic_load_n(&chosen, __ATOMIC_ACQUIRE);
+    return k ? k : &KERNELS_DEFAULT;
 }
 
 /* Which lane loops run on this CPU: "avx2" or "default". */

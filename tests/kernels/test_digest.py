@@ -17,15 +17,15 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from support.kv_cases import LAYOUT_IDS, bits, like_with_sentinel, make_cache, storage_bits
 
-from tritonkv import _cpu_digest
-from tritonkv import digest as digest_mod
 from tritonkv import (
+    _cpu_digest,
     kv_digest,
     pack_hidden,
     pack_kv,
     unpack_hidden,
     unpack_kv,
 )
+from tritonkv import digest as digest_mod
 from tritonkv._digest_triton import byte_lanes
 from tritonkv.digest import digest_hex, finalize, packed_digest
 

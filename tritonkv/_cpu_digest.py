@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -43,6 +44,7 @@ SOURCE = Path(__file__).with_name("_native") / "copy_digest.c"
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
 ABI = 1  # TKV_ABI in the source
 COMPILE_TIMEOUT_S = 60.0
+MAX_DENSE_ROW_BYTES = 1 << 20  # tensor_digest: a dense tensor is cut in rows of at most this
 
 _lock = threading.Lock()
 _loaded: tuple[Native | None, str] | None = None  # (library or None, what runs or why not)
@@ -119,6 +121,9 @@ class Native:
             _u32p,  # lanes
         ]
         self._copy.restype = ctypes.c_int
+        self._heads = lib.tkv_head_lanes
+        self._heads.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 5, _u32p]
+        self._heads.restype = ctypes.c_int
         lib.tkv_select.restype = ctypes.c_char_p
         lib.tkv_select.argtypes = [ctypes.c_int]
         portable_only = os.environ.get("TRITONKV_NATIVE_ISA", "").strip() == "default"
@@ -132,6 +137,25 @@ class Native:
         out = np.zeros(2, dtype=np.uint32)
         self._lanes(data.ctypes.data, data.nbytes, first_word, out.ctypes.data_as(_u32p))
         return int(out[0]), int(out[1])
+
+    def head_lanes(self, packed: torch.Tensor, num_heads: int, workers: int = 1) -> np.ndarray:
+        """``[num_heads, 2]`` lane sums of each head of contiguous ``packed`` (``[..., num_heads,
+        head_size]``, each head whole 32-bit words), in one pass over it."""
+        head_bytes = packed.shape[-1] * packed.element_size()
+        num_rows = packed.numel() // max(packed.shape[-1] * num_heads, 1)
+        step = -(-num_rows // max(workers, 1)) or 1
+        starts = list(range(0, num_rows, step))
+        lanes = np.zeros((max(len(starts), 1), num_heads, 2), dtype=np.uint32)
+
+        def run(i: int) -> int:
+            end = min(starts[i] + step, num_rows)
+            out = lanes[i].ctypes.data_as(_u32p)
+            return self._heads(
+                packed.data_ptr(), num_rows, num_heads, head_bytes, starts[i], end, out
+            )
+
+        _check(_on_threads(run, len(starts)))
+        return lanes.astype(np.uint64).sum(axis=0) & _digest.MASK
 
     def copy_rows(
         self,
@@ -183,20 +207,28 @@ class Native:
             out = lanes[i].ctypes.data_as(_u32p)
             return self._copy(*args, starts[i], end, int(digest), out)
 
-        if len(starts) < 2:
-            codes = [run(0)] if starts else []
-        else:
-            from ._cpu import _executor
-
-            futures = [_executor().submit(run, i) for i in range(1, len(starts))]
-            try:
-                codes = [run(0)]
-            finally:  # never return (or raise) while another thread still copies
-                codes += [f.result() for f in futures]
-        if any(codes):
-            raise MemoryError(f"tritonkv native copy failed (codes {codes})")
+        _check(_on_threads(run, len(starts)))
         sums = lanes.astype(np.uint64).sum(axis=0) & _digest.MASK
         return int(sums[0]), int(sums[1])
+
+
+def _on_threads(run, count: int) -> list[int]:
+    """``run(i)`` for ``i < count``: 0 here, the others on the twins' copy threads."""
+    if count < 2:
+        return [run(0)] if count else []
+    from ._cpu import _executor
+
+    futures = [_executor().submit(run, i) for i in range(1, count)]
+    try:
+        codes = [run(0)]
+    finally:  # never return (or raise) while another thread still copies
+        codes += [f.result() for f in futures]
+    return codes
+
+
+def _check(codes: list[int]) -> None:
+    if any(codes):  # -1: no memory; -2: arguments the Python side never passes
+        raise MemoryError(f"tritonkv native copy failed (codes {codes})")
 
 
 def native() -> Native | None:
@@ -363,3 +395,72 @@ def copy_with_digest(
         workers=workers,
     )
     return _digest.finalize(torch.tensor(lanes, dtype=torch.int64), num_bytes)
+
+
+def tensor_digest(lib: Native, t: torch.Tensor) -> torch.Tensor:
+    """The digest of CPU tensor ``t``'s bytes in memory order of its contiguous form, read where
+    they lie: rows of a strided view (one head of a packed tensor, a range of its tokens) are
+    digested as they are gathered, with no contiguous copy.
+
+    Args:
+        lib: :func:`native`.
+        t: any CPU tensor.
+
+    Returns:
+        ``[2]`` int64 digest, as :func:`tritonkv.digest.packed_digest` of ``t.contiguous()``.
+    """
+    from ._cpu import MAX_WORKERS, PARALLEL_MIN_BYTES
+
+    rows = _as_rows(t)
+    if rows is None:
+        rows = t.contiguous().view(1, -1)
+    num_bytes = rows.numel() * rows.element_size()
+    workers = min(MAX_WORKERS, torch.get_num_threads()) if num_bytes >= PARALLEL_MIN_BYTES else 1
+    slots = np.arange(rows.shape[0], dtype=np.int64)
+    lanes = lib.copy_rows(
+        RowTable.of_rows(rows),
+        slots,
+        None,
+        unpack=False,
+        digest=True,
+        total_bytes=num_bytes,
+        workers=workers,
+    )
+    return _digest.finalize(torch.tensor(lanes, dtype=torch.int64), num_bytes)
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as ``[rows, width]`` rows of whole 32-bit words (its trailing dims that are dense, its
+    leading ones of one stride) seeing the same elements in the same order; None if it is not."""
+    dims = [(n, s) for n, s in zip(t.shape, t.stride(), strict=True) if n != 1]
+    width, i = 1, len(dims)
+    while i > 0 and dims[i - 1][1] == width:
+        i -= 1
+        width *= dims[i][0]
+    lead = dims[:i]
+    if any(lead[j][1] != lead[j + 1][1] * lead[j + 1][0] for j in range(len(lead) - 1)):
+        return None
+    if t.numel() == 0 or width * t.element_size() % 4:
+        return None
+    num_rows = math.prod(n for n, _ in lead)
+    row_stride = lead[-1][1] if lead else width
+    while not lead and width * t.element_size() > MAX_DENSE_ROW_BYTES and width % 2 == 0:
+        num_rows, width, row_stride = num_rows * 2, width // 2, width // 2  # ranges for threads
+    return t.as_strided((num_rows, width), (row_stride, 1))
+
+
+def head_digests(lib: Native, packed: torch.Tensor) -> torch.Tensor:
+    """The digest of each head of a contiguous CPU ``packed`` (``[..., num_kv_heads, head_size]``,
+    heads of whole 32-bit words), as :func:`tensor_digest` of ``packed[..., h, :]``, in one pass.
+
+    Returns:
+        ``[num_kv_heads, 2]`` int64.
+    """
+    from ._cpu import MAX_WORKERS, PARALLEL_MIN_BYTES
+
+    num_heads = packed.shape[-2]
+    num_bytes = packed.numel() * packed.element_size()
+    workers = min(MAX_WORKERS, torch.get_num_threads()) if num_bytes >= PARALLEL_MIN_BYTES else 1
+    lanes = torch.from_numpy(lib.head_lanes(packed, num_heads, workers).astype(np.int64))
+    head_bytes = num_bytes // max(num_heads, 1)
+    return torch.stack([_digest.finalize(lane, head_bytes) for lane in lanes])

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from tritonkv import kv_digest
-from tritonkv.digest import digest_hex, digests_hex, tensor_digest
+from tritonkv.digest import digest_hex, digests_hex, head_digests, tensor_digest
 
 DIGEST_KEY = "kv_digest"  # entry meta: 16 hex digits of the whole packed KV
 HEAD_DIGESTS_KEY = "kv_head_digests"  # entry meta: 16 hex digits per head, concatenated
@@ -87,8 +87,7 @@ def entry_meta(packed: torch.Tensor, digest: torch.Tensor, kv_format: str) -> di
     head_size]``) whose pack returned ``digest``."""
     meta = {DIGEST_KEY: digest_hex(digest)}
     if kv_format == "tokens" and packed.shape[3] > 1:  # a consumer may pull a slice of heads
-        heads = [tensor_digest(packed[:, :, :, h]) for h in range(packed.shape[3])]
-        meta[HEAD_DIGESTS_KEY] = "".join(digests_hex(heads))
+        meta[HEAD_DIGESTS_KEY] = "".join(digests_hex(list(head_digests(packed))))
     return meta
 
 
@@ -127,7 +126,8 @@ def _is_hex(value) -> bool:
 
 def check_read(want: Expected, packed: torch.Tensor, read: torch.Tensor | None) -> None:
     """Compare what the unpack read (``read``: its digest, for a whole entry) with ``want``;
-    for a slice of heads, each head of ``packed`` is digested here. DigestMismatch if unlike."""
+    for a slice of heads, each head of ``packed`` is digested here (one pass over it on the CPU:
+    :func:`tritonkv.digest.head_digests`). DigestMismatch if unlike."""
     if want is None:
         return
     if isinstance(want, str):
@@ -135,7 +135,7 @@ def check_read(want: Expected, packed: torch.Tensor, read: torch.Tensor | None) 
         if got != want:
             raise DigestMismatch("read", want, got)
         return
-    got = digests_hex([tensor_digest(packed[:, :, :, j]) for j in range(len(want))])
+    got = digests_hex(list(head_digests(packed)[: len(want)]))
     for j, (sent, seen) in enumerate(zip(want, got, strict=True)):
         if seen != sent:
             raise DigestMismatch("read", sent, seen, what=f"head {j} of the slice")

@@ -23,7 +23,13 @@ from support.kv_cases import LAYOUT_IDS, bits, like_with_sentinel, make_cache, s
 
 import tritonkv
 from tritonkv import _cpu_digest
-from tritonkv.digest import _lanes_numpy, digest_hex, packed_digest
+from tritonkv.digest import (
+    _lanes_numpy,
+    digest_hex,
+    head_digests,
+    packed_digest,
+    tensor_digest,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 _PROPERTY = settings(
@@ -176,6 +182,51 @@ def test_fused_hidden_copies_are_the_twins(lane_loops, monkeypatch, dtype, hidde
         tritonkv.unpack_hidden_torch(want, twin, qsl, seq_ids, last_only=last_only)
         d_read = tritonkv.unpack_hidden(want, fused, qsl, seq_ids, last_only=last_only, digest=True)
         assert torch.equal(bits(fused), bits(twin)) and torch.equal(d_read, d)
+
+
+SLICES = {
+    "whole": lambda p: p,
+    "one_head": lambda p: p[:, :, :, 1],  # integrity.py's per-head digests
+    "token_range": lambda p: p[:, :, 2:5],  # the write-back check's rows
+    "one_part": lambda p: p[:, 1],
+    "inner_slice": lambda p: p[..., 1:3],
+    "odd_bytes": lambda p: p.view(torch.uint8)[..., 1:4],  # a contiguous copy first
+    "transposed": lambda p: p.transpose(0, 2),  # not rows: a contiguous copy first
+    "empty": lambda p: p[:, :, :0],
+}
+
+
+@pytest.mark.parametrize("name", list(SLICES))
+def test_tensor_digest_reads_slices_where_they_lie(lane_loops, name):
+    """tensor_digest on the CPU equals packed_digest of the slice's contiguous copy."""
+    gen = torch.Generator().manual_seed(7)
+    packed = torch.randint(0, 256, (3, 2, 9, 4, 6), dtype=torch.uint8, generator=gen)
+    t = SLICES[name](packed.to(torch.bfloat16))
+    assert digest_hex(tensor_digest(t)) == digest_hex(packed_digest(t.contiguous()))
+
+
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [
+        ((2, 2, 9, 4, 6), torch.bfloat16),
+        ((3, 1, 5, 3, 8), torch.float32),
+        ((1, 2, 0, 2, 4), torch.bfloat16),  # no rows
+        ((2, 2, 7, 3, 3), torch.uint8),  # heads of 3 bytes: tensor_digest head by head
+    ],
+    ids=["bf16", "fp32-mla-like", "empty", "odd-bytes"],
+)
+def test_head_digests_are_each_heads_digest(lane_loops, monkeypatch, shape, dtype):
+    """head_digests (one pass over packed on the CPU) equals packed_digest of every head's rows,
+    above the threads' threshold too (ranges of rows)."""
+    import tritonkv._cpu as cpu
+
+    gen = torch.Generator().manual_seed(3)
+    packed = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(dtype)
+    want = [digest_hex(packed_digest(packed[:, :, :, h].contiguous())) for h in range(shape[3])]
+    assert [digest_hex(d) for d in head_digests(packed)] == want
+    monkeypatch.setattr(cpu, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert [digest_hex(d) for d in head_digests(packed)] == want
 
 
 def test_parallel_ranges_give_the_serial_digest(monkeypatch):

@@ -34,8 +34,8 @@
  * clone, pairs of SSE2 registers in the portable one) and a scalar pair for runs' tails; summed
  * once per call (every term adds into lane A or B modulo 2**32, in any order). */
 typedef uint32_t v8u __attribute__((vector_size(32)));
-typedef struct {
-    v8u a, b;
+typedef struct { /* plain arrays: no alignment assumed (read and written with memcpy) */
+    uint32_t a[8], b[8];
     uint32_t sa, sb;
 } acc_t;
 
@@ -59,7 +59,9 @@ static inline __attribute__((always_inline)) void run(uint8_t *restrict dst,
                                                       const uint8_t *restrict src,
                                                       int64_t nwords, uint32_t first,
                                                       acc_t *acc, int copy) {
-    v8u a = acc->a, b = acc->b, k = (first * KEY + SEED) + STEPS;
+    v8u a, b, k = (first * KEY + SEED) + STEPS;
+    memcpy(&a, acc->a, sizeof a);
+    memcpy(&b, acc->b, sizeof b);
     int64_t j = 0;
     for (; j + 8 <= nwords; j += 8, k += 8u * KEY) {
         v8u h;
@@ -69,8 +71,8 @@ static inline __attribute__((always_inline)) void run(uint8_t *restrict dst,
         a += h;
         b += h * (k | 1u);
     }
-    acc->a = a;
-    acc->b = b;
+    memcpy(acc->a, &a, sizeof a);
+    memcpy(acc->b, &b, sizeof b);
     for (uint32_t kk = first * KEY + SEED + (uint32_t)j * KEY; j < nwords; j++, kk += KEY) {
         uint32_t h;
         memcpy(&h, src + 4 * j, 4);
@@ -274,7 +276,7 @@ int tkv_copy_digest(int unpack, const int64_t *bases, const int64_t *strides, in
     acc_t acc;
     acc_init(&acc);
     if (g0 < 0 || g0 % 4 || g1 > num_views * num_rows || (packed == NULL && unpack)) return -2;
-    if (packed == NULL || fused) {
+    if (packed == NULL) { /* where rows go that are not kept: a chunk, or one row when fused */
         scratch = malloc((size_t)(chunk_rows * c.row_bytes) + 1);
         if (scratch == NULL) return -1;
     }
@@ -306,5 +308,29 @@ int tkv_copy_digest(int unpack, const int64_t *bases, const int64_t *strides, in
     }
     free(scratch);
     acc_add_to(&acc, lanes);
+    return 0;
+}
+
+/* Lanes of each head of a contiguous packed tensor in one pass: packed is rows of num_heads
+ * heads of head_bytes bytes (a multiple of 4); head h's digest is that of the tensor of its
+ * rows alone (packed[..., h, :] made contiguous), so word j of row g sits at position
+ * g * head_bytes / 4 + j. Adds the rows [g0, g1) to lanes[2 * h], lanes[2 * h + 1]. Returns 0,
+ * -1 without memory, -2 for bad arguments. */
+int tkv_head_lanes(const uint8_t *packed, int64_t num_rows, int64_t num_heads, int64_t head_bytes,
+                   int64_t g0, int64_t g1, uint32_t *lanes) {
+    if (head_bytes % 4 || num_heads < 1 || g0 < 0 || g1 > num_rows) return -2;
+    const kernels_t *k = kernels();
+    acc_t *acc = malloc((size_t)num_heads * sizeof(acc_t));
+    if (acc == NULL) return -1;
+    for (int64_t h = 0; h < num_heads; h++) acc_init(&acc[h]);
+    int64_t words = head_bytes / 4, row_bytes = num_heads * head_bytes;
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t *row = packed + g * row_bytes;
+        for (int64_t h = 0; h < num_heads; h++)
+            k->lanes(row + h * head_bytes, words, (uint32_t)((uint64_t)g * (uint64_t)words),
+                     &acc[h]);
+    }
+    for (int64_t h = 0; h < num_heads; h++) acc_add_to(&acc[h], lanes + 2 * h);
+    free(acc);
     return 0;
 }

@@ -14,6 +14,12 @@ name keyed by the source, the flags and the compiler's version. The library is w
 temporary name and renamed into place, so processes that build at once each see a whole file; a
 cached file that does not load or fails the self-check is built again. Where nothing works (no
 compiler, ``TRITONKV_NATIVE=0``) the digest takes the NumPy path, after one warning naming why.
+``TRITONKV_NATIVE_ISA=default`` runs the portable lane loop even where AVX2 exists (tests).
+
+Used by ``pack_kv`` / ``unpack_kv`` / ``kv_digest`` and ``pack_hidden`` / ``unpack_hidden`` with
+``digest=True`` on CPU tensors (never by the ``*_torch`` oracles, whose digest stays
+:func:`~tritonkv.digest.packed_digest`), and by :func:`~tritonkv.digest.tensor_digest` and
+:func:`~tritonkv.digest.head_digests` on the CPU.
 
 ctypes releases the GIL during a call, so ranges of rows run on the twins' copy threads.
 """

@@ -191,9 +191,11 @@ def pack_kv(
         digest: also return the integrity digest of ``packed`` (:mod:`tritonkv.digest`),
             computed by the Triton kernel in its copy launch (its own launch when the copy moves
             1- or 2-byte integers) and finalised by two tiny torch ops, with no host
-            synchronisation (not yet tried under CUDA-graph capture); by the twin, in a NumPy
-            pass over ``packed`` after the copy (several times the copy's time on a CPU:
-            ``bench/bench_kv.py --suite digest``).
+            synchronisation (not yet tried under CUDA-graph capture); on the CPU, by the twins'
+            native library in the copy itself (:mod:`tritonkv._cpu_digest`: the rows are copied
+            and digested in one pass), or where no C compiler works, by a NumPy pass over
+            ``packed`` after the twin's copy (several times the copy's time; ``pack_kv_torch``
+            always takes that path: the oracle). Costs: ``bench/bench_kv.py --suite digest``.
 
     Returns:
         ``(packed, cu_seqlens)``: ``packed`` as ``out`` above (cache dtype) and ``cu_seqlens``

@@ -229,6 +229,34 @@ def test_head_digests_are_each_heads_digest(lane_loops, monkeypatch, shape, dtyp
     assert [digest_hex(d) for d in head_digests(packed)] == want
 
 
+@pytest.mark.parametrize("layout", ["flash_attn_nhd", "flash_attn_strided", "mla", "opaque_pages"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_rows_that_follow_in_the_cache_are_one_run(monkeypatch, layout, threads):
+    """Slots in order (whole blocks, blocks that follow each other in memory or not, a padding
+    row and a jump inside a run), in one range or split over threads: same bits and digest."""
+    import tritonkv._cpu as cpu
+
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
+    monkeypatch.setattr(cpu, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    raw, layers = make_cache(layout, torch.bfloat16, num_blocks=6, block_size=4)
+    slots = torch.tensor([*range(0, 13), -1, 14, 15, 3, 4, 5, *range(17, 24)])
+    want, _ = tritonkv.pack_kv_torch(layers, slots)
+    got, _, d = tritonkv.pack_kv(layers, slots, digest=True)
+    assert torch.equal(bits(got), bits(want))
+    assert digest_hex(d) == digest_hex(packed_digest(want))
+    assert digest_hex(tritonkv.kv_digest(layers, slots)) == digest_hex(d)
+    unique = torch.tensor([*range(0, 13), -1, 14, 15, *range(17, 24)])
+    want, _ = tritonkv.pack_kv_torch(layers, unique)
+    twin_raw, twin_layers = like_with_sentinel(raw, layout)
+    tritonkv.unpack_kv_torch(want, twin_layers, unique)
+    fused_raw, fused_layers = like_with_sentinel(raw, layout)
+    read = tritonkv.unpack_kv(want, fused_layers, unique, digest=True)
+    assert digest_hex(read) == digest_hex(packed_digest(want))
+    for twin, fused in zip(storage_bits(twin_raw), storage_bits(fused_raw), strict=True):
+        assert torch.equal(twin, fused)
+
+
 def test_parallel_ranges_give_the_serial_digest(monkeypatch):
     """Above the copy threads' threshold the rows are split in ranges (at multiples of 4 rows,
     the last one short); same bits and digest as one range."""

@@ -231,13 +231,12 @@ static inline void copy_run(const copy_t *c, uint8_t *cache, uint8_t *q, int64_t
         c->k->copy_lanes(q, cache, n, (uint32_t)pos, acc);
 }
 
-/* One packed row <-> cache row and its terms, in one pass over contiguous runs (head_bytes a
- * multiple of 4); strided elements go through q (or scratch) and are digested from there. */
+/* One packed row <-> cache row whose heads lie apart, and its terms (head_bytes a multiple of
+ * 4): one pass per head, or strided elements through q (or scratch), digested from there.
+ * (Dense rows are runs of their own: tkv_copy_digest.) */
 static void copy_row_lanes(const copy_t *c, uint8_t *cache_row, const int64_t *st, uint8_t *q,
                            uint8_t *scratch, uint64_t pos, acc_t *acc) {
-    if (dense_row(c, st)) {
-        copy_run(c, cache_row, q, c->row_bytes / 4, pos, acc);
-    } else if (dense_heads(c, st)) {
+    if (dense_heads(c, st)) {
         for (int64_t h = 0; h < c->num_kv_heads; h++) {
             uint8_t *row = q ? q + h * c->head_bytes : NULL;
             copy_run(c, cache_row + h * st[1], row, c->head_bytes / 4,
@@ -259,7 +258,8 @@ static void copy_row_lanes(const copy_t *c, uint8_t *cache_row, const int64_t *s
  * digest the rows without keeping them); total_bytes: the packed tensor's size (its last word
  * may be partial). unpack: 0 gathers cache -> packed, 1 scatters packed -> cache (the digest is
  * then of the packed rows as read). Where heads are whole words, each run is copied and digested
- * in one pass; otherwise (odd byte counts) chunks of rows are copied, then digested while in
+ * in one pass (rows that follow each other in the cache as in packed, e.g. a whole block of
+ * dense token rows, form one run); otherwise (odd byte counts) chunks of rows are copied, then digested while in
  * cache. Returns 0; -1 if scratch memory could not be had; -2 if the rows are out of range or
  * g0 is not a multiple of 4 (nothing copied). */
 int tkv_copy_digest(int unpack, const int64_t *bases, const int64_t *strides, int64_t num_views,
@@ -294,7 +294,19 @@ int tkv_copy_digest(int unpack, const int64_t *bases, const int64_t *strides, in
             const int64_t *st = strides + 4 * v;
             int64_t b = slot / block_size, n = slot - b * block_size;
             uint8_t *cache_row = (uint8_t *)(intptr_t)bases[v] + b * st[0] + n * st[2];
-            if (fused)
+            if (fused && dense_row(&c, st)) { /* and the rows after it that follow in the cache */
+                int64_t m = 1;
+                while (g + m < g1 && r + m < num_rows && slots[r + m] >= 0) {
+                    int64_t s2 = slots[r + m], b2 = s2 / block_size;
+                    uint8_t *next = (uint8_t *)(intptr_t)bases[v] + b2 * st[0] +
+                                    (s2 - b2 * block_size) * st[2];
+                    if (next != cache_row + m * c.row_bytes) break;
+                    m++;
+                }
+                copy_run(&c, cache_row, packed ? q : NULL, m * c.row_bytes / 4,
+                         (uint64_t)(g * c.row_bytes / 4), &acc);
+                c0 += m - 1; /* fused: one row per chunk */
+            } else if (fused)
                 copy_row_lanes(&c, cache_row, st, packed ? q : NULL, scratch,
                                (uint64_t)(g * c.row_bytes / 4), &acc);
             else

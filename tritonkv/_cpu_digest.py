@@ -44,7 +44,15 @@ import torch
 
 from . import digest as _digest
 
-__all__ = ["Native", "RowTable", "backend", "native"]
+__all__ = [
+    "Native",
+    "RowTable",
+    "backend",
+    "copy_with_digest",
+    "head_digests",
+    "native",
+    "tensor_digest",
+]
 
 SOURCE = Path(__file__).with_name("_native") / "copy_digest.c"
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
@@ -245,7 +253,7 @@ def native() -> Native | None:
             try:
                 lib = _load()
                 _loaded = (lib, f"native-{lib.isa}")
-            except _Unavailable as why:
+            except (_Unavailable, OSError) as why:  # OSError: an unwritable cache, say
                 warnings.warn(
                     f"tritonkv: the native CPU copy+digest is unavailable ({why}); CPU digests "
                     "take the NumPy path (a separate pass, several times the copy's time)",

@@ -370,3 +370,12 @@ def _env() -> dict:
     for name in ("TRITONKV_NATIVE", "TRITONKV_CC", "TRITONKV_NATIVE_ISA"):
         env.pop(name, None)
     return env
+
+
+def test_a_cache_dir_that_cannot_be_made_falls_back_to_a_temporary_one(fresh, monkeypatch):
+    blocker = fresh.parent / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("TRITONKV_CACHE_DIR", str(blocker / "cache"))
+    lib = _cpu_digest.native()
+    assert lib is not None, _cpu_digest.backend()
+    assert lib.path.parent.name.startswith("tritonkv-") and blocker.read_text() == "not a folder"

@@ -599,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     outdir = args.outdir or common.results_dir(None if common.on_gpu() else "cpu")
     outdir.mkdir(parents=True, exist_ok=True)
     st = common.stamp()
+    load_start = "{:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
     print(f"bench_kv: suite {name}{' (dry run)' if args.dry_run else ''} on {st.device}, ")
     print(f"  {threads} threads, torch {st.torch}, triton {st.triton}, {st.git_sha} -> {outdir}")
     combined = name == "gpu-check"
@@ -635,8 +636,12 @@ def main(argv: list[str] | None = None) -> int:
     if runner.digest_ratios:
         print("digest on/off (time ratio):\n  " + "\n  ".join(runner.digest_ratios))
     if name == "digest":
+        from tritonkv import _cpu_digest
+
+        where = "gpu: in the Triton launch" if common.on_gpu() else _cpu_digest.backend()
         (outdir / "digest.txt").write_text(
-            f"{_stamp_line(st)}\n{load}\n" + "\n".join(runner.digest_ratios) + "\n"
+            f"{_stamp_line(st)}\n{load} (at the start: {load_start})\ndigest computed by: "
+            f"{where}\n" + "\n".join(runner.digest_ratios) + "\n"
         )
     elif not combined:
         (outdir / "summary.txt").write_text(

@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from . import _kv_torch, _kv_triton
+from . import _cpu_digest, _kv_torch, _kv_triton
 from ._intview import as_int, widest_int_view
 
 __all__ = [
@@ -119,6 +119,10 @@ class LayerSet:
     def plan(self, width: int, layers: Layers) -> list[_kv_torch.Group]:
         """The twin's copy plan."""
         return self._memo("plan", width, lambda: _kv_torch.plan(self.views(width, layers)))
+
+    def row_table(self, layers: Layers) -> _cpu_digest.RowTable:
+        """The byte addressing of the flat views ``[k0, v0, k1, v1, ...]`` (CPU fused digest)."""
+        return self._memo("row_table", 0, lambda: _cpu_digest.RowTable.of(_flat(layers)))
 
 
 # What a layer set's entry is checked against on every call: one pass of each over the flat views

@@ -27,9 +27,10 @@ Positions repeat every 2**32 words (16 GiB of packed data).
 
 The digest is a ``[2]`` int64 tensor (``A``, ``B``, each in ``[0, 2**32)``) on the packed tensor's
 device; :func:`digest_hex` spells it as 16 hex digits. This module holds the definition as the
-reference (:func:`packed_digest`: NumPy, in chunks; the torch twins' digest) and the
-finalization that every backend shares; the Triton kernels compute the lane sums in their copy
-launch (:mod:`tritonkv._digest_triton`).
+reference (:func:`packed_digest`: NumPy, in chunks; the ``*_torch`` oracles' digest, and the
+twins' where the native library cannot be built) and the finalization that every backend
+shares; the Triton kernels compute the lane sums in their copy launch
+(:mod:`tritonkv._digest_triton`), the CPU twins in theirs (:mod:`tritonkv._cpu_digest`, C).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ __all__ = [
     "digests_equal",
     "digests_hex",
     "finalize",
+    "head_digests",
     "packed_digest",
     "tensor_digest",
 ]
@@ -169,8 +171,10 @@ def packed_digest(packed: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_digest(t: torch.Tensor) -> torch.Tensor:
-    """The digest of any tensor's bytes in memory order (a contiguous copy is made if needed):
-    :func:`packed_digest` on the host, the Triton byte kernel where Triton runs (its own launch).
+    """The digest of any tensor's bytes in the memory order of its contiguous form: on the CPU
+    read where they lie by the twins' native library (:mod:`tritonkv._cpu_digest`: a strided
+    slice, e.g. one head of a packed tensor, is not copied first), or :func:`packed_digest` of a
+    contiguous copy without it; the Triton byte kernel where Triton runs (its own launch).
 
     Args:
         t: any tensor, e.g. a slice of a packed tensor.
@@ -178,16 +182,45 @@ def tensor_digest(t: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[2]`` int64 digest on ``t``'s device.
     """
+    from . import _cpu_digest
     from ._dispatch import use_triton
 
-    t = t.contiguous()
     if not use_triton(t.device):
-        return packed_digest(t)
+        lib = _cpu_digest.native() if t.device.type == "cpu" else None
+        if lib is not None:
+            return _cpu_digest.tensor_digest(lib, t)
+        return packed_digest(t.contiguous())
+    t = t.contiguous()
     from ._digest_triton import byte_lanes
 
     lanes = torch.zeros(2, dtype=torch.int64, device=t.device)
     byte_lanes(t, lanes)
     return finalize(lanes, t.numel() * t.element_size())
+
+
+def head_digests(packed: torch.Tensor) -> torch.Tensor:
+    """The digest of each head of a packed tensor, ``tensor_digest(packed[..., h, :])`` for every
+    ``h`` (what a consumer pulling a slice of the heads checks): on the CPU in one pass over
+    ``packed`` by the native library where it runs and heads are whole 32-bit words.
+
+    Args:
+        packed: ``[..., num_kv_heads, head_size]`` contiguous tensor (a packed KV tensor).
+
+    Returns:
+        ``[num_kv_heads, 2]`` int64 digests on ``packed``'s device.
+    """
+    from . import _cpu_digest
+
+    if not isinstance(packed, torch.Tensor) or packed.dim() < 2 or not packed.is_contiguous():
+        raise ValueError(
+            "packed: expected a contiguous [..., num_kv_heads, head_size] tensor, got "
+            f"{type(packed).__name__} {getattr(packed, 'shape', '')}"
+        )
+    whole_words = packed.shape[-1] * packed.element_size() % 4 == 0
+    lib = _cpu_digest.native() if packed.device.type == "cpu" and whole_words else None
+    if lib is not None:
+        return _cpu_digest.head_digests(lib, packed)
+    return torch.stack([tensor_digest(packed[..., h, :]) for h in range(packed.shape[-2])])
 
 
 def digest_hex(digest: torch.Tensor) -> str:

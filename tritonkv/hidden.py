@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _digest_triton, _hidden_torch, _hidden_triton
+from . import _cpu_digest, _digest_triton, _hidden_torch, _hidden_triton
 from ._checks import checks_enabled
 from ._dispatch import use_triton
 from ._index import seq_index
@@ -83,6 +83,10 @@ def _run(
             _digest_triton.byte_lanes(packed, lanes)
         if digest:
             result = finalize(lanes, packed.numel() * packed.element_size())
+    elif digest and device.type == "cpu" and not force_torch and (lib := _cpu_digest.native()):
+        table = _cpu_digest.RowTable.of_rows(hidden_states)  # copy and digest in one pass
+        slots = index.flat_tokens(num_rows)
+        result = _cpu_digest.copy_with_digest(lib, table, slots, packed, unpack=unpack)
     else:
         _hidden_torch.copy_hidden(hidden_int, index, packed_int, unpack=unpack)
         result = packed_digest(packed) if digest else None

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _digest_triton, _kv_torch, _kv_triton
+from . import _cpu_digest, _digest_triton, _kv_torch, _kv_triton
 from ._checks import check_index, checks_enabled
 from ._dispatch import use_triton
 from ._index import on_device, seq_index
@@ -153,12 +153,24 @@ def _run(
             _digest_triton.byte_lanes(packed, lanes)
         if digest:
             result = finalize(lanes, packed.numel() * packed.element_size())
+    elif (lib := _native_digest(digest, device, force_torch)) is not None:
+        slots = slot_mapping.to(torch.int64)[flat]  # the twin's copy and the digest in one pass
+        table = layer_set.row_table(layers)
+        result = _cpu_digest.copy_with_digest(lib, table, slots, packed, unpack=unpack, store=store)
     else:
         groups = layer_set.plan(width, views)
         packed_int = as_int(packed, width)
         _kv_torch.copy_kv(groups, slot_mapping, index, packed_int, unpack=unpack, flat=flat)
         result = packed_digest(packed) if digest else None
     return packed, index, result
+
+
+def _native_digest(digest: bool, device: torch.device, force_torch: bool):
+    """The fused copy + digest library for a CPU call with ``digest`` (None: the twin's copy,
+    then :func:`packed_digest`; always so for the ``*_torch`` oracles)."""
+    if not digest or force_torch or device.type != "cpu":
+        return None
+    return _cpu_digest.native()
 
 
 def pack_kv(
@@ -201,9 +213,11 @@ def pack_kv(
         digest: also return the integrity digest of ``packed`` (:mod:`tritonkv.digest`),
             computed by the Triton kernel in its copy launch (its own launch when the copy moves
             1- or 2-byte integers) and finalised by two tiny torch ops, with no host
-            synchronisation (not yet tried under CUDA-graph capture); by the twin, in a NumPy
-            pass over ``packed`` after the copy (several times the copy's time on a CPU:
-            ``bench/bench_kv.py --suite digest``).
+            synchronisation (not yet tried under CUDA-graph capture); on the CPU, by the twins'
+            native library in the copy itself (:mod:`tritonkv._cpu_digest`: the rows are copied
+            and digested in one pass), or where no C compiler works, by a NumPy pass over
+            ``packed`` after the twin's copy (several times the copy's time; ``pack_kv_torch``
+            always takes that path: the oracle). Costs: ``bench/bench_kv.py --suite digest``.
 
     Returns:
         ``(packed, cu_seqlens)``: ``packed`` as ``out`` above (cache dtype) and ``cu_seqlens``

@@ -96,7 +96,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 from vllm.v1.request import RequestStatus
@@ -115,6 +118,7 @@ from .worker import WorkerSide
 __all__ = [
     "TritonKVConnector",
     "TritonKVMetadata",
+    "TritonKVPromMetrics",
     "TritonKVStats",
     "check_layer_isa",
     "cpu_attn_isa",
@@ -164,6 +168,32 @@ class TritonKVStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return stats.is_empty(self.data)
+
+
+class TritonKVPromMetrics(KVConnectorPromMetrics):
+    """The connector's failure counts on vLLM's Prometheus endpoint: one counter per key of
+    :data:`.stats.PROM_COUNTERS` (``vllm:tritonkv_digest_failures_total``, ...), per engine.
+
+    vLLM's stats logger (in the API server process) calls :meth:`observe` with each interval's
+    ``TritonKVStats.data`` as it arrives from the engine.
+    """
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {}
+        for key, help_text in stats.PROM_COUNTERS.items():
+            counter = self._counter_cls(
+                name=f"vllm:tritonkv_{key}", documentation=help_text, labelnames=labelnames
+            )
+            self._counters[key] = {
+                engine: counter.labels(*values) for engine, values in per_engine_labelvalues.items()
+            }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        for key, per_engine in self._counters.items():
+            value = transfer_stats_data.get(key, 0)
+            if value:
+                per_engine[engine_idx].inc(value)
 
 
 # ---------------------------------------------------------------------------------- connector
@@ -425,6 +455,12 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:
         return TritonKVStats(data=data) if data is not None else TritonKVStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
+    ) -> KVConnectorPromMetrics | None:
+        return TritonKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self):
         if self._hidden_worker is not None:

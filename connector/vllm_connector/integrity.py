@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from tritonkv import kv_digest
-from tritonkv.digest import digests_hex, tensor_digest
+from tritonkv.digest import digests_hex, head_digests, tensor_digest
 
 DIGEST_KEY = "kv_digest"  # entry meta: 16 hex digits of the whole packed KV
 HEAD_DIGESTS_KEY = "kv_head_digests"  # entry meta: 16 hex digits per head, concatenated
@@ -93,10 +93,9 @@ def digest_tensors(packed: torch.Tensor, digest: torch.Tensor, kv_format: str) -
     """``[n, 2]`` int64 on ``packed``'s device, launched without a host synchronisation: the
     pack's ``digest`` of the whole entry, then, for token rows of more than one head, one digest
     per head (a consumer may pull a slice of the heads)."""
-    rows = [digest]
-    if kv_format == "tokens" and packed.shape[3] > 1:
-        rows += [tensor_digest(packed[:, :, :, h]) for h in range(packed.shape[3])]
-    return torch.stack(rows)
+    if kv_format == "tokens" and packed.shape[3] > 1:  # one pass on the CPU (head_digests)
+        return torch.cat([digest.unsqueeze(0), head_digests(packed)])
+    return digest.unsqueeze(0)
 
 
 def meta_from_digests(digests: torch.Tensor, kv_format: str) -> dict:
@@ -148,7 +147,7 @@ def read_digests(want: Expected, packed: torch.Tensor, read: torch.Tensor | None
     the digest of each head of ``packed``."""
     if isinstance(want, str):
         return read.unsqueeze(0)
-    return torch.stack([tensor_digest(packed[:, :, :, j]) for j in range(len(want))])
+    return head_digests(packed)[: len(want)]
 
 
 def write_back_digests(

@@ -18,6 +18,13 @@ COUNTS = (
     "hidden_save_failures",
     "digest_failures",
 )
+# Counters that vLLM's Prometheus endpoint shows (the facade's ``TritonKVPromMetrics``), each as
+# ``vllm:tritonkv_<key>_total``, with its help text.
+PROM_COUNTERS = {
+    "digest_failures": "Loads whose integrity digest did not match (recomputed by vLLM).",
+    "load_failures": "Loads that failed for any reason, digest mismatches included (recomputed).",
+    "auth_failures": "Transfers refused because the peer failed authentication.",
+}
 
 
 def empty_stats() -> dict:

@@ -148,6 +148,7 @@ def test_the_wheel_installs_tritonkv_and_tritonkv_connector_with_plugin_and_scri
     assert (
         "tritonkv_connector/vllm_connector/plugin.py" in names and "tritonkv/_version.py" in names
     )
+    assert "tritonkv/_native/copy_digest.c" in names  # built on first use (tritonkv/_cpu_digest.py)
     for package in ("transport", "kvstore", "vllm_connector", "serve"):
         assert f"tritonkv_connector/{package}/__init__.py" in names, package
     assert dict(entry_points["vllm.general_plugins"]) == {

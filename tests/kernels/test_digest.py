@@ -1,6 +1,8 @@
 """The integrity digest (tritonkv.digest): its definition, the same bits from the Triton kernels
 (under the interpreter here) and the torch twins, detection of each fault on the list of issue 23,
-the write-back check, and outputs that stay bit-exact with the digest off.
+the write-back check, and outputs that stay bit-exact with the digest off. On the CPU the twins'
+digest runs fused in their copy (the native library, tritonkv/_cpu_digest.py): ``torch`` here;
+``torch-numpy`` is the twin with that library off (the NumPy pass after the copy, its fallback).
 
 Every fault is applied to the packed tensor between pack (the producer's digest) and unpack (the
 consumer's digest of what it read); a fault that leaves the bytes unchanged (two equal tokens
@@ -15,19 +17,20 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from support.kv_cases import LAYOUT_IDS, bits, like_with_sentinel, make_cache, storage_bits
 
-from tritonkv import digest as digest_mod
 from tritonkv import (
+    _cpu_digest,
     kv_digest,
     pack_hidden,
     pack_kv,
     unpack_hidden,
     unpack_kv,
 )
+from tritonkv import digest as digest_mod
 from tritonkv._digest_triton import byte_lanes
 from tritonkv.digest import digest_hex, finalize, packed_digest
 
-KERNELS = ("torch", "triton")
-EXAMPLES = {"torch": 200, "triton": 60}  # the interpreter costs ~1.5 ms per program
+KERNELS = ("torch", "torch-numpy", "triton")
+EXAMPLES = {"torch": 200, "torch-numpy": 100, "triton": 60}  # the interpreter: ~1.5 ms a program
 _PROPERTY = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
@@ -35,9 +38,30 @@ _PROPERTY = settings(
 )
 
 
+def _use(monkeypatch, name: str) -> None:
+    """Run the ops on ``name`` of :data:`KERNELS` from now on."""
+    monkeypatch.setenv("TRITONKV_KERNELS", "triton" if name == "triton" else "torch")
+    _cpu_digest._reset()
+    if name == "torch-numpy":
+        monkeypatch.setenv("TRITONKV_NATIVE", "0")
+        with pytest.warns(RuntimeWarning, match="disabled by TRITONKV_NATIVE=0"):
+            assert _cpu_digest.native() is None
+    else:
+        monkeypatch.delenv("TRITONKV_NATIVE", raising=False)
+        assert name == "triton" or _cpu_digest.native() is not None, _cpu_digest.backend()
+
+
+@pytest.fixture(autouse=True)
+def _native_library_reset(monkeypatch):
+    """Tests here switch the native library off and on: leave it loaded as by default."""
+    yield
+    monkeypatch.undo()
+    _cpu_digest._reset()
+
+
 @pytest.fixture(params=KERNELS)
 def kernels(request, monkeypatch):
-    monkeypatch.setenv("TRITONKV_KERNELS", request.param)
+    _use(monkeypatch, request.param)
     return request.param
 
 
@@ -134,7 +158,7 @@ def test_triton_and_twin_digests_are_equal(monkeypatch, layout, dtype, head_size
     qsl = torch.tensor([0, 4, 10], dtype=torch.int32)
     got = {}
     for name in KERNELS:
-        monkeypatch.setenv("TRITONKV_KERNELS", name)
+        _use(monkeypatch, name)
         packed, _, d_pack = pack_kv(layers, slots, qsl, digest=True)
         dst_raw, dst_layers = like_with_sentinel(raw, layout)
         d_unpack = unpack_kv(packed, dst_layers, slots, qsl, digest=True)
@@ -142,8 +166,7 @@ def test_triton_and_twin_digests_are_equal(monkeypatch, layout, dtype, head_size
         got[name] = [digest_hex(d) for d in (d_pack, d_unpack, d_again)]
         assert d_pack.dtype == torch.int64 and d_pack.shape == (2,)
     want = _definition(packed)
-    assert got["torch"] == [want] * 3
-    assert got["triton"] == [want] * 3
+    assert got == {name: [want] * 3 for name in KERNELS}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8], ids=str)
@@ -152,7 +175,7 @@ def test_hidden_digests_are_equal_and_detect_a_flip(monkeypatch, dtype):
     qsl = torch.tensor([0, 4, 11], dtype=torch.int32)
     got = []
     for name in KERNELS:
-        monkeypatch.setenv("TRITONKV_KERNELS", name)
+        _use(monkeypatch, name)
         packed, _, d_pack = pack_hidden(hidden, qsl, digest=True)
         dst = torch.zeros_like(hidden)
         d_unpack = unpack_hidden(packed, dst, qsl, digest=True)
@@ -161,7 +184,7 @@ def test_hidden_digests_are_equal_and_detect_a_flip(monkeypatch, dtype):
         flipped.view(torch.uint8).view(-1)[7] ^= 0x10
         d_flipped = unpack_hidden(flipped, dst, qsl, digest=True)
         got.append((digest_hex(d_pack), digest_hex(d_unpack), digest_hex(d_flipped)))
-    assert got[0] == got[1]
+    assert got[0] == got[1] == got[2]
     assert got[0][0] == got[0][1] == _definition(packed) != got[0][2]
 
 
@@ -263,7 +286,7 @@ def test_property_every_fault_is_detected(monkeypatch, kernels_name):
     """For random caches, batches and faults: the digest unpack computes over what it read
     differs from pack's whenever the fault changed the packed bytes (a truncated tail: whenever
     tokens were dropped, the shorter transfer unpacked with the shorter batch)."""
-    monkeypatch.setenv("TRITONKV_KERNELS", kernels_name)
+    _use(monkeypatch, kernels_name)
 
     @settings(_PROPERTY, max_examples=EXAMPLES[kernels_name])
     @given(faulty_transfers())

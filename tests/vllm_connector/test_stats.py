@@ -37,3 +37,43 @@ def test_stats_aggregate_and_reduce():
     assert merged["loads"] == 3 and merged["avg_fetch_ms"] == 3.0
     rebuilt = TritonKVConnector.build_kv_connector_stats(data=a.data)
     assert not rebuilt.is_empty()
+
+
+@requires_vllm
+def test_digest_failures_reach_vllms_prometheus_counters():
+    """vLLM's own Prometheus wiring (KVConnectorProm: the factory finds the connector class, its
+    build_prom_metrics registers the counters, the stats logger's observe feeds them) turns an
+    interval's digest failures into ``vllm:tritonkv_digest_failures_total`` of that engine."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    import prometheus_client
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    registry = prometheus_client.CollectorRegistry()  # not the process-wide one
+
+    class Prom(KVConnectorProm):
+        _gauge_cls = partial(prometheus_client.Gauge, registry=registry)
+        _counter_cls = partial(prometheus_client.Counter, registry=registry)
+        _histogram_cls = partial(prometheus_client.Histogram, registry=registry)
+
+    transfer = KVTransferConfig(
+        kv_connector="TritonKVConnector",
+        kv_connector_module_path="connector.vllm_connector.connector",
+        kv_role="kv_both",
+    )
+    labels = {0: ["tiny", "0"], 1: ["tiny", "1"]}
+    prom = Prom(SimpleNamespace(kv_transfer_config=transfer), ["model_name", "engine"], labels)
+    figures = stats.TransferStats()
+    figures.record_digest_failure()
+    figures.record_load_failure()
+    prom.observe(figures.take(), engine_idx=1)
+    prom.observe(stats.empty_stats(), engine_idx=1)  # a quiet interval adds nothing
+
+    def value(name, engine):
+        labels = {"model_name": "tiny", "engine": engine}
+        return registry.get_sample_value(f"vllm:tritonkv_{name}_total", labels)
+
+    assert value("digest_failures", "1") == 1.0 and value("load_failures", "1") == 1.0
+    assert value("digest_failures", "0") == 0.0 and value("auth_failures", "1") == 0.0

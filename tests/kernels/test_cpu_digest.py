@@ -1,0 +1,381 @@
+"""The CPU twins' fused copy + digest (tritonkv/_cpu_digest.py, tritonkv/_native/copy_digest.c):
+its lanes against the NumPy reference, its copies against the twins' (bit-exact, digest off), both
+lane loops (AVX2 and portable), the compile cache (a fresh one, two processes at once, a corrupt
+file) and the explicit fallback to the NumPy digest.
+
+Every test that changes the environment the library is loaded under resets it afterwards
+(:func:`fresh`), so later tests load the default one again.
+"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support.kv_cases import LAYOUT_IDS, bits, like_with_sentinel, make_cache, storage_bits
+
+import tritonkv
+from tritonkv import _cpu_digest
+from tritonkv.digest import (
+    _lanes_numpy,
+    digest_hex,
+    head_digests,
+    packed_digest,
+    tensor_digest,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+_PROPERTY = settings(
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    derandomize=True,
+)
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """A cache directory of its own and a library loaded anew (reset again afterwards)."""
+    monkeypatch.setenv("TRITONKV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TRITONKV_NATIVE", raising=False)
+    monkeypatch.delenv("TRITONKV_CC", raising=False)
+    _cpu_digest._reset()
+    yield tmp_path / "cache"
+    monkeypatch.undo()
+    _cpu_digest._reset()
+
+
+@pytest.fixture(params=["avx2", "default"])
+def lane_loops(request, monkeypatch):
+    """Each lane loop in turn (the AVX2 clone where the CPU has it; the portable one)."""
+    if request.param == "default":
+        monkeypatch.setenv("TRITONKV_NATIVE_ISA", "default")
+    _cpu_digest._reset()
+    lib = _cpu_digest.native()
+    assert lib is not None, _cpu_digest.backend()
+    if request.param == "avx2" and lib.isa != "avx2":
+        pytest.skip(f"no AVX2 here (the library runs {lib.isa})")
+    assert lib.isa == request.param
+    yield lib
+    monkeypatch.undo()
+    _cpu_digest._reset()
+
+
+def _reference_lanes(data: np.ndarray, first: int) -> tuple[int, int]:
+    padded = np.concatenate([data, np.zeros(-data.size % 4, np.uint8)])
+    return _lanes_numpy(padded.view("<u4"), first)
+
+
+def _random_bytes(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+# ----------------------------------------------------------------------------- the lanes
+
+
+def test_backend_names_the_lane_loop_that_runs():
+    name = _cpu_digest.backend()
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert name in ("native-avx2", "native-default"), name
+    assert _cpu_digest.native() is not None, name
+
+
+@given(
+    n=st.integers(0, 3000),
+    offset=st.integers(0, 7),
+    first=st.sampled_from([0, 1, 5, (1 << 32) - 3, (1 << 33) + 7]),
+    seed=st.integers(0, 1 << 16),
+)
+@settings(_PROPERTY, max_examples=150)
+def test_property_native_lanes_equal_the_reference(lane_loops, n, offset, first, seed):
+    """Any length (partial last words, tails shorter than a vector), any start address (offset
+    bytes into a buffer: unaligned loads) and positions past 2**32 (keys wrap as defined)."""
+    data = _random_bytes(n + offset, seed)[offset:]
+    assert lane_loops.lanes(data, first) == _reference_lanes(data, first)
+
+
+# ------------------------------------------------------------------ copies and digests
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float8_e5m2, torch.uint8)
+
+
+@st.composite
+def transfers(draw):
+    """A random cache of any layout and a batch with padding slots and selected sequences."""
+    layout = draw(st.sampled_from(LAYOUT_IDS))
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    num_blocks = draw(st.integers(1, 6))
+    num_tokens = draw(st.integers(0, num_blocks * block_size))
+    slots = draw(st.permutations(range(num_blocks * block_size)))[:num_tokens]
+    pads = draw(st.lists(st.integers(0, max(num_tokens - 1, 0)), max_size=2))
+    slots = [-1 if i in pads else s for i, s in enumerate(slots)]
+    cuts = sorted(draw(st.lists(st.integers(0, num_tokens), max_size=3)))
+    qsl = [0, *cuts, num_tokens]
+    seq_ids = draw(st.permutations(range(len(qsl) - 1)))
+    seq_ids = seq_ids[: draw(st.integers(0, len(seq_ids)))]
+    return dict(
+        layout=layout,
+        dtype=draw(st.sampled_from(DTYPES)),
+        shape=dict(
+            num_layers=draw(st.integers(1, 3)),
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=draw(st.sampled_from([1, 2, 3])),
+            head_size=draw(st.sampled_from([1, 3, 4, 6, 8])),  # odd byte counts: chunked digest
+            seed=draw(st.integers(0, 1000)),
+            one_buffer=draw(st.booleans()),  # all layers views of one buffer, as in vLLM
+        ),
+        slots=torch.tensor(slots, dtype=torch.int64),
+        qsl=torch.tensor(qsl, dtype=torch.int32),
+        seq_ids=seq_ids,
+    )
+
+
+@given(case=transfers())
+@settings(_PROPERTY, max_examples=150)
+def test_property_fused_pack_unpack_are_the_twins_copies_with_the_reference_digest(
+    lane_loops, monkeypatch, case
+):
+    """pack_kv / unpack_kv / kv_digest with digest=True on the CPU (the fused native path) move
+    the same bits as the twin with the digest off, and return packed_digest of the packed rows."""
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
+    layout = case["layout"]
+    raw, layers = make_cache(layout, case["dtype"], **case["shape"])
+    args = (case["slots"], case["qsl"], case["seq_ids"])
+    want, cu = tritonkv.pack_kv_torch(layers, *args)
+    want_digest = digest_hex(packed_digest(want))
+    out = torch.full_like(bits(want), 0x5A).view(want.dtype)  # sentinel: every byte is written
+    got, got_cu, d_pack = tritonkv.pack_kv(layers, *args, out=out, digest=True)
+    assert torch.equal(bits(got), bits(want)) and torch.equal(got_cu, cu)
+    assert digest_hex(d_pack) == want_digest
+    assert digest_hex(tritonkv.kv_digest(layers, *args)) == want_digest
+    twin_raw, twin_layers = like_with_sentinel(raw, layout)
+    tritonkv.unpack_kv_torch(want, twin_layers, *args)
+    fused_raw, fused_layers = like_with_sentinel(raw, layout)
+    d_unpack = tritonkv.unpack_kv(want, fused_layers, *args, digest=True)
+    assert digest_hex(d_unpack) == want_digest
+    for twin, fused in zip(storage_bits(twin_raw), storage_bits(fused_raw), strict=True):
+        assert torch.equal(twin, fused)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8], ids=str)
+@pytest.mark.parametrize("hidden_size", [1, 5, 12, 33])
+def test_fused_hidden_copies_are_the_twins(lane_loops, monkeypatch, dtype, hidden_size):
+    """pack_hidden / unpack_hidden with digest=True on a strided hidden_states tensor."""
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
+    gen = torch.Generator().manual_seed(hidden_size)
+    wide = torch.randint(0, 256, (23, hidden_size + 2), dtype=torch.uint8, generator=gen)
+    hidden = wide.to(dtype)[:, 1:-1]  # rows of another stride than their width
+    qsl = torch.tensor([0, 4, 5, 17, 23], dtype=torch.int32)
+    for seq_ids, last_only in (([2, 0], False), (None, True)):
+        want, _ = tritonkv.pack_hidden_torch(hidden, qsl, seq_ids, last_only=last_only)
+        got, _, d = tritonkv.pack_hidden(hidden, qsl, seq_ids, last_only=last_only, digest=True)
+        assert torch.equal(bits(got), bits(want))
+        assert digest_hex(d) == digest_hex(packed_digest(want))
+        twin, fused = torch.zeros_like(hidden), torch.zeros_like(hidden)
+        tritonkv.unpack_hidden_torch(want, twin, qsl, seq_ids, last_only=last_only)
+        d_read = tritonkv.unpack_hidden(want, fused, qsl, seq_ids, last_only=last_only, digest=True)
+        assert torch.equal(bits(fused), bits(twin)) and torch.equal(d_read, d)
+
+
+SLICES = {
+    "whole": lambda p: p,
+    "one_head": lambda p: p[:, :, :, 1],  # integrity.py's per-head digests
+    "token_range": lambda p: p[:, :, 2:5],  # the write-back check's rows
+    "one_part": lambda p: p[:, 1],
+    "inner_slice": lambda p: p[..., 1:3],
+    "odd_bytes": lambda p: p.view(torch.uint8)[..., 1:4],  # a contiguous copy first
+    "transposed": lambda p: p.transpose(0, 2),  # not rows: a contiguous copy first
+    "empty": lambda p: p[:, :, :0],
+}
+
+
+@pytest.mark.parametrize("name", list(SLICES))
+def test_tensor_digest_reads_slices_where_they_lie(lane_loops, name):
+    """tensor_digest on the CPU equals packed_digest of the slice's contiguous copy."""
+    gen = torch.Generator().manual_seed(7)
+    packed = torch.randint(0, 256, (3, 2, 9, 4, 6), dtype=torch.uint8, generator=gen)
+    t = SLICES[name](packed.to(torch.bfloat16))
+    assert digest_hex(tensor_digest(t)) == digest_hex(packed_digest(t.contiguous()))
+
+
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [
+        ((2, 2, 9, 4, 6), torch.bfloat16),
+        ((3, 1, 5, 3, 8), torch.float32),
+        ((1, 2, 0, 2, 4), torch.bfloat16),  # no rows
+        ((2, 2, 7, 3, 3), torch.uint8),  # heads of 3 bytes: tensor_digest head by head
+    ],
+    ids=["bf16", "fp32-mla-like", "empty", "odd-bytes"],
+)
+def test_head_digests_are_each_heads_digest(lane_loops, monkeypatch, shape, dtype):
+    """head_digests (one pass over packed on the CPU) equals packed_digest of every head's rows,
+    above the threads' threshold too (ranges of rows)."""
+    import tritonkv._cpu as cpu
+
+    gen = torch.Generator().manual_seed(3)
+    packed = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(dtype)
+    want = [digest_hex(packed_digest(packed[:, :, :, h].contiguous())) for h in range(shape[3])]
+    assert [digest_hex(d) for d in head_digests(packed)] == want
+    monkeypatch.setattr(cpu, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert [digest_hex(d) for d in head_digests(packed)] == want
+
+
+@pytest.mark.parametrize("layout", ["flash_attn_nhd", "flash_attn_strided", "mla", "opaque_pages"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_rows_that_follow_in_the_cache_are_one_run(monkeypatch, layout, threads):
+    """Slots in order (whole blocks, blocks that follow each other in memory or not, a padding
+    row and a jump inside a run), in one range or split over threads: same bits and digest."""
+    import tritonkv._cpu as cpu
+
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
+    monkeypatch.setattr(cpu, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    raw, layers = make_cache(layout, torch.bfloat16, num_blocks=6, block_size=4)
+    slots = torch.tensor([*range(0, 13), -1, 14, 15, 3, 4, 5, *range(17, 24)])
+    want, _ = tritonkv.pack_kv_torch(layers, slots)
+    got, _, d = tritonkv.pack_kv(layers, slots, digest=True)
+    assert torch.equal(bits(got), bits(want))
+    assert digest_hex(d) == digest_hex(packed_digest(want))
+    assert digest_hex(tritonkv.kv_digest(layers, slots)) == digest_hex(d)
+    unique = torch.tensor([*range(0, 13), -1, 14, 15, *range(17, 24)])
+    want, _ = tritonkv.pack_kv_torch(layers, unique)
+    twin_raw, twin_layers = like_with_sentinel(raw, layout)
+    tritonkv.unpack_kv_torch(want, twin_layers, unique)
+    fused_raw, fused_layers = like_with_sentinel(raw, layout)
+    read = tritonkv.unpack_kv(want, fused_layers, unique, digest=True)
+    assert digest_hex(read) == digest_hex(packed_digest(want))
+    for twin, fused in zip(storage_bits(twin_raw), storage_bits(fused_raw), strict=True):
+        assert torch.equal(twin, fused)
+
+
+def test_parallel_ranges_give_the_serial_digest(monkeypatch):
+    """Above the copy threads' threshold the rows are split in ranges (at multiples of 4 rows,
+    the last one short); same bits and digest as one range."""
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    raw, layers = make_cache("flash_attn_hnd", torch.bfloat16, num_layers=3, head_size=3)
+    slots = torch.arange(21)
+    want, _ = tritonkv.pack_kv_torch(layers, slots)
+    import tritonkv._cpu as cpu
+
+    serial = digest_hex(tritonkv.pack_kv(layers, slots, digest=True)[2])
+    monkeypatch.setattr(cpu, "PARALLEL_MIN_BYTES", 1)
+    got, _, d = tritonkv.pack_kv(layers, slots, digest=True)
+    assert torch.equal(bits(got), bits(want))
+    assert digest_hex(d) == serial == digest_hex(packed_digest(want))
+
+
+# ---------------------------------------------------------------- building and the fallback
+
+
+def test_a_fresh_cache_builds_one_file_and_reuses_it(fresh):
+    lib = _cpu_digest.native()
+    assert lib is not None, _cpu_digest.backend()
+    files = sorted(p.name for p in fresh.iterdir())
+    assert len(files) == 1 and files[0].startswith("copy_digest-") and files[0].endswith(".so")
+    built = lib.path.stat().st_mtime_ns
+    _cpu_digest._reset()
+    assert _cpu_digest.native().path == lib.path and lib.path.stat().st_mtime_ns == built
+
+
+LOAD = """
+import sys
+from tritonkv import _cpu_digest
+lib = _cpu_digest.native()
+print(_cpu_digest.backend(), lib.path if lib else "")
+"""
+
+
+def test_two_processes_building_at_once_both_load_a_whole_file(fresh):
+    """Two processes start with the same empty cache: each compiles into a file of its own and
+    renames it into place (atomic), so both load a working library and one file remains."""
+    env = {**_env(), "TRITONKV_CACHE_DIR": str(fresh)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", LOAD], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert all(out[0].startswith("native-") for out in outs), outs
+    assert outs[0][1] == outs[1][1]
+    assert [p.name for p in fresh.iterdir()] == [Path(outs[0][1]).name]  # no temporary left
+
+
+def test_a_corrupt_cached_file_is_built_again(fresh):
+    path = _cpu_digest.native().path
+    _cpu_digest._reset()
+    path.write_bytes(b"\x7fELF not really a library")
+    # a fresh process: this one still holds the good library open under that name
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD],
+        cwd=REPO,
+        env={**_env(), "TRITONKV_CACHE_DIR": str(fresh)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0].startswith("native-") and out.stdout.split()[1] == str(path)
+    assert path.read_bytes()[:4] == b"\x7fELF" and path.stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "env,why",
+    [
+        ({"TRITONKV_CC": "/nonexistent/cc"}, "no C compiler '/nonexistent/cc'"),
+        ({"TRITONKV_NATIVE": "0"}, "disabled by TRITONKV_NATIVE=0"),
+        ({"TRITONKV_CC": "false"}, "--version exited with 1"),
+    ],
+    ids=["no-compiler", "disabled", "compiler-fails"],
+)
+def test_without_a_compiler_digests_fall_back_to_numpy_with_one_warning(
+    fresh, monkeypatch, env, why
+):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
+    _, layers = make_cache("flash_attn_nhd", torch.bfloat16)
+    slots = torch.tensor([3, -1, 0, 5])
+    with pytest.warns(RuntimeWarning, match="native CPU copy\\+digest is unavailable") as seen:
+        packed, _, d = tritonkv.pack_kv(layers, slots, digest=True)
+    assert len(seen) == 1 and why in str(seen[0].message)
+    assert _cpu_digest.native() is None
+    assert _cpu_digest.backend().startswith("numpy (") and why in _cpu_digest.backend()
+    assert digest_hex(d) == digest_hex(packed_digest(packed))
+    want, _ = tritonkv.pack_kv_torch(layers, slots)
+    assert torch.equal(bits(packed), bits(want))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        tritonkv.unpack_kv(packed, layers, slots, digest=True)
+
+
+def _env() -> dict:
+    import os
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if "PYTHONPATH" in env else "")
+    for name in ("TRITONKV_NATIVE", "TRITONKV_CC", "TRITONKV_NATIVE_ISA"):
+        env.pop(name, None)
+    return env
+
+
+def test_a_cache_dir_that_cannot_be_made_falls_back_to_a_temporary_one(fresh, monkeypatch):
+    blocker = fresh.parent / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("TRITONKV_CACHE_DIR", str(blocker / "cache"))
+    lib = _cpu_digest.native()
+    assert lib is not None, _cpu_digest.backend()
+    assert lib.path.parent.name.startswith("tritonkv-") and blocker.read_text() == "not a folder"

@@ -1,0 +1,480 @@
+"""The CPU twins' fused copy + digest: a small C library built on first use, loaded with ctypes.
+
+On the CPU the twins copy rows with torch and NumPy (:mod:`tritonkv._cpu`); a digest there would be
+a second pass over the packed bytes (:func:`tritonkv.digest.packed_digest`, NumPy), which costs
+more than the copy. ``_native/copy_digest.c`` copies the rows itself (gather for pack, scatter
+for unpack, by the views' byte strides) and adds each chunk's digest terms while the chunk is
+still in cache, by the definition of :mod:`tritonkv.digest` (bit-identical lanes).
+
+Building: the machine's C compiler (``TRITONKV_CC``, default ``cc``) with plain ``-O3 -shared
+-fPIC`` (never ``-march=native``: the lane loop has an AVX2 clone chosen at run time,
+:func:`backend` names the one running), into a per-user cache directory
+(``TRITONKV_CACHE_DIR``, default ``$XDG_CACHE_HOME/tritonkv`` or ``~/.cache/tritonkv``) under a
+name keyed by the source, the flags and the compiler's version. The library is written under a
+temporary name and renamed into place, so processes that build at once each see a whole file; a
+cached file that does not load or fails the self-check is built again. Where nothing works (no
+compiler, ``TRITONKV_NATIVE=0``) the digest takes the NumPy path, after one warning naming why.
+``TRITONKV_NATIVE_ISA=default`` runs the portable lane loop even where AVX2 exists (tests).
+
+Used by ``pack_kv`` / ``unpack_kv`` / ``kv_digest`` and ``pack_hidden`` / ``unpack_hidden`` with
+``digest=True`` on CPU tensors (never by the ``*_torch`` oracles, whose digest stays
+:func:`~tritonkv.digest.packed_digest`), and by :func:`~tritonkv.digest.tensor_digest` and
+:func:`~tritonkv.digest.head_digests` on the CPU.
+
+ctypes releases the GIL during a call, so ranges of rows run on the twins' copy threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import digest as _digest
+
+__all__ = [
+    "Native",
+    "RowTable",
+    "backend",
+    "copy_with_digest",
+    "head_digests",
+    "native",
+    "tensor_digest",
+]
+
+SOURCE = Path(__file__).with_name("_native") / "copy_digest.c"
+FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
+ABI = 1  # TKV_ABI in the source
+COMPILE_TIMEOUT_S = 60.0
+MAX_DENSE_ROW_BYTES = 1 << 20  # tensor_digest: a dense tensor is cut in rows of at most this
+
+_lock = threading.Lock()
+_loaded: tuple[Native | None, str] | None = None  # (library or None, what runs or why not)
+
+_i64p = ctypes.POINTER(ctypes.c_int64)
+_u32p = ctypes.POINTER(ctypes.c_uint32)
+
+
+@dataclass(frozen=True)
+class RowTable:
+    """Byte addressing of the cache views a copy reads or writes (one entry per view).
+
+    ``bases``: ``[num_views]`` int64 address of each view's element ``[0, 0, 0, 0]``;
+    ``strides``: ``[num_views, 4]`` int64 byte strides (block, head, token, element); views are
+    ``[num_blocks, num_kv_heads, block_size, head_size]`` of ``elem`` bytes per element.
+    """
+
+    bases: np.ndarray
+    strides: np.ndarray
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    elem: int
+
+    @staticmethod
+    def of(views: list[torch.Tensor]) -> RowTable:
+        """The table of 4-D ``views`` (same shape and dtype; the caller keeps them alive)."""
+        elem = views[0].element_size()
+        _, num_kv_heads, block_size, head_size = views[0].shape
+        bases = np.array([v.data_ptr() for v in views], dtype=np.int64)
+        strides = np.array([[s * elem for s in v.stride()] for v in views], dtype=np.int64)
+        return RowTable(bases, strides, block_size, num_kv_heads, head_size, elem)
+
+    @staticmethod
+    def of_rows(rows: torch.Tensor) -> RowTable:
+        """The table of a ``[num_rows, width]`` tensor with any strides (one view, one token per
+        block: slot ``i`` is row ``i``)."""
+        elem = rows.element_size()
+        stride_row, stride_el = (s * elem for s in rows.stride())
+        strides = np.array([[stride_row, 0, 0, stride_el]], dtype=np.int64)
+        bases = np.array([rows.data_ptr()], dtype=np.int64)
+        return RowTable(bases, strides, 1, 1, rows.shape[1], elem)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.num_kv_heads * self.head_size * self.elem
+
+
+class Native:
+    """The loaded library (see the module docstring); its calls release the GIL."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path):
+        self.path = path
+        self._lanes = lib.tkv_lanes
+        self._lanes.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, _u32p]
+        self._lanes.restype = None
+        self._copy = lib.tkv_copy_digest
+        self._copy.argtypes = [
+            ctypes.c_int,  # unpack
+            _i64p,  # bases
+            _i64p,  # strides
+            ctypes.c_int64,  # num_views
+            _i64p,  # slots
+            ctypes.c_int64,  # num_rows
+            ctypes.c_int64,  # block_size
+            ctypes.c_int64,  # num_kv_heads
+            ctypes.c_int64,  # head_size
+            ctypes.c_int64,  # elem
+            ctypes.c_void_p,  # packed (None: digest only)
+            ctypes.c_int64,  # total_bytes
+            ctypes.c_int64,  # g0
+            ctypes.c_int64,  # g1
+            ctypes.c_int,  # do_digest
+            _u32p,  # lanes
+        ]
+        self._copy.restype = ctypes.c_int
+        self._heads = lib.tkv_head_lanes
+        self._heads.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 5, _u32p]
+        self._heads.restype = ctypes.c_int
+        lib.tkv_select.restype = ctypes.c_char_p
+        lib.tkv_select.argtypes = [ctypes.c_int]
+        portable_only = os.environ.get("TRITONKV_NATIVE_ISA", "").strip() == "default"
+        lib.tkv_select(int(portable_only))  # process-wide, like the library itself
+        lib.tkv_isa.restype = ctypes.c_char_p
+        self.isa = lib.tkv_isa().decode()  # the lane loops that run
+
+    def lanes(self, data: np.ndarray, first_word: int = 0) -> tuple[int, int]:
+        """Lane sums of the bytes of contiguous ``data`` (a last partial word zero-padded), its
+        first word at position ``first_word``."""
+        out = np.zeros(2, dtype=np.uint32)
+        self._lanes(data.ctypes.data, data.nbytes, first_word, out.ctypes.data_as(_u32p))
+        return int(out[0]), int(out[1])
+
+    def head_lanes(self, packed: torch.Tensor, num_heads: int, workers: int = 1) -> np.ndarray:
+        """``[num_heads, 2]`` lane sums of each head of contiguous ``packed`` (``[..., num_heads,
+        head_size]``, each head whole 32-bit words), in one pass over it."""
+        head_bytes = packed.shape[-1] * packed.element_size()
+        num_rows = packed.numel() // max(packed.shape[-1] * num_heads, 1)
+        step = -(-num_rows // max(workers, 1)) or 1
+        starts = list(range(0, num_rows, step))
+        lanes = np.zeros((max(len(starts), 1), num_heads, 2), dtype=np.uint32)
+
+        def run(i: int) -> int:
+            end = min(starts[i] + step, num_rows)
+            out = lanes[i].ctypes.data_as(_u32p)
+            return self._heads(
+                packed.data_ptr(), num_rows, num_heads, head_bytes, starts[i], end, out
+            )
+
+        _check(_on_threads(run, len(starts)))
+        return lanes.astype(np.uint64).sum(axis=0) & _digest.MASK
+
+    def copy_rows(
+        self,
+        table: RowTable,
+        slots: np.ndarray,
+        packed: torch.Tensor | None,
+        *,
+        unpack: bool,
+        digest: bool,
+        total_bytes: int,
+        workers: int = 1,
+    ) -> tuple[int, int]:
+        """Copy rows between the views of ``table`` and ``packed``; return the lane sums.
+
+        Args:
+            table: the views' :class:`RowTable`.
+            slots: ``[num_rows]`` int64 slot of each packed row (-1: pack a zero row, unpack
+                nothing), contiguous.
+            packed: ``[num_views, num_rows, row_bytes]`` bytes in memory order, contiguous; None
+                (pack only): digest the rows without keeping them.
+            unpack: scatter ``packed`` into the views instead of gathering.
+            digest: accumulate the lanes (else they stay 0).
+            total_bytes: ``num_views * num_rows * row_bytes``.
+            workers: ranges of rows run on this many threads (the twins' copy threads).
+        """
+        num_views, num_rows = len(table.bases), slots.size
+        total_rows = num_views * num_rows
+        step = -(-total_rows // max(workers, 1) // 4) * 4 or 4  # ranges start on whole words
+        starts = list(range(0, total_rows, step))
+        lanes = np.zeros((max(len(starts), 1), 2), dtype=np.uint32)
+        address = None if packed is None else packed.data_ptr()
+        args = (
+            int(unpack),
+            table.bases.ctypes.data_as(_i64p),
+            table.strides.ctypes.data_as(_i64p),
+            num_views,
+            slots.ctypes.data_as(_i64p),
+            num_rows,
+            table.block_size,
+            table.num_kv_heads,
+            table.head_size,
+            table.elem,
+            address,
+            total_bytes,
+        )
+
+        def run(i: int) -> int:
+            end = min(starts[i] + step, total_rows)
+            out = lanes[i].ctypes.data_as(_u32p)
+            return self._copy(*args, starts[i], end, int(digest), out)
+
+        _check(_on_threads(run, len(starts)))
+        sums = lanes.astype(np.uint64).sum(axis=0) & _digest.MASK
+        return int(sums[0]), int(sums[1])
+
+
+def _on_threads(run, count: int) -> list[int]:
+    """``run(i)`` for ``i < count``: 0 here, the others on the twins' copy threads."""
+    if count < 2:
+        return [run(0)] if count else []
+    from ._cpu import _executor
+
+    futures = [_executor().submit(run, i) for i in range(1, count)]
+    try:
+        codes = [run(0)]
+    finally:  # never return (or raise) while another thread still copies
+        codes += [f.result() for f in futures]
+    return codes
+
+
+def _check(codes: list[int]) -> None:
+    if any(codes):  # -1: no memory; -2: arguments the Python side never passes
+        raise MemoryError(f"tritonkv native copy failed (codes {codes})")
+
+
+def native() -> Native | None:
+    """The library, built and loaded on first use; None (after one warning) where it cannot be."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            try:
+                lib = _load()
+                _loaded = (lib, f"native-{lib.isa}")
+            except (_Unavailable, OSError) as why:  # OSError: an unwritable cache, say
+                warnings.warn(
+                    f"tritonkv: the native CPU copy+digest is unavailable ({why}); CPU digests "
+                    "take the NumPy path (a separate pass, several times the copy's time)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                _loaded = (None, f"numpy ({why})")
+        return _loaded[0]
+
+
+def backend() -> str:
+    """What computes digests on the CPU: ``"native-avx2"``, ``"native-default"`` (the portable
+    lane loop), or ``"numpy (why)"`` (loading it if not done yet)."""
+    native()
+    return _loaded[1]
+
+
+def _reset() -> None:
+    """Forget the loaded library (tests: re-read the environment on the next call)."""
+    global _loaded
+    with _lock:
+        _loaded = None
+
+
+class _Unavailable(Exception):
+    """Why the library cannot be had (the warning's text)."""
+
+
+def _cache_dir() -> Path:
+    explicit = os.environ.get("TRITONKV_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "tritonkv"
+
+
+def _compiler() -> str:
+    if os.environ.get("TRITONKV_NATIVE", "1").strip() == "0":
+        raise _Unavailable("disabled by TRITONKV_NATIVE=0")
+    name = os.environ.get("TRITONKV_CC", "cc").strip() or "cc"
+    path = shutil.which(name)
+    if path is None:
+        raise _Unavailable(f"no C compiler {name!r} on PATH (TRITONKV_CC)")
+    return path
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise _Unavailable(f"{cmd[0]} failed: {exc}") from None
+
+
+def _load() -> Native:
+    cc = _compiler()
+    version = _run([cc, "--version"])
+    if version.returncode:
+        raise _Unavailable(f"{cc} --version exited with {version.returncode}")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([source, " ".join(FLAGS).encode(), version.stdout.encode(), _machine()])
+    ).hexdigest()[:20]
+    folder = _cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        folder = Path(tempfile.gettempdir()) / f"tritonkv-{os.getuid()}"
+        try:
+            folder.mkdir(mode=0o700, exist_ok=True)
+        except OSError:
+            raise _Unavailable(f"no writable cache directory ({exc})") from None
+    path = folder / f"copy_digest-{key}.so"
+    if path.exists():
+        try:
+            return _open(path)
+        except _Unavailable:
+            pass  # corrupt or foreign: build it again (below)
+    _build(cc, path)
+    return _open(path)
+
+
+def _machine() -> bytes:
+    return f"{platform.system()}-{platform.machine()}".encode()
+
+
+def _build(cc: str, path: Path) -> None:
+    """Compile into a temporary file beside ``path``, then rename it into place (atomic)."""
+    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        done = _run([cc, *FLAGS, "-o", tmp, str(SOURCE)])
+        if done.returncode:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise _Unavailable(f"{cc} exited with {done.returncode}: {' | '.join(tail)}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _open(path: Path) -> Native:
+    """Load ``path`` and check it: its ABI, and its lanes against the NumPy reference."""
+    try:
+        lib = ctypes.CDLL(str(path))
+        if lib.tkv_abi() != ABI:
+            raise _Unavailable(f"{path} has ABI {lib.tkv_abi()}, expected {ABI}")
+        lib_native = Native(lib, path)
+    except (OSError, AttributeError) as exc:
+        raise _Unavailable(f"{path} does not load: {exc}") from None
+    probe = np.random.default_rng(0).integers(0, 256, 1027, dtype=np.uint8)
+    padded = np.concatenate([probe, np.zeros(1, np.uint8)]).view("<u4")
+    if lib_native.lanes(probe, 5) != _digest._lanes_numpy(padded, 5):
+        raise _Unavailable(f"{path} fails the self-check (lanes differ from the reference)")
+    return lib_native
+
+
+def copy_with_digest(
+    lib: Native,
+    table: RowTable,
+    slots: torch.Tensor,
+    packed: torch.Tensor,
+    *,
+    unpack: bool,
+    store: bool = True,
+) -> torch.Tensor:
+    """A twin's copy and the digest of ``packed`` in one pass (what the twins run on the CPU).
+
+    Args:
+        lib: :func:`native`.
+        table: the cache views' :class:`RowTable`.
+        slots: ``[num_rows]`` int32/int64 slot of each packed row (-1: none), on the CPU.
+        packed: ``[num_views, ..., num_rows, ...]`` contiguous CPU tensor, view-major, each
+            packed row ``table.row_bytes`` bytes (a packed KV or hidden-state tensor).
+        unpack: write ``packed`` into the views instead of reading them.
+        store: False (pack only): the digest is all that is wanted; ``packed`` is not written.
+
+    Returns:
+        ``[2]`` int64 digest of ``packed`` (as written, or as read by an unpack).
+    """
+    from ._cpu import MAX_WORKERS, PARALLEL_MIN_BYTES
+
+    num_bytes = packed.numel() * packed.element_size()
+    workers = min(MAX_WORKERS, torch.get_num_threads()) if num_bytes >= PARALLEL_MIN_BYTES else 1
+    slots_np = np.ascontiguousarray(slots.numpy(), dtype=np.int64)
+    lanes = lib.copy_rows(
+        table,
+        slots_np,
+        packed if store or unpack else None,
+        unpack=unpack,
+        digest=True,
+        total_bytes=num_bytes,
+        workers=workers,
+    )
+    return _digest.finalize(torch.tensor(lanes, dtype=torch.int64), num_bytes)
+
+
+def tensor_digest(lib: Native, t: torch.Tensor) -> torch.Tensor:
+    """The digest of CPU tensor ``t``'s bytes in memory order of its contiguous form, read where
+    they lie: rows of a strided view (one head of a packed tensor, a range of its tokens) are
+    digested as they are gathered, with no contiguous copy.
+
+    Args:
+        lib: :func:`native`.
+        t: any CPU tensor.
+
+    Returns:
+        ``[2]`` int64 digest, as :func:`tritonkv.digest.packed_digest` of ``t.contiguous()``.
+    """
+    from ._cpu import MAX_WORKERS, PARALLEL_MIN_BYTES
+
+    rows = _as_rows(t)
+    if rows is None:
+        rows = t.contiguous().view(1, -1)
+    num_bytes = rows.numel() * rows.element_size()
+    workers = min(MAX_WORKERS, torch.get_num_threads()) if num_bytes >= PARALLEL_MIN_BYTES else 1
+    slots = np.arange(rows.shape[0], dtype=np.int64)
+    lanes = lib.copy_rows(
+        RowTable.of_rows(rows),
+        slots,
+        None,
+        unpack=False,
+        digest=True,
+        total_bytes=num_bytes,
+        workers=workers,
+    )
+    return _digest.finalize(torch.tensor(lanes, dtype=torch.int64), num_bytes)
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as ``[rows, width]`` rows of whole 32-bit words (its trailing dims that are dense, its
+    leading ones of one stride) seeing the same elements in the same order; None if it is not."""
+    dims = [(n, s) for n, s in zip(t.shape, t.stride(), strict=True) if n != 1]
+    width, i = 1, len(dims)
+    while i > 0 and dims[i - 1][1] == width:
+        i -= 1
+        width *= dims[i][0]
+    lead = dims[:i]
+    if any(lead[j][1] != lead[j + 1][1] * lead[j + 1][0] for j in range(len(lead) - 1)):
+        return None
+    if t.numel() == 0 or width * t.element_size() % 4:
+        return None
+    num_rows = math.prod(n for n, _ in lead)
+    row_stride = lead[-1][1] if lead else width
+    while not lead and width * t.element_size() > MAX_DENSE_ROW_BYTES and width % 2 == 0:
+        num_rows, width, row_stride = num_rows * 2, width // 2, width // 2  # ranges for threads
+    return t.as_strided((num_rows, width), (row_stride, 1))
+
+
+def head_digests(lib: Native, packed: torch.Tensor) -> torch.Tensor:
+    """The digest of each head of a contiguous CPU ``packed`` (``[..., num_kv_heads, head_size]``,
+    heads of whole 32-bit words), as :func:`tensor_digest` of ``packed[..., h, :]``, in one pass.
+
+    Returns:
+        ``[num_kv_heads, 2]`` int64.
+    """
+    from ._cpu import MAX_WORKERS, PARALLEL_MIN_BYTES
+
+    num_heads = packed.shape[-2]
+    num_bytes = packed.numel() * packed.element_size()
+    workers = min(MAX_WORKERS, torch.get_num_threads()) if num_bytes >= PARALLEL_MIN_BYTES else 1
+    lanes = torch.from_numpy(lib.head_lanes(packed, num_heads, workers).astype(np.int64))
+    head_bytes = num_bytes // max(num_heads, 1)
+    return torch.stack([_digest.finalize(lane, head_bytes) for lane in lanes])

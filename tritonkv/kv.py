@@ -155,7 +155,7 @@ def _run(
             result = finalize(lanes, packed.numel() * packed.element_size())
     elif (lib := _native_digest(digest, device, force_torch)) is not None:
         slots = slot_mapping.to(torch.int64)[flat]  # the twin's copy and the digest in one pass
-        table = layer_set.row_table(layers)
+        table = layer_set.row_table(views)
         result = _cpu_digest.copy_with_digest(lib, table, slots, packed, unpack=unpack, store=store)
     else:
         groups = layer_set.plan(width, views)

@@ -73,6 +73,9 @@ def test_prepared_pack_is_the_plain_path_the_twin_and_the_loop(kernels, layout, 
     assert torch.equal(
         kv_digest(handle, slots, SEED_QSL, SEQ_IDS), kv_digest(layers, slots, SEED_QSL, SEQ_IDS)
     )
+    with_digest, _, digest = pack_kv(handle, slots, SEED_QSL, SEQ_IDS, digest=True)
+    assert_bits_equal(with_digest, expected, "prepared pack with its digest")
+    assert torch.equal(digest, tritonkv.digest.packed_digest(expected))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -2,7 +2,7 @@
 # One-shot GPU check for tritonkv: the `gpu`-marked tests (kernels; CUDA tensors on every
 # transport), the connector's worker halves on one GPU (two processes, as vLLM drives them), a
 # reduced benchmark (do_bench + autotune) and a profiler count of kernel launches, in under 8
-# minutes, into at most 9 files in OUTDIR:
+# minutes, into at most 10 files in OUTDIR:
 #   gpu_check.log  everything printed (versions, nvidia-smi, test summary, tables, goal summary)
 #   pytest.log     the gpu tests' output
 #   workers.log    the worker halves' gpu tests: a producer and a consumer process on one GPU
@@ -16,6 +16,7 @@
 #   seqs.png       seqs sweep: ms and speed-up over the loop
 #   autotune.json  the winning Triton config per op and case
 #   profile.txt    kernels seen by torch.profiler for one pack_kv over 32 layers (expect one copy)
+#   host_overhead.txt  host time per small call (plain and prepared layers) and its cProfile
 #
 # Usage: bench/gpu_check.sh [--dry-run] OUTDIR
 #   Needs one NVIDIA GPU, torch and triton; no network, no vllm (matplotlib/pandas/pytest optional:
@@ -36,6 +37,7 @@ PY=${PYTHON:-python3}
 TOTAL_S=470      # hard limit for the whole script (< 8 min: the device run is 10 min at most)
 TESTS_S=120      # the gpu tests (autotuning compiles most of this time)
 WORKERS_S=180    # the worker halves' gpu tests (two processes start CUDA and compile each)
+HOST_S=40        # host time per call (bench/host_overhead.py: the table, prepared and plain)
 BENCH_S=165      # the reduced benchmark and launch count (what they had before the workers' step)
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
@@ -75,7 +77,7 @@ fi
 
 status=0
 echo
-echo "== 1/3 gpu tests (limit ${TESTS_S} s)"
+echo "== 1/4 gpu tests (limit ${TESTS_S} s)"
 if "$PY" -c "import pytest" 2>/dev/null; then
     rc=0
     # One launch config per kernel key (TRITONKV_AUTOTUNE=0): the tests check correctness, and
@@ -101,7 +103,7 @@ else
 fi
 
 echo
-echo "== 2/3 worker halves on one GPU (limit ${WORKERS_S} s)"
+echo "== 2/4 worker halves on one GPU (limit ${WORKERS_S} s)"
 if "$PY" -c "import pytest" 2>/dev/null; then
     rc=0
     workers=(tests/vllm_connector/test_two_workers.py tests/vllm_connector/test_gpu_step.py)
@@ -130,13 +132,25 @@ else
     [[ $DRY == 1 ]] || status=1
 fi
 
-left=$((TOTAL_S - SECONDS))
-(( left > BENCH_S )) && left=$BENCH_S
 echo
-echo "== 3/3 reduced benchmark + launch count (limit ${left} s; nothing new starts after $((left - 50)) s)"
+echo "== 3/4 host time per call (limit ${HOST_S} s)"
 rc=0
 dry_flag=()
 [[ $DRY == 1 ]] && dry_flag=(--dry-run)
+TRITONKV_AUTOTUNE=0 timeout -k 5 "$HOST_S" "$PY" -m bench.host_overhead --out "$OUTDIR/host_overhead.txt" \
+    --top 12 ${dry_flag[@]+"${dry_flag[@]}"} >/dev/null 2>&1 || rc=$?
+if [[ $rc != 0 ]]; then
+    echo "host overhead: exit $rc$([[ $rc == 124 || $rc == 137 ]] && echo ' (timed out)')"
+    status=1
+else
+    grep -E "^==|us/call" "$OUTDIR/host_overhead.txt" | head -n 40 || true
+fi
+
+left=$((TOTAL_S - SECONDS))
+(( left > BENCH_S )) && left=$BENCH_S
+echo
+echo "== 4/4 reduced benchmark + launch count (limit ${left} s; nothing new starts after $((left - 50)) s)"
+rc=0
 timeout -k 5 "$left" "$PY" -m bench.bench_kv --suite gpu-check --outdir "$OUTDIR" \
     --deadline-s "$((left - 50))" ${dry_flag[@]+"${dry_flag[@]}"} || rc=$?
 if [[ $rc != 0 ]]; then

@@ -94,10 +94,12 @@ def test_gpu_check_script_dry_run(tmp_path):
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     files = {p.name for p in (tmp_path / "out dir").iterdir()}
-    assert {"gpu_check.log", "pytest.log", "bench.csv", "autotune.json", "profile.txt"} <= files
-    assert len(files) <= 8
+    assert {"gpu_check.log", "pytest.log", "workers.log", "host_overhead.txt", "bench.csv",
+            "autotune.json", "profile.txt"} <= files  # fmt: skip
+    assert len(files) <= 10
     log = (tmp_path / "out dir" / "gpu_check.log").read_text()
     assert "gpu tests: passed" in log and "(exit 0)" in log
+    assert "pack_kv" in (tmp_path / "out dir" / "host_overhead.txt").read_text()
 
 
 def test_gpu_check_keeps_what_it_measured_when_a_step_fails(tmp_path, monkeypatch, capsys):

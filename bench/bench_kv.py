@@ -620,7 +620,9 @@ def main(argv: list[str] | None = None) -> int:
         if lines:
             (outdir / "profile.txt").write_text("\n".join(lines) + "\n")
             print(lines[0])
-    written = write_results(runner.rows, outdir, st, combined)
+    # the digest suite's figures are its on/off ratios (digest.txt): its rows, one size of the
+    # cpu suite's cases, must not replace that suite's CSVs and plots
+    written = [] if name == "digest" else write_results(runner.rows, outdir, st, combined)
     if combined:
         (outdir / "autotune.json").write_text(
             json.dumps(

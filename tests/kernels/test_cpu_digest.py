@@ -9,6 +9,7 @@ Every test that changes the environment the library is loaded under resets it af
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -315,8 +316,12 @@ def test_two_processes_building_at_once_both_load_a_whole_file(fresh):
 def test_a_corrupt_cached_file_is_built_again(fresh):
     path = _cpu_digest.native().path
     _cpu_digest._reset()
-    path.write_bytes(b"\x7fELF not really a library")
-    # a fresh process: this one still holds the good library open under that name
+    # A new file renamed over it: writing into the file this process has mapped (it still holds
+    # the good library open under that name) would turn the mapping's pages into SIGBUS.
+    corrupt = path.with_name(path.name + ".corrupt")
+    corrupt.write_bytes(b"\x7fELF not really a library")
+    os.replace(corrupt, path)
+    # a fresh process sees the corrupt file
     out = subprocess.run(
         [sys.executable, "-c", LOAD],
         cwd=REPO,

@@ -1,7 +1,8 @@
 """Tensors as wire bytes: :func:`flat_bytes` views; :data:`RECV_POOL`, the pool that hands out
-large CPU receive buffers again once nothing references them; and host staging for device
-tensors on transports that carry host memory only (gloo, socket): :func:`to_host`,
-:func:`staging_buffer`, from :data:`STAGING_POOL` (pinned when CUDA is there)."""
+large CPU receive buffers again once nothing references them (pinned when CUDA is there, so
+that copies of what was received to a device are fast and can be asynchronous); and the host
+buffers that device tensors are staged through on transports that carry host memory only
+(gloo, socket; see :mod:`.staging`): :func:`staging_buffer`, from :data:`STAGING_POOL`."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def host_empty(nbytes: int, pinned: bool = True) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned and torch.cuda.is_available())
 
 
-RECV_POOL = RecvPool()
+RECV_POOL = RecvPool(pinned=True)
 #: Host staging of device tensors (gloo and socket carry host memory only): pinned, reused.
 STAGING_POOL = RecvPool(max_bytes=1 << 30, min_bytes=1 << 20, pinned=True)
 
@@ -87,16 +88,3 @@ def staging_buffer(nbytes: int) -> torch.Tensor:
     there, from :data:`STAGING_POOL` when large enough (reused once nothing references it)."""
     buf = STAGING_POOL.alloc(nbytes)
     return buf if buf is not None else host_empty(nbytes, True)
-
-
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor ``t`` on the host: itself on the CPU, else its bytes copied into a
-    :func:`staging_buffer` (the copy done when this returns), as a tensor of ``t``'s dtype and
-    shape."""
-    if t.device.type == "cpu":
-        return t
-    host = staging_buffer(t.numel() * t.element_size())
-    host.copy_(flat_bytes(t), non_blocking=True)
-    if t.device.type == "cuda":
-        torch.cuda.current_stream(t.device).synchronize()
-    return host.view(t.dtype).view(t.shape)

@@ -17,7 +17,8 @@ Frame layout (all integers little-endian)::
                  u64 nbytes (must equal numel × itemsize)
     payload  sum(nbytes) bytes (<= limits.max_message_bytes), either right after the body on the
              same socket (frame flag ``FLAG_INLINE``) or on the data process group (see pipe.py),
-             in the chunk order given by :func:`plan_chunks`.
+             in the chunk order given by :func:`plan_chunks`, each chunk on the process group
+             as one operation per piece (:func:`pieces`).
 
 On a connection, a session tag follows the body, and another an inline payload
 (:mod:`connector.transport.session`); the codec itself knows nothing of them.
@@ -40,8 +41,8 @@ import torch
 from .errors import ProtocolError
 
 MAGIC = b"TKVT"
-VERSION = 3  # 3: frames carry session tags (session.py); 2: kinds from APP_KIND_MIN up are the
-# pipe user's (the KV store's were 3-10)
+VERSION = 4  # 4: process-group payload chunks travel in pieces (see pieces); 3: frames carry
+# session tags (session.py); 2: kinds from APP_KIND_MIN up are the pipe user's
 
 PREFIX = struct.Struct("<4sBBHI")
 PREFIX_SIZE = PREFIX.size  # 12
@@ -53,6 +54,9 @@ TFLAG_PACKED = 0x1  # tensor travels inside the packed chunk (see plan_chunks)
 KNOWN_TFLAGS = TFLAG_PACKED
 
 PACK_ALIGN = 64  # byte alignment of every tensor inside a packed chunk
+#: Largest process-group operation: a chunk travels in pieces of this size (the last one shorter),
+#: so that copying a device tensor to or from host memory overlaps the network.
+PIECE_BYTES = 16 << 20
 
 
 # ----------------------------------------------------------------------------------------------
@@ -528,3 +532,10 @@ def plan_chunks(specs: tuple[TensorSpec, ...] | list[TensorSpec]) -> list[Chunk]
         if not s.packed and s.nbytes > 0
     ]
     return chunks
+
+
+def pieces(nbytes: int) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` of each process-group operation that carries a chunk of ``nbytes``:
+    pieces of :data:`PIECE_BYTES`, the last one shorter (none for 0 bytes). Example: 40 MiB →
+    [(0, 16 MiB), (16 MiB, 16 MiB), (32 MiB, 8 MiB)]."""
+    return [(off, min(PIECE_BYTES, nbytes - off)) for off in range(0, nbytes, PIECE_BYTES)]

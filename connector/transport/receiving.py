@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..logs import get_logger, hide_ids
+from . import staging
 from .buffers import RECV_POOL, flat_bytes, staging_buffer
 from .errors import (
     PipeClosedError,
@@ -24,7 +25,7 @@ from .errors import (
     TransferTimeout,
     classify_failure,
 )
-from .frame import Header, Kind, TensorSpec, kind_name, plan_chunks
+from .frame import Header, Kind, TensorSpec, kind_name, pieces, plan_chunks
 from .sending import TAG
 from .session import TAG_BYTES, FrameMac, Session
 from .sockio import PeerClosed, read_frame, recv_into
@@ -251,31 +252,42 @@ class _PayloadReceiver:
             self.thread = transfer_thread(self._loop, name)
 
     def receive(self, header: Header, dev, out, deadline, t0, key) -> dict[str, torch.Tensor]:
-        """Every tensor of a header whose payload travels on the process group, by name. Gloo
-        carries host memory: for a device ``dev`` each chunk lands in a pinned staging buffer,
-        then is copied to its tensors (done when this returns)."""
-        staged = self._pipe.transport != "nccl" and dev.type != "cpu"
+        """Every tensor of a header whose payload travels on the process group, by name, each
+        chunk in :func:`~.frame.pieces`. Gloo carries host memory: for a device ``dev`` each
+        piece lands in a pinned staging buffer and is copied to the device while the next one
+        arrives, after what the caller's stream had queued when this began (:mod:`.staging`);
+        done when this returns."""
+        copies = None if self._pipe.transport == "nccl" else staging.copies_for(dev)
+        after = None if copies is None else copies.ready()
+        what = f"payload of {key!r}"
         tensors = {s.name: _target(s, dev, out) for s in header.specs}
+
+        def receive(buf: torch.Tensor) -> None:
+            for off, n in pieces(buf.numel()):
+                self._receive_chunk(buf[off : off + n], deadline, t0, key)
+
         for chunk in plan_chunks(header.specs):
-            target = None if chunk.members else flat_bytes(tensors[header.specs[chunk.index].name])
-            if staged:
+            if not chunk.members:
+                target = flat_bytes(tensors[header.specs[chunk.index].name])
+                if copies is None:
+                    receive(target)
+                else:
+                    staging.to_device_pieces(copies, target, after, receive, deadline, what)
+                continue
+            if copies is not None:
                 buf = staging_buffer(chunk.nbytes)
-            elif chunk.members:
-                buf = _alloc(TensorSpec("packed", 6, (chunk.nbytes,), chunk.nbytes), dev)
             else:
-                buf = target
-            self._receive_chunk(buf, deadline, t0, key)
-            if target is not None and staged:
-                target.copy_(buf, non_blocking=True)
+                buf = _alloc(TensorSpec("packed", 6, (chunk.nbytes,), chunk.nbytes), dev)
+            receive(buf)
+            pairs = []
             for i, off in chunk.members:
                 s = header.specs[i]
                 part = buf[off : off + s.nbytes]
-                if staged or (out is not None and s.name in out):
-                    flat_bytes(tensors[s.name]).copy_(part, non_blocking=staged)
+                if copies is not None or (out is not None and s.name in out):
+                    pairs.append((flat_bytes(tensors[s.name]), part))
                 else:  # zero-copy view into the packed chunk (offsets are 64-byte aligned)
                     tensors[s.name] = part.view(s.dtype).view(s.shape)
-        if staged and dev.type == "cuda":  # the staging buffers go back to the pool after this
-            torch.cuda.current_stream(dev).synchronize()
+            staging.copy_all(copies, pairs, after, deadline, what)
         return tensors
 
     def _receive_chunk(self, buf: torch.Tensor, deadline: float, t0: float, key) -> None:

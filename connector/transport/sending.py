@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from ..logs import get_logger, hide_ids
-from .buffers import flat_bytes, to_host
+from . import staging
+from .buffers import flat_bytes, staging_buffer
 from .errors import PeerDeadError, PipeClosedError, TransferTimeout, classify_failure
-from .frame import FLAG_INLINE, Kind, encode_header, encode_meta, plan_chunks, spec_of
+from .frame import FLAG_INLINE, Kind, encode_header, encode_meta, pieces, plan_chunks, spec_of
 from .sockio import PeerClosed, send_all, send_frame
 from .state import _PipeState
 from .threads import join_until, transfer_thread
@@ -39,6 +40,8 @@ class _Outgoing:
     on_done: Callable[[BaseException | None], None] | None
     bye: bool = False
     reported: bool = False  # on_done already called (exactly once per message)
+    copies: object = None  # staged device tensors: their staging.DeviceCopies, and
+    ready: object = None  # the event recorded on the caller's stream when queued
 
 
 def _outgoing(
@@ -50,8 +53,9 @@ def _outgoing(
     on_done: Callable[[BaseException | None], None] | None,
 ) -> _Outgoing:
     """One message as ``pipe``'s sender writes it: tensors made contiguous (on the pipe's device
-    for ``nccl``; gloo and socket carry host memory, so a device tensor is staged through a
-    pinned host buffer), inline or not, small ones packed. Raises TypeError for what is not a
+    for ``nccl``; gloo and socket carry host memory, so the sender thread stages a device tensor
+    through pinned host buffers, see :mod:`.staging`, after an event recorded here on the
+    caller's stream), inline or not, small ones packed. Raises TypeError for what is not a
     tensor dict, ValueError for what the peer's limits refuse."""
     tensors = {} if tensors is None else tensors
     if not isinstance(tensors, dict):
@@ -61,17 +65,17 @@ def _outgoing(
     meta_bytes = encode_meta(meta, pipe.peer_limits)
     names = list(tensors)
     flat = []
+    copies = None
     for n in names:
         spec_of(n, tensors[n])  # type checks
         t = tensors[n]
         if pipe.transport == "nccl":
             flat.append((t if t.device.type == "cuda" else t.to(pipe.device)).contiguous())
         else:
-            flat.append(to_host(t.contiguous()))
+            flat.append(t.contiguous())
+            copies = copies or staging.copies_for(t.device)
     total = sum(t.numel() * t.element_size() for t in flat)
-    inline = pipe.transport == "socket" or (
-        total <= pipe.inline_max_bytes and all(t.device.type == "cpu" for t in flat)
-    )
+    inline = pipe.transport == "socket" or (total <= pipe.inline_max_bytes and copies is None)
     small = [
         i for i, t in enumerate(flat) if 0 < t.numel() * t.element_size() <= pipe.pack_max_bytes
     ]
@@ -82,7 +86,8 @@ def _outgoing(
     flags = FLAG_INLINE if inline else 0
     # what the peer would refuse raises here (ValueError): it never breaks the pipe
     header = encode_header(kind, key, meta_bytes, specs, flags, limits=pipe.peer_limits, check=True)
-    return _Outgoing(header, key, specs, flat, inline, total, on_done)
+    ready = None if copies is None else copies.ready()
+    return _Outgoing(header, key, specs, flat, inline, total, on_done, copies=copies, ready=ready)
 
 
 class _Sender:
@@ -219,30 +224,57 @@ class _Sender:
         if item.inline:
             what = f"inline payload of {item.key!r}"
             for t in item.tensors:
-                if t.numel():
-                    view = flat_bytes(t).numpy()
-                    mac.update(view)
-                    send_all(self._sock, view, deadline, what)
+                ps = self._pieces(item, flat_bytes(t), staging.copies_for(t.device), deadline, what)
+                with contextlib.closing(ps):
+                    for piece in ps:
+                        view = piece.numpy()
+                        mac.update(view)
+                        send_all(self._sock, view, deadline, what)
             if item.nbytes:
                 send_all(self._sock, mac.payload_tag(), deadline, what)
             return
         pipe = self._pipe
         pg = pipe.process_group
+        what = f"payload of {item.key!r}"
         for chunk in plan_chunks(item.specs):
-            if chunk.members:
-                buf = torch.empty(chunk.nbytes, dtype=torch.uint8, device=item.tensors[0].device)
-                for i, off in chunk.members:
-                    src = flat_bytes(item.tensors[i])
-                    buf[off : off + src.numel()].copy_(src)
+            if chunk.members:  # assembled where it can be sent from
+                src, copies = self._packed(item, chunk, deadline, what), None
             else:
-                buf = flat_bytes(item.tensors[chunk.index])
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"timed out before sending payload of {item.key!r}")
-            work = pg.send([buf], pipe.peer_rank, TAG)
-            work.wait(datetime.timedelta(seconds=left))
-            if pipe.transport == "nccl":
-                torch.cuda.current_stream(buf.device).synchronize()
+                src = flat_bytes(item.tensors[chunk.index])
+                copies = None if pipe.transport == "nccl" else staging.copies_for(src.device)
+            with contextlib.closing(self._pieces(item, src, copies, deadline, what)) as ps:
+                for piece in ps:  # the next piece's staging copy runs while this one is sent
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"timed out before sending {what}")
+                    work = pg.send([piece], pipe.peer_rank, TAG)
+                    work.wait(datetime.timedelta(seconds=left))
+                    if pipe.transport == "nccl":
+                        torch.cuda.current_stream(piece.device).synchronize()
+
+    def _pieces(self, item: _Outgoing, src: torch.Tensor, copies, deadline: float, what: str):
+        """``src`` (uint8, 1-D) as the pieces that go out: staged to the host by ``copies`` (not
+        None) piece by piece, the next piece's copy overlapping this one's send."""
+        if copies is not None:
+            yield from staging.to_host_pieces(copies, src, item.ready, deadline, what)
+            return
+        for off, n in pieces(src.numel()):
+            yield src[off : off + n]
+
+    def _packed(self, item: _Outgoing, chunk, deadline: float, what: str) -> torch.Tensor:
+        """The packed chunk's bytes in one buffer: where the tensors are (the pipe's device for
+        nccl), or in pinned host memory when they are staged (copied straight into it)."""
+        if item.copies is None:
+            buf = torch.empty(chunk.nbytes, dtype=torch.uint8, device=item.tensors[0].device)
+        else:
+            buf = staging_buffer(chunk.nbytes)
+        pairs = []
+        for i, off in chunk.members:
+            src = flat_bytes(item.tensors[i])
+            pairs.append((buf[off : off + src.numel()], src))
+        # without staging (nccl: on the sender's stream, which the send then synchronizes)
+        staging.copy_all(item.copies, pairs, item.ready, deadline, what)
+        return buf
 
     # ------------------------------------------------------------------------- for close()
     def on_thread(self) -> bool:

@@ -26,7 +26,9 @@ from .metadata import ReleaseSpec
 #   3: the producer's KV server speaks transport wire version 3 (session-bound authentication,
 #      the process group's rendezvous over the connection): a consumer of version 2 could not
 #      connect, so it refuses the hand-off before dialing.
-PROTOCOL = "tritonkv-3"
+#   4: transport wire version 4 (process-group payloads in pieces, so that staging copies of
+#      device tensors overlap the network): a consumer of version 3 could not read them.
+PROTOCOL = "tritonkv-4"
 
 #: A transfer id as a producer mints it (``uuid4().hex``): nothing else is ever dialed for.
 TRANSFER_ID = re.compile(r"[0-9a-f]{32}")

@@ -376,3 +376,27 @@ def raw_listener_authenticate(conn, secret: bytes | None = None) -> Sealed | Non
         return None
     keys = auth.session_keys(secret, nonce_l, outcome.nonce_c, outcome.address)
     return Sealed(conn, Session.pair(*keys, listener=True))
+
+
+@contextlib.contextmanager
+def pipe_pair(transport="gloo", listener_kw=None, **options):
+    """(listener-side pipe, connector-side pipe) in this process; ``options``: PipeOptions fields."""
+    from connector.transport import PipeListener, PipeOptions, connect_pipe
+
+    kw = {"options": PipeOptions(**options)} if options else {}
+    listener = PipeListener(transport=transport, **(listener_kw or {}), **kw)
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("p", listener.accept(timeout_s=20)))
+    t.start()
+    client = None
+    try:
+        client = connect_pipe("127.0.0.1", listener.port, transport=transport, **kw)
+        t.join(20)
+        yield got["p"], client
+    finally:
+        t.join(20)
+        if client is not None:
+            client.close(timeout_s=1)
+        if "p" in got:
+            got["p"].close(timeout_s=1)
+        listener.close()

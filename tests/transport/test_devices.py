@@ -1,7 +1,7 @@
 """Transports and devices (connector/transport/options.py, buffers.py, handshake.py): gloo and
 socket carry host memory, so device tensors are staged through pinned host buffers; two ends on
-one GPU, which NCCL cannot connect, agree on gloo. The staging itself needs a GPU
-(``tests/transport/test_pipe_gpu.py``); what CPU can show is here."""
+one GPU, which NCCL cannot connect, agree on gloo. The staging on CUDA needs a GPU
+(``tests/transport/test_pipe_gpu.py``); its logic on stand-in copies is in test_staging.py."""
 
 from __future__ import annotations
 
@@ -11,17 +11,17 @@ import pytest
 import torch
 from support.transport import raw_authenticate
 
-from connector.transport import PipeListener, connect_pipe
+from connector.transport import PipeListener, connect_pipe, staging
 from connector.transport import connect as connect_module
 from connector.transport import listener as listener_module
-from connector.transport.buffers import STAGING_POOL, staging_buffer, to_host
+from connector.transport.buffers import STAGING_POOL, staging_buffer
 from connector.transport.frame import Kind, encode_header
 from connector.transport.options import device_uuid
 
 
 def test_cpu_tensors_are_not_staged_and_staging_buffers_are_reused():
     t = torch.arange(10)
-    assert to_host(t) is t
+    assert staging.copies_for(t.device) is None  # host memory: nothing to stage
     assert device_uuid("cpu") == ""
     first = staging_buffer(STAGING_POOL.min_bytes)
     ptr = first.data_ptr()

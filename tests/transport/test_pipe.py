@@ -17,6 +17,7 @@ from support.transport import (
     assert_entry_equal,
     big_tensor,
     make_entry,
+    pipe_pair,
     raw_authenticate,
     waited_s,
 )
@@ -38,28 +39,6 @@ from connector.transport.buffers import RECV_POOL, RecvPool
 from connector.transport.errors import classify_failure
 
 TRANSPORTS = ("gloo", "socket")
-
-
-@contextlib.contextmanager
-def pipe_pair(transport="gloo", listener_kw=None, **options):
-    """(listener-side pipe, connector-side pipe) in this process; ``options``: PipeOptions fields."""
-    kw = {"options": PipeOptions(**options)} if options else {}
-    listener = PipeListener(transport=transport, **(listener_kw or {}), **kw)
-    got = {}
-    t = threading.Thread(target=lambda: got.setdefault("p", listener.accept(timeout_s=20)))
-    t.start()
-    client = None
-    try:
-        client = connect_pipe("127.0.0.1", listener.port, transport=transport, **kw)
-        t.join(20)
-        yield got["p"], client
-    finally:
-        t.join(20)
-        if client is not None:
-            client.close(timeout_s=1)
-        if "p" in got:
-            got["p"].close(timeout_s=1)
-        listener.close()
 
 
 @pytest.fixture

@@ -88,3 +88,29 @@ def test_a_kv_server_on_cuda_serves_a_cuda_client_over_gloo():
     ):
         got, _ = client.get("t")
     assert got["kv"].device.type == "cuda" and _same_bits(got["kv"], kv)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["gloo", "socket"])
+def test_staging_is_ordered_after_the_callers_stream_in_both_directions(transport):
+    """A 40 MiB tensor (three pieces) written, and an ``out`` tensor overwritten, on a stream
+    that is still busy when send and recv are called: the staging copies wait for it."""
+    n = (40 << 20) // 4
+    want = torch.arange(n, device="cuda", dtype=torch.int32)
+    busy = torch.cuda.Stream()
+    with cuda_pair(transport) as (server, client):
+        x = torch.zeros(n, device="cuda", dtype=torch.int32)
+        with torch.cuda.stream(busy):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before x is written
+            x.copy_(want)
+            client.send("k", {"x": x})
+        got = server.recv(60).tensors["x"]
+        assert _same_bits(got, want)
+        server.send("back", {"x": got})
+        out = {"x": torch.zeros(n, device="cuda", dtype=torch.int32)}
+        with torch.cuda.stream(busy):
+            torch.cuda._sleep(200_000_000)
+            out["x"].fill_(-1)  # queued before the receive: must land under it
+            back = client.recv(60, out=out).tensors["x"]
+        torch.cuda.synchronize()
+        assert back is out["x"] and _same_bits(back, want)

@@ -78,9 +78,13 @@ class KVClient:
         self._c = collections.Counter()
 
     def stats(self) -> dict[str, int]:
-        """requests, hits, misses, timeouts, errors, connects, bytes_received."""
+        """requests, hits, misses, timeouts, errors, connects, bytes_received, and
+        group_device_bytes (the device memory NCCL's communicator of the open connection took,
+        measured at connect; 0 for gloo and socket)."""
         out = dict.fromkeys(_COUNTERS, 0)
         out.update(self._c)
+        pipe = self._pipe
+        out["group_device_bytes"] = pipe.group_device_bytes if pipe is not None else 0
         return out
 
     def _drop_pipe(self) -> None:

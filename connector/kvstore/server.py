@@ -149,12 +149,14 @@ class KVServer:
         """Buffer stats plus connections (authenticated, so far), open_connections and
         pending_connections (now), handshake_errors, auth_failures, protocol_errors, peer_errors,
         requests, rejected_connections (refused by a cap) and evicted_handshakes (pending ones
-        ended to make room: :mod:`~connector.kvstore.admission`)."""
+        ended to make room: :mod:`~connector.kvstore.admission`), and group_device_bytes (the
+        device memory NCCL's communicators of the open connections took, measured at connect)."""
         out = self.buffer.stats()
         with self._lock:
             for k in ("connections", "handshake_errors", "protocol_errors", "peer_errors",
                       "requests"):  # fmt: skip
                 out[k] = self._c[k]
+            out["group_device_bytes"] = sum(p.group_device_bytes for p in self._pipes.values())
         out.update(self._admission.counts())
         out["auth_failures"] = self._auth_failures.count
         return out

@@ -231,10 +231,10 @@ def open_pipe(
             0,
             _hello_as_listener(sock, peer, side, session, options, deadline),
         )
-    pg = None
+    pg, group_bytes = None, 0
     if transport != "socket":
         try:
-            pg = make_process_group(
+            pg, group_bytes = make_process_group(
                 transport,
                 sock,
                 session,
@@ -248,7 +248,7 @@ def open_pipe(
             raise
         except Exception as e:
             raise classify_failure(e, peer=peer, key=None, waited=time.monotonic() - t0) from None
-    return TensorPipe(
+    pipe = TensorPipe(
         sock,
         peer=peer,
         transport=transport,
@@ -259,6 +259,8 @@ def open_pipe(
         peer_limits=peer_limits,
         options=options,
     )
+    pipe.group_device_bytes = group_bytes
+    return pipe
 
 
 def _hello_as_connector(
@@ -345,8 +347,11 @@ def make_process_group(
     deadline: float,
     peer: str,
 ):
-    """Two-rank process group (never the default group), its store carried over ``sock``
-    (:mod:`connector.transport.rendezvous`), probed, within ``deadline``.
+    """``(group, device bytes)``: a two-rank process group (never the default group), its store
+    carried over ``sock`` (:mod:`connector.transport.rendezvous`), probed, within ``deadline``;
+    for nccl, the device memory its communicator took outside PyTorch's allocator, measured as
+    the drop of the device's free memory across the build and the probe (0 for gloo; anything
+    else allocating on the device meanwhile is counted too).
 
     Gloo's rendezvous does not always honour its own timeout (a connect inside a busy vLLM TP
     worker was seen taking 38 s past a 5 s deadline), so the group is built on a helper thread and
@@ -361,9 +366,12 @@ def make_process_group(
     def build() -> None:
         try:
             local_host = sock.getsockname()[0]
+            free = free_device_bytes(device) if transport == "nccl" else None
             pg = _build_process_group(transport, store, rank, local_host, timeout_s)
             probe(pg, session, rank, device if transport == "nccl" else "cpu", deadline, peer)
             store.finish()
+            if free is not None:
+                result["bytes"] = max(0, free - free_device_bytes(device))
             result["pg"] = pg
         except BaseException as e:  # handed to the caller below (the store's own error first)
             result["error"] = store.failure or e
@@ -381,7 +389,12 @@ def make_process_group(
         raise TimeoutError(msg) from error
     if error is not None:
         raise error
-    return result["pg"]
+    return result["pg"], result.get("bytes", 0)
+
+
+def free_device_bytes(device) -> int:
+    """Free memory of a CUDA ``device`` as the driver reports it."""
+    return torch.cuda.mem_get_info(torch.device(device))[0]
 
 
 def _build_process_group(transport: str, store, rank: int, local_host: str, timeout_s: float):

@@ -123,6 +123,8 @@ class TensorPipe:
         self.process_group = process_group
         self.peer_rank = peer_rank
         self.device = torch.device(device)
+        #: device memory of the process group's communicator (nccl), measured at connect
+        self.group_device_bytes = 0
         self.options = options = check_options(options)
         self.limits = options.limits  # what this end accepts
         self.peer_limits = options.limits if peer_limits is None else peer_limits  # the peer's
@@ -169,14 +171,15 @@ class TensorPipe:
         return out
 
     def stats(self) -> dict[str, int]:
-        """Counters: messages/bytes sent and received (payload bytes), in-flight bytes, and what
-        the reader holds ahead of ``recv`` (``queued_frames``, ``queued_bytes`` of inline payload).
-        """
+        """Counters: messages/bytes sent and received (payload bytes), in-flight bytes, what
+        the reader holds ahead of ``recv`` (``queued_frames``, ``queued_bytes`` of inline payload),
+        and the device memory NCCL's communicator took (``group_device_bytes``, 0 otherwise)."""
         with self._state.cond:
             out = dict(self._state.counters)
             out["inflight_bytes"] = self._sender.inflight
             out["queued_frames"] = len(self._reader.inbox)
             out["queued_bytes"] = self._reader.queued_bytes
+        out["group_device_bytes"] = self.group_device_bytes
         for k in ("msgs_sent", "msgs_received", "bytes_sent", "bytes_received"):
             out.setdefault(k, 0)
         return out

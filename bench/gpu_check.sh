@@ -17,6 +17,8 @@
 #   autotune.json  the winning Triton config per op and case
 #   profile.txt    kernels seen by torch.profiler for one pack_kv over 32 layers (expect one copy)
 #   host_overhead.txt  host time per small call (plain and prepared layers) and its cProfile
+#   (gpu_check.log also gets bench/bench_staging.py's lines: CUDA tensors over gloo and socket,
+#   staged in pieces vs copied whole first vs host tensors)
 #
 # Usage: bench/gpu_check.sh [--dry-run] OUTDIR
 #   Needs one NVIDIA GPU, torch and triton; no network, no vllm (matplotlib/pandas/pytest optional:
@@ -38,6 +40,7 @@ TOTAL_S=470      # hard limit for the whole script (< 8 min: the device run is 1
 TESTS_S=120      # the gpu tests (autotuning compiles most of this time)
 WORKERS_S=180    # the worker halves' gpu tests (two processes start CUDA and compile each)
 HOST_S=40        # host time per call (bench/host_overhead.py: the table, prepared and plain)
+STAGING_S=40     # CUDA tensors over gloo and socket (bench/bench_staging.py: 3 rounds of 256 MiB)
 BENCH_S=165      # the reduced benchmark and launch count (what they had before the workers' step)
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
@@ -118,7 +121,7 @@ pytest_step "worker halves" workers.log "$WORKERS_S" 1 -m "$([[ $DRY == 1 ]] && 
     tests/vllm_connector/test_two_workers.py tests/vllm_connector/test_gpu_step.py
 
 echo
-echo "== 3/4 host time per call (limit ${HOST_S} s)"
+echo "== 3/4 host time per call (limit ${HOST_S} s), then staging (limit ${STAGING_S} s)"
 rc=0
 dry_flag=()
 [[ $DRY == 1 ]] && dry_flag=(--dry-run)
@@ -130,6 +133,17 @@ if [[ $rc != 0 ]]; then
 else
     grep -E "^==|us/call" "$OUTDIR/host_overhead.txt" | head -n 40 || true
 fi
+rc=0
+staging_out=$(mktemp)
+timeout -k 5 "$STAGING_S" "$PY" -m bench.bench_staging --mib 256 --rounds 3 \
+    ${dry_flag[@]+"${dry_flag[@]}"} >"$staging_out" 2>&1 || rc=$?
+grep -E "^(staging|bench_staging)" "$staging_out" || true
+if [[ $rc != 0 ]]; then
+    tail -n 5 "$staging_out"
+    echo "staging: exit $rc$([[ $rc == 124 || $rc == 137 ]] && echo ' (timed out)')"
+    status=1
+fi
+rm -f "$staging_out"
 
 left=$((TOTAL_S - SECONDS))
 (( left > BENCH_S )) && left=$BENCH_S

@@ -207,7 +207,9 @@ class TensorPipe:
         that broke the pipe, if any. A message the peer's limits (``peer_limits``, announced in
         the handshake) refuse raises ValueError, and the pipe stays usable.
         ``on_done(exc_or_None)`` runs on the sender thread once the payload left (or failed). The
-        tensors must not be modified until then.
+        tensors must not be modified until then. Over gloo and socket a CUDA tensor is read (to
+        be staged through host memory) after what the calling thread's current stream had
+        queued when ``send`` was called.
         """
         timeout_s = (
             self.send_timeout_s if timeout_s is None else check_timeout("timeout_s", timeout_s)
@@ -251,6 +253,9 @@ class TensorPipe:
 
         ``idle=True`` (servers): wait for the next header without a deadline (until it arrives, the
         peer goes or the pipe closes), then give its payload ``timeout_s``.
+
+        Over gloo and socket a CUDA tensor is written (from host staging) after what the calling
+        thread's current stream had queued when the payload began, and is complete on return.
 
         Raises TransferTimeout, PeerDeadError, PipeClosedError or ProtocolError, naming the peer,
         the key (``expect_key`` before a header arrived) and the time waited. After any error,

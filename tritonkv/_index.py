@@ -80,7 +80,7 @@ class SeqIndex:
 
     def to(self, device: torch.device) -> SeqIndex:
         """This index on ``device``, moved in one copy."""
-        both = torch.cat([self.cu_seqlens, self.src_start]).to(device, non_blocking=True)
+        both = to_device_async(torch.cat([self.cu_seqlens, self.src_start]), device)
         num = self.cu_seqlens.numel()
         return SeqIndex(both[:num], both[num:], self.num_sel)
 
@@ -214,7 +214,15 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device`` and contiguous: ``t`` itself when it already is (no torch op)."""
     if t.device == device and t.is_contiguous():
         return t
-    return t.to(device, non_blocking=True).contiguous()
+    return to_device_async(t, device).contiguous()
+
+
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` copied to ``device`` without the host waiting: a host tensor goes through pinned
+    memory (a copy from pageable memory to a CUDA device first waits for its stream to drain)."""
+    if t.device.type == "cpu" and device.type == "cuda" and not t.is_pinned():
+        t = t.contiguous().pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 # The index kernel's direct launches (:mod:`tritonkv._launch`), by what Triton specialises on.

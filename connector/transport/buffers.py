@@ -78,6 +78,18 @@ def host_empty(nbytes: int, pinned: bool = True) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned and torch.cuda.is_available())
 
 
+def pinned_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a contiguous host tensor) in page-locked memory: itself when it is there already
+    or CUDA is not, else a pinned copy. A copy to a device from pageable memory waits for the
+    device's stream to drain first (CUDA's rule for pageable transfers); from pinned memory it
+    is asynchronous."""
+    if not torch.cuda.is_available() or t.is_pinned():
+        return t
+    out = host_empty(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
 RECV_POOL = RecvPool(pinned=True)
 #: Host staging of device tensors (gloo and socket carry host memory only): pinned, reused.
 STAGING_POOL = RecvPool(max_bytes=1 << 30, min_bytes=1 << 20, pinned=True)

@@ -15,6 +15,7 @@ import torch
 from tritonkv import KVCacheSet, layouts, prepare_kv
 
 from ..logs import get_logger
+from ..transport.buffers import pinned_host
 
 log = get_logger("connector")
 
@@ -127,7 +128,7 @@ class RankCaches:
                 f"block ids {block_ids} address slots in [{int(chosen.min())}, "
                 f"{int(chosen.max())}], outside this cache's [0, {self.num_slots})"
             )
-        return slots.to(self.device, non_blocking=True)
+        return pinned_host(slots).to(self.device, non_blocking=True)
 
     def head_views(self, heads: tuple[int, int]) -> Views:
         """The token-row views of local heads ``heads[0]:heads[1]`` (all of them: the views

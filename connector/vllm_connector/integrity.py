@@ -22,6 +22,8 @@ import torch
 from tritonkv import kv_digest
 from tritonkv.digest import digests_hex, head_digests, tensor_digest
 
+from ..transport.buffers import pinned_host
+
 DIGEST_KEY = "kv_digest"  # entry meta: 16 hex digits of the whole packed KV
 HEAD_DIGESTS_KEY = "kv_head_digests"  # entry meta: 16 hex digits per head, concatenated
 # (token rows, > 1 head; meta values are scalars)
@@ -162,7 +164,9 @@ def write_back_digests(
         dtype=torch.int64,
     )
     sent = tensor_digest(packed[:, :, first:stop])
-    return torch.stack([sent, kv_digest(views, slots.to(packed.device, non_blocking=True))])
+    return torch.stack(
+        [sent, kv_digest(views, pinned_host(slots).to(packed.device, non_blocking=True))]
+    )
 
 
 def compare(check: str, want: Expected, digests: torch.Tensor, row: int) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kvstore import short_id
-from ..transport.buffers import host_empty
+from ..transport.buffers import host_empty, pinned_host
 from . import integrity
 from .metadata import LoadSpec
 from .streams import DeviceBudget, Pending, wait_events
@@ -54,11 +54,13 @@ class GpuLoad:
 
     def to_device(self, packed: torch.Tensor) -> torch.Tensor:
         """A device copy of host-staged ``packed``, on the current stream, within the budget
-        (the ``alloc_fail`` test hook fails it)."""
+        (the ``alloc_fail`` test hook fails it). From pinned memory (``packed`` is copied there
+        first if it is not): from pageable memory the copy would wait for vLLM's stream."""
         fail = "alloc_fail" in self.spec.debug_fault
         what = f"the load of transfer {short_id(self.spec.transfer_id)}"
         dev, got = self.budget.empty(self.ops, packed.shape, packed.dtype, what, fail)
         self.reserved += got
+        packed = pinned_host(packed)
         dev.copy_(packed, non_blocking=True)
         self.keep.append(packed)
         return dev

@@ -273,6 +273,14 @@ def test_bad_memory_options_are_refused():
         ConnectorConfig.from_extra({"gpu_memory_bytes": 0})
 
 
+def _busy(stream):
+    """An event behind about a second of GPU time queued on ``stream`` now."""
+    torch.cuda._sleep(2_000_000_000)
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("buffer_memory", ["host", "device"])
@@ -303,10 +311,17 @@ def test_on_a_gpu_the_step_never_synchronises(buffer_memory):
             if round_no:
                 torch.cuda.set_sync_debug_mode("error")
             try:
+                # the "forward pass" still runs (~1 s of GPU time) when each call returns: a
+                # call that waited for vLLM's stream (a sync, or a copy from pageable memory)
+                # would return after it
+                busy = _busy(compute)
                 prod.wait_for_save([spec])
+                assert not busy.query(), "wait_for_save waited for vLLM's stream"
                 assert prod.flush(30)
+                busy = _busy(compute)
                 cons.start_load_kv([load])
                 cons.get_finished()
+                assert not busy.query(), "start_load_kv waited for vLLM's stream"
                 errors = cons.get_block_ids_with_load_errors()
             finally:
                 torch.cuda.set_sync_debug_mode("default")

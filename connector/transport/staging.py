@@ -122,6 +122,13 @@ def copy_all(
             raise
 
 
+def _two_buffers(plan: list[tuple[int, int]]) -> tuple[list, list]:
+    """The staging buffers of a piece plan (the second one only for two pieces or more) and
+    the events of the copies that use them (none yet)."""
+    size = plan[0][1]
+    return [staging_buffer(size), staging_buffer(size) if len(plan) > 1 else None], [None, None]
+
+
 def to_host_pieces(
     copies, src: torch.Tensor, after, deadline: float, what: str
 ) -> Iterator[torch.Tensor]:
@@ -132,9 +139,7 @@ def to_host_pieces(
     plan = pieces(src.numel())
     if not plan:
         return
-    size = plan[0][1]
-    bufs = [staging_buffer(size), staging_buffer(size) if len(plan) > 1 else None]
-    events: list = [None, None]
+    bufs, events = _two_buffers(plan)
 
     def issue(k: int) -> None:
         off, n = plan[k]
@@ -170,9 +175,7 @@ def to_device_pieces(
     plan = pieces(dst.numel())
     if not plan:
         return
-    size = plan[0][1]
-    bufs = [staging_buffer(size), staging_buffer(size) if len(plan) > 1 else None]
-    events: list = [None, None]
+    bufs, events = _two_buffers(plan)
     done = False
     try:
         for k, (off, n) in enumerate(plan):

@@ -233,7 +233,8 @@ class Publisher:
         self._thread.start()
 
     def submit(self, job) -> None:
-        """Queue ``job`` (anything with a ``pending``: :class:`Pending`). Never blocks."""
+        """Queue ``job`` (anything with a ``pending``: :class:`Pending`, whose event may be None:
+        nothing launched to wait for). Never blocks."""
         with self._cond:
             self._jobs.append(job)
             self._cond.notify_all()
@@ -287,7 +288,8 @@ class Publisher:
 
     def _one(self, job, deadline: float) -> None:
         try:
-            if not wait_events([job.pending.event], deadline):
+            events = [job.pending.event] if job.pending.event is not None else []
+            if not wait_events(events, deadline):
                 raise TimeoutError("its pack did not complete within publish_timeout_s")
             self._publish(job, deadline)
         except Exception as exc:

@@ -213,6 +213,24 @@ class HiddenScheduler:
         return params
 
 
+def prompt_slots(spec: HiddenSaveSpec, num_blocks: int, block_size: int) -> torch.Tensor:
+    """``[num_tokens]`` int64 cache slots of ``spec``'s prompt positions (on the host);
+    ValueError if its blocks cannot hold them or lie outside ``[0, num_blocks)``."""
+    bs = block_size
+    if spec.num_tokens <= 0 or len(spec.block_ids) * bs < spec.num_tokens:
+        raise ValueError(
+            f"{spec.num_tokens} tokens in {len(spec.block_ids)} blocks of {bs}: expected "
+            "blocks holding every prompt token"
+        )
+    if len(spec.token_ids) != spec.num_tokens:
+        raise ValueError(f"{len(spec.token_ids)} token ids for {spec.num_tokens} tokens")
+    blocks = torch.tensor(spec.block_ids, dtype=torch.int64)
+    if int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks:
+        raise ValueError(f"block ids outside [0, {num_blocks})")
+    pos = torch.arange(spec.num_tokens, dtype=torch.int64)
+    return blocks[pos // bs] * bs + pos % bs
+
+
 @dataclass
 class _Batch:
     """One pack of a step's finishing prompts, from its launch to its delivery (and, on a GPU,
@@ -278,23 +296,6 @@ class HiddenWorker:
     def buffer(self):
         return self._buffer() if self._buffer is not None else None
 
-    def slots(self, spec: HiddenSaveSpec) -> torch.Tensor:
-        """``[num_tokens]`` int64 cache slots of ``spec``'s prompt positions (on the host);
-        ValueError if its blocks cannot hold them or lie outside the cache."""
-        bs = self.block_size
-        if spec.num_tokens <= 0 or len(spec.block_ids) * bs < spec.num_tokens:
-            raise ValueError(
-                f"{spec.num_tokens} tokens in {len(spec.block_ids)} blocks of {bs}: expected "
-                "blocks holding every prompt token"
-            )
-        if len(spec.token_ids) != spec.num_tokens:
-            raise ValueError(f"{len(spec.token_ids)} token ids for {spec.num_tokens} tokens")
-        blocks = torch.tensor(spec.block_ids, dtype=torch.int64)
-        if int(blocks.min()) < 0 or int(blocks.max()) >= self.num_blocks:
-            raise ValueError(f"block ids outside [0, {self.num_blocks})")
-        pos = torch.arange(spec.num_tokens, dtype=torch.int64)
-        return blocks[pos // bs] * bs + pos % bs
-
     def save(self, saves: list[HiddenSaveSpec], drops: list[HiddenDrop] = ()) -> None:
         """Drop ``drops`` and take ``saves`` (one pack for all). Never raises."""
         if self.tp_rank != 0:
@@ -307,7 +308,7 @@ class HiddenWorker:
         good, slots = [], []
         for spec in saves:
             try:
-                slots.append(self.slots(spec))
+                slots.append(prompt_slots(spec, self.num_blocks, self.block_size))
                 good.append(spec)
             except Exception as exc:
                 self._fail(spec, exc)
@@ -428,8 +429,7 @@ class HiddenWorker:
                 digests = self._digests(batch)
         rows, digests = self._publisher.to_host(batch, [batch.rows, digests], deadline)
         batch.rows = None  # the device output goes back to the allocator
-        self.budget.release(batch.pending.reserved)
-        batch.pending.reserved = 0
+        self._publisher.let_go(batch)  # its pack and copy completed
         self._deliver_all(batch, rows, None if digests is None else digests_hex(list(digests)))
 
     def _deliver_all(self, batch: _Batch, rows: torch.Tensor, hexes: list[str] | None) -> None:

@@ -251,16 +251,11 @@ class Producer:
         self._publisher_thread().submit(_Job(spec, packed, digests, meta, nbytes, pending))
 
     def _publisher_thread(self) -> Publisher:
-        """The ``tritonkv-publish`` thread: stores the launched saves, in order, once each
-        one's pack completed (:meth:`_publish`); one whose pack or copy does not complete within
-        its ``publish_timeout_s`` fails (recomputed)."""
+        """The ``tritonkv-publish`` thread (:class:`~.streams.Publisher`): stores the launched
+        saves once each one's pack completed (:meth:`_publish`), or fails them (recomputed)."""
         if self._publisher is None:
-            self._publisher = Publisher(
-                self._streams,
-                self.budget,
-                self._publish,
-                lambda job, exc: self._save_failed(job.spec, exc),
-            )
+            failed = lambda job, exc: self._save_failed(job.spec, exc)
+            self._publisher = Publisher(self._streams, self.budget, self._publish, failed)
         return self._publisher
 
     def _publish(self, job: _Job, deadline: float) -> None:
@@ -275,8 +270,7 @@ class Producer:
             entry = job.packed
         else:
             job.packed = None  # the device scratch goes back to the allocator
-            self.budget.release(job.pending.reserved)
-            job.pending.reserved = 0
+            self._publisher.let_go(job)  # its pack and copy completed
         meta = dict(job.meta)
         if digests is not None:
             meta.update(meta_from_digests(digests, self.kv_format))

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tritonkv import pack_kv, prepare_kv
-from tritonkv.digest import digests_hex, tensor_digest
+from tritonkv.digest import digests_hex, segment_digests
 
 from ..kvstore import short_id
 from ..logs import get_logger
@@ -325,7 +325,11 @@ class HiddenWorker:
         try:
             out = torch.empty(self._shape(good), dtype=self.cache.dtype, device=self.cache.device)
             self._pack(batch, slots, out)
-            hexes = digests_hex(list(self._digests(batch))) if self.digest else None
+            hexes = (
+                digests_hex(list(segment_digests(batch.rows, batch.bounds)))
+                if self.digest
+                else None
+            )
         except Exception as exc:
             self._batch_failed(batch, exc)
             return
@@ -348,12 +352,6 @@ class HiddenWorker:
         packed, _ = pack_kv(self._layers, flat, query_start_loc, out=out)
         batch.rows = packed[0, 0]  # [total_tokens, num_hidden_states, hidden_size]
         return flat
-
-    def _digests(self, batch: _Batch) -> torch.Tensor:
-        """``[num_specs, 2]`` int64: each request's rows' digest, on their device (launched, not
-        waited for)."""
-        b = batch.bounds
-        return torch.stack([tensor_digest(batch.rows[b[i] : b[i + 1]]) for i in range(len(b) - 1)])
 
     def _launch(self, batch: _Batch, slots: list[torch.Tensor]) -> None:
         """The pack on a GPU (see the module docstring): each request's device memory reserved
@@ -426,17 +424,22 @@ class HiddenWorker:
         digests = None
         if self.digest:
             with self._streams.use(self._publisher.copy_stream):
-                digests = self._digests(batch)
+                digests = segment_digests(batch.rows, batch.bounds)
         rows, digests = self._publisher.to_host(batch, [batch.rows, digests], deadline)
         batch.rows = None  # the device output goes back to the allocator
         self._publisher.let_go(batch)  # its pack and copy completed
         self._deliver_all(batch, rows, None if digests is None else digests_hex(list(digests)))
 
     def _deliver_all(self, batch: _Batch, rows: torch.Tensor, hexes: list[str] | None) -> None:
+        """Deliver each request's rows of ``rows`` (host memory, complete; ``hexes``: their
+        digests, None with ``digest`` off) with its token ids (digested here, all at once)."""
         b = batch.bounds
+        ids = torch.tensor([t for s in batch.specs for t in s.token_ids], dtype=torch.int64)
+        id_hexes = digests_hex(list(segment_digests(ids, b))) if hexes is not None else None
         for i, spec in enumerate(batch.specs):
-            digest = None if hexes is None else hexes[i]
-            self._deliver(spec, batch.locks[i], batch.ok[i], rows[b[i] : b[i + 1]], digest)
+            digests = {} if hexes is None else hidden_meta(hexes[i], id_hexes[i])
+            tensors = {"hidden_states": rows[b[i] : b[i + 1]], "token_ids": ids[b[i] : b[i + 1]]}
+            self._deliver(spec, batch.locks[i], batch.ok[i], tensors, digests)
             batch.locks[i] = None  # the writer's now
         log.info(
             "tritonkv: took the hidden states of %d requests, %d tokens, in one pack (%.2f ms "
@@ -446,20 +449,11 @@ class HiddenWorker:
             1e3 * (time.perf_counter() - batch.t0),
         )
 
-    def _deliver(self, spec, lock_fd, ok: bool, hidden: torch.Tensor, digest: str | None) -> None:
-        """Hand ``spec``'s rows (host memory, complete) with its token ids to the file writer
-        and the buffer; count it once, a success only if every way out took it."""
-        try:
-            token_ids = torch.tensor(spec.token_ids, dtype=torch.int64)
-            tensors = {"hidden_states": hidden, "token_ids": token_ids}
-            digests = hidden_meta(digest, token_ids) if digest is not None else {}
-        except Exception as exc:
-            if lock_fd is not None:
-                HiddenFileWriter.refuse(spec.path, lock_fd, f"{type(exc).__name__}: {exc}")
-            self._fail(spec, exc, "its delivery")
-            return
+    def _deliver(self, spec, lock_fd, ok: bool, tensors: dict, digests: dict[str, str]) -> None:
+        """Hand ``spec``'s ``tensors`` (host memory, complete) with their ``digests`` to the
+        file writer and the buffer; count it once, a success only if every way out took it."""
         if "flip_bit" in spec.debug_fault:  # test hook: in transit, after the digest was taken
-            flip_bit(hidden[None, None])
+            flip_bit(tensors["hidden_states"][None, None])
         if lock_fd is not None:
             ok = self.writer.submit(spec.path, tensors, lock_fd, digests) and ok
         buffer = self.buffer

@@ -224,13 +224,12 @@ def check_write_back(
 HIDDEN_DIGEST_KEYS = {"hidden_states": "hidden_states_digest", "token_ids": "token_ids_digest"}
 
 
-def hidden_meta(hidden_digest: str, token_ids: torch.Tensor) -> dict[str, str]:
-    """The digest fields of a hidden-state entry: ``hidden_digest`` (its ``hidden_states``'
-    digest, 16 hex digits, computed from the pack's output) and that of ``token_ids`` (a host
-    tensor, digested here)."""
+def hidden_meta(hidden_digest: str, token_ids_digest: str) -> dict[str, str]:
+    """The digest fields of a hidden-state entry (16 hex digits each): its ``hidden_states``'
+    digest, computed from the pack's output, and that of its ``token_ids``."""
     return {
         HIDDEN_DIGEST_KEYS["hidden_states"]: hidden_digest,
-        HIDDEN_DIGEST_KEYS["token_ids"]: digests_hex([tensor_digest(token_ids)])[0],
+        HIDDEN_DIGEST_KEYS["token_ids"]: token_ids_digest,
     }
 
 

@@ -52,9 +52,7 @@ def stand_in(tmp_path):
             tid = f"t{len(calls)}"
             path = str(tmp_path / "server" / f"{tid}.safetensors")
             states = _states(ids)
-            digests = hidden_meta(
-                digest_hex(tensor_digest(states["hidden_states"])), states["token_ids"]
-            )
+            digests = hidden_meta(*(digest_hex(tensor_digest(t)) for t in states.values()))
             if ids == [17]:  # the prompt whose states a bit flip corrupts after their digest
                 flip_bit(states["hidden_states"][None, None])
             buffer.put(tid, states, {"kind": "hidden_states", **digests})

@@ -61,7 +61,8 @@ FMIX_2 = 0xC2B2AE35
 COUNT_SEEDS = (0x27D4EB2F, 0x165667B1)  # lane A, lane B: fold the byte count
 CHUNK_WORDS = 1 << 15  # NumPy reference: words per chunk (its temporaries stay in cache)
 PARALLEL_MIN_WORDS = 1 << 20  # NumPy reference: from 4 MiB on, ranges go to the copy threads
-SEGMENT_CHUNK_WORDS = 1 << 22  # segment_digests: words per pass (int64 temporaries of 32 MiB)
+SEGMENT_CHUNK_WORDS = 1 << 21  # segment_digests: words per pass (int64 temporaries of 16 MiB;
+# about six are alive at once: ~100 MiB of scratch at most, on the rows' device)
 SEGMENT_NATIVE_BYTES = 1 << 14  # segment_digests on the CPU: from this mean segment size on,
 # one native pass per segment (its per-call overhead is then below the torch passes' cost)
 

@@ -15,6 +15,8 @@ spec-only           vLLM's ``extract_hidden_states`` method, no connector: what 
                     floor of every other setup)
 tritonkv-noread     TritonKVConnector serving them, files off, nobody reading them: what the
                     extraction costs the server (entries stay until their TTL)
+tritonkv-noread-    the same with the connector's ``digest`` off: what binding each request's
+nodigest            hidden states to their digest costs the server
 tritonkv-net        TritonKVConnector, files off: pulls them from the KV server (a
                     ``connector.hidden_reader.HiddenStatesReader`` per client: kept connections)
 tritonkv-files      TritonKVConnector, files on: reads the file (``read_hidden_file``)
@@ -49,7 +51,8 @@ from connector.serve.tiny_model import build_tiny_llama
 
 from .common import REPO, RESULTS, git_sha
 
-SETUPS = ("plain", "spec-only", "tritonkv-noread", "tritonkv-net", "tritonkv-files", "example")
+SETUPS = ("plain", "spec-only", "tritonkv-noread", "tritonkv-noread-nodigest", "tritonkv-net",
+          "tritonkv-files", "example")  # fmt: skip
 LAYERS = [0, 1]
 SPEC = {
     "method": "extract_hidden_states",
@@ -74,9 +77,10 @@ def _server(name: str, cluster: Cluster, model: Path, storage: Path):
             "role": "kv_producer",
             "kv_port": free_port_run(1),
             "extra_config": {"shared_storage_path": str(storage), "hidden_states_files": files,
-                             "hidden_states_serve": not files, "transfer_cpus": "1"},
+                             "hidden_states_serve": not files, "transfer_cpus": "1",
+                             "digest": not name.endswith("-nodigest")},
         }  # fmt: skip
-        if name == "tritonkv-noread":
+        if name.startswith("tritonkv-noread"):
             reader = None
         elif files:
             reader = lambda p: read_hidden_file(p["hidden_states_path"], timeout_s=60)

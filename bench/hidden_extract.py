@@ -36,6 +36,7 @@ tritonkv's figures are without tuning.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -102,8 +103,7 @@ class Step:
             self.copy_stream.wait_event(ready)
         for i, n in enumerate(self.lengths):
             slots = self._slots(i, whole_blocks=True)
-            ctx = torch.cuda.stream(self.copy_stream) if on_gpu else _nothing()
-            with ctx:
+            with torch.cuda.stream(self.copy_stream) if on_gpu else contextlib.nullcontext():
                 slots = slots.to(self.device, non_blocking=True)
                 rows = self.cache[slots // self.block_size, :, slots % self.block_size][:n]
                 host = torch.empty_like(rows, device="cpu", pin_memory=on_gpu)
@@ -153,24 +153,17 @@ class Step:
         self.buffer.close()
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def check(step: Step) -> None:
     """Every provider's rows are the cache's, bit for bit (else the figures mean nothing)."""
-    want = [step.cache[s // step.block_size, :, s % step.block_size].cpu()
-            for s in (step._slots(i, False).to(step.device) for i in range(len(step.lengths)))]  # fmt: skip
+    as_ints = lambda t: t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+    want = []
+    for i in range(len(step.lengths)):
+        slots = step._slots(i, whole_blocks=False).to(step.device)
+        want.append(step.cache[slots // step.block_size, :, slots % step.block_size].cpu())
     for name in ("example", "tritonkv", "tritonkv_worker"):
         got = getattr(step, name)()
-        for w, g in zip(want, got, strict=True):
-            if not torch.equal(w.view(torch.int16 if w.element_size() == 2 else torch.int32),
-                               g.view(torch.int16 if g.element_size() == 2 else torch.int32)):  # fmt: skip
-                raise AssertionError(f"{name}: rows differ from the cache's")
+        if not all(torch.equal(as_ints(w), as_ints(g)) for w, g in zip(want, got, strict=True)):
+            raise AssertionError(f"{name}: rows differ from the cache's")
 
 
 def run(dry_run: bool, budget_s: float) -> list[str]:

@@ -15,11 +15,12 @@ spec-only           vLLM's ``extract_hidden_states`` method, no connector: what 
                     floor of every other setup)
 tritonkv-noread     TritonKVConnector serving them, files off, nobody reading them: what the
                     extraction costs the server (entries stay until their TTL)
-tritonkv-noread-    the same with the connector's ``digest`` off: what binding each request's
-nodigest            hidden states to their digest costs the server
 tritonkv-net        TritonKVConnector, files off: pulls them from the KV server (a
                     ``connector.hidden_reader.HiddenStatesReader`` per client: kept connections)
 tritonkv-files      TritonKVConnector, files on: reads the file (``read_hidden_file``)
+tritonkv-...-       ``tritonkv-noread`` and ``tritonkv-files`` with the connector's ``digest``
+nodigest            off: what binding each request's hidden states to their digests costs (the
+                    server's digests; with files also the writer's and the reader's checks)
 example             vLLM's ExampleHiddenStatesConnector with only its pinned memory and CUDA
                     stream calls made CPU no-ops (``tests/support/hidden_runs.py``): reads the
                     file (vLLM's ``load_hidden_states``)
@@ -52,7 +53,7 @@ from connector.serve.tiny_model import build_tiny_llama
 from .common import REPO, RESULTS, git_sha
 
 SETUPS = ("plain", "spec-only", "tritonkv-noread", "tritonkv-noread-nodigest", "tritonkv-net",
-          "tritonkv-files", "example")  # fmt: skip
+          "tritonkv-files", "tritonkv-files-nodigest", "example")  # fmt: skip
 LAYERS = [0, 1]
 SPEC = {
     "method": "extract_hidden_states",
@@ -72,7 +73,7 @@ def _server(name: str, cluster: Cluster, model: Path, storage: Path):
     if name != "plain":
         args += ["--speculative-config", json.dumps(SPEC)]
     if name.startswith("tritonkv"):
-        files = name == "tritonkv-files"
+        files = name.startswith("tritonkv-files")
         kw = {
             "role": "kv_producer",
             "kv_port": free_port_run(1),

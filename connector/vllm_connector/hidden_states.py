@@ -330,10 +330,9 @@ class HiddenWorker:
                 if self.digest
                 else None
             )
-        except Exception as exc:
+            self._deliver_all(batch, batch.rows, hexes)
+        except Exception as exc:  # never into vLLM's step
             self._batch_failed(batch, exc)
-            return
-        self._deliver_all(batch, batch.rows, hexes)
 
     def _shape(self, specs: list[HiddenSaveSpec]) -> tuple[int, ...]:
         """The pack's output for ``specs``, sized from their lengths (known on the host)."""

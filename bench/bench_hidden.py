@@ -18,6 +18,9 @@ tritonkv-noread     TritonKVConnector serving them, files off, nobody reading th
 tritonkv-net        TritonKVConnector, files off: pulls them from the KV server (a
                     ``connector.hidden_reader.HiddenStatesReader`` per client: kept connections)
 tritonkv-files      TritonKVConnector, files on: reads the file (``read_hidden_file``)
+tritonkv-...-       ``tritonkv-noread`` and ``tritonkv-files`` with the connector's ``digest``
+nodigest            off: what binding each request's hidden states to their digests costs (the
+                    server's digests; with files also the writer's and the reader's checks)
 example             vLLM's ExampleHiddenStatesConnector with only its pinned memory and CUDA
                     stream calls made CPU no-ops (``tests/support/hidden_runs.py``): reads the
                     file (vLLM's ``load_hidden_states``)
@@ -49,7 +52,8 @@ from connector.serve.tiny_model import build_tiny_llama
 
 from .common import REPO, RESULTS, git_sha
 
-SETUPS = ("plain", "spec-only", "tritonkv-noread", "tritonkv-net", "tritonkv-files", "example")
+SETUPS = ("plain", "spec-only", "tritonkv-noread", "tritonkv-noread-nodigest", "tritonkv-net",
+          "tritonkv-files", "tritonkv-files-nodigest", "example")  # fmt: skip
 LAYERS = [0, 1]
 SPEC = {
     "method": "extract_hidden_states",
@@ -69,14 +73,15 @@ def _server(name: str, cluster: Cluster, model: Path, storage: Path):
     if name != "plain":
         args += ["--speculative-config", json.dumps(SPEC)]
     if name.startswith("tritonkv"):
-        files = name == "tritonkv-files"
+        files = name.startswith("tritonkv-files")
         kw = {
             "role": "kv_producer",
             "kv_port": free_port_run(1),
             "extra_config": {"shared_storage_path": str(storage), "hidden_states_files": files,
-                             "hidden_states_serve": not files, "transfer_cpus": "1"},
+                             "hidden_states_serve": not files, "transfer_cpus": "1",
+                             "digest": not name.endswith("-nodigest")},
         }  # fmt: skip
-        if name == "tritonkv-noread":
+        if name.startswith("tritonkv-noread"):
             reader = None
         elif files:
             reader = lambda p: read_hidden_file(p["hidden_states_path"], timeout_s=60)

@@ -10,13 +10,17 @@
 #                  around the connector's calls, a CUDA graph reading the loaded blocks, injected
 #                  allocation failures), and both halves in one process with the KV buffer on
 #                  the host and on the device (tests/vllm_connector/test_two_workers.py,
-#                  test_gpu_step.py); --dry-run: their CPU variants
+#                  test_gpu_step.py), the hidden states' path (test_hidden_gpu_step.py);
+#                  --dry-run: their CPU variants
 #   bench.csv      the reduced benchmark, schema of bench/common.py (COLUMNS)
 #   tokens.png     tokens sweep: GB/s and fraction of copy, per op and case
 #   seqs.png       seqs sweep: ms and speed-up over the loop
 #   autotune.json  the winning Triton config per op and case
 #   profile.txt    kernels seen by torch.profiler for one pack_kv over 32 layers (expect one copy)
 #   host_overhead.txt  host time per small call (plain and prepared layers) and its cProfile
+#   hidden.txt     hidden-state extraction in process: tritonkv's one pack of a step's requests
+#                  (and the connector's whole path) vs ExampleHiddenStatesConnector's per-request
+#                  copies, tokens/s and ratios (bench/hidden_extract.py)
 #   (gpu_check.log also gets bench/bench_staging.py's lines: CUDA tensors over gloo and socket,
 #   staged in pieces vs copied whole first vs host tensors)
 #
@@ -40,7 +44,8 @@ TOTAL_S=470      # hard limit for the whole script (< 8 min: the device run is 1
 TESTS_S=120      # the gpu tests (autotuning compiles most of this time)
 WORKERS_S=180    # the worker halves' gpu tests (two processes start CUDA and compile each)
 HOST_S=40        # host time per call (bench/host_overhead.py: the table, prepared and plain)
-STAGING_S=40     # CUDA tensors over gloo and socket (bench/bench_staging.py: 3 rounds of 256 MiB)
+STAGING_S=25     # CUDA tensors over gloo and socket (bench/bench_staging.py: 3 rounds of 256 MiB)
+HIDDEN_S=35      # hidden-state extraction in process (bench/hidden_extract.py, ~25 s timed)
 BENCH_S=165      # the reduced benchmark and launch count (what they had before the workers' step)
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
@@ -109,19 +114,20 @@ pytest_step() {
 
 status=0
 echo
-echo "== 1/4 gpu tests (limit ${TESTS_S} s)"
+echo "== 1/5 gpu tests (limit ${TESTS_S} s)"
 # (in a dry run every one of them is skipped: nothing must pass)
 pytest_step "gpu tests" pytest.log "$TESTS_S" "$((1 - DRY))" -m gpu \
     tests/kernels/test_gpu.py tests/transport/test_pipe_gpu.py
 
 echo
-echo "== 2/4 worker halves on one GPU (limit ${WORKERS_S} s)"
+echo "== 2/5 worker halves on one GPU (limit ${WORKERS_S} s)"
 # a dry run runs the same checks on the CPU: the halves' GPU path on stand-in streams
 pytest_step "worker halves" workers.log "$WORKERS_S" 1 -m "$([[ $DRY == 1 ]] && echo 'not gpu' || echo gpu)" \
-    tests/vllm_connector/test_two_workers.py tests/vllm_connector/test_gpu_step.py
+    tests/vllm_connector/test_two_workers.py tests/vllm_connector/test_gpu_step.py \
+    tests/vllm_connector/test_hidden_gpu_step.py
 
 echo
-echo "== 3/4 host time per call (limit ${HOST_S} s), then staging (limit ${STAGING_S} s)"
+echo "== 3/5 host time per call (limit ${HOST_S} s), then staging (limit ${STAGING_S} s)"
 rc=0
 dry_flag=()
 [[ $DRY == 1 ]] && dry_flag=(--dry-run)
@@ -145,10 +151,22 @@ if [[ $rc != 0 ]]; then
 fi
 rm -f "$staging_out"
 
+echo
+echo "== 4/5 hidden-state extraction in process (limit ${HIDDEN_S} s)"
+rc=0
+TRITONKV_AUTOTUNE=0 timeout -k 5 "$HIDDEN_S" "$PY" -m bench.hidden_extract --out "$OUTDIR/hidden.txt" \
+    --budget-s 1.5 ${dry_flag[@]+"${dry_flag[@]}"} >/dev/null 2>&1 || rc=$?
+if [[ $rc != 0 ]]; then
+    echo "hidden extraction: exit $rc$([[ $rc == 124 || $rc == 137 ]] && echo ' (timed out)')"
+    status=1
+else
+    cat "$OUTDIR/hidden.txt"
+fi
+
 left=$((TOTAL_S - SECONDS))
 (( left > BENCH_S )) && left=$BENCH_S
 echo
-echo "== 4/4 reduced benchmark + launch count (limit ${left} s; nothing new starts after $((left - 50)) s)"
+echo "== 5/5 reduced benchmark + launch count (limit ${left} s; nothing new starts after $((left - 50)) s)"
 rc=0
 timeout -k 5 "$left" "$PY" -m bench.bench_kv --suite gpu-check --outdir "$OUTDIR" \
     --deadline-s "$((left - 50))" ${dry_flag[@]+"${dry_flag[@]}"} || rc=$?

@@ -26,6 +26,11 @@ dtype), "token_ids": [num_tokens] int64}``. Example, from a training job on anot
         params["hidden_states_transfer_id"], secret=open("/etc/tritonkv.secret").read().strip())
     states["hidden_states"].shape  # torch.Size([num_tokens, num_hidden_states, hidden_size])
 
+Integrity: a producer with ``digest`` on (the default) stores each tensor's digest with the entry
+and in the file's header; both readers check them on receipt and raise
+:class:`~connector.vllm_connector.integrity.DigestMismatch` (a ValueError) naming the transfer or
+file and the check (``receipt``, ``file``) when the bytes differ from what the producer packed.
+
 The server authenticates every connection with the shared secret it was started with
 (``TRITONKV_SECRET`` or ``secret_file``; :mod:`connector.transport.auth`); pass the same.
 """
@@ -41,8 +46,9 @@ from .kvstore import KVClient
 from .transport import auth, check_timeout
 from .transport.errors import PeerDeadError, PipeClosedError
 from .vllm_connector.hidden_files import read_hidden_file
+from .vllm_connector.integrity import DigestMismatch, check_hidden
 
-__all__ = ["HiddenStatesReader", "fetch_hidden_states", "read_hidden_file"]
+__all__ = ["DigestMismatch", "HiddenStatesReader", "fetch_hidden_states", "read_hidden_file"]
 
 
 class HiddenStatesReader:
@@ -107,6 +113,7 @@ class HiddenStatesReader:
                 f"transfer {transfer_id[:8]}: expected hidden states, got an entry of kind "
                 f"{meta.get('kind')!r} with tensors {sorted(tensors)}"
             )
+        check_hidden(meta, tensors, "receipt", f"hidden states of transfer {transfer_id[:8]}: ")
         return {"hidden_states": tensors["hidden_states"], "token_ids": tensors["token_ids"]}
 
     def _client(self, host: str, port: int) -> KVClient:
@@ -162,6 +169,8 @@ def fetch_hidden_states(
         TypeError, ValueError: arguments of the wrong type or range.
         connector.transport.errors.KeyMissError: the server does not hold it (never taken,
             already read, expired, or its request was aborted); the reason says which it knows.
+        DigestMismatch: what arrived differs from what the producer packed (check
+            ``receipt``); the entry was delivered (and dropped) all the same.
         connector.transport.errors.TransferTimeout, PeerDeadError, ...: the pull failed in time.
     """
     reader = HiddenStatesReader(

@@ -35,6 +35,8 @@ shares; the Triton kernels compute the lane sums in their copy launch
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -46,6 +48,7 @@ __all__ = [
     "finalize",
     "head_digests",
     "packed_digest",
+    "segment_digests",
     "tensor_digest",
 ]
 
@@ -58,6 +61,10 @@ FMIX_2 = 0xC2B2AE35
 COUNT_SEEDS = (0x27D4EB2F, 0x165667B1)  # lane A, lane B: fold the byte count
 CHUNK_WORDS = 1 << 15  # NumPy reference: words per chunk (its temporaries stay in cache)
 PARALLEL_MIN_WORDS = 1 << 20  # NumPy reference: from 4 MiB on, ranges go to the copy threads
+SEGMENT_CHUNK_WORDS = 1 << 21  # segment_digests: words per pass (int64 temporaries of 16 MiB;
+# about six are alive at once: ~100 MiB of scratch at most, on the rows' device)
+SEGMENT_NATIVE_BYTES = 1 << 14  # segment_digests on the CPU: from this mean segment size on,
+# one native pass per segment (its per-call overhead is then below the torch passes' cost)
 
 
 def fmix32(h: int) -> int:
@@ -196,6 +203,83 @@ def tensor_digest(t: torch.Tensor) -> torch.Tensor:
     lanes = torch.zeros(2, dtype=torch.int64, device=t.device)
     byte_lanes(t, lanes)
     return finalize(lanes, t.numel() * t.element_size())
+
+
+def _mul32(h: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``h * k mod 2**32`` of int64 tensors holding values in ``[0, 2**32)`` (products of 16-bit
+    halves stay below 2**63)."""
+    return ((h & 0xFFFF) * k + (((h >> 16) * k) & 0xFFFF) * 65536) & MASK
+
+
+def segment_digests(rows: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    """The digest of each segment of rows, ``tensor_digest(rows[cu_seqlens[i] :
+    cu_seqlens[i + 1]])`` for every ``i``, in a few torch passes over ``rows`` whatever the
+    number of segments (no per-segment launch, no host synchronisation on a GPU): e.g. each
+    request's hidden states of one pack. On the CPU, segments of ``SEGMENT_NATIVE_BYTES`` and
+    more (on average) take one pass each of the native library instead.
+
+    Args:
+        rows: ``[num_rows, ...]`` contiguous tensor, any dtype, whose rows are whole 32-bit
+            words (else each segment is digested apart, by :func:`tensor_digest`).
+        cu_seqlens: ``[num_seqs + 1]`` row offsets, on the host (a list of ints), from 0 to at
+            most ``num_rows``, non-decreasing.
+
+    Returns:
+        ``[num_seqs, 2]`` int64 digests on ``rows``' device.
+    """
+    if not isinstance(rows, torch.Tensor) or rows.dim() < 1 or not rows.is_contiguous():
+        raise ValueError(
+            f"rows: expected a contiguous [num_rows, ...] tensor, got {type(rows).__name__} "
+            f"{getattr(rows, 'shape', '')}"
+        )
+    bounds = [int(b) for b in cu_seqlens]
+    if (
+        not bounds
+        or bounds[0] != 0
+        or bounds[-1] > rows.shape[0]
+        or any(b > c for b, c in itertools.pairwise(bounds))
+    ):
+        raise ValueError(
+            f"cu_seqlens: expected non-decreasing offsets from 0 to at most {rows.shape[0]}, "
+            f"got {bounds[:8]}{'...' if len(bounds) > 8 else ''}"
+        )
+    num_seqs = len(bounds) - 1
+    row_bytes = rows[0].numel() * rows.element_size() if rows.shape[0] else 0
+    if num_seqs == 0:
+        return torch.zeros((0, DIGEST_SIZE), dtype=torch.int64, device=rows.device)
+    large = bounds[-1] * row_bytes >= SEGMENT_NATIVE_BYTES * num_seqs
+    if row_bytes % 4 or row_bytes == 0 or (rows.device.type == "cpu" and large and _native()):
+        return torch.stack([tensor_digest(rows[a:b]) for a, b in itertools.pairwise(bounds)])
+    per_row = row_bytes // 4
+    words = rows[: bounds[-1]].reshape(-1).view(torch.uint8).view(torch.int32).view(-1, per_row)
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
+    device = rows.device
+    on_device = lambda values: torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+    seg_of_row = torch.repeat_interleave(
+        torch.arange(num_seqs, device=device), on_device(lengths), output_size=bounds[-1]
+    )
+    first_row = on_device(bounds[:-1])
+    lanes = torch.zeros((num_seqs, DIGEST_SIZE), dtype=torch.int64, device=device)
+    col = torch.arange(per_row, dtype=torch.int64, device=device)
+    key = torch.full((), KEY, dtype=torch.int64, device=device)
+    step = max(1, SEGMENT_CHUNK_WORDS // per_row)
+    for start in range(0, bounds[-1], step):
+        stop = min(start + step, bounds[-1])
+        seg = seg_of_row[start:stop]
+        local = torch.arange(start, stop, dtype=torch.int64, device=device) - first_row[seg]
+        pos = local[:, None] * per_row + col[None, :]  # word position within its segment
+        k = (_mul32(pos & MASK, key) + SEED) & MASK
+        h = _fmix32_torch((words[start:stop].to(torch.int64) & MASK) ^ k)
+        sums = torch.stack([h.sum(1) & MASK, _mul32(h, k | 1).sum(1) & MASK], dim=1)
+        lanes.index_add_(0, seg, sums)
+    keys = on_device([count_keys(n * row_bytes) for n in lengths])
+    return _fmix32_torch((lanes & MASK) ^ keys)
+
+
+def _native() -> bool:
+    from . import _cpu_digest
+
+    return _cpu_digest.native() is not None
 
 
 def head_digests(packed: torch.Tensor) -> torch.Tensor:

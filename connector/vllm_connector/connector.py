@@ -305,6 +305,7 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
             serve_at=(self.cfg.advertise_host or self.cfg.host, self.engine_port)
             if serve
             else None,
+            allow_faults=self.cfg.debug_allow_corrupt,
         )
 
     @property
@@ -361,7 +362,7 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
             set_transfer_cpus(cpus)
         hidden_names = cache_only_layers(self._vllm_config, list(kv_caches)) if self.hidden else []
         if hidden_names:
-            self._register_hidden(kv_caches[hidden_names[0]], hidden_names, tp_rank)
+            check_hidden_cache(kv_caches[hidden_names[0]], hidden_names, self.hidden["block_size"])
         names = sorted((n for n in kv_caches if n not in hidden_names), key=extract_layer_index)
         # Layers that share another layer's cache (vLLM's cross-layer KV sharing register the same
         # tensor under each name): moved once.
@@ -382,14 +383,10 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
             num_layers=len(names),
             transfer_cpus=cpus,
         )
+        if hidden_names:  # after the worker's: its device budget is the rank's
+            self._register_hidden(kv_caches[hidden_names[0]], hidden_names, tp_rank)
 
     def _register_hidden(self, cache: torch.Tensor, names: list[str], tp_rank: int) -> None:
-        if len(names) != 1 or cache.dim() != 4 or cache.shape[2] != self.hidden["block_size"]:
-            raise ValueError(
-                f"tritonkv: extract_hidden_states: expected one cache-only layer of block size "
-                f"{self.hidden['block_size']}, got layers {names} with cache shape "
-                f"{tuple(cache.shape)} ([num_blocks, num_hidden_states, block_size, hidden_size])"
-            )
         writer = None
         if self.cfg.hidden_states_files and tp_rank == 0:
             writer = HiddenFileWriter(self.cfg.hidden_writer_bytes)
@@ -404,6 +401,8 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
             else None,
             stats=worker.stats,
             put_timeout_s=self.cfg.put_timeout_s,
+            digest=self.cfg.digest,
+            budget=worker.budget,
         )
         log.info(
             "tritonkv: rank %d takes hidden states from %s %s %s (%s)",
@@ -541,6 +540,17 @@ def hidden_group(vllm_config, kv_cache_config) -> dict:
             f"hidden-state layer, found {len(found)} among {len(groups)}"
         )
     return {"group": found[0][0], "block_size": found[0][1]}
+
+
+def check_hidden_cache(cache: torch.Tensor, names: list[str], block_size: int) -> None:
+    """ValueError unless ``names`` is one cache-only layer whose cache is ``[num_blocks,
+    num_hidden_states, block_size, hidden_size]`` (checked before any half starts)."""
+    if len(names) != 1 or cache.dim() != 4 or cache.shape[2] != block_size:
+        raise ValueError(
+            f"tritonkv: extract_hidden_states: expected one cache-only layer of block size "
+            f"{block_size}, got layers {names} with cache shape "
+            f"{tuple(cache.shape)} ([num_blocks, num_hidden_states, block_size, hidden_size])"
+        )
 
 
 def cache_only_layers(vllm_config, names: list[str]) -> list[str]:

@@ -15,6 +15,14 @@ has a deadline). The file is written under a temporary name in the same folder a
 place, so a crash never leaves a half-written file under the final name. A write that failed
 leaves no file, only ``<path>.error`` with the reason (what :func:`read_hidden_file` raises).
 
+Integrity (the connector's ``digest`` option, on by default): the writer is given each tensor's
+digest as the pack made it (:data:`~.integrity.HIDDEN_DIGEST_KEYS`), checks the tensors it is
+about to write against them (a mismatch: no file, an ``.error`` naming the check ``write``) and
+stores them in the file's safetensors header (``__metadata__``). Readers of the tensors
+(safetensors' ``load_file``, vLLM's ``load_hidden_states``) ignore that header field: the keys,
+dtypes, shapes and bytes of the tensors are Example's. :func:`read_hidden_file` checks them
+(check ``file``).
+
 :class:`HiddenFileWriter` is one thread with a queue bounded in bytes: a request whose tensors
 would overflow it is refused at once (its ``.error`` says so), never waited for on the step. The
 thread runs on the connector's ``transfer_cpus`` when they are set, like the KV server's.
@@ -36,6 +44,7 @@ import torch
 
 from ..logs import get_logger
 from ..transport.threads import transfer_thread
+from .integrity import check_hidden
 
 log = get_logger("connector")
 
@@ -56,7 +65,7 @@ class _Job:
     path: str
     tensors: dict[str, torch.Tensor] | None  # None: delete the request's files
     lock_fd: int | None = None
-    ready: object | None = None  # something with .synchronize() (a CUDA event), or None
+    digests: dict[str, str] | None = None  # integrity.HIDDEN_DIGEST_KEYS -> 16 hex digits
     nbytes: int = 0
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -100,17 +109,21 @@ class HiddenFileWriter:
         return fd
 
     def submit(
-        self, path: str, tensors: dict[str, torch.Tensor], lock_fd: int | None, ready=None
+        self,
+        path: str,
+        tensors: dict[str, torch.Tensor],
+        lock_fd: int | None,
+        digests: dict[str, str] | None = None,
     ) -> bool:
-        """Queue ``tensors`` for ``path`` (``lock_fd`` from :meth:`lock`, released once written;
-        ``ready``: an event to wait for before reading the tensors). Never blocks. False (and
-        the request's ``.error`` written, its lock released) if the queue has no room or the
-        writer is closed."""
+        """Queue ``tensors`` (host tensors, complete) for ``path`` (``lock_fd`` from
+        :meth:`lock`, released once written; ``digests``: what they must match, stored in the
+        header). Never blocks. False (and the request's ``.error`` written, its lock released)
+        if the queue has no room or the writer is closed."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         with self._cond:
             room = self.max_bytes - self._queued_bytes
             if not self._closed and nbytes <= room:
-                self._jobs.append(_Job(path, tensors, lock_fd, ready, nbytes))
+                self._jobs.append(_Job(path, tensors, lock_fd, digests, nbytes))
                 self._queued_bytes += nbytes
                 self._cond.notify_all()
                 return True
@@ -122,11 +135,17 @@ class HiddenFileWriter:
             f"{room} of hidden_writer_bytes={self.max_bytes} free (the disk is slower than "
             "extraction)"
         )
+        self.refuse(path, lock_fd, why)
+        return False
+
+    @staticmethod
+    def refuse(path: str, lock_fd: int | None, why: str) -> None:
+        """``path`` will not be written: its ``.error`` says ``why`` (what
+        :func:`read_hidden_file` raises), its lock (``lock_fd``) is released."""
         _write_error(path, why)
         if lock_fd is not None:
             os.close(lock_fd)
         log.error("tritonkv: hidden states of %s not written: %s", path, why)
-        return False
 
     def delete(self, path: str) -> None:
         """Remove ``path``'s file, lock and error marker, after any write of it queued before
@@ -190,9 +209,9 @@ class HiddenFileWriter:
         folder, name = os.path.split(os.path.abspath(job.path))
         tmp = os.path.join(folder, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            if job.ready is not None:
-                job.ready.synchronize()
-            save_file(job.tensors, tmp)
+            if job.digests:  # what reaches the disk is what the pack made
+                check_hidden(job.digests, job.tensors, "write", f"{job.path}: ")
+            save_file(job.tensors, tmp, metadata=job.digests or None)
             os.replace(tmp, job.path)
             with self._cond:
                 self._counts["written"] += 1
@@ -221,7 +240,8 @@ class HiddenFileWriter:
 
 
 def read_hidden_file(path: str, timeout_s: float = 60.0) -> dict[str, torch.Tensor]:
-    """Read a hidden-state file (``{"hidden_states", "token_ids"}``) once it is complete.
+    """Read a hidden-state file (``{"hidden_states", "token_ids"}``) once it is complete, and
+    check the digests its header holds (none: a producer with ``digest`` off).
 
     Waits, at most ``timeout_s``, for the writer's lock on ``<path>.lock`` (taking a shared lock
     as vLLM's ``load_hidden_states`` does, but with a deadline).
@@ -230,8 +250,10 @@ def read_hidden_file(path: str, timeout_s: float = 60.0) -> dict[str, torch.Tens
         TimeoutError: the file was still being written after ``timeout_s``.
         FileNotFoundError: no lock file (nothing was ever to be written there), or no file.
         RuntimeError: the write failed or was refused (the reason, from ``<path>.error``).
+        connector.vllm_connector.integrity.DigestMismatch: the file's tensors differ from what
+            the producer packed (check ``file``).
     """
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
         raise ValueError(f"timeout_s: expected a number > 0, got {timeout_s!r}")
@@ -254,4 +276,8 @@ def read_hidden_file(path: str, timeout_s: float = 60.0) -> dict[str, torch.Tens
         if not os.path.exists(path) and os.path.exists(_error_path(path)):
             with open(_error_path(path)) as f:
                 raise RuntimeError(f"hidden states {path}: {f.read().strip()}")
-        return load_file(path, device="cpu")
+        with safe_open(path, framework="pt", device="cpu") as f:
+            header = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    check_hidden(header, tensors, "file", f"hidden states {path}: ")
+    return tensors

@@ -21,9 +21,22 @@ Worker side (:class:`HiddenWorker`): after the step's forward pass and the draft
 over the prompts laid end to end (prompt ``i`` owns packed rows ``cu_seqlens[i] :
 cu_seqlens[i + 1]``); each request then gets a view of its rows (no per-request copy), with its
 token ids beside it, handed to the file writer (:mod:`.hidden_files`, off the step) and/or put in
-the rank's KV buffer, which the producer's KV server serves. Every rank of a TP group holds the
-same hidden states (they follow the all-reduce); only rank 0 takes them. A failure (full writer
-queue, full buffer, a bad spec) is that request's: logged, counted, never raised into vLLM.
+the rank's KV buffer, which the producer's KV server serves. With ``digest`` (on by default) each
+request's tensors carry their digest (:func:`.integrity.hidden_meta`): stored with the entry and
+in the file's header, checked by the file writer before its rename and by the readers
+(:mod:`connector.hidden_reader`). Every rank of a TP group holds the same hidden states (they
+follow the all-reduce); only rank 0 takes them. A failure (full writer queue, full buffer, a bad
+spec, no device memory) is that request's: logged, counted, never raised into vLLM.
+
+On a GPU (:mod:`.streams`, the rules of the KV path): the pack waits for an event recorded on
+vLLM's stream, runs on tritonkv's side stream into an output sized from the prompts' lengths
+(known on the host) within the rank's :class:`~.streams.DeviceBudget`, and vLLM's stream waits
+for the pack's event (the blocks may be reused next). Nothing on the step reads the device or
+waits for it. A :class:`~.streams.Publisher` thread then, once the pack's event completed,
+digests each request's rows on the device, copies rows and digests to pinned host memory and
+delivers them (files, buffer); a pack that does not complete in time fails its requests (their
+files get an ``.error``), never the engine. Drops of aborted requests go through that thread too,
+after the saves launched before them.
 No vLLM import.
 """
 
@@ -32,22 +45,23 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tritonkv import pack_kv, prepare_kv
+from tritonkv.digest import digests_hex, segment_digests
 
 from ..kvstore import short_id
 from ..logs import get_logger
 from ..transport.errors import error_text
+from .config import ConnectorConfig
 from .hidden_files import HiddenFileWriter
+from .integrity import faults, flip_bit, hidden_meta
 from .metadata import finishing_prompts
-from .streams import wait_events
+from .streams import DeviceBudget, DeviceBudgetExceeded, Pending, Publisher, device_streams
 
 log = get_logger("connector")
-PUT_WAIT_S = 30.0  # on a GPU: the most an entry waits for its copy to the host before it fails
 
 __all__ = ["PARAM_KEYS", "HiddenDrop", "HiddenSaveSpec", "HiddenScheduler", "HiddenWorker"]
 
@@ -72,6 +86,7 @@ class HiddenSaveSpec:
     num_tokens: int
     token_ids: list[int]
     path: str | None
+    debug_fault: str = ""  # integrity.FAULTS the request names (debug_allow_corrupt only)
 
 
 @dataclass
@@ -91,6 +106,7 @@ class HiddenScheduler:
         storage_path: folder of the files (``shared_storage_path``); None: no files.
         allow_custom_path: honour a request's own ``kv_transfer_params["hidden_states_path"]``.
         serve_at: ``(host, port)`` of the KV server holding them (TP rank 0's); None: not served.
+        allow_faults: honour a request's ``tritonkv_debug_fault`` (``debug_allow_corrupt``).
     """
 
     def __init__(
@@ -101,6 +117,7 @@ class HiddenScheduler:
         storage_path: str | None,
         allow_custom_path: bool = False,
         serve_at: tuple[str, int] | None = None,
+        allow_faults: bool = False,
     ):
         if storage_path is None and serve_at is None:
             raise ValueError(
@@ -109,7 +126,7 @@ class HiddenScheduler:
             )
         self.block_size, self.group = block_size, group
         self.storage_path, self.allow_custom_path = storage_path, allow_custom_path
-        self.serve_at = serve_at
+        self.serve_at, self.allow_faults = serve_at, allow_faults
         self._watched: dict[str, object] = {}  # req_id -> Request
         self._taken: dict[str, HiddenSaveSpec] = {}  # req_id -> what the workers took
         self._drops: list[HiddenDrop] = []
@@ -167,6 +184,7 @@ class HiddenScheduler:
                 num_tokens=prompt_len,
                 token_ids=list(request.prompt_token_ids),
                 path=self._path(request),
+                debug_fault=faults(request.kv_transfer_params, self.allow_faults),
             )
             saves.append(spec)
             self._taken[req_id] = spec
@@ -195,6 +213,39 @@ class HiddenScheduler:
         return params
 
 
+def prompt_slots(spec: HiddenSaveSpec, num_blocks: int, block_size: int) -> torch.Tensor:
+    """``[num_tokens]`` int64 cache slots of ``spec``'s prompt positions (on the host);
+    ValueError if its blocks cannot hold them or lie outside ``[0, num_blocks)``."""
+    bs = block_size
+    if spec.num_tokens <= 0 or len(spec.block_ids) * bs < spec.num_tokens:
+        raise ValueError(
+            f"{spec.num_tokens} tokens in {len(spec.block_ids)} blocks of {bs}: expected "
+            "blocks holding every prompt token"
+        )
+    if len(spec.token_ids) != spec.num_tokens:
+        raise ValueError(f"{len(spec.token_ids)} token ids for {spec.num_tokens} tokens")
+    blocks = torch.tensor(spec.block_ids, dtype=torch.int64)
+    if int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks:
+        raise ValueError(f"block ids outside [0, {num_blocks})")
+    pos = torch.arange(spec.num_tokens, dtype=torch.int64)
+    return blocks[pos // bs] * bs + pos % bs
+
+
+@dataclass
+class _Batch:
+    """One pack of a step's finishing prompts, from its launch to its delivery (and, on a GPU,
+    the step's drops, done in order on the publisher thread)."""
+
+    specs: list[HiddenSaveSpec]
+    locks: list[int | None]  # each one's file lock (None: no file for it)
+    ok: list[bool]  # False: its file already failed
+    bounds: list[int] = field(default_factory=list)  # spec i: packed rows bounds[i]:bounds[i+1]
+    rows: torch.Tensor | None = None  # [total, num_hidden_states, hidden_size]: the pack's output
+    pending: Pending = field(default_factory=lambda: Pending(None))  # GPU: the pack's event
+    drops: list[HiddenDrop] = field(default_factory=list)
+    t0: float = field(default_factory=time.perf_counter)
+
+
 class HiddenWorker:
     """Takes the hidden states of one rank (see the module docstring).
 
@@ -208,6 +259,10 @@ class HiddenWorker:
         stats: a :class:`~.stats.TransferStats` (``hidden_saves``, ``hidden_save_failures``).
         put_timeout_s: the most a full buffer may hold up one request (its ``full_policy``;
             None: the buffer's own).
+        digest: bind every request's tensors to their digest (the ``digest`` option).
+        streams: the device's streams and events (:class:`~.streams.StreamOps`, made for a CUDA
+            cache; a test passes a stand-in); None on the CPU.
+        budget: the rank's device memory budget (``gpu_memory_bytes``; default: one of its own).
     """
 
     def __init__(
@@ -219,6 +274,9 @@ class HiddenWorker:
         buffer=None,
         stats=None,
         put_timeout_s: float | None = None,
+        digest: bool = True,
+        streams=None,
+        budget: DeviceBudget | None = None,
     ):
         if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
             raise ValueError(
@@ -229,135 +287,214 @@ class HiddenWorker:
         self._layers = prepare_kv([(cache, None)])  # one "layer": the hidden-state cache
         self.num_blocks, self.num_hidden_states, self.block_size, self.hidden_size = cache.shape
         self.writer, self._buffer, self.stats = writer, buffer, stats
-        self.put_timeout_s = put_timeout_s
-        self._put_thread: ThreadPoolExecutor | None = None
+        self.put_timeout_s, self.digest = put_timeout_s, digest
+        self._streams = streams if streams is not None else device_streams(cache.device)
+        self.budget = budget or DeviceBudget(ConnectorConfig().gpu_memory_bytes)
+        self._publisher: Publisher | None = None
 
     @property
     def buffer(self):
         return self._buffer() if self._buffer is not None else None
 
-    def slots(self, spec: HiddenSaveSpec) -> torch.Tensor:
-        """``[num_tokens]`` int64 cache slots of ``spec``'s prompt positions; ValueError if its
-        blocks cannot hold them or lie outside the cache."""
-        bs = self.block_size
-        if spec.num_tokens <= 0 or len(spec.block_ids) * bs < spec.num_tokens:
-            raise ValueError(
-                f"{spec.num_tokens} tokens in {len(spec.block_ids)} blocks of {bs}: expected "
-                "blocks holding every prompt token"
-            )
-        if len(spec.token_ids) != spec.num_tokens:
-            raise ValueError(f"{len(spec.token_ids)} token ids for {spec.num_tokens} tokens")
-        blocks = torch.tensor(spec.block_ids, dtype=torch.int64)
-        if int(blocks.min()) < 0 or int(blocks.max()) >= self.num_blocks:
-            raise ValueError(f"block ids outside [0, {self.num_blocks})")
-        pos = torch.arange(spec.num_tokens, dtype=torch.int64)
-        return blocks[pos // bs] * bs + pos % bs
-
     def save(self, saves: list[HiddenSaveSpec], drops: list[HiddenDrop] = ()) -> None:
         """Drop ``drops`` and take ``saves`` (one pack for all). Never raises."""
         if self.tp_rank != 0:
             return
-        for drop in drops:
-            self._drop(drop)
+        if drops and self._streams is not None:  # after the saves launched before them
+            self._publisher_thread().submit(_Batch([], [], [], drops=list(drops)))
+        else:
+            for drop in drops:
+                self._drop(drop)
         good, slots = [], []
         for spec in saves:
             try:
-                slots.append(self.slots(spec))
+                slots.append(prompt_slots(spec, self.num_blocks, self.block_size))
                 good.append(spec)
             except Exception as exc:
                 self._fail(spec, exc)
         if not good:
             return
-        try:
-            t0 = time.perf_counter()
-            lengths = torch.tensor([s.num_tokens for s in good], dtype=torch.int64)
-            query_start_loc = torch.zeros(len(good) + 1, dtype=torch.int64)
-            torch.cumsum(lengths, 0, out=query_start_loc[1:])
-            # rows known on the host: the pack's output sized from them (no read of the device)
-            total = sum(s.num_tokens for s in good)
-            out = torch.empty(
-                (1, 1, total, self.num_hidden_states, self.hidden_size),
-                dtype=self.cache.dtype,
-                device=self.cache.device,
-            )
-            packed, _ = pack_kv(self._layers, torch.cat(slots), query_start_loc, out=out)
-            rows = packed[0, 0]  # [total_tokens, num_hidden_states, hidden_size]
-            ready = None
-            if rows.device.type == "cuda":  # files and the wire read host memory, off the step
-                host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-                host.copy_(rows, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record()
-                rows = host
-            pack_ms = 1e3 * (time.perf_counter() - t0)
-        except Exception as exc:
-            for spec in good:
-                self._fail(spec, exc)
+        # the file locks, on the step: before vLLM can tell anyone the path
+        locks = [self._lock(spec) for spec in good]
+        wanted = [spec.path is not None and self.writer is not None for spec in good]
+        ok = [fd is not None or not w for fd, w in zip(locks, wanted, strict=True)]
+        batch = _Batch(good, locks, ok)
+        if self._streams is not None:
+            self._launch(batch, slots)
             return
-        bounds = query_start_loc.tolist()  # on the host: no sync; packed row offsets alike
-        for i, spec in enumerate(good):
-            self._deliver(spec, rows[bounds[i] : bounds[i + 1]], ready)
+        try:
+            out = torch.empty(self._shape(good), dtype=self.cache.dtype, device=self.cache.device)
+            self._pack(batch, slots, out)
+            hexes = (
+                digests_hex(list(segment_digests(batch.rows, batch.bounds)))
+                if self.digest
+                else None
+            )
+            self._deliver_all(batch, batch.rows, hexes)
+        except Exception as exc:  # never into vLLM's step
+            self._batch_failed(batch, exc)
+
+    def _shape(self, specs: list[HiddenSaveSpec]) -> tuple[int, ...]:
+        """The pack's output for ``specs``, sized from their lengths (known on the host)."""
+        total = sum(s.num_tokens for s in specs)
+        return (1, 1, total, self.num_hidden_states, self.hidden_size)
+
+    def _pack(self, batch: _Batch, slots: list[torch.Tensor], out: torch.Tensor):
+        """One pack of ``batch``'s prompts into ``out``: ``batch.rows`` and ``batch.bounds``;
+        returns the slots as the pack read them."""
+        lengths = [s.num_tokens for s in batch.specs]
+        batch.bounds = [0]
+        for n in lengths:
+            batch.bounds.append(batch.bounds[-1] + n)
+        query_start_loc = torch.tensor(batch.bounds, dtype=torch.int64)
+        flat = torch.cat(slots).to(out.device, non_blocking=True)
+        packed, _ = pack_kv(self._layers, flat, query_start_loc, out=out)
+        batch.rows = packed[0, 0]  # [total_tokens, num_hidden_states, hidden_size]
+        return flat
+
+    def _launch(self, batch: _Batch, slots: list[torch.Tensor]) -> None:
+        """The pack on a GPU (see the module docstring): each request's device memory reserved
+        (one past the budget fails alone), the pack launched after vLLM's stream, vLLM's stream
+        after the pack, the rest left to the publisher thread. An allocation failure of the
+        step's output packs the requests one by one (each one's failure its own)."""
+        ops = self._streams
+        fits, fit_slots, reserved = [], [], 0
+        for i, spec in enumerate(batch.specs):
+            nbytes = spec.num_tokens * self.num_hidden_states * self.hidden_size
+            nbytes *= self.cache.element_size()
+            try:
+                reserved += self.budget.reserve(nbytes, f"the hidden states of {spec.req_id}")
+            except DeviceBudgetExceeded as exc:
+                self._batch_failed(_Batch([spec], [batch.locks[i]], [False]), exc)
+                continue
+            fits.append(i)
+            fit_slots.append(slots[i])
+        if not fits:
+            return
+        batch = _Batch(
+            [batch.specs[i] for i in fits],
+            [batch.locks[i] for i in fits],
+            [batch.ok[i] for i in fits],
+        )
+        vllm_stream = ops.current()
+        try:
+            with ops.use(ops.side):
+                if any("alloc_fail" in s.debug_fault for s in batch.specs):  # test hook
+                    raise torch.OutOfMemoryError("tritonkv test hook alloc_fail: hidden states")
+                out = ops.empty(self._shape(batch.specs), self.cache.dtype)
+                ops.side.wait_event(ops.event(vllm_stream))
+                flat = self._pack(batch, fit_slots, out)
+                packed_ev = ops.event(ops.side)
+        except torch.OutOfMemoryError as exc:
+            self.budget.release(reserved)
+            if len(batch.specs) == 1:
+                self._batch_failed(batch, exc)
+                return
+            for one in range(len(batch.specs)):
+                part = _Batch([batch.specs[one]], [batch.locks[one]], [batch.ok[one]])
+                self._launch(part, [fit_slots[one]])
+            return
+        except Exception as exc:
+            self.budget.release(reserved)
+            self._batch_failed(batch, exc)
+            return
+        vllm_stream.wait_event(packed_ev)
+        batch.pending = Pending(packed_ev, keep=(flat,), reserved=reserved, started=batch.t0)
+        self._publisher_thread().submit(batch)
+
+    def _publisher_thread(self) -> Publisher:
+        if self._publisher is None:
+            self._publisher = Publisher(
+                self._streams,
+                self.budget,
+                self._publish,
+                self._batch_failed,
+                name="tritonkv-hidden-publish",
+            )
+        return self._publisher
+
+    def _publish(self, batch: _Batch, deadline: float) -> None:
+        """On the publisher thread, once ``batch``'s pack completed: digest each request's rows
+        (on the device), copy rows and digests to pinned host memory, deliver them."""
+        for drop in batch.drops:
+            self._drop(drop)
+        if not batch.specs:
+            return
+        digests = None
+        if self.digest:
+            with self._streams.use(self._publisher.copy_stream):
+                digests = segment_digests(batch.rows, batch.bounds)
+        rows, digests = self._publisher.to_host(batch, [batch.rows, digests], deadline)
+        batch.rows = None  # the device output goes back to the allocator
+        self._publisher.let_go(batch)  # its pack and copy completed
+        self._deliver_all(batch, rows, None if digests is None else digests_hex(list(digests)))
+
+    def _deliver_all(self, batch: _Batch, rows: torch.Tensor, hexes: list[str] | None) -> None:
+        """Deliver each request's rows of ``rows`` (host memory, complete; ``hexes``: their
+        digests, None with ``digest`` off) with its token ids (digested here, all at once)."""
+        b = batch.bounds
+        ids = torch.tensor([t for s in batch.specs for t in s.token_ids], dtype=torch.int64)
+        id_hexes = digests_hex(list(segment_digests(ids, b))) if hexes is not None else None
+        for i, spec in enumerate(batch.specs):
+            digests = {} if hexes is None else hidden_meta(hexes[i], id_hexes[i])
+            tensors = {"hidden_states": rows[b[i] : b[i + 1]], "token_ids": ids[b[i] : b[i + 1]]}
+            self._deliver(spec, batch.locks[i], batch.ok[i], tensors, digests)
+            batch.locks[i] = None  # the writer's now
         log.info(
-            "tritonkv: took the hidden states of %d requests, %d tokens, in one pack of %.2f ms",
-            len(good),
-            bounds[-1],
-            pack_ms,
+            "tritonkv: took the hidden states of %d requests, %d tokens, in one pack (%.2f ms "
+            "from its launch to their delivery)",
+            len(batch.specs),
+            b[-1],
+            1e3 * (time.perf_counter() - batch.t0),
         )
 
-    def _deliver(self, spec: HiddenSaveSpec, hidden: torch.Tensor, ready) -> None:
-        tensors = {
-            "hidden_states": hidden,
-            "token_ids": torch.tensor(spec.token_ids, dtype=torch.int64),
-        }
-        ok = True
-        if spec.path is not None and self.writer is not None:
-            try:
-                lock_fd = HiddenFileWriter.lock(spec.path)
-                if not self.writer.submit(spec.path, tensors, lock_fd, ready):
-                    ok = False  # the writer logged why, and wrote it beside the path
-                    if self.stats is not None:
-                        self.stats.record_hidden_failure()
-            except Exception as exc:
-                ok = False
-                self._fail(spec, exc, "its file")
+    def _deliver(self, spec, lock_fd, ok: bool, tensors: dict, digests: dict[str, str]) -> None:
+        """Hand ``spec``'s ``tensors`` (host memory, complete) with their ``digests`` to the
+        file writer and the buffer; count it once, a success only if every way out took it."""
+        if "flip_bit" in spec.debug_fault:  # test hook: in transit, after the digest was taken
+            flip_bit(tensors["hidden_states"][None, None])
+        if lock_fd is not None:
+            ok = self.writer.submit(spec.path, tensors, lock_fd, digests) and ok
         buffer = self.buffer
-        if buffer is not None and ready is not None:  # stored once the copy completed, off the step
-            self._putter().submit(self._put, buffer, spec, tensors, ready, ok)
-            return
         if buffer is not None:
-            ok = self._put(buffer, spec, tensors, None, ok)
-        elif ok and self.stats is not None:
-            self.stats.record_hidden_save(num_tokens=spec.num_tokens)
-
-    def _putter(self) -> ThreadPoolExecutor:
-        """The ``tritonkv-hidden-put`` thread (on a GPU: stores entries once their copy to the
-        host completed)."""
-        if self._put_thread is None:
-            self._put_thread = ThreadPoolExecutor(1, thread_name_prefix="tritonkv-hidden-put")
-        return self._put_thread
-
-    def _put(self, buffer, spec: HiddenSaveSpec, tensors: dict, ready, ok: bool) -> bool:
-        """Store ``spec``'s hidden states in the KV buffer (after ``ready``, an event, completed)
-        and count the request (``ok``: its file went well)."""
-        try:
-            if ready is not None and not wait_events([ready], time.monotonic() + PUT_WAIT_S):
-                raise TimeoutError(f"its copy to the host did not complete in {PUT_WAIT_S} s")
             meta = {
                 "kind": "hidden_states",
                 "num_tokens": spec.num_tokens,
                 "num_hidden_states": self.num_hidden_states,
                 "hidden_size": self.hidden_size,
+                **digests,
             }
-            buffer.put(spec.transfer_id, tensors, meta, timeout_s=self.put_timeout_s)
-        except Exception as exc:
-            ok = False
-            self._fail(spec, exc, "the KV buffer")
-        if ok and self.stats is not None:
-            self.stats.record_hidden_save(num_tokens=spec.num_tokens)
-        return ok
-
-    def _fail(self, spec: HiddenSaveSpec, exc: BaseException, where: str = "the pack") -> None:
+            try:
+                buffer.put(spec.transfer_id, tensors, meta, timeout_s=self.put_timeout_s)
+            except Exception as exc:
+                ok = False
+                self._fail(spec, exc, "the KV buffer", count=False)  # counted below
         if self.stats is not None:
+            if ok:
+                self.stats.record_hidden_save(num_tokens=spec.num_tokens)
+            else:
+                self.stats.record_hidden_failure()
+
+    def _lock(self, spec: HiddenSaveSpec) -> int | None:
+        if spec.path is None or self.writer is None:
+            return None
+        try:
+            return HiddenFileWriter.lock(spec.path)
+        except Exception as exc:
+            self._fail(spec, exc, "its file", count=False)  # counted once it is delivered
+            return None
+
+    def _batch_failed(self, batch: _Batch, exc: BaseException) -> None:
+        """Every request of ``batch`` failed (``exc``); their files get an ``.error``."""
+        for i, spec in enumerate(batch.specs):
+            self._fail(spec, exc, "the pack")
+            if batch.locks[i] is not None:
+                why = f"its pack failed: {type(exc).__name__}: {error_text(exc)}"
+                HiddenFileWriter.refuse(spec.path, batch.locks[i], why)
+                batch.locks[i] = None
+
+    def _fail(self, spec, exc: BaseException, where: str = "the pack", count: bool = True) -> None:
+        if count and self.stats is not None:
             self.stats.record_hidden_failure()
         log.error(
             "tritonkv: request %s: its hidden states (transfer %s) failed in %s: %s: %s",
@@ -382,8 +519,17 @@ class HiddenWorker:
                 error_text(exc),
             )
 
-    def shutdown(self) -> None:
-        if self._put_thread is not None:
-            self._put_thread.shutdown(wait=True, cancel_futures=False)
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every save so far is delivered and written (True) or ``timeout_s``
+        passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        if self._publisher is not None and not self._publisher.flush(timeout_s):
+            return False
+        return self.writer is None or self.writer.flush(max(deadline - time.monotonic(), 0.001))
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self._publisher is not None:
+            self._publisher.flush(timeout_s)
+            self._publisher.stop()
         if self.writer is not None:
             self.writer.close()

@@ -10,6 +10,10 @@ block table (:func:`check_write_back`). A mismatch raises :class:`DigestMismatch
 consumer turns into a failed load (recomputed, warned once, counted). An entry without a digest (a
 producer with ``digest`` off) is loaded unchecked.
 
+A hidden-state entry (``extract_hidden_states``) carries one digest per tensor
+(:data:`HIDDEN_DIGEST_KEYS`, :func:`hidden_meta`), of each request's own tensors; its readers
+check them on receipt (:func:`check_hidden`).
+
 Test hooks (``debug_allow_corrupt`` only): a request's ``"tritonkv_debug_fault"`` param, a
 comma-separated list of :data:`FAULTS`, injects faults the digest must catch (:func:`faults`).
 No vLLM import.
@@ -74,14 +78,25 @@ def shifted_slots(slots: torch.Tensor, first: int, stop: int) -> torch.Tensor:
     return out
 
 
-class DigestMismatch(ValueError):
-    """A transfer's bytes differ from what the producer packed (``check``: which check)."""
+# what each check compares the producer's digest with
+_SEEN = {
+    "read": "this consumer read",
+    "write-back": "this consumer finds in its cache",
+    "receipt": "this reader received",  # hidden states over the network (hidden_reader)
+    "write": "the file writer was given",  # hidden states, before a file's rename
+    "file": "the file holds",  # hidden states, read back from a file
+}
 
-    def __init__(self, check: str, sent: str, got: str, what: str = "KV"):
+
+class DigestMismatch(ValueError):
+    """A transfer's bytes differ from what the producer packed (``check``: which check;
+    ``subject``: what the message starts with, e.g. which request's)."""
+
+    def __init__(self, check: str, sent: str, got: str, what: str = "KV", subject: str = ""):
         self.check = check
         super().__init__(
-            f"digest check {check!r} failed: the producer packed {what} with digest {sent}, "
-            f"this consumer {'read' if check == 'read' else 'finds in its cache'} {got}"
+            f"{subject}digest check {check!r} failed: the producer packed {what} with digest "
+            f"{sent}, {_SEEN[check]} {got}"
         )
 
 
@@ -206,3 +221,37 @@ def check_write_back(
     """
     digests = write_back_digests(packed, views, block_ids, block_size, first, stop)
     compare("write-back", None, digests, 0)
+
+
+#: a hidden-state entry's digests, in its KV-buffer meta and in its file's safetensors header
+#: (``__metadata__``, which readers of the tensors ignore): tensor name -> key of its 16 hex digits
+HIDDEN_DIGEST_KEYS = {"hidden_states": "hidden_states_digest", "token_ids": "token_ids_digest"}
+
+
+def hidden_meta(hidden_digest: str, token_ids_digest: str) -> dict[str, str]:
+    """The digest fields of a hidden-state entry (16 hex digits each): its ``hidden_states``'
+    digest, computed from the pack's output, and that of its ``token_ids``."""
+    return {
+        HIDDEN_DIGEST_KEYS["hidden_states"]: hidden_digest,
+        HIDDEN_DIGEST_KEYS["token_ids"]: token_ids_digest,
+    }
+
+
+def check_hidden(meta: dict, tensors: dict[str, torch.Tensor], check: str, subject: str) -> None:
+    """Compare each of ``tensors`` (on the host) whose digest ``meta`` holds with it; nothing to
+    compare when ``meta`` holds none (a producer with ``digest`` off).
+
+    Raises:
+        DigestMismatch: a tensor differs from what the producer packed (``check``: which check,
+            ``subject``: the message's start, naming the request).
+        ValueError: a digest field is malformed.
+    """
+    for name, key in HIDDEN_DIGEST_KEYS.items():
+        want = meta.get(key)
+        if want is None or name not in tensors:
+            continue
+        if not _is_hex(want):
+            raise ValueError(f"{subject}its {key} is malformed: {want!r:.40}")
+        got = digests_hex([tensor_digest(tensors[name])])[0]
+        if got != want:
+            raise DigestMismatch(check, want, got, what=name, subject=subject)

@@ -11,7 +11,6 @@ carries the integrity digest the pack computed (:mod:`.integrity`). No vLLM impo
 
 from __future__ import annotations
 
-import collections
 import math
 import threading
 import time
@@ -26,14 +25,13 @@ from ..kvstore import KVBuffer, KVServer, hide_ids, short_id
 from ..logs import get_logger
 from ..transport import addresses_of
 from ..transport.auth import MIN_SECRET_BYTES, SECRET_ENV, is_loopback
-from ..transport.buffers import host_empty
 from ..transport.errors import error_text
 from .cache_views import RankCaches, packed_shape
 from .config import ConnectorConfig
 from .integrity import digest_tensors, entry_meta, flip_bit, meta_from_digests
 from .metadata import SaveSpec
 from .stats import TransferStats
-from .streams import DeviceBudget, Pending, StreamOps, device_streams, wait_events
+from .streams import DeviceBudget, Pending, Publisher, StreamOps, device_streams
 
 log = get_logger("connector")
 
@@ -225,7 +223,7 @@ class Producer:
         """The pack on a GPU, launched without waiting for it (:mod:`.streams`): on our stream,
         after an event of vLLM's (the forward pass wrote the KV); vLLM's stream then waits for
         the pack's event (what it runs next may overwrite these blocks). The publisher thread
-        copies the entry to the host and stores it once the pack completed (:meth:`Publisher.publish`)."""
+        copies the entry to the host and stores it once the pack completed (:meth:`_publish`)."""
         ops = self._streams
         vllm_stream = ops.current()
         with ops.use(ops.side):
@@ -253,9 +251,32 @@ class Producer:
         self._publisher_thread().submit(_Job(spec, packed, digests, meta, nbytes, pending))
 
     def _publisher_thread(self) -> Publisher:
+        """The ``tritonkv-publish`` thread (:class:`~.streams.Publisher`): stores the launched
+        saves once each one's pack completed (:meth:`_publish`), or fails them (recomputed)."""
         if self._publisher is None:
-            self._publisher = Publisher(self)
+            failed = lambda job, exc: self._save_failed(job.spec, exc)
+            self._publisher = Publisher(self._streams, self.budget, self._publish, failed)
         return self._publisher
+
+    def _publish(self, job: _Job, deadline: float) -> None:
+        """On the publisher thread, once ``job``'s pack completed: copy it to pinned host
+        memory (unless entries live on the device) with its digests, and store it."""
+        pack_ms = 1e3 * (time.perf_counter() - job.pending.started)
+        on_device = self.entries_on_device
+        entry, digests = self._publisher.to_host(
+            job, [None if on_device else job.packed, job.digests], deadline
+        )
+        if on_device:
+            entry = job.packed
+        else:
+            job.packed = None  # the device scratch goes back to the allocator
+            self._publisher.let_go(job)  # its pack and copy completed
+        meta = dict(job.meta)
+        if digests is not None:
+            meta.update(meta_from_digests(digests, self.kv_format))
+        if "flip_bit" in job.spec.debug_fault:  # test hook: after the digest was taken
+            flip_bit(entry)
+        self._store(job.spec, entry, meta, job.nbytes, pack_ms)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every save launched so far is stored or failed (True), or ``timeout_s``
@@ -317,7 +338,7 @@ class Producer:
 
 @dataclass
 class _Job:
-    """A save launched on the GPU, waiting for its pack: what :meth:`Publisher.publish` needs."""
+    """A save launched on the GPU, waiting for its pack: what :meth:`Producer._publish` needs."""
 
     spec: SaveSpec
     packed: torch.Tensor | None  # the pack's device output, kept until it is copied or stored
@@ -325,119 +346,6 @@ class _Job:
     meta: dict
     nbytes: int
     pending: Pending
-
-
-class Publisher:
-    """The ``tritonkv-publish`` thread of a producer on a GPU: stores its launched saves, in
-    order, once each one's pack completed (:meth:`publish`), off vLLM's step. A save
-    whose pack or copy does not complete within ``publish_timeout_s`` fails (recomputed)."""
-
-    def __init__(self, producer: Producer, publish_timeout_s: float = 30.0):
-        self._producer = producer
-        self.publish_timeout_s = publish_timeout_s
-        self._jobs: collections.deque[_Job] = collections.deque()
-        self._copy_stream = None  # made on the thread
-        self.stuck: list[_Job] = []  # saves whose pack outlived publish_timeout_s (kept)
-        self._cond = threading.Condition()
-        self._busy = False
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="tritonkv-publish", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: _Job) -> None:
-        with self._cond:
-            self._jobs.append(job)
-            self._cond.notify_all()
-
-    def flush(self, timeout_s: float) -> bool:
-        """Wait until no job is queued or being published (True) or ``timeout_s`` passed."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while self._jobs or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify_all()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout_s)
-
-    def publish(self, job: _Job, deadline: float) -> None:
-        """Wait for ``job``'s pack, copy it to pinned host memory (unless entries live on the
-        device) and store it."""
-        producer, spec = self._producer, job.spec
-        ops = producer._streams
-        complete = False
-        try:
-            if not wait_events([job.pending.event], deadline):
-                raise TimeoutError("its pack did not complete within publish_timeout_s")
-            pack_ms = 1e3 * (time.perf_counter() - job.pending.started)
-            entry, digests = job.packed, job.digests
-            with ops.use(self._copy_stream):
-                if not producer.entries_on_device:
-                    entry = host_empty(job.nbytes).view(job.packed.dtype).view(job.packed.shape)
-                    entry.copy_(job.packed, non_blocking=True)
-                if digests is not None:
-                    digests = host_empty(digests.numel() * 8).view(torch.int64).view(digests.shape)
-                    digests.copy_(job.digests, non_blocking=True)
-                copied = ops.event(self._copy_stream)
-            if not wait_events([copied], deadline):
-                job.pending.event = copied  # what the GPU may still be doing with its tensors
-                raise TimeoutError("its copy to the host did not complete within publish_timeout_s")
-            complete = True
-            if not producer.entries_on_device:
-                job.packed = None  # the device scratch goes back to the allocator
-                producer.budget.release(job.pending.reserved)
-                job.pending.reserved = 0
-            meta = dict(job.meta)
-            if digests is not None:
-                meta.update(meta_from_digests(digests, producer.kv_format))
-            if "flip_bit" in spec.debug_fault:  # test hook: after the digest was taken
-                flip_bit(entry)
-            producer._store(spec, entry, meta, job.nbytes, pack_ms)
-        except Exception as exc:
-            producer._save_failed(spec, exc)
-        finally:
-            if complete:  # a device-resident entry is counted by the buffer's capacity now
-                self._let_go(job)
-            else:  # its tensors stay referenced (and counted) for as long as the GPU may use them
-                self.stuck.append(job)
-            self.stuck = [j for j in self.stuck if not self._let_go(j)]
-
-    def _let_go(self, job: _Job) -> bool:
-        """Release ``job``'s device memory once its work completed (True), else nothing."""
-        if not job.pending.done():
-            return False
-        self._producer.budget.release(job.pending.reserved)
-        job.pending.reserved = 0
-        return True
-
-    def _run(self) -> None:
-        ops = self._producer._streams
-        ops.bind_thread()
-        self._copy_stream = ops.new_stream()
-        while True:
-            with self._cond:
-                while not self._jobs and not self._stopped:
-                    self._cond.wait()
-                if self._stopped:
-                    self._jobs.clear()
-                    self._cond.notify_all()
-                    return
-                job = self._jobs.popleft()
-                self._busy = True
-            try:
-                self.publish(job, time.monotonic() + self.publish_timeout_s)
-            finally:
-                del job
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
 
 
 class BufferWatcher:

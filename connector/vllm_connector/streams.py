@@ -7,7 +7,8 @@ event completes.
 - The producer's pack waits for an event recorded on vLLM's stream (the forward pass wrote the
   KV), runs on :attr:`StreamOps.side`, and vLLM's stream waits for the pack's event before it
   runs anything later (which may overwrite the blocks). The entry is copied to pinned host
-  memory and published by a thread of ours once the pack's event completed.
+  memory and published by a thread of ours once the pack's event completed (:class:`Publisher`;
+  the producer's KV entries and the hidden states of ``extract_hidden_states`` alike).
 - The consumer's copy to the device and its unpack run on vLLM's stream before the forward pass
   (stream order puts attention after them); the received tensors are kept, and the digest
   checked on a host copy of it, once the unpack's event completed (:class:`Pending`).
@@ -20,14 +21,17 @@ the device memory tritonkv takes outside vLLM's memory budget. No vLLM import.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from ..logs import get_logger
+from ..transport.buffers import host_empty
 
 log = get_logger("connector")
 
@@ -186,3 +190,131 @@ def gpu_budget_line(device: torch.device, budget_bytes: int, buffer_bytes: int) 
         f"tritonkv will use up to {total / 2**30:.2f} GiB of GPU memory outside vLLM's budget: "
         f"lower --gpu-memory-utilization by that share of the GPU's memory"
     )
+
+
+class Publisher:
+    """A thread that finishes, off vLLM's step and in order, the work a step launched on a GPU:
+    for each job it waits (polling, within ``publish_timeout_s``) for ``job.pending``'s event
+    (the pack), then calls ``publish(job, deadline)`` (which copies what it needs to the host
+    with :meth:`to_host` and stores it); an exception, or a pack that does not complete in time,
+    goes to ``failed(job, exc)`` (that job's failure only). A job's device memory
+    (``job.pending.reserved`` of ``budget``) is released once its work completed; a job whose
+    work outlived the wait stays referenced, and counted, until then (:attr:`stuck`).
+
+    Args:
+        ops: the device's :class:`StreamOps` (or a stand-in).
+        budget: the :class:`DeviceBudget` the jobs' reservations belong to.
+        publish: ``(job, deadline)``: the job's host side, once its pack completed.
+        failed: ``(job, exception)``: the job failed.
+        name: the thread's name.
+        publish_timeout_s: the most a job's pack and copies may take.
+    """
+
+    def __init__(
+        self,
+        ops,
+        budget: DeviceBudget,
+        publish: Callable[[object, float], None],
+        failed: Callable[[object, BaseException], None],
+        *,
+        name: str = "tritonkv-publish",
+        publish_timeout_s: float = 30.0,
+    ):
+        self.ops, self.budget = ops, budget
+        self._publish, self._failed = publish, failed
+        self.publish_timeout_s = publish_timeout_s
+        self._jobs: collections.deque = collections.deque()
+        self.copy_stream = None  # made on the thread
+        self.stuck: list = []  # jobs whose work outlived publish_timeout_s (kept)
+        self._cond = threading.Condition()
+        self._busy = False
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job) -> None:
+        """Queue ``job`` (anything with a ``pending``: :class:`Pending`, whose event may be None:
+        nothing launched to wait for). Never blocks."""
+        with self._cond:
+            self._jobs.append(job)
+            self._cond.notify_all()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until no job is queued or being published (True) or ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._jobs or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    def to_host(self, job, tensors: list, deadline: float) -> list:
+        """Pinned host copies of ``tensors`` (device tensors, or None: kept None), made on the
+        copy stream and waited for (polling) until ``deadline``. TimeoutError if they did not
+        complete: ``job.pending`` then waits on them (the GPU may still read the job's
+        tensors)."""
+        with self.ops.use(self.copy_stream):
+            out = [
+                None
+                if t is None
+                else host_empty(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
+                for t in tensors
+            ]
+            for host, t in zip(out, tensors, strict=True):
+                if t is not None:
+                    host.copy_(t, non_blocking=True)
+            copied = self.ops.event(self.copy_stream)
+        if not wait_events([copied], deadline):
+            job.pending.event = copied  # what the GPU may still be doing with its tensors
+            raise TimeoutError("its copy to the host did not complete within publish_timeout_s")
+        return out
+
+    def let_go(self, job) -> bool:
+        """Release ``job``'s device memory once its work completed (True), else nothing."""
+        if not job.pending.done():
+            return False
+        self.budget.release(job.pending.reserved)
+        job.pending.reserved = 0
+        return True
+
+    def _one(self, job, deadline: float) -> None:
+        try:
+            events = [job.pending.event] if job.pending.event is not None else []
+            if not wait_events(events, deadline):
+                raise TimeoutError("its pack did not complete within publish_timeout_s")
+            self._publish(job, deadline)
+        except Exception as exc:
+            self._failed(job, exc)
+        finally:  # its tensors stay referenced (and counted) for as long as the GPU may use them
+            self.stuck.append(job)
+            self.stuck = [j for j in self.stuck if not self.let_go(j)]
+
+    def _run(self) -> None:
+        self.ops.bind_thread()
+        self.copy_stream = self.ops.new_stream()
+        while True:
+            with self._cond:
+                while not self._jobs and not self._stopped:
+                    self._cond.wait()
+                if self._stopped:
+                    self._jobs.clear()
+                    self._cond.notify_all()
+                    return
+                job = self._jobs.popleft()
+                self._busy = True
+            try:
+                self._one(job, time.monotonic() + self.publish_timeout_s)
+            finally:
+                del job
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()

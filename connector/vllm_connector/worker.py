@@ -68,6 +68,8 @@ class WorkerSide:
         self.caches: RankCaches | None = None
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
+        #: the rank's device memory budget, shared by its halves (None before :meth:`register`)
+        self.budget: DeviceBudget | None = None
         # The shared secret of every KV connection (never logged; see connector.transport.auth).
         self._secret = load_secret(self.cfg.secret_file or None)
 
@@ -95,7 +97,7 @@ class WorkerSide:
         self.caches = views
         # One budget of device memory for the rank's halves (streams.DeviceBudget).
         device_buffer = self.cfg.device_buffer_bytes(views.device) if self.is_producer else 0
-        budget = DeviceBudget(self.cfg.gpu_memory_bytes - device_buffer)
+        budget = self.budget = DeviceBudget(self.cfg.gpu_memory_bytes - device_buffer)
         if views.device.type == "cuda":
             log.info("%s", gpu_budget_line(views.device, budget.limit_bytes, device_buffer))
         self.consumer = Consumer(

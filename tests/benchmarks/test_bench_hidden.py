@@ -1,7 +1,12 @@
-"""bench/bench_hidden.py without servers: the summary's ratios, and no ratio from a failed row."""
+"""bench/bench_hidden.py without servers: the summary's ratios, and no ratio from a failed row;
+bench/hidden_extract.py's dry run (its table, and its bit-exactness check, which can fail)."""
 
 from __future__ import annotations
 
+import pytest
+import torch
+
+from bench import hidden_extract
 from bench.bench_hidden import SETUPS, summary
 
 
@@ -16,3 +21,27 @@ def test_summary_ratios() -> None:
     assert lines[3] == "| tritonkv-net | 150.0 | 1.0 | 0 | 0.50 | - |"  # example failed: no ratio
     assert lines[4] == "| example | 100.0 | 1.0 | 2 | - | - |"
     assert SETUPS[0] == "plain" and "example" in SETUPS
+
+
+def test_hidden_extract_dry_run(tmp_path) -> None:
+    out = tmp_path / "hidden.txt"
+    assert hidden_extract.main(["--dry-run", "--out", str(out)]) == 0
+    rows = [
+        line for line in out.read_text().splitlines() if line.startswith("| ") and "x |" in line
+    ]
+    providers = {line.split(" | ")[2] for line in rows}
+    assert providers == {"example", "tritonkv", "tritonkv-worker"}
+    assert len(rows) == 3 * len(hidden_extract.NUM_SEQS)
+
+
+def test_hidden_extract_check_sees_wrong_rows(monkeypatch) -> None:
+    """The negative control of the providers' check: a provider that returns other rows."""
+    step = hidden_extract.Step(hidden_extract.CPU_SETUP, 8, torch.device("cpu"))
+    try:
+        hidden_extract.check(step)
+        real = step.tritonkv
+        monkeypatch.setattr(step, "tritonkv", lambda: [r + 1 for r in real()])
+        with pytest.raises(AssertionError, match="tritonkv: rows differ"):
+            hidden_extract.check(step)
+    finally:
+        step.close()

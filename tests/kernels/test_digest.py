@@ -11,6 +11,8 @@ swapped) is skipped by ``assume``, since no function can see it.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
@@ -342,3 +344,49 @@ def test_reference_in_parallel_ranges_is_the_same(monkeypatch):
     monkeypatch.setattr(digest_mod, "PARALLEL_MIN_WORDS", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     assert digest_hex(packed_digest(t)) == serial == _definition(t)
+
+
+@pytest.mark.parametrize("native_from", [0, 1 << 40], ids=["native-passes", "torch-passes"])
+def test_segment_digests_are_each_segments_own_digest(monkeypatch, native_from):
+    """``segment_digests`` (one pass for every request of a pack) equals ``tensor_digest`` of
+    each segment, for random segmentations, dtypes and row widths (rows of a whole number of
+    32-bit words, and not: the per-segment fallback), on both CPU ways; a flipped bit changes
+    its segment's digest and no other."""
+    monkeypatch.setattr(digest_mod, "SEGMENT_NATIVE_BYTES", native_from)
+    monkeypatch.setattr(digest_mod, "SEGMENT_CHUNK_WORDS", 64)  # several chunks, a row across none
+
+    @settings(_PROPERTY, max_examples=40)
+    @given(
+        st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8]),
+        st.integers(1, 7),
+        st.lists(st.integers(0, 9), min_size=1, max_size=6),
+        st.data(),
+    )
+    def check(dtype, width, lengths, data):
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        g = torch.Generator().manual_seed(len(lengths) * 31 + width)
+        rows = torch.randint(0, 255, (bounds[-1] + 1, 3, width), generator=g).to(dtype)
+        got = digest_mod.segment_digests(rows, bounds)
+        want = [digest_mod.tensor_digest(rows[a:b]) for a, b in itertools.pairwise(bounds)]
+        assert torch.equal(got, torch.stack(want))
+        hit = data.draw(st.integers(0, len(lengths) - 1))
+        assume(lengths[hit] > 0)
+        row = bounds[hit] + data.draw(st.integers(0, lengths[hit] - 1))
+        rows[row].view(-1)[:1].view(torch.uint8)[0] ^= 0x10
+        after = digest_mod.segment_digests(rows, bounds)
+        changed = [not torch.equal(a, b) for a, b in zip(after, got, strict=True)]
+        assert changed == [i == hit for i in range(len(lengths))]
+
+    check()
+
+
+def test_segment_digests_refuse_bad_offsets():
+    rows = torch.zeros(4, 2)
+    for bad in ([], [1, 4], [0, 3, 2], [0, 5]):
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            digest_mod.segment_digests(rows, bad)
+    with pytest.raises(ValueError, match="contiguous"):
+        digest_mod.segment_digests(rows.t(), [0, 1])
+    assert digest_mod.segment_digests(rows, [0]).shape == (0, 2)

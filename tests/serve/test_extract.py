@@ -1,6 +1,7 @@
 """``connector.serve.extract``: prompts JSONL -> dataset, over the network or from files, resumable,
-a failing prompt reported and left out. Against a stand-in server (plain HTTP in a thread) that
-puts made-up hidden states where TritonKVConnector would: a KV server and files."""
+a failing prompt reported and left out (a corrupted one too, naming the digest check). Against a
+stand-in server (plain HTTP in a thread) that puts made-up hidden states where TritonKVConnector
+would: a KV server and files."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from safetensors.torch import load_file
 from connector.kvstore import KVBuffer, KVServer
 from connector.serve.extract import extract, read_prompts
 from connector.vllm_connector.hidden_files import HiddenFileWriter
+from connector.vllm_connector.integrity import flip_bit, hidden_meta
+from tritonkv.digest import digest_hex, tensor_digest
 
 SECRET = "e" * 40
 
@@ -48,8 +51,12 @@ def stand_in(tmp_path):
                 return
             tid = f"t{len(calls)}"
             path = str(tmp_path / "server" / f"{tid}.safetensors")
-            buffer.put(tid, _states(ids), {"kind": "hidden_states"})
-            writer.submit(path, _states(ids), HiddenFileWriter.lock(path))
+            states = _states(ids)
+            digests = hidden_meta(*(digest_hex(tensor_digest(t)) for t in states.values()))
+            if ids == [17]:  # the prompt whose states a bit flip corrupts after their digest
+                flip_bit(states["hidden_states"][None, None])
+            buffer.put(tid, states, {"kind": "hidden_states", **digests})
+            writer.submit(path, states, HiddenFileWriter.lock(path), digests)
             params = {
                 "hidden_states_path": path,
                 "hidden_states_transfer_id": tid,
@@ -127,3 +134,18 @@ def test_bad_inputs(tmp_path) -> None:
         )
     with pytest.raises(ValueError, match="via"):
         extract("http://127.0.0.1:1", [], tmp_path, via="disk")
+
+
+@pytest.mark.parametrize(("via", "check"), [("network", "receipt"), ("files", "write")])
+def test_a_corrupted_prompt_is_reported_by_its_id_and_check(stand_in, tmp_path, capsys, via, check):
+    url, _, _ = stand_in
+    items = [
+        {"id": "good", "prompt_token_ids": [3, 4]},
+        {"id": "flipped", "prompt_token_ids": [17]},
+    ]
+    out = tmp_path / "dataset"
+    counts = extract(url, read_prompts(_prompts_file(tmp_path, items)), out, via=via, secret=SECRET)
+    assert counts == {"done": 1, "skipped": 0, "failed": 1, "tokens": 2}
+    err = capsys.readouterr().err
+    assert "prompt flipped: " in err and f"digest check '{check}' failed" in err, err
+    assert not (out / "flipped.safetensors").exists()

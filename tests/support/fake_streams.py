@@ -120,8 +120,8 @@ def _from_triton_interpreter() -> bool:
 def no_host_reads(fake: FakeStreams, modules=()):
     """Record a violation for each host read of a device tensor of ``fake`` (see the module
     docstring) while active, and register as device tensors the results of ``pack_kv``,
-    ``unpack_kv``, ``tensor_digest`` and ``kv_digest`` as the ``modules`` given call them (by
-    their names in those modules)."""
+    ``unpack_kv``, ``tensor_digest``, ``segment_digests`` and ``kv_digest`` as the ``modules``
+    given call them (by their names in those modules)."""
     patches = []
 
     def patch(owner, name, value):
@@ -168,7 +168,7 @@ def no_host_reads(fake: FakeStreams, modules=()):
         return wrapped
 
     for mod in modules:
-        for name in ("pack_kv", "unpack_kv", "tensor_digest", "kv_digest"):
+        for name in ("pack_kv", "unpack_kv", "tensor_digest", "segment_digests", "kv_digest"):
             if hasattr(mod, name):
                 patch(mod, name, registering(getattr(mod, name)))
     try:

@@ -32,16 +32,22 @@ def _tensors(n: int = 5, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 class _Gate:
-    """A ``ready`` event the test opens: the writer waits on it, as on a CUDA copy."""
+    """Holds the writer inside its writes (a slow disk) until the test opens it."""
 
-    def __init__(self):
+    def __init__(self, monkeypatch):
+        import safetensors.torch
+
         self.open = threading.Event()
+        real = safetensors.torch.save_file
 
-    def synchronize(self):
-        assert self.open.wait(10)
+        def gated(tensors, filename, metadata=None):
+            assert self.open.wait(10)
+            return real(tensors, filename, metadata=metadata)
+
+        monkeypatch.setattr(safetensors.torch, "save_file", gated)
 
 
-def test_lock_protocol_with_vllms_reader(tmp_path) -> None:
+def test_lock_protocol_with_vllms_reader(tmp_path, monkeypatch) -> None:
     """vLLM's load_hidden_states blocks until the file is complete, then reads it; no
     temporary file stays."""
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
@@ -50,9 +56,9 @@ def test_lock_protocol_with_vllms_reader(tmp_path) -> None:
 
     writer = HiddenFileWriter(1 << 20)
     path = str(tmp_path / "r.safetensors")
-    gate, got = _Gate(), {}
+    gate, got = _Gate(monkeypatch), {}
     try:
-        writer.submit(path, _tensors(), HiddenFileWriter.lock(path), ready=gate)
+        writer.submit(path, _tensors(), HiddenFileWriter.lock(path))
         reader = threading.Thread(target=lambda: got.update(load_hidden_states(path)))
         reader.start()
         reader.join(0.3)
@@ -82,14 +88,14 @@ def test_read_hidden_file_has_a_deadline(tmp_path) -> None:
         read_hidden_file(path, timeout_s=0)
 
 
-def test_full_queue_refuses_at_once(tmp_path) -> None:
+def test_full_queue_refuses_at_once(tmp_path, monkeypatch) -> None:
     """A request beyond the queue's bytes is refused without waiting: its .error says why, its
     lock is released; the queued one is written."""
     writer = HiddenFileWriter(700)
-    gate = _Gate()
+    gate = _Gate(monkeypatch)
     first, second = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
     try:
-        assert writer.submit(first, _tensors(), HiddenFileWriter.lock(first), ready=gate)
+        assert writer.submit(first, _tensors(), HiddenFileWriter.lock(first))
         t0 = time.monotonic()
         assert not writer.submit(second, _tensors(), HiddenFileWriter.lock(second))
         assert time.monotonic() - t0 < 1
@@ -111,13 +117,13 @@ def test_full_disk_is_that_requests_error(tmp_path, monkeypatch) -> None:
     real = safetensors.torch.save_file
     calls = []
 
-    def flaky(tensors, filename):
+    def flaky(tensors, filename, metadata=None):
         calls.append(filename)
         if len(calls) == 1:
             with open(filename, "wb") as f:
                 f.write(b"half")  # a crash mid-write
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(tensors, filename)
+        return real(tensors, filename, metadata=metadata)
 
     monkeypatch.setattr(safetensors.torch, "save_file", flaky)
     writer = HiddenFileWriter(1 << 20)

@@ -12,7 +12,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.fake_streams import FakeStreams
 from support.kvstore import deliver
 
 from connector.kvstore import KVBuffer
@@ -274,24 +273,3 @@ def test_include_output_tokens_is_said_unsupported(tmp_path, caplog) -> None:
     assert "include_output_tokens" in caplog.text
     (spec,) = sched.build_meta(_step({"o": 3}, {"o": ([1],)}))["hidden_saves"]
     assert spec.num_tokens == 3
-
-
-def test_on_a_gpu_an_entry_is_stored_once_its_copy_completed(monkeypatch) -> None:
-    """The buffer's copy is put by the put thread once its event completed, never waited for on
-    the step; a copy that never completes fails that request only."""
-    monkeypatch.setattr(hs, "PUT_WAIT_S", 0.05)
-    fake = FakeStreams()
-    buffer = KVBuffer(1 << 20)
-    stats = TransferStats()
-    worker = _worker(torch.zeros(6, 2, 4, 8), buffer, stats=stats)
-    tensors = {"hidden_states": torch.ones(3, 2, 8), "token_ids": torch.arange(3)}
-    for tid, completes in (("late", False), ("done", True)):
-        ready = fake.event(fake.vllm)
-        ready.completed = completes
-        spec = HiddenSaveSpec(tid, tid, [1], 3, [0, 1, 2], None)
-        worker._putter().submit(worker._put, buffer, spec, tensors, ready, True).result(10)
-    assert "done" in buffer and "late" not in buffer
-    counts = stats.take()
-    assert (counts["hidden_saves"], counts["hidden_save_failures"]) == (1, 1)
-    worker.shutdown()
-    buffer.close()

@@ -10,7 +10,7 @@ with ``async_load``, fetches on load threads and unpacks in the first ``get_fini
 the worker's own thread. The load of an overlapped hand-off (``LoadSpec.wait_s`` > 0) is always
 async, and its pull, on a client of its own (:meth:`ProducerClients.lease`), lets the producer's
 server wait up to ``wait_s`` for the entry to be stored; a request that ends meanwhile (aborted)
-has that pull closed at once (:meth:`Consumer.cancel`). It asks producers, on a thread of its own,
+has that pull closed at once (:meth:`.ProducerClients.end`). It asks producers, on a thread of its own,
 to drop entries nobody here will load, and stops asking a producer that timed out for a while
 (:class:`ProducerBackoff`).
 Every failure is logged and its blocks go to the error set: vLLM recomputes them. With ``digest`` on
@@ -21,11 +21,10 @@ a failure, also counted in ``digest_failures``. No vLLM import.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from functools import partial
@@ -38,9 +37,7 @@ from ..kvstore import KVClient, Part, hide_ids, short_id
 from ..logs import get_logger
 from ..transport.errors import (
     ClientBusyError,
-    PipeClosedError,
     RemoteError,
-    TransferError,
     TransferTimeout,
     error_text,
 )
@@ -106,16 +103,13 @@ class Consumer:
         self.stats = stats
         self._secret = secret
         self.backoff = ProducerBackoff(cfg.connect_timeout_s)
-        self._clients = ProducerClients(connect or self._new_client)
+        #: its clients of producer ranks (the worker ends finished requests' pulls: ``end``)
+        self.clients = ProducerClients(connect or self._new_client)
         self._lock = threading.Lock()  # guards the pools (load threads start the gather pool)
         self._load_errors: set[int] = set()
         # async fetches in flight, by request id: (spec, start time, future of _fetch)
         self._loading: dict[str, tuple[LoadSpec, float, Future]] = {}
         self._releasing: list[Future] = []
-        # pulls waiting for their entry, by request id: their leased clients; and the requests
-        # that ended meanwhile (cancel), whose pulls are closed
-        self._waiting: dict[str, set[KVClient]] = {}
-        self._cancelled: set[str] = set()
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._streams = streams if streams is not None else device_streams(caches.device)
         # nccl carries device memory: received KV lands there; else on the host, and the copy to
@@ -159,54 +153,11 @@ class Consumer:
         finished = set()
         for req_id in done:
             spec, t0, future = self._loading.pop(req_id)
-            with self._lock:
-                self._cancelled.discard(req_id)
             if not self._load(spec, t0, future.result, is_async=True):
                 finished.add(req_id)  # done here, or failed
         # On a GPU: those whose unpack completed (polled, never waited for), digests compared.
         finished |= {s.spec.req_id for s in self._settle(False) if s.is_async}
         return finished or None
-
-    def cancel(self, req_ids: set[str]) -> None:
-        """Requests that ended (vLLM's ``finished_req_ids``: aborted, or finished elsewhere):
-        the pulls of theirs still waiting for an entry are closed now, so their loads fail at
-        once (reported by :meth:`get_finished`, and vLLM frees their blocks) instead of holding
-        the blocks for the rest of ``wait_s``."""
-        with self._lock:
-            ended = [r for r in req_ids if r in self._loading and self._loading[r][0].wait_s > 0]
-            self._cancelled.update(ended)
-            clients = [c for r in ended for c in self._waiting.get(r, ())]
-        for client in clients:
-            client.close()
-
-    @contextlib.contextmanager
-    def _client(self, spec: LoadSpec, addr: tuple[str, int]) -> Iterator[KVClient]:
-        """The client of one pull: the rank's shared one, or for a pull that may wait for its
-        entry a leased one, which :meth:`cancel` closes if ``spec``'s request ends meanwhile."""
-        if spec.wait_s <= 0:
-            yield self._clients.get(*addr)
-            return
-        with self._clients.lease(*addr, self.cfg.fetch_timeout_s) as client:
-            with self._lock:
-                self._waiting.setdefault(spec.req_id, set()).add(client)
-                ended = spec.req_id in self._cancelled
-            try:
-                if ended:
-                    client.close()
-                yield client
-            except TransferError as exc:
-                if spec.req_id in self._cancelled:
-                    raise PipeClosedError(
-                        "its request ended while the pull waited for the entry",
-                        peer=f"{addr[0]}:{addr[1]}",
-                        key=spec.transfer_id,
-                    ) from exc
-                raise
-            finally:
-                with self._lock:
-                    self._waiting[spec.req_id].discard(client)
-                    if not self._waiting[spec.req_id]:
-                        del self._waiting[spec.req_id]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # A failed async load adds its blocks in the get_finished call that reports the request,
@@ -225,9 +176,7 @@ class Consumer:
         when given to :meth:`start_load_kv`: a dead producer costs the connect deadline, which
         the worker must not wait out). Failures are logged: the entry's TTL drops it later."""
         timeout_s = self.cfg.connect_timeout_s
-        release_entries(
-            releases, self.tp_rank, self.tp_size, self.backoff, self._clients, timeout_s
-        )
+        release_entries(releases, self.tp_rank, self.tp_size, self.backoff, self.clients, timeout_s)
 
     def _new_client(self, host: str, port: int) -> KVClient:
         # Host memory for gloo and socket: the copy to the device is the consumer's (_load).
@@ -276,21 +225,17 @@ class Consumer:
             else len(rank_heads(self.total_kv_heads, spec.producer_tp, source.rank))
         )
         part = Part("kv", 3, *source.src) if source.num_heads < held else None
-        if spec.wait_s > 0:  # overlapped: the prefill may still run; the transfer on top
-            waits = {"wait_s": spec.wait_s, "timeout_s": spec.wait_s + self.cfg.fetch_timeout_s}
-        else:
-            waits = {"wait_s": PUBLISH_WAIT_S} if self._streams is not None else {}
         try:
             max_bytes = expected_bytes(self.caches, self.tp_size, spec, source)
             if self._streams is not None and self._device_wire:  # it lands in GPU memory
                 self.budget.check_room(max_bytes, "a pull received on the device")
-            with self._client(spec, addr) as client:
-                tensors, meta = client.get(
+            with self.clients.pull(spec.req_id, addr, spec.wait_s, self.cfg.fetch_timeout_s) as c:
+                tensors, meta = c.get(
                     spec.transfer_id,
                     part=part,
                     digest=spec.prompt_digest,
                     max_bytes=max_bytes,
-                    **waits,
+                    **_waits(spec, self.cfg.fetch_timeout_s, self._streams is not None),
                 )
         except TransferTimeout as exc:
             # A producer that did not connect or answer in time: every further load from it
@@ -414,7 +359,15 @@ class Consumer:
             pools = list(self._pools.values())
         for pool in pools:
             pool.shutdown(wait=False, cancel_futures=True)
-        self._clients.close()
+        self.clients.close()
+
+
+def _waits(spec: LoadSpec, fetch_timeout_s: float, on_gpu: bool) -> dict:
+    """The wait arguments of ``spec``'s GETs: an overlapped load's ``wait_s`` (the prefill may
+    still run) with the transfer's deadline on top; on a GPU :data:`PUBLISH_WAIT_S`."""
+    if spec.wait_s > 0:
+        return {"wait_s": spec.wait_s, "timeout_s": spec.wait_s + fetch_timeout_s}
+    return {"wait_s": PUBLISH_WAIT_S} if on_gpu else {}
 
 
 def _entry_views(

@@ -13,7 +13,13 @@ from collections.abc import Callable, Iterator
 
 from ..kvstore import KVClient, hide_ids, short_id
 from ..logs import get_logger
-from ..transport.errors import ClientBusyError, PeerDeadError, PipeClosedError, error_text
+from ..transport.errors import (
+    ClientBusyError,
+    PeerDeadError,
+    PipeClosedError,
+    TransferError,
+    error_text,
+)
 
 log = get_logger("connector")
 
@@ -66,7 +72,8 @@ class ProducerClients:
     A pull that may wait for its entry (an overlapped load) must not hold the shared client for
     the whole wait: it takes a client of its own with :meth:`lease`, at most ``max_leased`` per
     producer rank at once (each one connection the producer's server holds open; its cap is 16
-    per consumer host), kept for the next lease when its pull succeeded.
+    per consumer host), kept for the next lease when its pull succeeded. :meth:`waiting` leases
+    one for a request's pull, which :meth:`end` closes when the request ends meanwhile.
     """
 
     def __init__(
@@ -83,6 +90,8 @@ class ProducerClients:
         self._closed = False
         self._lock = threading.Lock()
         self._returned = threading.Condition(self._lock)
+        self._waiting: dict[str, set[KVClient]] = {}  # request id -> its pulls' leased clients
+        self._ended: OrderedDict[str, None] = OrderedDict()  # the last 4096 requests ended
 
     def get(self, host: str, port: int) -> KVClient:
         with self._lock:
@@ -140,6 +149,50 @@ class ProducerClients:
                 self._returned.notify()
             if not keep:
                 client.close()
+
+    @contextlib.contextmanager
+    def pull(self, req_id: str, addr: Addr, wait_s: float, timeout_s: float) -> Iterator[KVClient]:
+        """The client of one pull of request ``req_id`` from ``addr``: the shared one (:meth:`get`)
+        unless it may wait for its entry (``wait_s`` > 0); then a leased one (:meth:`lease`,
+        within ``timeout_s``), closed when :meth:`end` names that request (the pull then raises
+        PipeClosedError saying so)."""
+        if wait_s <= 0:
+            yield self.get(*addr)
+            return
+        host, port = addr
+        with self.lease(host, port, timeout_s) as client:
+            with self._lock:
+                self._waiting.setdefault(req_id, set()).add(client)
+                ended = req_id in self._ended
+            try:
+                if ended:
+                    client.close()
+                yield client
+            except TransferError as exc:
+                if req_id not in self._ended:
+                    raise
+                raise PipeClosedError(
+                    "its request ended while the pull waited for the entry",
+                    peer=f"{host}:{port}",
+                    key=exc.key,
+                ) from exc
+            finally:
+                with self._lock:
+                    self._waiting[req_id].discard(client)
+                    if not self._waiting[req_id]:
+                        del self._waiting[req_id]
+
+    def end(self, req_ids: set[str]) -> None:
+        """These requests ended while loading: close the clients of their waiting pulls (and of
+        those still to start), so that each fails at once (request ids are never reused)."""
+        with self._lock:
+            for req_id in req_ids:
+                self._ended[req_id] = None
+            while len(self._ended) > 4096:
+                self._ended.popitem(last=False)
+            clients = [c for r in req_ids for c in self._waiting.get(r, ())]
+        for client in clients:
+            client.close()
 
     def __len__(self) -> int:
         return len(self._clients)

@@ -80,7 +80,7 @@ def _poll(conn, until, wait_s: float = 20.0, ended=frozenset()):
     requests were reported; returns ``(finished, load-error blocks)``."""
     finished, errors, end = set(), set(), time.monotonic() + wait_s
     while not until <= finished and time.monotonic() < end:
-        conn.cancel(set(ended))
+        conn.clients.end(set(ended))
         finished |= conn.get_finished() or set()
         errors |= conn.get_block_ids_with_load_errors()
         time.sleep(0.01)

@@ -60,6 +60,9 @@ Fetched = tuple[list[tuple[HeadSource, torch.Tensor, integrity.Expected]], bool,
 # How long a consumer on a GPU lets the producer's server wait for an entry not yet stored: a
 # producer on a GPU stores it once its pack and copy to the host completed (producer.Publisher).
 PUBLISH_WAIT_S = 0.5
+# The threads of async fetches: (name, workers) for plain ones and for those that may wait for
+# their entry (overlapped: a prefill still running must not hold back a fetch whose entry is there).
+LOAD_POOLS = {False: ("load", 2), True: ("wait", 8)}
 
 
 class Consumer:
@@ -140,7 +143,7 @@ class Consumer:
                 self._load(spec, t0, partial(self._fetch, spec))
                 continue
             try:
-                future = self._pool("load", 2).submit(self._fetch, spec)
+                future = self._pool(*LOAD_POOLS[spec.wait_s > 0]).submit(self._fetch, spec)
             except Exception as exc:  # e.g. the pool shut down: this load's failure only
                 self._fail(spec, t0, exc)
                 continue
@@ -364,10 +367,11 @@ class Consumer:
 
 def _waits(spec: LoadSpec, fetch_timeout_s: float, on_gpu: bool) -> dict:
     """The wait arguments of ``spec``'s GETs: an overlapped load's ``wait_s`` (the prefill may
-    still run) with the transfer's deadline on top; on a GPU :data:`PUBLISH_WAIT_S`."""
+    still run) with the transfer's deadline on top; on a GPU at least :data:`PUBLISH_WAIT_S`."""
+    wait_s = max(spec.wait_s, PUBLISH_WAIT_S if on_gpu else 0.0)
     if spec.wait_s > 0:
-        return {"wait_s": spec.wait_s, "timeout_s": spec.wait_s + fetch_timeout_s}
-    return {"wait_s": PUBLISH_WAIT_S} if on_gpu else {}
+        return {"wait_s": wait_s, "timeout_s": wait_s + fetch_timeout_s}
+    return {"wait_s": wait_s} if on_gpu else {}
 
 
 def _entry_views(

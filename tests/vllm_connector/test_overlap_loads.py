@@ -103,19 +103,22 @@ def _loaded_rows_match(src, dst, *dst_blocks) -> bool:
 
 
 def test_overlapped_loads_wait_for_their_entries_each_on_a_connection_of_its_own(prod):
-    """Two loads wait for entries not yet stored; the one whose prefill finishes first loads
-    first (the other's wait does not hold its connection), both bit-exact, and the producer's
-    buffer ends empty: each entry was claimed by its pull."""
+    """Three loads wait for entries not yet stored; the last one's prefill finishes first and it
+    loads while the others still wait (no wait holds its connection or its thread), then the
+    next; all bit-exact, and the producer's buffer ends empty: each entry claimed by its pull."""
     dst = caches(NHD, seed=None)
     conn = _consumer(dst)
     try:
         conn.start_load_kv([_spec("a", "a" * 32, prod.server.port, wait_s=20)])
+        conn.start_load_kv([_spec("never", "0" * 32, prod.server.port, 20, blocks=[0, 2, 4])])
         conn.start_load_kv([_spec("b", "b" * 32, prod.server.port, 20, blocks=[0, 2, 4])])
         assert _poll(conn, {"a"}, wait_s=0.3) == (set(), set())  # waiting, not failed
         prod.save("b" * 32)
         assert _poll(conn, {"b"}, wait_s=10) == ({"b"}, set())  # while "a" still waits
         prod.save("a" * 32)
         assert _poll(conn, {"a"}) == ({"a"}, set())
+        conn.clients.end({"never"})
+        assert _poll(conn, {"never"}, ended={"never"}) == ({"never"}, {0, 2, 4})
     finally:
         conn.shutdown()
     assert _loaded_rows_match(prod.src, dst, BLOCKS, [0, 2, 4])

@@ -8,10 +8,11 @@ prompt digest, and refuses a reply larger than this rank's caches expect for it 
 allocating it: :func:`expected_bytes`), before the step's forward pass, or,
 with ``async_load``, fetches on load threads and unpacks in the first ``get_finished`` after, on
 the worker's own thread. The load of an overlapped hand-off (``LoadSpec.wait_s`` > 0) is always
-async, and its pull, on a client of its own (:meth:`ProducerClients.lease`), lets the producer's
-server wait up to ``wait_s`` for the entry to be stored; a request that ends meanwhile (aborted)
-has that pull closed at once (:meth:`.ProducerClients.end`). It asks producers, on a thread of its own,
-to drop entries nobody here will load, and stops asking a producer that timed out for a while
+async, on threads of its own, and its pull, on a client of its own
+(:meth:`.ProducerClients.pull`), lets the producer's server wait up to ``wait_s`` for the entry
+to be stored; a request that ends meanwhile (aborted) has that pull closed at once
+(:meth:`.ProducerClients.end`). It asks producers, on a thread of its own, to drop entries
+nobody here will load, and stops asking a producer that timed out for a while
 (:class:`ProducerBackoff`).
 Every failure is logged and its blocks go to the error set: vLLM recomputes them. With ``digest`` on
 (the default) the unpack's digest of what it read must equal the producer's, and with

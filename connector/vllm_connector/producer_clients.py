@@ -72,8 +72,9 @@ class ProducerClients:
     A pull that may wait for its entry (an overlapped load) must not hold the shared client for
     the whole wait: it takes a client of its own with :meth:`lease`, at most ``max_leased`` per
     producer rank at once (each one connection the producer's server holds open; its cap is 16
-    per consumer host), kept for the next lease when its pull succeeded. :meth:`waiting` leases
-    one for a request's pull, which :meth:`end` closes when the request ends meanwhile.
+    per consumer host), kept for the next lease when its pull succeeded. :meth:`pull` gives a
+    pull its client: the shared one, or a leased one that :meth:`end` closes when the pull's
+    request ends meanwhile.
     """
 
     def __init__(

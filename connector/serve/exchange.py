@@ -57,6 +57,7 @@ class Exchange:
     decode_url: str = ""
     decode_t0: float = 0.0  # perf_counter() when the decode call started
     overlapped: bool = False  # the prefill runs beside the decode (its time is logged apart)
+    prefill_task: asyncio.Task | None = None  # that prefill call, while it runs
 
     @property
     def id_header(self) -> dict[str, str]:

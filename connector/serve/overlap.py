@@ -133,14 +133,15 @@ class Overlap:
 
     async def dispatch(self, ex: Exchange, prefill: bytes, decode: bytes) -> aiohttp.ClientResponse:
         """Starts ``ex``'s prefill call on a task of its own and its decode call; returns the
-        decode response, headers read. The prefill call is cancelled (its connection closed, so
-        vLLM aborts it) when the decode call fails, answers non-2xx or is cancelled (the client
-        left); else it runs on to its end.
+        decode response, headers read. The prefill call (``ex.prefill_task``) is cancelled (its
+        connection closed, so vLLM aborts it) when the decode call fails, answers non-2xx or is
+        cancelled (the client left; the router cancels it too when the client leaves before the
+        decode answer's first bytes); else it runs to its end.
 
         Raises:
             Failure: The decode server could not be reached or did not answer in time.
         """
-        task = asyncio.ensure_future(self._prefill(ex, prefill))
+        task = ex.prefill_task = asyncio.ensure_future(self._prefill(ex, prefill))
         self._prefills.add(task)
         task.add_done_callback(self._prefills.discard)
         resp = None

@@ -296,6 +296,10 @@ class PDProxy:
         except Failure as failure:
             failure.response.headers.update(ex.id_header)
             return failure.response
+        except asyncio.CancelledError:  # the client left: its overlapped prefill is not wanted
+            if ex.prefill_task is not None:
+                ex.prefill_task.cancel()
+            raise
 
     async def _prefill_call(self, ex: Exchange, body: bytes) -> tuple[int, bytes, str | None]:
         """Calls ``ex``'s prefill server; returns ``(status, body, content type)``.

@@ -7,11 +7,16 @@ answer behind a gate shows whether the decode call waited for it. No vLLM engine
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 pytest.importorskip("aiohttp")
@@ -22,6 +27,7 @@ from support.fake_openai import FakeServer, LoopThread
 from support.vllm_fixtures import captured_log
 
 from connector.serve import overlap
+from connector.serve.launch import free_port
 from connector.serve.proxy import create_app
 from connector.serve.router import ProxyConfig
 from connector.vllm_connector import handoff as connector_handoff
@@ -238,3 +244,37 @@ def test_what_the_proxy_writes_the_consumer_completes_into_the_producers_hand_of
     assert overlap.site_of(None) is None
     assert overlap.site_of({**earlier, "protocol": "nixl"}) is None
     assert overlap.site_of({k: v for k, v in earlier.items() if k != "tp_size"}) is None
+
+
+def test_a_client_leaving_before_the_first_token_cancels_both_calls(servers, tmp_path) -> None:
+    """The decode server sent its headers and the prefill still runs when the client leaves:
+    the proxy (a real ``--overlap`` process, so that the client really disconnects) closes both
+    calls, so both servers abort the request and the producer stores nothing for nobody."""
+    prefill, decode = servers
+    port = free_port()
+    log = (tmp_path / "proxy.log").open("w")
+    args = [sys.executable, "-m", "connector.serve.proxy", "--overlap", "--port", str(port)]
+    proc = subprocess.Popen(
+        [*args, "--prefill", prefill.url, "--decode", decode.url], stdout=log, stderr=log
+    )
+    try:
+        _wait("the proxy", lambda: _listens(port))
+        url = f"http://127.0.0.1:{port}{PATH}"
+        with httpx.Client(timeout=10, trust_env=False) as client:
+            assert client.post(url, json=BODY).status_code == 200  # learns the site
+            prefill.make_gate()
+            decode.mode = "headers"
+            with pytest.raises(httpx.ReadTimeout):
+                client.post(url, json={**BODY, "stream": True}, timeout=1.0)
+        _wait("both calls closed", lambda: (prefill.disconnects, decode.disconnects) == (1, 1))
+        assert len(prefill.issued) == 1
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+def _listens(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+        return True
+    return False

@@ -58,8 +58,9 @@ class FakeServer:
         role: ``prefill`` or ``decode``.
         received: Requests received, in order.
         mode: ``ok``; ``error`` (answer ``error_status`` with an error body); ``hang`` (never answer);
-            ``stall`` (stream: send the first chunk, then never send more); ``no_kv`` (prefill
-            answers ``kv_transfer_params: null``).
+            ``stall`` (stream: send the first chunk, then never send more); ``headers`` (stream:
+            send the headers, then nothing until the peer leaves); ``no_kv`` (prefill answers
+            ``kv_transfer_params: null``).
         error_status: Status used in ``error`` mode.
         healthy: Whether ``/health`` answers 200 (else 503).
         n_chunks: Number of content chunks in a stream.
@@ -210,6 +211,9 @@ class FakeServer:
     async def _stream(self, request: web.Request, chat: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if self.mode == "headers":
+            await self._hang(request)
+            return resp
         for i in range(self.n_chunks):
             await resp.write(sse_chunk(self.name, chat, i))
             if i == 0 and self.mode == "stall":

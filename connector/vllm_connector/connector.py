@@ -147,7 +147,6 @@ class TritonKVMetadata(KVConnectorMetadata):
     releases: list[ReleaseSpec] = field(default_factory=list)
     hidden_saves: list[HiddenSaveSpec] = field(default_factory=list)  # extract_hidden_states
     hidden_drops: list[HiddenDrop] = field(default_factory=list)
-    idle: bool = False  # no tokens scheduled this step (e.g. all waiting for remote KV)
 
 
 # ------------------------------------------------------------------------------------- stats
@@ -428,11 +427,8 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Async loads whose fetch completed: unpacked here, on the worker's own thread (or, when
         the fetch failed, their blocks put in the error set); on a GPU reported once their
-        unpack's event completed and their digest matched (polled, never waited for). On an
-        idle step (:attr:`TritonKVMetadata.idle`) it waits briefly for a fetch to complete."""
-        meta = getattr(self, "_connector_metadata", None)
-        idle = isinstance(meta, TritonKVMetadata) and meta.idle
-        return self._worker.get_finished(finished_req_ids, idle=idle)
+        unpack's event completed and their digest matched (polled, never waited for)."""
+        return self._worker.get_finished(finished_req_ids)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for per layer: a sync load completes inside ``start_load_kv`` (before the

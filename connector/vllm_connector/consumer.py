@@ -26,7 +26,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from functools import partial
 
@@ -150,10 +150,9 @@ class Consumer:
                 continue
             self._loading[spec.req_id] = (spec, t0, future)
 
-    def get_finished(self, wait_s: float = 0.0) -> set[str] | None:
-        """Async loads whose fetch completed (waiting up to ``wait_s`` for one): unpacked here, on
-        the worker's own thread (or, when the fetch failed, their blocks put in the error set)."""
-        wait_futures([f for *_, f in self._loading.values()], wait_s, FIRST_COMPLETED)
+    def get_finished(self) -> set[str] | None:
+        """Async loads whose fetch completed: unpacked here, on the worker's own thread (or, when
+        the fetch failed, their blocks put in the error set)."""
         done = [req_id for req_id, (_, _, future) in self._loading.items() if future.done()]
         finished = set()
         for req_id in done:

@@ -232,14 +232,12 @@ class SchedulerSide:
         """The workers finished these requests' async loads."""
         self._receiving -= req_ids
 
-    def build_meta(self, scheduler_output) -> dict:
+    def build_meta(self, scheduler_output) -> dict[str, list]:
         """This step's instructions to the workers: the fields of ``TritonKVMetadata``
-        (``saves``, ``loads``, ``discards``, ``releases``, each said once; ``idle``: the step
-        schedules no tokens)."""
-        meta: dict = dict(
+        (``saves``, ``loads``, ``discards``, ``releases``), each said once."""
+        meta: dict[str, list] = dict(
             saves=[], loads=self._pending_loads, discards=self._discards, releases=self._releases
         )
-        meta["idle"] = getattr(scheduler_output, "total_num_scheduled_tokens", None) == 0
         self._pending_loads, self._discards, self._releases = [], [], []
         for req_id, request, block_ids in finishing_prompts(
             scheduler_output, self._watched, self._saved

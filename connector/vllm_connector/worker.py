@@ -25,12 +25,6 @@ from .streams import DeviceBudget, gpu_budget_line
 
 log = get_logger("connector")
 
-#: How long ``get_finished`` of a step with no tokens scheduled waits for an async fetch to
-#: complete: vLLM runs such steps back to back while requests wait for remote KV (an overlapped
-#: load waits out the whole prefill), and each costs a core; a request arriving meanwhile waits
-#: at most this long for the step to end.
-IDLE_WAIT_S = 0.01
-
 
 class WorkerSide:
     """The worker-side state of one rank's connector (see the module docstring).
@@ -149,17 +143,14 @@ class WorkerSide:
         if self.consumer is not None:
             self.consumer.start_load_kv(loads, releases)
 
-    def get_finished(
-        self, finished_req_ids: set[str], *, idle: bool = False
-    ) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(None, requests whose async load completed)``: see
-        :meth:`.consumer.Consumer.get_finished` (on an ``idle`` step, waiting up to
-        :data:`IDLE_WAIT_S` for one); the pulls of ``finished_req_ids`` still waiting for an
-        entry are closed first (:meth:`.producer_clients.ProducerClients.end`)."""
+        :meth:`.consumer.Consumer.get_finished`; the pulls of ``finished_req_ids`` still waiting
+        for an entry are closed first (:meth:`.producer_clients.ProducerClients.end`)."""
         if self.consumer is None:
             return None, None
         self.consumer.clients.end(finished_req_ids or set())
-        return None, self.consumer.get_finished(IDLE_WAIT_S if idle else 0.0)
+        return None, self.consumer.get_finished()
 
     def wait_for_save(self, saves: list[SaveSpec], discards: list[str] = ()) -> None:
         """See :meth:`.producer.Producer.wait_for_save`."""

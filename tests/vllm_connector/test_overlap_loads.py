@@ -250,20 +250,3 @@ def test_leases_are_bounded_per_producer_and_a_failed_one_is_never_reused():
     assert x in made
     clients.close()
     assert set(made) - {failing} <= set(closed), "close() closes idle leased clients too"
-
-
-def test_an_idle_steps_get_finished_waits_for_a_fetch_to_complete(prod):
-    """With nothing scheduled (every request waits for remote KV) vLLM runs empty steps back to
-    back: get_finished may then wait for a fetch instead of returning at once, and returns as
-    soon as one completed (here: one call sees the load whose entry was stored meanwhile)."""
-    conn = _consumer(caches(NHD, seed=None))
-    try:
-        conn.start_load_kv([_spec("r", "5" * 32, prod.server.port, wait_s=20)])
-        assert conn.get_finished() is None  # not waiting: nothing done yet
-        saver = threading.Timer(0.2, prod.save, ("5" * 32,))
-        saver.start()
-        assert conn.get_finished(wait_s=30) == {"r"}
-        saver.join()
-        assert conn.get_block_ids_with_load_errors() == set()
-    finally:
-        conn.shutdown()

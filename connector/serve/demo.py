@@ -73,10 +73,11 @@ def start_pd(
     env: dict | None = None,
     tp: int = 1,
     consumer_tp: int | None = None,
+    proxy_args: list[str] = (),
     progress=print,
 ):
-    """Start producer (TP ``tp``), consumer (TP ``consumer_tp``, default ``tp``) and proxy; return
-    the three processes once all are healthy."""
+    """Start producer (TP ``tp``), consumer (TP ``consumer_tp``, default ``tp``) and proxy (with
+    ``proxy_args``, e.g. ``["--overlap"]``); return the three processes once all are healthy."""
     consumer_tp = tp if consumer_tp is None else consumer_tp
     kv_port = free_port_run(max(tp, 1))
     producer = cluster.start_vllm(
@@ -102,7 +103,7 @@ def start_pd(
         tp=consumer_tp,
         env=env,
     )
-    proxy = cluster.start_proxy(free_port(), [producer.url], [consumer.url])
+    proxy = cluster.start_proxy(free_port(), [producer.url], [consumer.url], args=list(proxy_args))
     t0 = time.monotonic()
     progress(f"starting producer, consumer and proxy (logs in {cluster.workdir}) ...")
     cluster.wait_ready([producer, consumer, proxy], progress=progress)

@@ -7,7 +7,7 @@ Usage (``tritonkv-proxy`` once tritonkv is installed; ``python -m connector.serv
         [--host 0.0.0.0] [--timeout-s 600] [--prefill-timeout-s S] [--connect-timeout-s 5] \\
         [--health-timeout-s 5] [--shutdown-timeout-s 10] [--max-request-bytes 33554432] \\
         [--body-timeout-s 60] [--max-concurrent-requests 512] [--health-details] \\
-        [--log-level info]
+        [--overlap] [--log-level info]
 
 Clients talk to the proxy as to one OpenAI-compatible vLLM server; "server" below is always one of
 the upstream vLLM servers. Endpoints:
@@ -33,6 +33,18 @@ top-level ``kv_transfer_params`` of its response is the hand-off, taken as is; (
 gets the client's own body with exactly that hand-off (:func:`~connector.serve.bodies.decode_body`),
 or without one when the prefill returned none (it then recomputes the prompt; a warning is
 logged); (4) the decode response goes back unchanged, a stream relayed chunk by chunk as it arrives.
+
+With ``--overlap`` (off by default) steps (1) and (3) start together once a prefill server's first
+sequential hand-off told the proxy where its KV lives (:mod:`connector.serve.overlap`): the
+prefill body asks the producer to save under a transfer id the proxy minted
+(``kv_transfer_params={"do_remote_decode": true, "transfer_id": ...}``), and the decode body
+carries the overlapped hand-off (that producer's address, ``tp_size``, ``fingerprint``,
+``protocol``, the same id, ``"overlap": true``), whose load waits for the entry on the decode
+server (its ``prefill_wait_s``). The decode answer goes to the client as soon as it starts; the
+prefill answer is only read: a failed prefill call makes the next request to that server
+sequential again, a producer that saved under another id is never overlapped again (both
+logged), and the decode server recomputes the prompt when its load fails or its wait ends. A
+decode call that fails or answers non-2xx cancels the prefill call (vLLM aborts it).
 
 Failures (JSON bodies shaped like vLLM's errors, plus ``stage``, ``server`` and, for timeouts,
 ``timeout_s``):
@@ -61,8 +73,9 @@ to both servers too. One INFO log line per request names both servers, their tim
 SIGINT/SIGTERM stop it gracefully (in-flight requests get ``--shutdown-timeout-s``; exit status
 0).
 
-This module is the app and the command line; the routing is :mod:`connector.serve.router`, the
-bodies :mod:`connector.serve.bodies`, the bounds :mod:`connector.serve.guards`. They import neither vllm nor tritonkv: only the HTTP stack
+This module is the app and the command line; the routing is :mod:`connector.serve.router` (with
+:mod:`connector.serve.exchange` and :mod:`connector.serve.overlap`), the bodies
+:mod:`connector.serve.bodies`, the bounds :mod:`connector.serve.guards`. They import neither vllm nor tritonkv: only the HTTP stack
 vLLM installs (FastAPI and uvicorn to serve, aiohttp to call the servers).
 """
 
@@ -210,6 +223,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "(default: loopback clients only, and a reverse proxy on this host makes every client "
         "loopback; plain /health answers only the status)",
     )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="send each request to its prefill and decode servers at once (the decode server "
+        "waits for the KV), once a prefill server's first hand-off said where its KV lives "
+        "(default: prefill, then decode)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 
@@ -240,6 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             body_timeout_s=args.body_timeout_s,
             max_concurrent_requests=args.max_concurrent_requests,
             health_details=args.health_details,
+            overlap=args.overlap,
         )
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc
@@ -261,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(sig, lambda signum, _frame: received.append(signum))
     logger.info(
         "P/D proxy on http://%s:%d: prefill %s, decode %s, timeout %.3g s (prefill %.3g s, "
-        "connect %.3g s), at most %d requests of %d bytes in flight",
+        "connect %.3g s), at most %d requests of %d bytes in flight, %s",
         args.host,
         args.port,
         ", ".join(config.prefill_urls),
@@ -271,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.connect_timeout_s,
         config.max_concurrent_requests,
         config.max_request_bytes,
+        "prefill and decode overlapped" if config.overlap else "prefill, then decode",
     )
     server.run()
     if not server.started:

@@ -1,10 +1,14 @@
 """The P/D router behind :mod:`connector.serve.proxy`: its settings and the calls to the upstream
 vLLM servers ("servers": prefill and decode) for each client request.
 
-A generation request goes through small steps, each raising :class:`_Failure` with the answer for
+A generation request goes through small steps, each raising :class:`Failure` with the answer for
 the client when it cannot go on: its id and body admitted within the bounds of
 :mod:`connector.serve.guards`, the body checked, the prefill call, the hand-off taken from its answer, the decode
-call, then the decode answer relayed whole or as a stream. The bodies sent and the error bodies are
+call, then the decode answer relayed whole or as a stream. With ``overlap``, a prefill server
+whose site is known (:mod:`connector.serve.overlap`) gets its request at the same time as the
+decode server, both with a transfer id minted here; the prefill's answer is read on a task of
+its own (to learn the site again, or forget it), and the decode answer goes to the client as soon
+as it starts. The bodies sent and the error bodies are
 built by the pure functions of :mod:`connector.serve.bodies`; what the client sees for each failure
 is listed in :mod:`connector.serve.proxy`.
 """
@@ -14,31 +18,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from ..logs import get_logger, short_id
-from .bodies import (
-    InvalidBody,
-    client_body,
-    decode_body,
-    describe_failure,
-    encode,
-    error_body,
-    handoff_params,
-    prefill_body,
-    sse_error,
-)
+from .bodies import InvalidBody, client_body, decode_body, encode, handoff_params, prefill_body
+from .exchange import Exchange, Failure, error_response, relay_stream, relay_whole
 from .guards import BodyRefused, read_body, request_id, shows_details
+from .overlap import Overlap, overlap_params
 
 logger = get_logger("proxy")
 
@@ -63,6 +57,9 @@ class ProxyConfig:
         max_concurrent_requests: The most client requests in flight at once (503 beyond).
         health_details: Whether any client (not only a loopback one) may ask ``/health`` for
             the servers' URLs and errors.
+        overlap: Send each request to its prefill and its decode server at once, once that
+            prefill server's site is known (see the module docstring); False: prefill, then
+            decode.
     """
 
     prefill_urls: tuple[str, ...]
@@ -75,6 +72,7 @@ class ProxyConfig:
     body_timeout_s: float = 60.0
     max_concurrent_requests: int = 512
     health_details: bool = False
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         """Validates the URLs and limits.
@@ -109,63 +107,9 @@ class ProxyConfig:
         return self.timeout_s if self.prefill_timeout_s is None else self.prefill_timeout_s
 
 
-class _Failure(Exception):
-    """A step of a request cannot go on; carries the response to give the client."""
-
-    def __init__(self, response: Response, summary: str) -> None:
-        super().__init__(summary)
-        self.response = response
-        self.summary = summary
-
-    @classmethod
-    def of(
-        cls, exc: BaseException, stage: str, url: str, limit_s: float, connect_s: float
-    ) -> _Failure:
-        """The failure of an outbound call that raised ``exc`` (see ``describe_failure``)."""
-        status, msg, err_type, extra = describe_failure(exc, stage, url, limit_s, connect_s)
-        return cls(_error(status, msg, err_type, **extra), f"{status} {msg}")
-
-
-def _error(status: int, message: str, err_type: str, **extra: Any) -> JSONResponse:
-    """Returns an error JSONResponse; see :func:`~connector.serve.bodies.error_body`."""
-    return JSONResponse(error_body(status, message, err_type, **extra), status_code=status)
-
-
 def _strip(url: str) -> str:
     """Returns ``url`` without trailing slashes."""
     return url.rstrip("/")
-
-
-@dataclass
-class _Exchange:
-    """One client request on its way through prefill and decode: what its calls and logs need."""
-
-    req_id: str
-    path: str
-    headers: dict[str, str]  # sent to both servers
-    prefill_url: str = ""
-    prefill_ms: float = 0.0
-    transfer_id: Any = None
-    decode_url: str = ""
-    decode_t0: float = 0.0  # perf_counter() when the decode call started
-
-    @property
-    def id_header(self) -> dict[str, str]:
-        return {"X-Request-Id": self.req_id}
-
-    def log_done(self, status: int, note: str = "") -> None:
-        """The request's INFO line, once the decode server answered (or failed)."""
-        logger.info(
-            "req %s prefill %s %.1f ms | decode %s ttfb %.1f ms | transfer_id %s | status %d%s",
-            self.req_id,
-            self.prefill_url,
-            self.prefill_ms,
-            self.decode_url,
-            (time.perf_counter() - self.decode_t0) * 1e3,
-            short_id(self.transfer_id),
-            status,
-            note,
-        )
 
 
 class PDProxy:
@@ -183,6 +127,7 @@ class PDProxy:
         self._decode_rr = itertools.cycle(self._decode_urls)
         self._session: aiohttp.ClientSession | None = None
         self._warned_no_remote_prefill = False
+        self._overlap = Overlap(self._prefill_call, self._decode_call)
 
     async def start(self) -> None:
         """Opens the outbound session (call inside the serving event loop)."""
@@ -191,7 +136,8 @@ class PDProxy:
         self._session = aiohttp.ClientSession(connector=connector, trust_env=False)
 
     async def close(self) -> None:
-        """Closes the outbound session."""
+        """Cancels the overlapped prefill calls still running; closes the outbound session."""
+        await self._overlap.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -211,9 +157,9 @@ class PDProxy:
         """Returns an aiohttp timeout with the given total and the configured connect limit."""
         return aiohttp.ClientTimeout(total=total_s, connect=self.config.connect_timeout_s)
 
-    def _failure(self, exc: BaseException, stage: str, url: str, limit_s: float) -> _Failure:
-        """Wraps an outbound exception into a :class:`_Failure` with the client response."""
-        return _Failure.of(exc, stage, url, limit_s, self.config.connect_timeout_s)
+    def _failure(self, exc: BaseException, stage: str, url: str, limit_s: float) -> Failure:
+        """Wraps an outbound exception into a :class:`Failure` with the client response."""
+        return Failure.of(exc, stage, url, limit_s, self.config.connect_timeout_s)
 
     async def _get(self, stage: str, url: str, path: str) -> tuple[int, bytes, str | None]:
         """GETs ``url + path`` within the health timeout.
@@ -222,7 +168,7 @@ class PDProxy:
             ``(status, body, content type)``.
 
         Raises:
-            _Failure: The server could not be reached in time.
+            Failure: The server could not be reached in time.
         """
         limit = self.config.health_timeout_s
         try:
@@ -249,7 +195,7 @@ class PDProxy:
         async def probe(role: str, url: str) -> dict[str, Any]:
             try:
                 status, _, _ = await self._get("health", url, "/health")
-            except _Failure as failure:
+            except Failure as failure:
                 return {"role": role, "url": url, "ok": False, "error": failure.summary}
             return {"role": role, "url": url, "ok": 200 <= status < 300, "status": status}
 
@@ -265,7 +211,7 @@ class PDProxy:
         url = next(self._decode_rr)
         try:
             status, body, ctype = await self._get("models", url, "/v1/models")
-        except _Failure as failure:
+        except Failure as failure:
             return failure.response
         return Response(body, status_code=status, media_type=ctype)
 
@@ -313,9 +259,18 @@ class PDProxy:
 
     async def _generate(self, request: Request, path: str, req_id: str, raw: bytes) -> Response:
         """:meth:`generate`'s work once the body is read: prefill, hand-off, decode."""
+        ex = Exchange(req_id, path, self._headers(request, req_id))
+        decode = None
         try:
             body = client_body(raw, path)
-            prefill = encode(prefill_body(body, path))
+            ex.prefill_url = next(self._prefill_rr)
+            site = self._overlap.sites.get(ex.prefill_url) if self.config.overlap else None
+            if site is None:
+                prefill = encode(prefill_body(body, path))
+            else:
+                ex.transfer_id, ex.overlapped = uuid.uuid4().hex, True
+                prefill = encode(prefill_body(body, path, ex.transfer_id))
+                decode = encode(decode_body(body, overlap_params(site, ex.transfer_id)))
         except ValueError as exc:  # InvalidBody, or encode's refusal
             msg = (
                 str(exc)
@@ -324,30 +279,35 @@ class PDProxy:
                 "less deeply"
             )
             param = exc.param if isinstance(exc, InvalidBody) else None
-            response = _error(400, msg, "BadRequestError", param=param)
+            response = error_response(400, msg, "BadRequestError", param=param)
             response.headers["X-Request-Id"] = req_id
             return response
-        ex = _Exchange(req_id, path, self._headers(request, req_id))
         try:
-            prefill_raw = await self._prefill(ex, prefill)
-            decode = self._handoff(ex, prefill_raw, body)
-            resp = await self._decode_call(ex, decode)
+            if decode is None:
+                prefill_raw = await self._prefill(ex, prefill)
+                decode = self._handoff(ex, prefill_raw, body)
+                resp = await self._decode_call(ex, decode)
+            else:
+                resp = await self._overlap.dispatch(ex, prefill, decode)
             limits = (self.config.timeout_s, self.config.connect_timeout_s)
             if body.get("stream") and 200 <= resp.status < 300:
-                return await _relay_stream(ex, resp, *limits)
-            return await _relay_whole(ex, resp, *limits)
-        except _Failure as failure:
+                return await relay_stream(ex, resp, *limits)
+            return await relay_whole(ex, resp, *limits)
+        except Failure as failure:
             failure.response.headers.update(ex.id_header)
             return failure.response
+        except asyncio.CancelledError:  # the client left: its overlapped prefill is not wanted
+            if ex.prefill_task is not None:
+                ex.prefill_task.cancel()
+            raise
 
-    async def _prefill(self, ex: _Exchange, body: bytes) -> bytes:
-        """Calls the next prefill server; returns its 2xx response body.
+    async def _prefill_call(self, ex: Exchange, body: bytes) -> tuple[int, bytes, str | None]:
+        """Calls ``ex``'s prefill server; returns ``(status, body, content type)``.
 
         Raises:
-            _Failure: The call failed (502/504), or the server answered non-2xx (that answer).
+            Failure: The call failed (502/504); the server is forgotten as an overlap site.
         """
-        url = ex.prefill_url = next(self._prefill_rr)
-        limit = self.config.prefill_limit_s
+        url, limit = ex.prefill_url, self.config.prefill_limit_s
         t0 = time.perf_counter()
         try:
             async with self.session.post(
@@ -357,10 +317,21 @@ class PDProxy:
                 raw = await resp.read()
                 ctype = resp.headers.get("Content-Type")
         except (TimeoutError, aiohttp.ClientError) as exc:
+            self._overlap.sites.forget(url)
             failure = self._failure(exc, "prefill", url, limit)
             logger.warning("req %s prefill %s: %s", ex.req_id, url, failure.summary)
             raise failure from exc
         ex.prefill_ms = (time.perf_counter() - t0) * 1e3
+        return status, raw, ctype
+
+    async def _prefill(self, ex: Exchange, body: bytes) -> bytes:
+        """Calls ``ex``'s prefill server; returns its 2xx response body.
+
+        Raises:
+            Failure: The call failed (502/504), or the server answered non-2xx (that answer).
+        """
+        url = ex.prefill_url
+        status, raw, ctype = await self._prefill_call(ex, body)
         if not 200 <= status < 300:
             logger.warning(
                 "req %s prefill %s answered %d in %.1f ms; decode not called",
@@ -370,15 +341,15 @@ class PDProxy:
                 ex.prefill_ms,
             )
             response = Response(raw, status_code=status, media_type=ctype, headers=ex.id_header)
-            raise _Failure(response, f"{status} from prefill {url}")
+            raise Failure(response, f"{status} from prefill {url}")
         return raw
 
-    def _handoff(self, ex: _Exchange, prefill_raw: bytes, body: dict[str, Any]) -> bytes:
+    def _handoff(self, ex: Exchange, prefill_raw: bytes, body: dict[str, Any]) -> bytes:
         """The decode request: the client's ``body`` with the prefill response's
         ``kv_transfer_params`` (none when null or absent), encoded.
 
         Raises:
-            _Failure: 502, the response is not a JSON object with an object or null hand-off
+            Failure: 502, the response is not a JSON object with an object or null hand-off
                 that can be passed on.
         """
         url = ex.prefill_url
@@ -391,8 +362,8 @@ class PDProxy:
                 "object or null kv_transfer_params that can be passed on"
             )
             logger.warning("req %s: %s", ex.req_id, msg)
-            raise _Failure(
-                _error(502, msg, "BadGateway", stage="prefill", server=url), msg
+            raise Failure(
+                error_response(502, msg, "BadGateway", stage="prefill", server=url), msg
             ) from None
         if kv is None:
             logger.warning(
@@ -409,13 +380,15 @@ class PDProxy:
                 url,
             )
         ex.transfer_id = kv.get("transfer_id") if kv else None
+        if self.config.overlap:
+            self._overlap.sites.learn(url, kv)
         return decode
 
-    async def _decode_call(self, ex: _Exchange, body: bytes) -> aiohttp.ClientResponse:
+    async def _decode_call(self, ex: Exchange, body: bytes) -> aiohttp.ClientResponse:
         """Starts the call to the next decode server; returns its response, headers read.
 
         Raises:
-            _Failure: The server could not be reached or did not answer in time.
+            Failure: The server could not be reached or did not answer in time.
         """
         url = ex.decode_url = next(self._decode_rr)
         limit = self.config.timeout_s
@@ -462,100 +435,3 @@ async def _disconnected(request: Request) -> None:
     """Returns when the client of ``request`` (whose body was read) disconnects."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-async def _relay(
-    resp: aiohttp.ClientResponse,
-    first: bytes,
-    ex: _Exchange,
-    limit_s: float,
-    connect_s: float,
-) -> AsyncIterator[bytes]:
-    """Yields a decode stream's bytes as they arrive; closes the upstream response at the end.
-
-    If the client goes away the generator is closed, which closes the upstream connection, so
-    the decode server sees the disconnect and aborts the request.
-    """
-    n_bytes = len(first)
-    end = "complete"
-    try:
-        if first:
-            yield first
-        while True:
-            try:
-                chunk = await resp.content.readany()
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                status, msg, err_type, extra = describe_failure(
-                    exc, "decode", ex.decode_url, limit_s, connect_s
-                )
-                end = f"failed: {msg}"
-                yield sse_error(status, msg, err_type, **extra)
-                return
-            if not chunk:
-                return
-            n_bytes += len(chunk)
-            yield chunk
-    except (asyncio.CancelledError, GeneratorExit):
-        end = "closed by the client"
-        raise
-    finally:
-        resp.close()
-        logger.log(
-            logging.INFO if end == "complete" else logging.WARNING,
-            "req %s stream %s: %d bytes in %.1f ms",
-            ex.req_id,
-            end,
-            n_bytes,
-            (time.perf_counter() - ex.decode_t0) * 1e3,
-        )
-
-
-async def _relay_whole(
-    ex: _Exchange, resp: aiohttp.ClientResponse, limit_s: float, connect_s: float
-) -> Response:
-    """The decode answer read whole (not streamed, or not 2xx), given back unchanged.
-
-    Raises:
-        _Failure: Reading it failed or passed the decode limit.
-    """
-    ctype = resp.headers.get("Content-Type")
-    try:
-        raw = await resp.read()
-    except asyncio.CancelledError:
-        resp.close()
-        raise
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        failure = _Failure.of(exc, "decode", ex.decode_url, limit_s, connect_s)
-        ex.log_done(failure.response.status_code, f" ({failure.summary})")
-        raise failure from exc
-    finally:
-        resp.release()
-    ex.log_done(resp.status)
-    return Response(raw, status_code=resp.status, media_type=ctype, headers=ex.id_header)
-
-
-async def _relay_stream(
-    ex: _Exchange, resp: aiohttp.ClientResponse, limit_s: float, connect_s: float
-) -> Response:
-    """The decode stream, relayed once its first bytes came (a silent server still gets 504).
-
-    Raises:
-        _Failure: The first bytes did not come, or not within the decode limit.
-    """
-    try:
-        first = await resp.content.readany()
-    except (TimeoutError, aiohttp.ClientError, asyncio.CancelledError) as exc:
-        resp.close()
-        if isinstance(exc, asyncio.CancelledError):
-            raise
-        failure = _Failure.of(exc, "decode", ex.decode_url, limit_s, connect_s)
-        ex.log_done(failure.response.status_code, f" ({failure.summary})")
-        raise failure from exc
-    ex.log_done(resp.status, " (stream started)")
-    headers = {**ex.id_header, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(
-        _relay(resp, first, ex, limit_s, connect_s),
-        status_code=resp.status,
-        media_type=resp.headers.get("Content-Type") or "text/event-stream",
-        headers=headers,
-    )

@@ -62,6 +62,12 @@ class ConnectorConfig:
     ttl_s: float = 120.0
     #: consumer: the deadline of one pull (connect + transfer).
     fetch_timeout_s: float = 30.0
+    #: consumer: how long the load of an overlapped hand-off (``tritonkv-proxy --overlap``: the
+    #: decode request arrives while the prefill still runs) waits for the producer to store the
+    #: entry, on top of ``fetch_timeout_s`` for the transfer; such loads are always async. A
+    #: prefill that does not finish in time is recomputed here (the producer's server caps the
+    #: wait at its own 60 s).
+    prefill_wait_s: float = 30.0
     #: consumer: the producers it may pull from, as IP addresses, networks (``"10.0.0.0/8"``) or
     #: host names (compared as written, case aside); a hand-off naming another ``remote_host`` is
     #: refused before any connection (recomputed). Empty: any producer a hand-off names. Hand-offs
@@ -223,7 +229,13 @@ class ConnectorConfig:
             if getattr(self, name) not in choices:
                 shown = "|".join(c for c in choices if c is not None)
                 raise ValueError(f"{name}: expected {shown}, got {getattr(self, name)!r}")
-        for name in ("put_timeout_s", "ttl_s", "fetch_timeout_s", "connect_timeout_s"):
+        for name in (
+            "put_timeout_s",
+            "ttl_s",
+            "fetch_timeout_s",
+            "prefill_wait_s",
+            "connect_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
         if self.transfer_cpus not in ("", "auto"):

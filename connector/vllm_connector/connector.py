@@ -44,6 +44,11 @@ Flow (the proxy, ``connector.serve.proxy``, drives it):
    decoding other requests (the request waits in vLLM's ``WAITING_FOR_REMOTE_KVS`` state) and
    unpacks in the first ``get_finished`` after the fetch completed, on the worker's own thread,
    which then reports the request.
+   Overlapped (``tritonkv-proxy --overlap``): the proxy sends both requests at once, the
+   producer's with a transfer id of the proxy's (``do_remote_decode``'s params: the producer saves
+   under it unless malformed or already used), the consumer's with a hand-off the proxy wrote
+   from that producer's earlier one (:mod:`.handoff`); that load is async whatever
+   ``async_load`` says, and its pull waits up to ``prefill_wait_s`` for the entry.
 3. Any failure (producer dead, timeout, unknown or expired id, wrong fingerprint, shape, dtype or
    page kind) is logged and reported through ``get_block_ids_with_load_errors``; with vLLM's
    ``kv_load_failure_policy: "recompute"`` the consumer recomputes the prompt. A request is never

@@ -7,8 +7,13 @@ slots with **one** :func:`tritonkv.unpack_kv` call per pull (each pull presents 
 prompt digest, and refuses a reply larger than this rank's caches expect for it before
 allocating it: :func:`expected_bytes`), before the step's forward pass, or,
 with ``async_load``, fetches on load threads and unpacks in the first ``get_finished`` after, on
-the worker's own thread. It asks producers, on a thread of its own, to drop entries nobody here
-will load, and stops asking a producer that timed out for a while (:class:`ProducerBackoff`).
+the worker's own thread. The load of an overlapped hand-off (``LoadSpec.wait_s`` > 0) is always
+async, on threads of its own, and its pull, on a client of its own
+(:meth:`.ProducerClients.pull`), lets the producer's server wait up to ``wait_s`` for the entry
+to be stored; a request that ends meanwhile (aborted) has that pull closed at once
+(:meth:`.ProducerClients.end`). It asks producers, on a thread of its own, to drop entries
+nobody here will load, and stops asking a producer that timed out for a while
+(:class:`ProducerBackoff`).
 Every failure is logged and its blocks go to the error set: vLLM recomputes them. With ``digest`` on
 (the default) the unpack's digest of what it read must equal the producer's, and with
 ``digest_write_back`` the written slots are read back too (:mod:`.integrity`); a mismatch is such
@@ -56,6 +61,9 @@ Fetched = tuple[list[tuple[HeadSource, torch.Tensor, integrity.Expected]], bool,
 # How long a consumer on a GPU lets the producer's server wait for an entry not yet stored: a
 # producer on a GPU stores it once its pack and copy to the host completed (producer.Publisher).
 PUBLISH_WAIT_S = 0.5
+# The threads of async fetches: (name, workers) for plain ones and for those that may wait for
+# their entry (overlapped: a prefill still running must not hold back a fetch whose entry is there).
+LOAD_POOLS = {False: ("load", 2), True: ("wait", 8)}
 
 
 class Consumer:
@@ -99,7 +107,8 @@ class Consumer:
         self.stats = stats
         self._secret = secret
         self.backoff = ProducerBackoff(cfg.connect_timeout_s)
-        self._clients = ProducerClients(connect or self._new_client)
+        #: its clients of producer ranks (the worker ends finished requests' pulls: ``end``)
+        self.clients = ProducerClients(connect or self._new_client)
         self._lock = threading.Lock()  # guards the pools (load threads start the gather pool)
         self._load_errors: set[int] = set()
         # async fetches in flight, by request id: (spec, start time, future of _fetch)
@@ -131,11 +140,11 @@ class Consumer:
             self._releasing.append(self._pool("release", 1).submit(self.release, releases))
         for spec in loads:
             t0 = time.perf_counter()
-            if not self.cfg.async_load:
+            if not (self.cfg.async_load or spec.wait_s > 0):
                 self._load(spec, t0, partial(self._fetch, spec))
                 continue
             try:
-                future = self._pool("load", 2).submit(self._fetch, spec)
+                future = self._pool(*LOAD_POOLS[spec.wait_s > 0]).submit(self._fetch, spec)
             except Exception as exc:  # e.g. the pool shut down: this load's failure only
                 self._fail(spec, t0, exc)
                 continue
@@ -171,9 +180,7 @@ class Consumer:
         when given to :meth:`start_load_kv`: a dead producer costs the connect deadline, which
         the worker must not wait out). Failures are logged: the entry's TTL drops it later."""
         timeout_s = self.cfg.connect_timeout_s
-        release_entries(
-            releases, self.tp_rank, self.tp_size, self.backoff, self._clients, timeout_s
-        )
+        release_entries(releases, self.tp_rank, self.tp_size, self.backoff, self.clients, timeout_s)
 
     def _new_client(self, host: str, port: int) -> KVClient:
         # Host memory for gloo and socket: the copy to the device is the consumer's (_load).
@@ -223,17 +230,17 @@ class Consumer:
         )
         part = Part("kv", 3, *source.src) if source.num_heads < held else None
         try:
-            client = self._clients.get(*addr)
             max_bytes = expected_bytes(self.caches, self.tp_size, spec, source)
             if self._streams is not None and self._device_wire:  # it lands in GPU memory
                 self.budget.check_room(max_bytes, "a pull received on the device")
-            tensors, meta = client.get(
-                spec.transfer_id,
-                part=part,
-                digest=spec.prompt_digest,
-                max_bytes=max_bytes,
-                **({"wait_s": PUBLISH_WAIT_S} if self._streams is not None else {}),
-            )
+            with self.clients.pull(spec.req_id, addr, spec.wait_s, self.cfg.fetch_timeout_s) as c:
+                tensors, meta = c.get(
+                    spec.transfer_id,
+                    part=part,
+                    digest=spec.prompt_digest,
+                    max_bytes=max_bytes,
+                    **_waits(spec, self.cfg.fetch_timeout_s, self._streams is not None),
+                )
         except TransferTimeout as exc:
             # A producer that did not connect or answer in time: every further load from it
             # would stall the same way (a sync load stalls the whole decode batch), so they fail
@@ -356,7 +363,16 @@ class Consumer:
             pools = list(self._pools.values())
         for pool in pools:
             pool.shutdown(wait=False, cancel_futures=True)
-        self._clients.close()
+        self.clients.close()
+
+
+def _waits(spec: LoadSpec, fetch_timeout_s: float, on_gpu: bool) -> dict:
+    """The wait arguments of ``spec``'s GETs: an overlapped load's ``wait_s`` (the prefill may
+    still run) with the transfer's deadline on top; on a GPU at least :data:`PUBLISH_WAIT_S`."""
+    wait_s = max(spec.wait_s, PUBLISH_WAIT_S if on_gpu else 0.0)
+    if spec.wait_s > 0:
+        return {"wait_s": wait_s, "timeout_s": wait_s + fetch_timeout_s}
+    return {"wait_s": wait_s} if on_gpu else {}
 
 
 def _entry_views(
@@ -410,6 +426,11 @@ def check_entry(
 ) -> tuple[str, torch.Tensor]:
     """``(kv_format, packed)`` if a pulled entry (its ``meta`` and ``packed`` KV) fits ``caches``
     for ``source``'s heads, else ValueError saying what differs (``tp_size``: this side's)."""
+    if spec.fingerprint is not None and meta.get("fingerprint") != spec.fingerprint:
+        raise ValueError(
+            f"the entry's fingerprint {meta.get('fingerprint')!r} is not the hand-off's "
+            f"{spec.fingerprint!r}"
+        )
     kv_format = meta.get("kv_format")
     views, rows = _entry_views(caches, tp_size, spec, source, kv_format)
     if kv_format == "pages" and meta.get("page_kind") != caches.page_kind:

@@ -3,6 +3,15 @@
 A hand-off is a plain dict (see :func:`build_handoff` for its keys). A consumer first asks whether
 a request's params are a tritonkv hand-off at all (:func:`is_handoff`), refuses one of another
 :data:`PROTOCOL`, and reads where the entry lives (:func:`parse_handoff`). No vLLM import.
+
+The overlapped flow (``tritonkv-proxy --overlap``) sends the decode request while the prefill
+still runs, so its hand-off is written by the proxy before the producer answered: the producer's
+address, ``tp_size``, ``fingerprint`` and ``protocol`` as an earlier hand-off of that producer
+said them, a ``transfer_id`` the proxy minted (and gave the producer in ``do_remote_decode``'s
+params: :func:`proxy_transfer_id`), and ``"overlap": true`` in place of ``num_tokens`` and
+``prompt_digest``, which only a tokenizer knows: the consumer fills them in from its own prompt
+(:func:`completed`). A mismatch still cannot load wrong KV: the producer's KV server serves an
+entry only to a request presenting the digest of the producer's own prompt.
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ PROTOCOL = "tritonkv-4"
 
 #: A transfer id as a producer mints it (``uuid4().hex``): nothing else is ever dialed for.
 TRANSFER_ID = re.compile(r"[0-9a-f]{32}")
+#: The key that marks a hand-off the proxy wrote before the prefill finished (module docstring).
+OVERLAP = "overlap"
 #: The largest producer TP size a hand-off may name (its ports run up to ``remote_port +
 #: tp_size - 1``, and a consumer rank may ask each of them to release an entry).
 MAX_TP_SIZE = 256
@@ -82,6 +93,27 @@ def build_handoff(
         "fingerprint": fingerprint,
         "tp_size": tp_size,
     }
+
+
+def completed(params: dict, token_ids) -> dict:
+    """``params`` as a consumer checks them: an overlapped hand-off (``"overlap": true``) gets
+    ``num_tokens`` and ``prompt_digest`` of the consumer's own prompt (``token_ids``; None: a
+    prompt given as embeddings, left as it is); any other is returned unchanged."""
+    if params.get(OVERLAP) is not True or token_ids is None:
+        return params
+    return {**params, "num_tokens": len(token_ids), "prompt_digest": prompt_digest(token_ids)}
+
+
+def proxy_transfer_id(params) -> tuple[str | None, str]:
+    """The transfer id a proxy chose for a ``do_remote_decode`` request: ``(id, "")``, ``(None,
+    "")`` when it chose none, or ``(None, why)`` when the value is no id a producer would mint
+    (32 lower-case hex digits). Whether it is already in use is the scheduler's to check."""
+    if not isinstance(params, dict) or "transfer_id" not in params:
+        return None, ""
+    value = params["transfer_id"]
+    if isinstance(value, str) and TRANSFER_ID.fullmatch(value):
+        return value, ""
+    return None, f"transfer_id {shown(value)} is not 32 lower-case hex digits"
 
 
 def shown(value, limit: int = 80) -> str:

@@ -29,7 +29,9 @@ class SaveSpec:
 @dataclass
 class LoadSpec:
     """Consumer worker: pull ``transfer_id`` (presenting the hand-off's ``prompt_digest``) and
-    write its rows ``[start, start + count)``."""
+    write its rows ``[start, start + count)``. ``wait_s`` > 0 (an overlapped hand-off): the
+    producer's server may wait that long for the entry to be stored, and the load is async.
+    ``fingerprint``: the hand-off's, which the entry's own must equal (None: not checked)."""
 
     req_id: str
     transfer_id: str
@@ -42,6 +44,8 @@ class LoadSpec:
     producer_tp: int = 1  # the producer's TP size: which of its ranks hold this rank's heads
     corrupt: bool = False
     prompt_digest: str = field(kw_only=True)
+    fingerprint: str | None = field(default=None, kw_only=True)
+    wait_s: float = field(default=0.0, kw_only=True)
     debug_fault: str = field(default="", kw_only=True)  # tests only (integrity.FAULTS)
 
 

@@ -1,18 +1,25 @@
-"""The producers a consumer pulls from: one client per producer rank
-(:class:`ProducerClients`), the hosts that timed out, not asked again for a while
-(:class:`ProducerBackoff`), and the requests to drop entries no one will load
-(:func:`release_entries`). No vLLM import."""
+"""The producers a consumer pulls from: one client per producer rank, plus a few leased out
+one pull at a time for pulls that wait for their entry (:class:`ProducerClients`), the hosts that
+timed out, not asked again for a while (:class:`ProducerBackoff`), and the requests to drop
+entries no one will load (:func:`release_entries`). No vLLM import."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from ..kvstore import KVClient, hide_ids, short_id
 from ..logs import get_logger
-from ..transport.errors import PeerDeadError, PipeClosedError, error_text
+from ..transport.errors import (
+    ClientBusyError,
+    PeerDeadError,
+    PipeClosedError,
+    TransferError,
+    error_text,
+)
 
 log = get_logger("connector")
 
@@ -61,14 +68,31 @@ class ProducerClients:
     At most ``max_clients`` are kept: making one more closes the least recently used (a request
     still running on it fails, and its load is recomputed), so hand-offs naming ever new
     addresses cannot pile up connections.
+
+    A pull that may wait for its entry (an overlapped load) must not hold the shared client for
+    the whole wait: it takes a client of its own with :meth:`lease`, at most ``max_leased`` per
+    producer rank at once (each one connection the producer's server holds open; its cap is 16
+    per consumer host), kept for the next lease when its pull succeeded. :meth:`pull` gives a
+    pull its client: the shared one, or a leased one that :meth:`end` closes when the pull's
+    request ends meanwhile.
     """
 
-    def __init__(self, connect: Callable[[str, int], KVClient], max_clients: int = 64):
+    def __init__(
+        self,
+        connect: Callable[[str, int], KVClient],
+        max_clients: int = 64,
+        max_leased: int = 4,
+    ):
         self._connect = connect
-        self.max_clients = max_clients
+        self.max_clients, self.max_leased = max_clients, max_leased
         self._clients: OrderedDict[Addr, KVClient] = OrderedDict()
+        self._idle: dict[Addr, list[KVClient]] = {}  # leased clients given back, by address
+        self._leased: dict[Addr, set[KVClient]] = {}  # leased clients out, by address
         self._closed = False
         self._lock = threading.Lock()
+        self._returned = threading.Condition(self._lock)
+        self._waiting: dict[str, set[KVClient]] = {}  # request id -> its pulls' leased clients
+        self._ended: OrderedDict[str, None] = OrderedDict()  # the last 4096 requests ended
 
     def get(self, host: str, port: int) -> KVClient:
         with self._lock:
@@ -86,6 +110,91 @@ class ProducerClients:
             old.close()
         return client
 
+    @contextlib.contextmanager
+    def lease(self, host: str, port: int, timeout_s: float) -> Iterator[KVClient]:
+        """A client of ``host:port`` for this caller alone until the block ends: an idle one, or
+        one made anew while fewer than ``max_leased`` are out; else wait up to ``timeout_s`` for
+        one to come back (ClientBusyError naming the wait). One whose block raised is closed,
+        never given to another caller (another thread may close it to end its pull at once)."""
+        addr = (host, port)
+        deadline = time.monotonic() + timeout_s
+        with self._returned:
+            while True:
+                if self._closed:
+                    raise PipeClosedError("connector shut down", peer=f"{host}:{port}")
+                idle, out = self._idle.setdefault(addr, []), self._leased.setdefault(addr, set())
+                if idle or len(out) < self.max_leased:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ClientBusyError(
+                        f"all {self.max_leased} leased clients busy for {timeout_s:g} s",
+                        peer=f"{host}:{port}",
+                        waited_s=timeout_s,
+                    )
+                self._returned.wait(left)
+            client = idle.pop() if idle else None
+            if client is None:
+                client = self._connect(host, port)
+            out.add(client)
+        ok = False
+        try:
+            yield client
+            ok = True
+        finally:
+            with self._returned:
+                self._leased[addr].discard(client)
+                keep = ok and not self._closed
+                if keep:
+                    self._idle[addr].append(client)
+                self._returned.notify()
+            if not keep:
+                client.close()
+
+    @contextlib.contextmanager
+    def pull(self, req_id: str, addr: Addr, wait_s: float, timeout_s: float) -> Iterator[KVClient]:
+        """The client of one pull of request ``req_id`` from ``addr``: the shared one (:meth:`get`)
+        unless it may wait for its entry (``wait_s`` > 0); then a leased one (:meth:`lease`,
+        within ``timeout_s``), closed when :meth:`end` names that request (the pull then raises
+        PipeClosedError saying so)."""
+        if wait_s <= 0:
+            yield self.get(*addr)
+            return
+        host, port = addr
+        with self.lease(host, port, timeout_s) as client:
+            with self._lock:
+                self._waiting.setdefault(req_id, set()).add(client)
+                ended = req_id in self._ended
+            try:
+                if ended:
+                    client.close()
+                yield client
+            except TransferError as exc:
+                if req_id not in self._ended:
+                    raise
+                raise PipeClosedError(
+                    "its request ended while the pull waited for the entry",
+                    peer=f"{host}:{port}",
+                    key=exc.key,
+                ) from exc
+            finally:
+                with self._lock:
+                    self._waiting[req_id].discard(client)
+                    if not self._waiting[req_id]:
+                        del self._waiting[req_id]
+
+    def end(self, req_ids: set[str]) -> None:
+        """These requests ended while loading: close the clients of their waiting pulls (and of
+        those still to start), so that each fails at once (request ids are never reused)."""
+        with self._lock:
+            for req_id in req_ids:
+                self._ended[req_id] = None
+            while len(self._ended) > 4096:
+                self._ended.popitem(last=False)
+            clients = [c for r in req_ids for c in self._waiting.get(r, ())]
+        for client in clients:
+            client.close()
+
     def __len__(self) -> int:
         return len(self._clients)
 
@@ -93,6 +202,10 @@ class ProducerClients:
         with self._lock:  # load and release threads may still be adding clients
             self._closed = True
             clients = list(self._clients.values())
+            for group in (*self._idle.values(), *self._leased.values()):
+                clients += list(group)
+            self._idle.clear()
+            self._returned.notify_all()
         for client in clients:
             client.close()
 

@@ -1,10 +1,13 @@
 """The connector's scheduler side: which requests to save and load, and the hand-offs.
 
 A producer watches requests sent with ``do_remote_decode``, tells its workers to save each one's
-prompt in the step that computes its last prompt token, and hands off where the KV is when the
+prompt in the step that computes its last prompt token (under the transfer id the proxy chose, when
+it chose one no other transfer of this producer used), and hands off where the KV is when the
 request finishes. A consumer checks each request's hand-off, reports the tokens it will load,
-tells its workers what to pull into which blocks, and has unused entries released. Plain Python,
-no vLLM import: the facade (:mod:`.connector`) adapts vLLM's calls to this.
+tells its workers what to pull into which blocks, and has unused entries released. An overlapped
+hand-off (:mod:`.handoff`) always loads asynchronously, its pull waiting up to ``prefill_wait_s``
+for the producer to store the entry. Plain Python, no vLLM import: the facade (:mod:`.connector`)
+adapts vLLM's calls to this.
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ from ..kvstore import short_id
 from ..logs import get_logger
 from .config import ConnectorConfig
 from .handoff import (
+    OVERLAP,
     PROTOCOL,
     build_handoff,
+    completed,
     handoff_problems,
     is_handoff,
     parse_handoff,
     prompt_digest,
+    proxy_transfer_id,
     shown,
 )
 from .integrity import faults
@@ -69,6 +75,7 @@ class SchedulerSide:
         self.engine_port, self.fingerprint = engine_port, fingerprint
         self._watched: dict[str, Any] = {}  # producer: req_id -> Request (do_remote_decode)
         self._saved: dict[str, str] = {}  # producer: req_id -> transfer id issued
+        self._issued: OrderedDict[str, None] = OrderedDict()  # producer: recent transfer ids
         self._discards: list[str] = []  # producer: saved transfers of aborted requests
         self._local_hit: dict[str, int] = {}  # consumer: req_id -> block-aligned local hit
         self._tried: set[str] = set()  # consumer: requests whose hand-off was used or refused
@@ -94,6 +101,7 @@ class SchedulerSide:
                 f"{PROTOCOL!r} (tritonkv {__version__}); run one tritonkv release on producers "
                 "and consumers"
             )
+        params = completed(params, request.prompt_token_ids)
         problems = handoff_problems(params)
         if not problems and not self.cfg.allows_producer(params["remote_host"]):
             problems.append(
@@ -171,7 +179,7 @@ class SchedulerSide:
         if count <= 0:
             return 0, False
         self._local_hit[req_id] = num_computed_tokens
-        return count, self.cfg.async_load
+        return count, self.cfg.async_load or params.get(OVERLAP) is True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         req_id = request.request_id
@@ -188,10 +196,11 @@ class SchedulerSide:
         start = self._local_hit.pop(req_id, None)
         if num_external_tokens <= 0 or start is None:
             return
-        self._accepted.pop(req_id, None)
+        params = self._accepted.pop(req_id)  # checked (an overlapped one completed)
+        overlapped = params.get(OVERLAP) is True
         self._tried.add(req_id)
         self._handle(params["transfer_id"], req_id)
-        if self.cfg.async_load:
+        if self.cfg.async_load or overlapped:
             self._receiving.add(req_id)
         self._pending_loads.append(
             LoadSpec(
@@ -205,6 +214,8 @@ class SchedulerSide:
                 num_tokens=params["num_tokens"],
                 producer_tp=params["tp_size"],
                 prompt_digest=params["prompt_digest"],
+                fingerprint=params["fingerprint"],
+                wait_s=self.cfg.prefill_wait_s if overlapped else 0.0,
                 corrupt=self.cfg.debug_allow_corrupt
                 and params.get("tritonkv_debug_corrupt") is True,
                 debug_fault=faults(params, self.cfg.debug_allow_corrupt),
@@ -235,7 +246,9 @@ class SchedulerSide:
             if not block_ids:
                 log.error("tritonkv: no block ids for %s; its KV cannot be saved", req_id)
                 continue
-            transfer_id = uuid.uuid4().hex
+            transfer_id = self._transfer_id(req_id, request)
+            if transfer_id is None:
+                continue
             needed = -(-prompt_len // self.block_size)  # blocks holding the prompt
             meta["saves"].append(
                 SaveSpec(
@@ -248,7 +261,31 @@ class SchedulerSide:
                 )
             )
             self._saved[req_id] = transfer_id
+            self._issued[transfer_id] = None
+            while len(self._issued) > 1 << 16:
+                self._issued.popitem(last=False)
         return meta
+
+    def _transfer_id(self, req_id: str, request) -> str | None:
+        """The transfer id to save ``request``'s prompt under: the one its proxy chose (the
+        overlapped flow), else a fresh ``uuid4().hex``. A chosen id that is malformed or that
+        this producer issued before (the last 64k) is refused, logged, and nothing is saved:
+        an entry under another id would never be found by the decode side, which waits for
+        the chosen one and recomputes when its wait ends."""
+        chosen, why = proxy_transfer_id(request.kv_transfer_params)
+        if chosen is None and not why:
+            return uuid.uuid4().hex
+        if chosen is not None and chosen in self._issued:
+            why = f"transfer_id {short_id(chosen)} is already in use"
+        if not why:
+            return chosen
+        log.warning(
+            "tritonkv: request %s: refusing the transfer id it chose (%s); its KV is not "
+            "saved, the decode side will recompute it",
+            req_id,
+            why,
+        )
+        return None
 
     def request_finished(self, request, aborted: bool) -> tuple[bool, dict | None]:
         """``(delay_free_blocks, kv_transfer_params)`` of a finished request (``aborted``: vLLM
@@ -270,12 +307,16 @@ class SchedulerSide:
         self._local_hit.pop(req_id, None)
         self._tried.discard(req_id)
         self._accepted.pop(req_id, None)
+        receiving = req_id in self._receiving
         self._receiving.discard(req_id)
         if req_id in self._refused:  # it may name any address: ask nobody to release it
             self._refused.discard(req_id)
-        elif self._check(request)[0] is not None:
-            handoff = parse_handoff(request.kv_transfer_params)
-            if handoff.transfer_id not in self._handled:
+        else:
+            checked = self._check(request)[0]
+            handoff = parse_handoff(checked) if checked is not None else None
+            # an overlapped load ended by the abort (its worker stops waiting) releases too
+            waited = receiving and checked is not None and checked.get(OVERLAP) is True
+            if handoff is not None and (handoff.transfer_id not in self._handled or waited):
                 self._handle(handoff.transfer_id, req_id)
                 self._releases.append(handoff)
         transfer_id = self._saved.pop(req_id, None)

@@ -147,8 +147,12 @@ class WorkerSide:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(None, requests whose async load completed)``: see
-        :meth:`.consumer.Consumer.get_finished`."""
-        return None, (self.consumer.get_finished() if self.consumer is not None else None)
+        :meth:`.consumer.Consumer.get_finished`; the pulls of ``finished_req_ids`` still waiting
+        for an entry are closed first (:meth:`.producer_clients.ProducerClients.end`)."""
+        if self.consumer is None:
+            return None, None
+        self.consumer.clients.end(finished_req_ids or set())
+        return None, self.consumer.get_finished()
 
     def wait_for_save(self, saves: list[SaveSpec], discards: list[str] = ()) -> None:
         """See :meth:`.producer.Producer.wait_for_save`."""

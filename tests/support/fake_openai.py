@@ -58,12 +58,16 @@ class FakeServer:
         role: ``prefill`` or ``decode``.
         received: Requests received, in order.
         mode: ``ok``; ``error`` (answer ``error_status`` with an error body); ``hang`` (never answer);
-            ``stall`` (stream: send the first chunk, then never send more); ``no_kv`` (prefill
-            answers ``kv_transfer_params: null``).
+            ``stall`` (stream: send the first chunk, then never send more); ``headers`` (stream:
+            send the headers, then nothing until the peer leaves); ``no_kv`` (prefill answers
+            ``kv_transfer_params: null``).
         error_status: Status used in ``error`` mode.
         healthy: Whether ``/health`` answers 200 (else 503).
         n_chunks: Number of content chunks in a stream.
-        gate: When set, a stream waits for it after the first chunk (up to 5 s).
+        gate: When set, a stream waits for it after the first chunk, and a prefill answer
+            before it is sent (up to 5 s).
+        honor_ids: Whether a prefill fake saves under the ``transfer_id`` its request's
+            ``kv_transfer_params`` name (as the connector does), else under a fresh one.
         disconnects: Requests that saw the peer close the connection while hanging or waiting on
             the gate.
         issued: The ``kv_transfer_params`` a prefill fake returned, in order.
@@ -94,6 +98,7 @@ class FakeServer:
         self.n_chunks = 4
         self.disconnects = 0
         self.gate: asyncio.Event | None = None
+        self.honor_ids = True
 
     def make_gate(self) -> None:
         """Makes streams wait after their first chunk until :meth:`open_gate`."""
@@ -178,15 +183,23 @@ class FakeServer:
             err = {"error": {"message": f"{self.name} refuses", "type": "BadRequestError"}}
             return web.json_response(err, status=self.error_status)
         if self.role == "prefill":
+            if self.gate is not None and not await self._wait_gate(request):
+                self.disconnects += 1
+                return web.json_response({})
+            chosen = (body.get("kv_transfer_params") or {}).get("transfer_id")
             kv: dict[str, Any] | None = None
             if self.mode != "no_kv":
                 kv = {
                     "do_remote_prefill": True,
-                    "transfer_id": uuid.uuid4().hex,  # 32 hex digits, as the connector's
+                    "protocol": "tritonkv-3",
+                    # 32 hex digits, as the connector's
+                    "transfer_id": chosen if chosen and self.honor_ids else uuid.uuid4().hex,
                     "remote_host": "127.0.0.1",
                     "remote_port": 47000 + n,
                     "num_tokens": 5 + n,
+                    "prompt_digest": f"{n:032x}",
                     "fingerprint": f"fp{n:04x}",
+                    "tp_size": 1,
                     "remote_prefill_cached_tokens": 0,
                 }
                 self.issued.append(copy.deepcopy(kv))
@@ -198,6 +211,9 @@ class FakeServer:
     async def _stream(self, request: web.Request, chat: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if self.mode == "headers":
+            await self._hang(request)
+            return resp
         for i in range(self.n_chunks):
             await resp.write(sse_chunk(self.name, chat, i))
             if i == 0 and self.mode == "stall":

@@ -521,3 +521,171 @@ def test_a_consumer_pulls_only_from_the_producers_it_lists(vllm_mods, handoff, c
     listed.add_request(m["request"]("l", params=handoff))
     out, _ = m["step"](listed)
     assert _loads(out) == [("l", 0, len(PROMPT) - 1)]
+
+
+# --------------------------------------------------------------------- the overlapped flow
+
+
+def _overlapped(handoff, transfer_id="c" * 32):
+    """What ``tritonkv-proxy --overlap`` sends the decode server: ``handoff``'s site, its own
+    transfer id, ``overlap`` instead of the prompt's length and digest."""
+    site = {k: v for k, v in handoff.items() if k not in ("num_tokens", "prompt_digest")}
+    return {**site, "transfer_id": transfer_id, "overlap": True}
+
+
+def test_a_producer_saves_under_the_transfer_id_its_proxy_chose(vllm_mods):
+    """Through vLLM's scheduler: the save and the hand-off carry the proxy's id."""
+    m = vllm_mods
+    producer = m["scheduler"]("kv_producer")
+    chosen = "9" * 32
+    params = {"do_remote_decode": True, "transfer_id": chosen}
+    sampling = m["SamplingParams"](max_tokens=1, extra_args={"kv_transfer_params": params})
+    producer.add_request(m["request"]("p", sampling=sampling))
+    out, handoffs = m["step"](producer)
+    assert [s.transfer_id for s in out.kv_connector_metadata.saves] == [chosen]
+    assert handoffs["p"]["transfer_id"] == chosen
+
+
+@pytest.mark.parametrize(
+    "chosen",
+    ["A" * 32, "a" * 31, "g" * 32, 12345, None, ["a" * 32], "a" * 32 + "\n"],
+    ids=["upper", "short", "not-hex", "int", "null", "list", "newline"],
+)
+def test_a_transfer_id_a_producer_would_never_mint_is_refused_and_nothing_saved(
+    vllm_mods, connector_log, chosen
+):
+    """A client-chosen id is hostile input: anything but 32 lower-case hex digits saves nothing
+    (the decode side recomputes), gives no hand-off, and never reaches the engine as an error."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from connector.vllm_connector import TritonKVConnector
+
+    m = vllm_mods
+    sched = TritonKVConnector(m["vllm_config"]("kv_producer"), KVConnectorRole.SCHEDULER)
+    assert _saves(sched, "p", [1, 2, 3], chosen) == []
+    [warning] = [r.getMessage() for r in connector_log]
+    assert "refusing the transfer id it chose" in warning and "not 32 lower-case hex" in warning
+    assert "\n" not in warning
+
+
+def test_a_transfer_id_already_in_use_is_refused_never_collides(vllm_mods, connector_log):
+    """The same id chosen for a second prompt, while the first one's entry may still be held,
+    or one this producer minted itself: refused (nothing saved); the first save stands."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from connector.vllm_connector import TritonKVConnector
+
+    m = vllm_mods
+    sched = TritonKVConnector(m["vllm_config"]("kv_producer"), KVConnectorRole.SCHEDULER)
+    chosen = "7" * 32
+    [first] = _saves(sched, "first", [1, 2, 3], chosen)
+    assert first.transfer_id == chosen
+    assert _saves(sched, "second", [4, 5, 6], chosen) == []
+    minted = _save_in_one_step(sched, "minted", [7, 8])
+    assert _saves(sched, "third", [9], minted) == []
+    assert sum("already in use" in r.getMessage() for r in connector_log) == 2
+
+
+def _saves(conn, req_id, prompt, chosen):
+    """The saves a producer's scheduler side asks for in the one step that computes ``prompt``,
+    sent with ``do_remote_decode`` and transfer id ``chosen``."""
+    from types import SimpleNamespace
+
+    request = SimpleNamespace(
+        request_id=req_id,
+        kv_transfer_params={"do_remote_decode": True, "transfer_id": chosen},
+        prompt_token_ids=list(prompt),
+        prompt_embeds=None,
+        num_prompt_tokens=len(prompt),
+        num_computed_tokens=0,
+    )
+    conn.update_state_after_alloc(request, None, 0)
+    blocks = SimpleNamespace(get_block_ids=lambda _req_id: ([0],))
+    step = SimpleNamespace(
+        num_scheduled_tokens={req_id: len(prompt)}, kv_connector_block_state=blocks
+    )
+    return conn.build_connector_meta(step).saves
+
+
+def test_an_overlapped_handoff_loads_async_and_waits_for_the_entry(vllm_mods, handoff):
+    """Even with sync loads configured: the request waits for remote KV (nothing scheduled)
+    while its load, which lets the producer's server wait ``prefill_wait_s`` for the entry,
+    runs; the prompt's length and digest are the consumer's own, the fingerprint checked."""
+    from connector.vllm_connector.handoff import prompt_digest
+
+    m = vllm_mods
+    consumer = m["scheduler"]("kv_consumer", extra={"prefill_wait_s": 12.5})
+    consumer.add_request(m["request"]("o", params=_overlapped(handoff)))
+    out, _ = m["step"](consumer)
+    [load] = out.kv_connector_metadata.loads
+    assert (load.req_id, load.transfer_id, load.start, load.count) == (
+        "o",
+        "c" * 32,
+        0,
+        len(PROMPT) - 1,
+    )
+    assert (load.wait_s, load.num_tokens, load.prompt_digest) == (
+        12.5,
+        len(PROMPT),
+        prompt_digest(PROMPT),
+    )
+    assert load.fingerprint == handoff["fingerprint"]
+    assert out.num_scheduled_tokens == {}
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [] and out.num_scheduled_tokens == {}  # still waiting
+    m["step"](consumer, m["KVConnectorOutput"](finished_recving={"o"}))
+    out, _ = m["step"](consumer)
+    assert out.num_scheduled_tokens == {"o": 1}
+    # a sequential hand-off keeps the configured (sync) load, without waiting
+    consumer.add_request(m["request"]("s", params={**handoff, "transfer_id": "d" * 32}))
+    out, _ = m["step"](consumer)
+    [load] = out.kv_connector_metadata.loads
+    assert load.wait_s == 0.0 and out.num_scheduled_tokens["s"] == 1
+
+
+def test_an_overlapped_handoff_of_another_fingerprint_is_refused(vllm_mods, handoff, connector_log):
+    m = vllm_mods
+    consumer = m["scheduler"]("kv_consumer")
+    params = {**_overlapped(handoff), "fingerprint": "another model"}
+    consumer.add_request(m["request"]("o", params=params))
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [] and out.num_scheduled_tokens == {"o": len(PROMPT)}
+    assert "fingerprint 'another model' != ours" in connector_log[0].getMessage()
+    for _ in range(4):
+        out, _ = m["step"](consumer)
+        assert _releases(out) == []
+
+
+def test_an_overlapped_request_aborted_while_it_waits_releases_its_entry(vllm_mods, handoff):
+    """Aborted while its load waits for the producer: the worker stops waiting (it learns of
+    the end from finished_req_ids) and the producer is asked, once, to drop the entry, which
+    the prefill may have stored meanwhile. A sequential async load aborted the same way has
+    the entry delivered by its pull: nothing is released."""
+    m = vllm_mods
+    consumer = m["scheduler"]("kv_consumer", async_load=True)
+    consumer.add_request(m["request"]("o", params=_overlapped(handoff, "e" * 32)))
+    consumer.add_request(m["request"]("s", params={**handoff, "transfer_id": "f" * 32}))
+    out, _ = m["step"](consumer)
+    assert {r for r, _, _ in _loads(out)} == {"o", "s"}
+    consumer.finish_requests(["o", "s"], m["RequestStatus"].FINISHED_ABORTED)
+    out, _ = m["step"](consumer)
+    assert {"o", "s"} <= out.finished_req_ids
+    assert _releases(out) == ["e" * 32]
+    m["step"](consumer, m["KVConnectorOutput"](finished_recving={"o", "s"}))
+    for _ in range(4):
+        out, _ = m["step"](consumer)
+        assert _releases(out) == []
+    assert "o" not in consumer.requests and "s" not in consumer.requests
+
+
+def test_parallel_sampling_loads_an_overlapped_transfer_once(vllm_mods, handoff):
+    m = vllm_mods
+    consumer = m["scheduler"]("kv_consumer")
+    for child in _children(m, _overlapped(handoff)):
+        consumer.add_request(child)
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [("c0", 0, len(PROMPT) - 1)] and out.num_scheduled_tokens == {}
+    m["step"](consumer, m["KVConnectorOutput"](finished_recving={"c0"}))
+    out, _ = m["step"](consumer)
+    assert _loads(out) == []
+    assert out.num_scheduled_tokens == {"c0": 1, "c1": len(PROMPT) - 2 * BLOCK_SIZE}

@@ -3,6 +3,8 @@ producer and consumer ranks of unequal tensor-parallel sizes."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from support.connector_halves import (
@@ -73,9 +75,10 @@ def test_loads_over_authenticated_connections_and_a_wrong_secret_recomputes():
         prod.shutdown()
 
 
-def _tp_producers(global_caches, producer_tp, base, transfer="t1"):
+def _tp_producers(global_caches, producer_tp, base, transfer="t1", save=True):
     """Producer ranks of TP ``producer_tp`` (each with its KV heads of ``global_caches``, NHD
-    ``[2, B, N, H, D]``), serving on ``base + rank``, each having saved a 10-token prompt."""
+    ``[2, B, N, H, D]``), serving on ``base + rank``, each having saved a 10-token prompt (unless
+    not ``save``: :func:`_save`)."""
     heads_total = global_caches[0].shape[3]
     ranks = []
     for rank in range(producer_tp):
@@ -84,9 +87,14 @@ def _tp_producers(global_caches, producer_tp, base, transfer="t1"):
         cfg = ConnectorConfig(kv_format="tokens", transport=TRANSPORT)
         conn = producer(tensors, 4, cfg=cfg, tp_rank=rank, engine_port=base)
         conn.serve()
-        conn.wait_for_save([SaveSpec("p", transfer, [5, 1, 3], 10, prompt_digest=DIGEST)])
+        if save:
+            _save(conn, transfer)
         ranks.append(conn)
     return ranks
+
+
+def _save(producer_rank, transfer="t1"):
+    producer_rank.wait_for_save([SaveSpec("p", transfer, [5, 1, 3], 10, prompt_digest=DIGEST)])
 
 
 def _tp_consumer(global_caches, consumer_tp, rank):
@@ -195,5 +203,41 @@ def test_an_unused_transfer_is_released_on_every_producer_rank():
         assert [p.buffer.stats()["discards"] for p in producers] == [1, 1]
         cons.shutdown()
     finally:
+        for p in producers:
+            p.shutdown()
+
+
+@pytest.mark.parametrize("producer_tp,consumer_tp", [(2, 1), (1, 2)])
+def test_overlapped_loads_between_unequal_tp_sizes(producer_tp, consumer_tp):
+    """Overlapped loads (``wait_s``) started before any producer rank stored its entry: every
+    consumer rank's pulls (gathered from two ranks, or a part of one rank's heads) wait, then
+    load their heads bit-exact once the saves came, and every entry is claimed."""
+    global_caches = caches((2, 6, 4, 4, HEAD_SIZE))
+    base = free_port_run(producer_tp)
+    producers = _tp_producers(global_caches, producer_tp, base, save=False)
+    consumers = [_tp_consumer(global_caches, consumer_tp, r) for r in range(consumer_tp)]
+    try:
+        for cons, _, _ in consumers:
+            spec = LoadSpec(
+                "c", "t1", "127.0.0.1", base, [0, 4, 2], 0, 9, 10, producer_tp,
+                prompt_digest=DIGEST, wait_s=20,
+            )  # fmt: skip
+            cons.start_load_kv([spec])
+            assert cons.get_finished() is None
+        for p in producers:
+            _save(p)
+        for cons, tensors, heads in consumers:
+            finished, end = None, time.monotonic() + 30
+            while finished is None and time.monotonic() < end:
+                finished = cons.get_finished()
+                time.sleep(0.01)
+            assert finished == {"c"}
+            assert cons.get_block_ids_with_load_errors() == set()
+            assert torch.equal(bits(tensors), _want(global_caches, heads))
+        for p in producers:
+            assert settled_stat(p.buffer, "entries", 0) == 0
+    finally:
+        for cons, _, _ in consumers:
+            cons.shutdown()
         for p in producers:
             p.shutdown()

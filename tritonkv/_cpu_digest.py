@@ -7,21 +7,24 @@ for unpack, by the views' byte strides) and adds each chunk's digest terms while
 still in cache, by the definition of :mod:`tritonkv.digest` (bit-identical lanes).
 
 Building: the machine's C compiler (``TRITONKV_CC``, default ``cc``) with plain ``-O3 -shared
--fPIC`` (never ``-march=native``: the lane loop has an AVX2 clone chosen at run time,
-:func:`backend` names the one running), into a per-user cache directory
+-fPIC`` (never ``-march=native``: the lane loop has AVX-512 and AVX2 clones, the widest the CPU
+supports chosen at run time, :func:`backend` names the one running), into a per-user cache directory
 (``TRITONKV_CACHE_DIR``, default ``$XDG_CACHE_HOME/tritonkv`` or ``~/.cache/tritonkv``) under a
 name keyed by the source, the flags and the compiler's version. The library is written under a
 temporary name and renamed into place, so processes that build at once each see a whole file; a
 cached file that does not load or fails the self-check is built again. Where nothing works (no
 compiler, ``TRITONKV_NATIVE=0``) the digest takes the NumPy path, after one warning naming why.
-``TRITONKV_NATIVE_ISA=default`` runs the portable lane loop even where AVX2 exists (tests).
+``TRITONKV_NATIVE_ISA`` (``avx512``, ``avx2`` or ``default``, the portable loop) caps the lane
+loop's instruction set (tests run each one the CPU has).
 
 Used by ``pack_kv`` / ``unpack_kv`` / ``kv_digest`` and ``pack_hidden`` / ``unpack_hidden`` with
 ``digest=True`` on CPU tensors (never by the ``*_torch`` oracles, whose digest stays
 :func:`~tritonkv.digest.packed_digest`), and by :func:`~tritonkv.digest.tensor_digest` and
 :func:`~tritonkv.digest.head_digests` on the CPU.
 
-ctypes releases the GIL during a call, so ranges of rows run on the twins' copy threads.
+ctypes releases the GIL during a call, so copies run on the twins' copy threads too: they share
+the rows (each takes the next :data:`GRAIN_BYTES` or so until none are left), and each thread's
+lane sums add up to the digest's, whatever the split.
 """
 
 from __future__ import annotations
@@ -56,7 +59,9 @@ __all__ = [
 
 SOURCE = Path(__file__).with_name("_native") / "copy_digest.c"
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
-ABI = 1  # TKV_ABI in the source
+ABI = 2  # TKV_ABI in the source
+ISA_LEVELS = {"default": 0, "avx2": 1, "avx512": 2}  # TRITONKV_NATIVE_ISA: the widest allowed
+GRAIN_BYTES = 256 << 10  # shared work: rows a thread takes at a time (about this many bytes)
 COMPILE_TIMEOUT_S = 60.0
 MAX_DENSE_ROW_BYTES = 1 << 20  # tensor_digest: a dense tensor is cut in rows of at most this
 
@@ -131,6 +136,8 @@ class Native:
             ctypes.c_int64,  # total_bytes
             ctypes.c_int64,  # g0
             ctypes.c_int64,  # g1
+            _i64p,  # cursor (None: the rows [g0, g1))
+            ctypes.c_int64,  # grain
             ctypes.c_int,  # do_digest
             _u32p,  # lanes
         ]
@@ -140,8 +147,7 @@ class Native:
         self._heads.restype = ctypes.c_int
         lib.tkv_select.restype = ctypes.c_char_p
         lib.tkv_select.argtypes = [ctypes.c_int]
-        portable_only = os.environ.get("TRITONKV_NATIVE_ISA", "").strip() == "default"
-        lib.tkv_select(int(portable_only))  # process-wide, like the library itself
+        lib.tkv_select(_isa_level())  # process-wide, like the library itself
         lib.tkv_isa.restype = ctypes.c_char_p
         self.isa = lib.tkv_isa().decode()  # the lane loops that run
 
@@ -197,9 +203,11 @@ class Native:
         """
         num_views, num_rows = len(table.bases), slots.size
         total_rows = num_views * num_rows
-        step = -(-total_rows // max(workers, 1) // 4) * 4 or 4  # ranges start on whole words
-        starts = list(range(0, total_rows, step))
-        lanes = np.zeros((max(len(starts), 1), 2), dtype=np.uint32)
+        grain = max(GRAIN_BYTES // max(table.row_bytes, 1) // 4 * 4, 4)
+        workers = min(max(workers, 1), -(-total_rows // grain))
+        lanes = np.zeros((max(workers, 1), 2), dtype=np.uint32)
+        cursor = np.zeros(1, dtype=np.int64)  # the next row to take, less 0 (shared work)
+        shared = cursor.ctypes.data_as(_i64p) if workers > 1 else None
         address = None if packed is None else packed.data_ptr()
         args = (
             int(unpack),
@@ -214,20 +222,29 @@ class Native:
             table.elem,
             address,
             total_bytes,
+            0,
+            total_rows,
+            shared,
+            grain,
+            int(digest),
         )
 
         def run(i: int) -> int:
-            end = min(starts[i] + step, total_rows)
-            out = lanes[i].ctypes.data_as(_u32p)
-            return self._copy(*args, starts[i], end, int(digest), out)
+            return self._copy(*args, lanes[i].ctypes.data_as(_u32p))
 
-        _check(_on_threads(run, len(starts)))
+        _check(_on_threads(run, workers, shared=True))
         sums = lanes.astype(np.uint64).sum(axis=0) & _digest.MASK
         return int(sums[0]), int(sums[1])
 
 
-def _on_threads(run, count: int) -> list[int]:
-    """``run(i)`` for ``i < count``: 0 here, the others on the twins' copy threads."""
+def _on_threads(run, count: int, *, shared: bool = False) -> list[int]:
+    """``run(i)`` for ``i < count``: 0 here, the others on the twins' copy threads.
+
+    ``shared``: the calls share one pool of work (:meth:`Native.copy_rows`), so a call that has
+    not started once this thread's is done is cancelled (it would find nothing left): a copy
+    thread kept off a core, by another process or by torch's OpenMP threads spinning after an op,
+    delays nothing.
+    """
     if count < 2:
         return [run(0)] if count else []
     from ._cpu import _executor
@@ -236,6 +253,8 @@ def _on_threads(run, count: int) -> list[int]:
     try:
         codes = [run(0)]
     finally:  # never return (or raise) while another thread still copies
+        if shared:
+            futures = [f for f in futures if not f.cancel()]
         codes += [f.result() for f in futures]
     return codes
 
@@ -265,8 +284,9 @@ def native() -> Native | None:
 
 
 def backend() -> str:
-    """What computes digests on the CPU: ``"native-avx2"``, ``"native-default"`` (the portable
-    lane loop), or ``"numpy (why)"`` (loading it if not done yet)."""
+    """What computes digests on the CPU: ``"native-avx512"``, ``"native-avx2"``,
+    ``"native-default"`` (the portable lane loop), or ``"numpy (why)"`` (loading it if not done
+    yet)."""
     native()
     return _loaded[1]
 
@@ -276,6 +296,14 @@ def _reset() -> None:
     global _loaded
     with _lock:
         _loaded = None
+
+
+def _isa_level() -> int:
+    """``TRITONKV_NATIVE_ISA``: the widest lane loop allowed (unset: the widest the CPU has)."""
+    name = os.environ.get("TRITONKV_NATIVE_ISA", "").strip() or "avx512"
+    if name not in ISA_LEVELS:
+        raise ValueError(f"TRITONKV_NATIVE_ISA: expected one of {sorted(ISA_LEVELS)}, got {name!r}")
+    return ISA_LEVELS[name]
 
 
 class _Unavailable(Exception):

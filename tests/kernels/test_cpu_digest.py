@@ -52,20 +52,38 @@ def fresh(monkeypatch, tmp_path):
     _cpu_digest._reset()
 
 
-@pytest.fixture(params=["avx2", "default"])
+@pytest.fixture(params=["avx512", "avx2", "default"])
 def lane_loops(request, monkeypatch):
-    """Each lane loop in turn (the AVX2 clone where the CPU has it; the portable one)."""
-    if request.param == "default":
-        monkeypatch.setenv("TRITONKV_NATIVE_ISA", "default")
+    """Each lane loop in turn (the AVX-512 and AVX2 clones where the CPU has them; the portable
+    one), forced through TRITONKV_NATIVE_ISA."""
+    monkeypatch.setenv("TRITONKV_NATIVE_ISA", request.param)
     _cpu_digest._reset()
     lib = _cpu_digest.native()
     assert lib is not None, _cpu_digest.backend()
-    if request.param == "avx2" and lib.isa != "avx2":
-        pytest.skip(f"no AVX2 here (the library runs {lib.isa})")
-    assert lib.isa == request.param
+    if lib.isa != request.param:
+        assert not _cpu_has(request.param), f"{request.param} asked, {lib.isa} runs"
+        pytest.skip(f"no {request.param} here (the library runs {lib.isa})")
     yield lib
     monkeypatch.undo()
     _cpu_digest._reset()
+
+
+def _cpu_has(isa: str) -> bool:
+    """Whether /proc/cpuinfo lists what the ``isa`` clone needs (False where it cannot be read)."""
+    needs = {
+        "default": [],
+        "avx2": ["avx2"],
+        "avx512": ["avx512f", "avx512vl", "avx512bw", "avx512dq"],
+    }
+    try:
+        flags = next(
+            line.split(":", 1)[1].split()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return False
+    return all(flag in flags for flag in needs[isa])
 
 
 def _reference_lanes(data: np.ndarray, first: int) -> tuple[int, int]:
@@ -83,7 +101,7 @@ def _random_bytes(n: int, seed: int) -> np.ndarray:
 def test_backend_names_the_lane_loop_that_runs():
     name = _cpu_digest.backend()
     if platform.machine() in ("x86_64", "AMD64"):
-        assert name in ("native-avx2", "native-default"), name
+        assert name in ("native-avx512", "native-avx2", "native-default"), name
     assert _cpu_digest.native() is not None, name
 
 
@@ -239,6 +257,7 @@ def test_rows_that_follow_in_the_cache_are_one_run(monkeypatch, layout, threads)
 
     monkeypatch.setenv("TRITONKV_KERNELS", "torch")
     monkeypatch.setattr(cpu, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(_cpu_digest, "GRAIN_BYTES", 1)  # threads take 4 rows at a time
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     raw, layers = make_cache(layout, torch.bfloat16, num_blocks=6, block_size=4)
     slots = torch.tensor([*range(0, 13), -1, 14, 15, 3, 4, 5, *range(17, 24)])
@@ -258,21 +277,74 @@ def test_rows_that_follow_in_the_cache_are_one_run(monkeypatch, layout, threads)
         assert torch.equal(twin, fused)
 
 
-def test_parallel_ranges_give_the_serial_digest(monkeypatch):
-    """Above the copy threads' threshold the rows are split in ranges (at multiples of 4 rows,
-    the last one short); same bits and digest as one range."""
+@pytest.mark.parametrize("grain_bytes", [1, 100, 1 << 20])
+def test_shared_work_gives_the_serial_digest(monkeypatch, grain_bytes):
+    """Above the copy threads' threshold the threads share the rows, taking grains of 4 rows
+    (GRAIN_BYTES 1), 16 or all of them (one thread works); the last grain short, words that
+    straddle heads (head_size 3 of bf16): same bits and digest as one thread."""
+    import tritonkv._cpu as cpu
+
     monkeypatch.setenv("TRITONKV_KERNELS", "torch")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    monkeypatch.setattr(_cpu_digest, "GRAIN_BYTES", grain_bytes)
     raw, layers = make_cache("flash_attn_hnd", torch.bfloat16, num_layers=3, head_size=3)
     slots = torch.arange(21)
     want, _ = tritonkv.pack_kv_torch(layers, slots)
-    import tritonkv._cpu as cpu
-
     serial = digest_hex(tritonkv.pack_kv(layers, slots, digest=True)[2])
     monkeypatch.setattr(cpu, "PARALLEL_MIN_BYTES", 1)
     got, _, d = tritonkv.pack_kv(layers, slots, digest=True)
     assert torch.equal(bits(got), bits(want))
     assert digest_hex(d) == serial == digest_hex(packed_digest(want))
+
+
+def test_busy_copy_threads_delay_nothing(monkeypatch):
+    """Every copy thread of the pool kept busy (as a core kept by another process would keep
+    them off): the calling thread copies all the rows itself and the calls queued for the busy
+    threads are cancelled, so the pack returns, right, while they are still busy (without the
+    cancel it would wait for them: the safety timer frees them after 60 s)."""
+    import threading
+
+    import tritonkv._cpu as cpu
+
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
+    monkeypatch.setattr(cpu, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(_cpu_digest, "GRAIN_BYTES", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cpu.MAX_WORKERS)
+    raw, layers = make_cache("flash_attn_nhd", torch.bfloat16, num_layers=2, num_blocks=6)
+    slots = torch.arange(20)
+    want, _ = tritonkv.pack_kv_torch(layers, slots)
+    release, started = threading.Event(), threading.Semaphore(0)
+    safety = threading.Timer(60.0, release.set)
+    safety.start()
+
+    def occupy():
+        started.release()
+        release.wait()
+
+    busy = [cpu._executor().submit(occupy) for _ in range(cpu.MAX_WORKERS)]
+    try:
+        for _ in busy:
+            assert started.acquire(timeout=30), "a copy thread of the pool never started"
+        got, _, d = tritonkv.pack_kv(layers, slots, digest=True)
+        assert not release.is_set(), "the pack waited for the busy copy threads"
+    finally:
+        release.set()
+        safety.cancel()
+        for future in busy:
+            future.result(timeout=30)
+    assert torch.equal(bits(got), bits(want))
+    assert digest_hex(d) == digest_hex(packed_digest(want))
+
+
+def test_an_unknown_lane_loop_is_a_value_error(monkeypatch):
+    monkeypatch.setenv("TRITONKV_NATIVE_ISA", "sse9")
+    _cpu_digest._reset()
+    try:
+        with pytest.raises(ValueError, match=r"TRITONKV_NATIVE_ISA: expected one of .* got 'sse9'"):
+            _cpu_digest.native()
+    finally:
+        monkeypatch.undo()
+        _cpu_digest._reset()
 
 
 # ---------------------------------------------------------------- building and the fallback

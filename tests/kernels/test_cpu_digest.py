@@ -146,7 +146,9 @@ def transfers(draw):
             num_blocks=num_blocks,
             block_size=block_size,
             num_kv_heads=draw(st.sampled_from([1, 2, 3])),
-            head_size=draw(st.sampled_from([1, 3, 4, 6, 8])),  # odd byte counts: chunked digest
+            # odd byte counts: chunked digest; 16 and 32: heads of whole vectors (fp32: 4 and 8
+            # AVX-512 steps), whose runs continue one stream across a row's heads and rows
+            head_size=draw(st.sampled_from([1, 3, 4, 6, 8, 16, 32])),
             seed=draw(st.integers(0, 1000)),
             one_buffer=draw(st.booleans()),  # all layers views of one buffer, as in vLLM
         ),
@@ -231,8 +233,10 @@ def test_tensor_digest_reads_slices_where_they_lie(lane_loops, name):
         ((3, 1, 5, 3, 8), torch.float32),
         ((1, 2, 0, 2, 4), torch.bfloat16),  # no rows
         ((2, 2, 7, 3, 3), torch.uint8),  # heads of 3 bytes: tensor_digest head by head
+        ((2, 2, 9, 2, 64), torch.float32),  # whole vectors: one stream per head across rows
+        ((2, 1, 9, 3, 40), torch.bfloat16),  # a vector and a tail a row: a flush each row
     ],
-    ids=["bf16", "fp32-mla-like", "empty", "odd-bytes"],
+    ids=["bf16", "fp32-mla-like", "empty", "odd-bytes", "whole-vectors", "vector-and-tail"],
 )
 def test_head_digests_are_each_heads_digest(lane_loops, monkeypatch, shape, dtype):
     """head_digests (one pass over packed on the CPU) equals packed_digest of every head's rows,

@@ -33,12 +33,16 @@
 /* Lane accumulators: sixteen vector lanes (GCC vector extensions: one AVX-512 register or two
  * AVX2 ones in the wide clones, SSE2 registers in the portable one; the 8-word loops use the first
  * eight) and a scalar pair for runs' tails; summed once per call (every term adds into lane A or
- * B modulo 2**32, in any order). */
+ * B modulo 2**32, in any order). Plus the open stream (see RUN): the sums S and R of the words
+ * since position start, words of them (a multiple of the vector width). */
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef struct { /* plain arrays: no alignment assumed (read and written with memcpy) */
     uint32_t a[16], b[16];
     uint32_t sa, sb;
+    uint32_t s[16], r[16];
+    uint32_t start; /* the stream's first position (mod 2**32) */
+    int64_t words;  /* 0: no stream open */
 } acc_t;
 
 static const v8u STEPS8 = {0u, KEY, 2u * KEY, 3u * KEY, 4u * KEY, 5u * KEY, 6u * KEY, 7u * KEY};
@@ -74,45 +78,62 @@ static inline __attribute__((always_inline)) void tail(uint8_t *restrict dst,
 
 /* The terms of nwords words at src, the first at position first (mod 2**32), added to acc;
  * with copy, the words are stored to dst as they are read (one pass: the copy's loads feed the
- * digest). VT is a vector of W words; RUN(name, VT, W, STEPS) defines one such loop, inlined into
- * each clone below, which compiles it for its instruction set.
+ * digest). VT is a vector of W words; RUN(name, flush, VT, W, STEPS) defines one such loop and
+ * its flush, inlined into each clone below, which compiles them for its instruction set.
  *
  * Lane B without its multiply per word (the loop's bottleneck is the multiplier: fmix32 needs
- * two): vector lane L sees the words t = 0 .. T-1 at positions p_t = first + L + W t, keys
- * k_t = k_0 + W t KEY, and k_t | 1 = k_t + ((first + L) & 1) (KEY and SEED are odd, W is even:
+ * two): vector lane L sees the words t = 0 .. T-1 at positions p_t = start + L + W t, keys
+ * k_t = k_0 + W t KEY, and k_t | 1 = k_t + ((start + L) & 1) (KEY and SEED are odd, W is even:
  * a lane's key parity never changes). So, modulo 2**32,
  *     sum h_t (k_t | 1) = S (k_0 | 1) + W KEY sum t h_t,   sum t h_t = T S - R,
  * with S = sum h_t and R = sum of the prefix sums S_0 .. S_{T-1}: two additions a word, three
- * multiplies a run. The same lane sums, bit for bit, as the definition. */
-#define RUN(name, VT, W, STEPS)                                                                 \
+ * multiplies when the lanes are added to a and b (flush). Calls whose words continue the
+ * previous call's positions (a packed row's heads, the rows after it) continue its stream, so
+ * runs of a few vectors cost no flush each; another position flushes first. The same lane sums,
+ * bit for bit, as the definition. */
+#define RUN(name, flush, VT, W, STEPS)                                                          \
+    static inline __attribute__((always_inline)) void flush(acc_t *acc) {                       \
+        if (!acc->words) return;                                                                \
+        VT s, r, a, b, k0 = (acc->start * KEY + SEED) + STEPS;                                  \
+        memcpy(&s, acc->s, sizeof s);                                                           \
+        memcpy(&r, acc->r, sizeof r);                                                           \
+        memcpy(&a, acc->a, sizeof a);                                                           \
+        memcpy(&b, acc->b, sizeof b);                                                           \
+        a += s;                                                                                 \
+        b += s * (k0 | 1u) + ((uint32_t)(acc->words / W) * s - r) * ((uint32_t)W * KEY);        \
+        memcpy(acc->a, &a, sizeof a);                                                           \
+        memcpy(acc->b, &b, sizeof b);                                                           \
+        acc->words = 0;                                                                         \
+    }                                                                                           \
     static inline __attribute__((always_inline)) void name(                                    \
         uint8_t *restrict dst, const uint8_t *restrict src, int64_t nwords, uint32_t first,     \
         acc_t *acc, int copy) {                                                                 \
-        VT s = {0}, r = {0}, k0 = (first * KEY + SEED) + STEPS, k = k0;                         \
         int64_t j = 0;                                                                          \
-        for (; j + W <= nwords; j += W, k += (uint32_t)W * KEY) {                               \
-            VT h;                                                                               \
-            memcpy(&h, src + 4 * j, sizeof h);                                                  \
-            if (copy) memcpy(dst + 4 * j, &h, sizeof h);                                        \
-            MIX(h, k);                                                                          \
-            s += h;                                                                             \
-            r += s;                                                                             \
+        if (nwords >= W) {                                                                      \
+            if (acc->words && acc->start + (uint32_t)acc->words != first) flush(acc);           \
+            VT s = {0}, r = {0}, k = (first * KEY + SEED) + STEPS;                              \
+            if (acc->words) {                                                                   \
+                memcpy(&s, acc->s, sizeof s);                                                   \
+                memcpy(&r, acc->r, sizeof r);                                                   \
+            } else                                                                              \
+                acc->start = first;                                                             \
+            for (; j + W <= nwords; j += W, k += (uint32_t)W * KEY) {                           \
+                VT h;                                                                           \
+                memcpy(&h, src + 4 * j, sizeof h);                                              \
+                if (copy) memcpy(dst + 4 * j, &h, sizeof h);                                    \
+                MIX(h, k);                                                                      \
+                s += h;                                                                         \
+                r += s;                                                                         \
+            }                                                                                   \
+            memcpy(acc->s, &s, sizeof s);                                                       \
+            memcpy(acc->r, &r, sizeof r);                                                       \
+            acc->words += j;                                                                    \
         }                                                                                       \
-        if (j) {                                                                                \
-            VT a, b;                                                                            \
-            uint32_t steps = (uint32_t)(j / W);                                                 \
-            memcpy(&a, acc->a, sizeof a);                                                       \
-            memcpy(&b, acc->b, sizeof b);                                                       \
-            a += s;                                                                             \
-            b += s * (k0 | 1u) + (steps * s - r) * ((uint32_t)W * KEY);                         \
-            memcpy(acc->a, &a, sizeof a);                                                       \
-            memcpy(acc->b, &b, sizeof b);                                                       \
-        }                                                                                       \
-        tail(dst, src, j, nwords, first, acc, copy);                                            \
+        tail(dst, src, j, nwords, first, acc, copy); /* next call: another position, flush */   \
     }
 
-RUN(run8, v8u, 8, STEPS8)
-RUN(run16, v16u, 16, STEPS16)
+RUN(run8, flush8, v8u, 8, STEPS8)
+RUN(run16, flush16, v16u, 16, STEPS16)
 
 #define LANES_ARGS const uint8_t *restrict src, int64_t nwords, uint32_t first, acc_t *acc
 #define COPY_ARGS                                                                               \
@@ -122,30 +143,38 @@ RUN(run16, v16u, 16, STEPS16)
 typedef struct {
     void (*lanes)(LANES_ARGS);
     void (*copy_lanes)(COPY_ARGS);
+    void (*flush)(acc_t *acc);
     const char *name;
 } kernels_t;
 
 static void lanes_default(LANES_ARGS) { run8(NULL, src, nwords, first, acc, 0); }
 static void copy_lanes_default(COPY_ARGS) { run8(dst, src, nwords, first, acc, 1); }
-static const kernels_t KERNELS_DEFAULT = {lanes_default, copy_lanes_default, "default"};
+static void flush_default(acc_t *acc) { flush8(acc); }
+static const kernels_t KERNELS_DEFAULT = {lanes_default, copy_lanes_default, flush_default,
+                                          "default"};
 
 #if defined(__x86_64__) || defined(__i386__)
 #define HAVE_X86 1
 #define AVX2 __attribute__((target("avx2")))
 AVX2 static void lanes_avx2(LANES_ARGS) { run8(NULL, src, nwords, first, acc, 0); }
 AVX2 static void copy_lanes_avx2(COPY_ARGS) { run8(dst, src, nwords, first, acc, 1); }
-static const kernels_t KERNELS_AVX2 = {lanes_avx2, copy_lanes_avx2, "avx2"};
+AVX2 static void flush_avx2(acc_t *acc) { flush8(acc); }
+static const kernels_t KERNELS_AVX2 = {lanes_avx2, copy_lanes_avx2, flush_avx2, "avx2"};
 /* 16 words a step: half the instructions per byte of the AVX2 loop (what leaves the copy's
  * memory traffic room to hide the arithmetic). */
 #define AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq")))
 AVX512 static void lanes_avx512(LANES_ARGS) { run16(NULL, src, nwords, first, acc, 0); }
 AVX512 static void copy_lanes_avx512(COPY_ARGS) { run16(dst, src, nwords, first, acc, 1); }
-static const kernels_t KERNELS_AVX512 = {lanes_avx512, copy_lanes_avx512, "avx512"};
+AVX512 static void flush_avx512(acc_t *acc) { flush16(acc); }
+static const kernels_t KERNELS_AVX512 = {lanes_avx512, copy_lanes_avx512, flush_avx512,
+                                         "avx512"};
 #endif
 
 static void acc_init(acc_t *acc) { memset(acc, 0, sizeof *acc); }
 
-static void acc_add_to(const acc_t *acc, uint32_t *lanes) {
+/* lanes += acc's sums (its open stream flushed by k, the loops that opened it). */
+static void acc_add_to(const kernels_t *k, acc_t *acc, uint32_t *lanes) {
+    k->flush(acc);
     uint32_t a = acc->sa, b = acc->sb;
     for (int i = 0; i < 16; i++) {
         a += acc->a[i];
@@ -200,8 +229,9 @@ static void lanes_bytes(const kernels_t *k, const uint8_t *p, int64_t nbytes, ui
 void tkv_lanes(const uint8_t *p, int64_t nbytes, uint64_t first, uint32_t *lanes) {
     acc_t acc;
     acc_init(&acc);
-    lanes_bytes(kernels(), p, nbytes, first, &acc);
-    acc_add_to(&acc, lanes);
+    const kernels_t *k = kernels();
+    lanes_bytes(k, p, nbytes, first, &acc);
+    acc_add_to(k, &acc, lanes);
 }
 
 typedef struct {
@@ -411,7 +441,7 @@ int tkv_copy_digest(int unpack, const int64_t *bases, const int64_t *strides, in
             copy_range(&j, start, start + grain < g1 ? start + grain : g1, &acc);
         }
     free(j.scratch);
-    acc_add_to(&acc, lanes);
+    acc_add_to(j.c.k, &acc, lanes);
     return 0;
 }
 
@@ -434,7 +464,7 @@ int tkv_head_lanes(const uint8_t *packed, int64_t num_rows, int64_t num_heads, i
             k->lanes(row + h * head_bytes, words, (uint32_t)((uint64_t)g * (uint64_t)words),
                      &acc[h]);
     }
-    for (int64_t h = 0; h < num_heads; h++) acc_add_to(&acc[h], lanes + 2 * h);
+    for (int64_t h = 0; h < num_heads; h++) acc_add_to(k, &acc[h], lanes + 2 * h);
     free(acc);
     return 0;
 }

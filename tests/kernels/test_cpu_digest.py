@@ -281,24 +281,75 @@ def test_rows_that_follow_in_the_cache_are_one_run(monkeypatch, layout, threads)
         assert torch.equal(twin, fused)
 
 
+@pytest.fixture(params=["openmp-team", "copy-threads"])
+def threads_of(request, monkeypatch):
+    """Each way the copies run on threads: torch's OpenMP team (where this build runs on torch's
+    runtime, as it does here), or the twins' copy threads (builds without OpenMP, other threads
+    than the main one)."""
+    lib = _cpu_digest.native()
+    assert lib is not None, _cpu_digest.backend()
+    if request.param == "openmp-team" and not lib.team:
+        pytest.skip("this build does not run on torch's OpenMP runtime")
+    monkeypatch.setattr(lib, "team", request.param == "openmp-team")
+    return lib
+
+
 @pytest.mark.parametrize("grain_bytes", [1, 100, 1 << 20])
-def test_shared_work_gives_the_serial_digest(monkeypatch, grain_bytes):
+def test_shared_work_gives_the_serial_digest(monkeypatch, threads_of, grain_bytes):
     """Above the copy threads' threshold the threads share the rows, taking grains of 4 rows
     (GRAIN_BYTES 1), 16 or all of them (one thread works); the last grain short, words that
-    straddle heads (head_size 3 of bf16): same bits and digest as one thread."""
+    straddle heads (head_size 3 of bf16), and heads of whole vectors (head_size 64 of fp32, in
+    rows of a block): same bits and digest as one thread, packing and unpacking."""
     import tritonkv._cpu as cpu
 
     monkeypatch.setenv("TRITONKV_KERNELS", "torch")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     monkeypatch.setattr(_cpu_digest, "GRAIN_BYTES", grain_bytes)
-    raw, layers = make_cache("flash_attn_hnd", torch.bfloat16, num_layers=3, head_size=3)
-    slots = torch.arange(21)
-    want, _ = tritonkv.pack_kv_torch(layers, slots)
-    serial = digest_hex(tritonkv.pack_kv(layers, slots, digest=True)[2])
+    for dtype, head_size in ((torch.bfloat16, 3), (torch.float32, 64)):
+        raw, layers = make_cache("flash_attn_hnd", dtype, num_layers=3, head_size=head_size)
+        slots = torch.arange(21)
+        want, _ = tritonkv.pack_kv_torch(layers, slots)
+        monkeypatch.setattr(cpu, "PARALLEL_MIN_BYTES", 1 << 62)
+        serial = digest_hex(tritonkv.pack_kv(layers, slots, digest=True)[2])
+        monkeypatch.setattr(cpu, "PARALLEL_MIN_BYTES", 1)
+        got, _, d = tritonkv.pack_kv(layers, slots, digest=True)
+        assert torch.equal(bits(got), bits(want))
+        assert digest_hex(d) == serial == digest_hex(packed_digest(want))
+        twin_raw, twin_layers = like_with_sentinel(raw, "flash_attn_hnd")
+        tritonkv.unpack_kv_torch(want, twin_layers, slots)
+        fused_raw, fused_layers = like_with_sentinel(raw, "flash_attn_hnd")
+        assert digest_hex(tritonkv.unpack_kv(want, fused_layers, slots, digest=True)) == serial
+        for twin, fused in zip(storage_bits(twin_raw), storage_bits(fused_raw), strict=True):
+            assert torch.equal(twin, fused)
+
+
+def test_off_the_main_thread_the_copy_threads_run(monkeypatch):
+    """Called from another thread (which torch's team is not), the copies take the twins' copy
+    threads, with the same bits and digest."""
+    import threading
+
+    import tritonkv._cpu as cpu
+
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
     monkeypatch.setattr(cpu, "PARALLEL_MIN_BYTES", 1)
-    got, _, d = tritonkv.pack_kv(layers, slots, digest=True)
-    assert torch.equal(bits(got), bits(want))
-    assert digest_hex(d) == serial == digest_hex(packed_digest(want))
+    monkeypatch.setattr(_cpu_digest, "GRAIN_BYTES", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    lib = _cpu_digest.native()
+    used = []
+    monkeypatch.setattr(lib, "_team", lambda *a: used.append("team") or 0)
+    raw, layers = make_cache("flash_attn_nhd", torch.bfloat16, num_layers=2, num_blocks=6)
+    slots = torch.arange(20)
+    want, _ = tritonkv.pack_kv_torch(layers, slots)
+    result = []
+    worker = threading.Thread(
+        target=lambda: result.append(tritonkv.pack_kv(layers, slots, digest=True))
+    )
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive() and result, "the pack on another thread did not finish"
+    got, _, d = result[0]
+    assert used == [] and torch.equal(bits(got), bits(want))
+    assert digest_hex(d) == digest_hex(packed_digest(want))
 
 
 def test_busy_copy_threads_delay_nothing(monkeypatch):
@@ -314,6 +365,7 @@ def test_busy_copy_threads_delay_nothing(monkeypatch):
     monkeypatch.setattr(cpu, "PARALLEL_MIN_BYTES", 1)
     monkeypatch.setattr(_cpu_digest, "GRAIN_BYTES", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: cpu.MAX_WORKERS)
+    monkeypatch.setattr(_cpu_digest.native(), "team", False)  # the copy threads, not OpenMP's
     raw, layers = make_cache("flash_attn_nhd", torch.bfloat16, num_layers=2, num_blocks=6)
     slots = torch.arange(20)
     want, _ = tritonkv.pack_kv_torch(layers, slots)
@@ -362,6 +414,31 @@ def test_a_fresh_cache_builds_one_file_and_reuses_it(fresh):
     built = lib.path.stat().st_mtime_ns
     _cpu_digest._reset()
     assert _cpu_digest.native().path == lib.path and lib.path.stat().st_mtime_ns == built
+
+
+def test_a_compiler_without_openmp_builds_the_library_without_it(fresh, tmp_path, monkeypatch):
+    """A compiler that refuses -fopenmp: the library is built without OpenMP (one file), its
+    copies take the twins' copy threads, and pack's digest is still the reference's."""
+    import tritonkv._cpu as cpu
+
+    wrapper = tmp_path / "cc-without-openmp"
+    wrapper.write_text(
+        '#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec cc "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("TRITONKV_CC", str(wrapper))
+    lib = _cpu_digest.native()
+    assert lib is not None, _cpu_digest.backend()
+    assert not lib.team and len(list(fresh.iterdir())) == 1
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
+    monkeypatch.setattr(cpu, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    raw, layers = make_cache("flash_attn_hnd", torch.bfloat16, num_layers=2, num_blocks=6)
+    slots = torch.arange(20)
+    want, _ = tritonkv.pack_kv_torch(layers, slots)
+    got, _, d = tritonkv.pack_kv(layers, slots, digest=True)
+    assert torch.equal(bits(got), bits(want))
+    assert digest_hex(d) == digest_hex(packed_digest(want))
 
 
 LOAD = """

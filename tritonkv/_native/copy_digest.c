@@ -19,10 +19,15 @@
  *
  * No Python headers: plain C, loaded with ctypes (which releases the GIL during the call).
  */
+#define _GNU_SOURCE /* dladdr */
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <dlfcn.h>
+#include <omp.h>
+#endif
 
 #define TKV_ABI 2
 #define KEY 0x9E3779B1u
@@ -513,6 +518,49 @@ int tkv_copy_digest(int unpack, const int64_t *bases, const int64_t *strides, in
     free(j.scratch);
     acc_add_to(j.c.k, &acc, lanes);
     return 0;
+}
+
+/* The OpenMP runtime this build runs tkv_copy_digest_team on (the file that defines it), or
+ * NULL if built without OpenMP. In a process where torch loaded its libgomp.so.1 first, this
+ * library's libgomp.so.1 is that one (the loader matches the name): the team is torch's own
+ * threads, already running, which a thread of another pool would have to compete with. */
+const char *tkv_openmp_runtime(void) {
+#ifdef _OPENMP
+    Dl_info info;
+    if (dladdr((void *)omp_get_thread_num, &info) && info.dli_fname) return info.dli_fname;
+#endif
+    return NULL;
+}
+
+/* tkv_copy_digest of the rows [0, total_rows) by an OpenMP team of nthreads threads sharing them
+ * in grains; lanes: [nthreads][2], thread t's sums in lanes[2 t .. 2 t + 1]. Returns 0, the
+ * first thread's error, or -3 if built without OpenMP. */
+int tkv_copy_digest_team(int unpack, const int64_t *bases, const int64_t *strides,
+                         int64_t num_views, const int64_t *slots, int64_t num_rows,
+                         int64_t block_size, int64_t num_kv_heads, int64_t head_size,
+                         int64_t elem, uint8_t *packed, int64_t total_bytes, int64_t grain,
+                         int nthreads, int do_digest, uint32_t *lanes) {
+#ifdef _OPENMP
+    int64_t cursor = 0, total_rows = num_views * num_rows;
+    int code = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = omp_get_thread_num();
+        int rc = tkv_copy_digest(unpack, bases, strides, num_views, slots, num_rows, block_size,
+                                 num_kv_heads, head_size, elem, packed, total_bytes, 0,
+                                 total_rows, &cursor, grain, do_digest, lanes + 2 * t);
+        if (rc) {
+#pragma omp critical
+            if (!code) code = rc;
+        }
+    }
+    return code;
+#else
+    (void)unpack, (void)bases, (void)strides, (void)num_views, (void)slots, (void)num_rows;
+    (void)block_size, (void)num_kv_heads, (void)head_size, (void)elem, (void)packed;
+    (void)total_bytes, (void)grain, (void)nthreads, (void)do_digest, (void)lanes;
+    return -3;
+#endif
 }
 
 /* Lanes of each head of a contiguous packed tensor in one pass: packed is rows of num_heads

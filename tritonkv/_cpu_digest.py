@@ -22,9 +22,15 @@ Used by ``pack_kv`` / ``unpack_kv`` / ``kv_digest`` and ``pack_hidden`` / ``unpa
 :func:`~tritonkv.digest.packed_digest`), and by :func:`~tritonkv.digest.tensor_digest` and
 :func:`~tritonkv.digest.head_digests` on the CPU.
 
-ctypes releases the GIL during a call, so copies run on the twins' copy threads too: they share
-the rows (each takes the next :data:`GRAIN_BYTES` or so until none are left), and each thread's
-lane sums add up to the digest's, whatever the split.
+Threads: above :data:`~tritonkv._cpu.PARALLEL_MIN_BYTES` the threads of a copy share its rows
+(each takes the next :data:`GRAIN_BYTES` or so until none are left), and their lane sums add up
+to the digest's, whatever the split. The library is built with OpenMP where the compiler has it
+(``-fopenmp``; else without): its ``libgomp.so.1`` is then the one torch loaded, and a copy called
+from the main thread runs on torch's own OpenMP team, the threads torch's ops just ran on (a
+thread of another pool would have to wait for those, spinning after each op, to leave its core:
+measured here, up to a few ms). Otherwise (no OpenMP, another runtime, another calling thread)
+the copies run on the twins' copy threads (ctypes releases the GIL), where a call queued for a
+thread that never started is cancelled once the calling thread has taken every grain.
 """
 
 from __future__ import annotations

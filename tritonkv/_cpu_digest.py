@@ -480,7 +480,7 @@ def copy_with_digest(
         total_bytes=num_bytes,
         workers=workers,
     )
-    return _digest.finalize(torch.tensor(lanes, dtype=torch.int64), num_bytes)
+    return _digest.finalize_host([lanes], num_bytes)[0]
 
 
 def tensor_digest(lib: Native, t: torch.Tensor) -> torch.Tensor:
@@ -512,7 +512,7 @@ def tensor_digest(lib: Native, t: torch.Tensor) -> torch.Tensor:
         total_bytes=num_bytes,
         workers=workers,
     )
-    return _digest.finalize(torch.tensor(lanes, dtype=torch.int64), num_bytes)
+    return _digest.finalize_host([lanes], num_bytes)[0]
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor | None:
@@ -547,6 +547,5 @@ def head_digests(lib: Native, packed: torch.Tensor) -> torch.Tensor:
     num_heads = packed.shape[-2]
     num_bytes = packed.numel() * packed.element_size()
     workers = min(MAX_WORKERS, torch.get_num_threads()) if num_bytes >= PARALLEL_MIN_BYTES else 1
-    lanes = torch.from_numpy(lib.head_lanes(packed, num_heads, workers).astype(np.int64))
-    head_bytes = num_bytes // max(num_heads, 1)
-    return torch.stack([_digest.finalize(lane, head_bytes) for lane in lanes])
+    lanes = lib.head_lanes(packed, num_heads, workers).tolist()
+    return _digest.finalize_host(lanes, num_bytes // max(num_heads, 1))

@@ -30,7 +30,9 @@ from tritonkv import (
 )
 from tritonkv import digest as digest_mod
 from tritonkv._digest_triton import byte_lanes
-from tritonkv.digest import digest_hex, finalize, packed_digest
+from tritonkv.digest import digest_hex, finalize, finalize_host, packed_digest
+
+MAX = (1 << 63) - 1  # the largest int64 lane sum
 
 KERNELS = ("torch", "torch-avx2", "torch-portable", "torch-numpy", "triton")
 EXAMPLES = {
@@ -122,6 +124,17 @@ def test_reference_is_the_definition(monkeypatch, num_bytes):
         lanes.zero_()
         byte_lanes(unaligned, lanes)
         assert digest_hex(finalize(lanes, num_bytes)) == _definition(unaligned)
+
+
+def test_host_finalization_is_the_finalization():
+    """finalize_host (Python ints: the native library's lanes) gives finalize's bits, for lane
+    sums above 2**32 (only the low 32 bits count) and sizes past 2**32 bytes too."""
+    gen = torch.Generator().manual_seed(5)
+    lanes = [*torch.randint(0, 1 << 40, (9, 2), generator=gen).tolist(), [0, 0], [MAX, MAX]]
+    for num_bytes in (0, 3, 4096, (1 << 32) + 5):
+        want = torch.stack([finalize(torch.tensor(pair), num_bytes) for pair in lanes])
+        assert torch.equal(finalize_host(lanes, num_bytes), want)
+    assert finalize_host([], 8).shape == (0, 2)
 
 
 def test_digest_of_a_dtype_is_the_digest_of_its_bytes():

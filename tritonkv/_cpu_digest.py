@@ -7,21 +7,30 @@ for unpack, by the views' byte strides) and adds each chunk's digest terms while
 still in cache, by the definition of :mod:`tritonkv.digest` (bit-identical lanes).
 
 Building: the machine's C compiler (``TRITONKV_CC``, default ``cc``) with plain ``-O3 -shared
--fPIC`` (never ``-march=native``: the lane loop has an AVX2 clone chosen at run time,
-:func:`backend` names the one running), into a per-user cache directory
+-fPIC`` (never ``-march=native``: the lane loop has AVX-512 and AVX2 clones, the widest the CPU
+supports chosen at run time, :func:`backend` names the one running), into a per-user cache directory
 (``TRITONKV_CACHE_DIR``, default ``$XDG_CACHE_HOME/tritonkv`` or ``~/.cache/tritonkv``) under a
 name keyed by the source, the flags and the compiler's version. The library is written under a
 temporary name and renamed into place, so processes that build at once each see a whole file; a
 cached file that does not load or fails the self-check is built again. Where nothing works (no
 compiler, ``TRITONKV_NATIVE=0``) the digest takes the NumPy path, after one warning naming why.
-``TRITONKV_NATIVE_ISA=default`` runs the portable lane loop even where AVX2 exists (tests).
+``TRITONKV_NATIVE_ISA`` (``avx512``, ``avx2`` or ``default``, the portable loop) caps the lane
+loop's instruction set (tests run each one the CPU has).
 
 Used by ``pack_kv`` / ``unpack_kv`` / ``kv_digest`` and ``pack_hidden`` / ``unpack_hidden`` with
 ``digest=True`` on CPU tensors (never by the ``*_torch`` oracles, whose digest stays
 :func:`~tritonkv.digest.packed_digest`), and by :func:`~tritonkv.digest.tensor_digest` and
 :func:`~tritonkv.digest.head_digests` on the CPU.
 
-ctypes releases the GIL during a call, so ranges of rows run on the twins' copy threads.
+Threads: above :data:`~tritonkv._cpu.PARALLEL_MIN_BYTES` the threads of a copy share its rows
+(each takes the next :data:`GRAIN_BYTES` or so until none are left), and their lane sums add up
+to the digest's, whatever the split. The library is built with OpenMP where the compiler has it
+(``-fopenmp``; else without): its ``libgomp.so.1`` is then the one torch loaded, and a copy called
+from the main thread runs on torch's own OpenMP team, the threads torch's ops just ran on (a
+thread of another pool would have to wait for those, spinning after each op, to leave its core:
+measured here, up to a few ms). Otherwise (no OpenMP, another runtime, another calling thread)
+the copies run on the twins' copy threads (ctypes releases the GIL), where a call queued for a
+thread that never started is cancelled once the calling thread has taken every grain.
 """
 
 from __future__ import annotations
@@ -56,7 +65,10 @@ __all__ = [
 
 SOURCE = Path(__file__).with_name("_native") / "copy_digest.c"
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
-ABI = 1  # TKV_ABI in the source
+OPENMP_FLAG = "-fopenmp"  # tried first: copies on torch's OpenMP threads (Native.team)
+ABI = 2  # TKV_ABI in the source
+ISA_LEVELS = {"default": 0, "avx2": 1, "avx512": 2}  # TRITONKV_NATIVE_ISA: the widest allowed
+GRAIN_BYTES = 256 << 10  # shared work: rows a thread takes at a time (about this many bytes)
 COMPILE_TIMEOUT_S = 60.0
 MAX_DENSE_ROW_BYTES = 1 << 20  # tensor_digest: a dense tensor is cut in rows of at most this
 
@@ -131,17 +143,26 @@ class Native:
             ctypes.c_int64,  # total_bytes
             ctypes.c_int64,  # g0
             ctypes.c_int64,  # g1
+            _i64p,  # cursor (None: the rows [g0, g1))
+            ctypes.c_int64,  # grain
             ctypes.c_int,  # do_digest
             _u32p,  # lanes
         ]
         self._copy.restype = ctypes.c_int
+        self._team = lib.tkv_copy_digest_team
+        self._team.argtypes = [*self._copy.argtypes[:12], ctypes.c_int64, ctypes.c_int]
+        self._team.argtypes += [ctypes.c_int, _u32p]  # do_digest, lanes [nthreads, 2]
+        self._team.restype = ctypes.c_int
+        lib.tkv_openmp_runtime.restype = ctypes.c_char_p
+        runtime = lib.tkv_openmp_runtime()
+        # the copies' threads: torch's own OpenMP team where this build runs on torch's runtime
+        self.team = runtime is not None and _torch_runs_on(runtime.decode())
         self._heads = lib.tkv_head_lanes
         self._heads.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 5, _u32p]
         self._heads.restype = ctypes.c_int
         lib.tkv_select.restype = ctypes.c_char_p
         lib.tkv_select.argtypes = [ctypes.c_int]
-        portable_only = os.environ.get("TRITONKV_NATIVE_ISA", "").strip() == "default"
-        lib.tkv_select(int(portable_only))  # process-wide, like the library itself
+        lib.tkv_select(_isa_level())  # process-wide, like the library itself
         lib.tkv_isa.restype = ctypes.c_char_p
         self.isa = lib.tkv_isa().decode()  # the lane loops that run
 
@@ -193,13 +214,16 @@ class Native:
             unpack: scatter ``packed`` into the views instead of gathering.
             digest: accumulate the lanes (else they stay 0).
             total_bytes: ``num_views * num_rows * row_bytes``.
-            workers: ranges of rows run on this many threads (the twins' copy threads).
+            workers: this many threads (this one and the twins' copy threads) share the
+                rows, in grains of about :data:`GRAIN_BYTES`.
         """
         num_views, num_rows = len(table.bases), slots.size
         total_rows = num_views * num_rows
-        step = -(-total_rows // max(workers, 1) // 4) * 4 or 4  # ranges start on whole words
-        starts = list(range(0, total_rows, step))
-        lanes = np.zeros((max(len(starts), 1), 2), dtype=np.uint32)
+        grain = max(GRAIN_BYTES // max(table.row_bytes, 1) // 4 * 4, 4)
+        workers = min(max(workers, 1), -(-total_rows // grain))
+        lanes = np.zeros((max(workers, 1), 2), dtype=np.uint32)
+        cursor = np.zeros(1, dtype=np.int64)  # rows taken so far (each call adds its grains)
+        shared = cursor.ctypes.data_as(_i64p) if workers > 1 else None
         address = None if packed is None else packed.data_ptr()
         args = (
             int(unpack),
@@ -214,20 +238,36 @@ class Native:
             table.elem,
             address,
             total_bytes,
+            0,
+            total_rows,
+            shared,
+            grain,
+            int(digest),
         )
 
-        def run(i: int) -> int:
-            end = min(starts[i] + step, total_rows)
-            out = lanes[i].ctypes.data_as(_u32p)
-            return self._copy(*args, starts[i], end, int(digest), out)
+        if self.team and workers > 1 and threading.current_thread() is threading.main_thread():
+            # (torch's team is the main thread's; another thread would get a team of its own,
+            # and while one lives libgomp slows every team: see tritonkv._cpu)
+            team_args = (*args[:12], grain, workers, int(digest))
+            _check([self._team(*team_args, lanes.ctypes.data_as(_u32p))])
+        else:
 
-        _check(_on_threads(run, len(starts)))
+            def run(i: int) -> int:
+                return self._copy(*args, lanes[i].ctypes.data_as(_u32p))
+
+            _check(_on_threads(run, workers, shared=True))
         sums = lanes.astype(np.uint64).sum(axis=0) & _digest.MASK
         return int(sums[0]), int(sums[1])
 
 
-def _on_threads(run, count: int) -> list[int]:
-    """``run(i)`` for ``i < count``: 0 here, the others on the twins' copy threads."""
+def _on_threads(run, count: int, *, shared: bool = False) -> list[int]:
+    """``run(i)`` for ``i < count``: 0 here, the others on the twins' copy threads.
+
+    ``shared``: the calls share one pool of work (:meth:`Native.copy_rows`), so a call that has
+    not started once this thread's is done is cancelled (it would find nothing left): a copy
+    thread kept off a core, by another process or by torch's OpenMP threads spinning after an op,
+    delays nothing.
+    """
     if count < 2:
         return [run(0)] if count else []
     from ._cpu import _executor
@@ -236,6 +276,8 @@ def _on_threads(run, count: int) -> list[int]:
     try:
         codes = [run(0)]
     finally:  # never return (or raise) while another thread still copies
+        if shared:
+            futures = [f for f in futures if not f.cancel()]
         codes += [f.result() for f in futures]
     return codes
 
@@ -265,8 +307,9 @@ def native() -> Native | None:
 
 
 def backend() -> str:
-    """What computes digests on the CPU: ``"native-avx2"``, ``"native-default"`` (the portable
-    lane loop), or ``"numpy (why)"`` (loading it if not done yet)."""
+    """What computes digests on the CPU: ``"native-avx512"``, ``"native-avx2"``,
+    ``"native-default"`` (the portable lane loop), or ``"numpy (why)"`` (loading it if not done
+    yet)."""
     native()
     return _loaded[1]
 
@@ -276,6 +319,27 @@ def _reset() -> None:
     global _loaded
     with _lock:
         _loaded = None
+
+
+def _torch_runs_on(runtime: str) -> bool:
+    """Whether ``runtime`` (the OpenMP library this build uses) is torch's: torch's parallel
+    backend is OpenMP and it is the only libgomp mapped in this process (else a second team
+    would compete with torch's, and the copies take the twins' copy threads)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+    mapped = {os.path.realpath(line.split()[-1]) for line in maps.splitlines() if "libgomp" in line}
+    backend_line = "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
+    return backend_line and mapped == {os.path.realpath(runtime)}
+
+
+def _isa_level() -> int:
+    """``TRITONKV_NATIVE_ISA``: the widest lane loop allowed (unset: the widest the CPU has)."""
+    name = os.environ.get("TRITONKV_NATIVE_ISA", "").strip() or "avx512"
+    if name not in ISA_LEVELS:
+        raise ValueError(f"TRITONKV_NATIVE_ISA: expected one of {sorted(ISA_LEVELS)}, got {name!r}")
+    return ISA_LEVELS[name]
 
 
 class _Unavailable(Exception):
@@ -313,10 +377,6 @@ def _load() -> Native:
     version = _run([cc, "--version"])
     if version.returncode:
         raise _Unavailable(f"{cc} --version exited with {version.returncode}")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS).encode(), version.stdout.encode(), _machine()])
-    ).hexdigest()[:20]
     folder = _cache_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -326,26 +386,38 @@ def _load() -> Native:
             folder.mkdir(mode=0o700, exist_ok=True)
         except OSError:
             raise _Unavailable(f"no writable cache directory ({exc})") from None
-    path = folder / f"copy_digest-{key}.so"
-    if path.exists():
+    why = None
+    for flags in ((*FLAGS, OPENMP_FLAG), FLAGS):  # without OpenMP where it does not build
+        path = folder / f"copy_digest-{_key(flags, version.stdout)}.so"
+        if path.exists():
+            try:
+                return _open(path)
+            except _Unavailable:
+                pass  # corrupt or foreign: build it again (below)
         try:
+            _build(cc, path, flags)
             return _open(path)
-        except _Unavailable:
-            pass  # corrupt or foreign: build it again (below)
-    _build(cc, path)
-    return _open(path)
+        except _Unavailable as exc:
+            why = why or exc
+    raise why
+
+
+def _key(flags: tuple[str, ...], cc_version: str) -> str:
+    source = SOURCE.read_bytes()
+    parts = [source, " ".join(flags).encode(), cc_version.encode(), _machine()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
 
 
 def _machine() -> bytes:
     return f"{platform.system()}-{platform.machine()}".encode()
 
 
-def _build(cc: str, path: Path) -> None:
+def _build(cc: str, path: Path, flags: tuple[str, ...]) -> None:
     """Compile into a temporary file beside ``path``, then rename it into place (atomic)."""
     fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        done = _run([cc, *FLAGS, "-o", tmp, str(SOURCE)])
+        done = _run([cc, *flags, "-o", tmp, str(SOURCE)])
         if done.returncode:
             tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
             raise _Unavailable(f"{cc} exited with {done.returncode}: {' | '.join(tail)}")
@@ -408,7 +480,7 @@ def copy_with_digest(
         total_bytes=num_bytes,
         workers=workers,
     )
-    return _digest.finalize(torch.tensor(lanes, dtype=torch.int64), num_bytes)
+    return _digest.finalize_host([lanes], num_bytes)[0]
 
 
 def tensor_digest(lib: Native, t: torch.Tensor) -> torch.Tensor:
@@ -440,7 +512,7 @@ def tensor_digest(lib: Native, t: torch.Tensor) -> torch.Tensor:
         total_bytes=num_bytes,
         workers=workers,
     )
-    return _digest.finalize(torch.tensor(lanes, dtype=torch.int64), num_bytes)
+    return _digest.finalize_host([lanes], num_bytes)[0]
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor | None:
@@ -475,6 +547,5 @@ def head_digests(lib: Native, packed: torch.Tensor) -> torch.Tensor:
     num_heads = packed.shape[-2]
     num_bytes = packed.numel() * packed.element_size()
     workers = min(MAX_WORKERS, torch.get_num_threads()) if num_bytes >= PARALLEL_MIN_BYTES else 1
-    lanes = torch.from_numpy(lib.head_lanes(packed, num_heads, workers).astype(np.int64))
-    head_bytes = num_bytes // max(num_heads, 1)
-    return torch.stack([_digest.finalize(lane, head_bytes) for lane in lanes])
+    lanes = lib.head_lanes(packed, num_heads, workers).tolist()
+    return _digest.finalize_host(lanes, num_bytes // max(num_heads, 1))

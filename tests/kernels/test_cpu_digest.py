@@ -52,20 +52,38 @@ def fresh(monkeypatch, tmp_path):
     _cpu_digest._reset()
 
 
-@pytest.fixture(params=["avx2", "default"])
+@pytest.fixture(params=["avx512", "avx2", "default"])
 def lane_loops(request, monkeypatch):
-    """Each lane loop in turn (the AVX2 clone where the CPU has it; the portable one)."""
-    if request.param == "default":
-        monkeypatch.setenv("TRITONKV_NATIVE_ISA", "default")
+    """Each lane loop in turn (the AVX-512 and AVX2 clones where the CPU has them; the portable
+    one), forced through TRITONKV_NATIVE_ISA."""
+    monkeypatch.setenv("TRITONKV_NATIVE_ISA", request.param)
     _cpu_digest._reset()
     lib = _cpu_digest.native()
     assert lib is not None, _cpu_digest.backend()
-    if request.param == "avx2" and lib.isa != "avx2":
-        pytest.skip(f"no AVX2 here (the library runs {lib.isa})")
-    assert lib.isa == request.param
+    if lib.isa != request.param:
+        assert not _cpu_has(request.param), f"{request.param} asked, {lib.isa} runs"
+        pytest.skip(f"no {request.param} here (the library runs {lib.isa})")
     yield lib
     monkeypatch.undo()
     _cpu_digest._reset()
+
+
+def _cpu_has(isa: str) -> bool:
+    """Whether /proc/cpuinfo lists what the ``isa`` clone needs (False where it cannot be read)."""
+    needs = {
+        "default": [],
+        "avx2": ["avx2"],
+        "avx512": ["avx512f", "avx512vl", "avx512bw", "avx512dq"],
+    }
+    try:
+        flags = next(
+            line.split(":", 1)[1].split()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return False
+    return all(flag in flags for flag in needs[isa])
 
 
 def _reference_lanes(data: np.ndarray, first: int) -> tuple[int, int]:
@@ -83,7 +101,7 @@ def _random_bytes(n: int, seed: int) -> np.ndarray:
 def test_backend_names_the_lane_loop_that_runs():
     name = _cpu_digest.backend()
     if platform.machine() in ("x86_64", "AMD64"):
-        assert name in ("native-avx2", "native-default"), name
+        assert name in ("native-avx512", "native-avx2", "native-default"), name
     assert _cpu_digest.native() is not None, name
 
 
@@ -128,7 +146,9 @@ def transfers(draw):
             num_blocks=num_blocks,
             block_size=block_size,
             num_kv_heads=draw(st.sampled_from([1, 2, 3])),
-            head_size=draw(st.sampled_from([1, 3, 4, 6, 8])),  # odd byte counts: chunked digest
+            # odd byte counts: chunked digest; 16 and 32: heads of whole vectors (fp32: 4 and 8
+            # AVX-512 steps), whose runs continue one stream across a row's heads and rows
+            head_size=draw(st.sampled_from([1, 3, 4, 6, 8, 16, 32])),
             seed=draw(st.integers(0, 1000)),
             one_buffer=draw(st.booleans()),  # all layers views of one buffer, as in vLLM
         ),
@@ -213,8 +233,10 @@ def test_tensor_digest_reads_slices_where_they_lie(lane_loops, name):
         ((3, 1, 5, 3, 8), torch.float32),
         ((1, 2, 0, 2, 4), torch.bfloat16),  # no rows
         ((2, 2, 7, 3, 3), torch.uint8),  # heads of 3 bytes: tensor_digest head by head
+        ((2, 2, 9, 2, 64), torch.float32),  # whole vectors: one stream per head across rows
+        ((2, 1, 9, 3, 40), torch.bfloat16),  # a vector and a tail a row: a flush each row
     ],
-    ids=["bf16", "fp32-mla-like", "empty", "odd-bytes"],
+    ids=["bf16", "fp32-mla-like", "empty", "odd-bytes", "whole-vectors", "vector-and-tail"],
 )
 def test_head_digests_are_each_heads_digest(lane_loops, monkeypatch, shape, dtype):
     """head_digests (one pass over packed on the CPU) equals packed_digest of every head's rows,
@@ -239,6 +261,7 @@ def test_rows_that_follow_in_the_cache_are_one_run(monkeypatch, layout, threads)
 
     monkeypatch.setenv("TRITONKV_KERNELS", "torch")
     monkeypatch.setattr(cpu, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(_cpu_digest, "GRAIN_BYTES", 1)  # threads take 4 rows at a time
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     raw, layers = make_cache(layout, torch.bfloat16, num_blocks=6, block_size=4)
     slots = torch.tensor([*range(0, 13), -1, 14, 15, 3, 4, 5, *range(17, 24)])
@@ -258,21 +281,126 @@ def test_rows_that_follow_in_the_cache_are_one_run(monkeypatch, layout, threads)
         assert torch.equal(twin, fused)
 
 
-def test_parallel_ranges_give_the_serial_digest(monkeypatch):
-    """Above the copy threads' threshold the rows are split in ranges (at multiples of 4 rows,
-    the last one short); same bits and digest as one range."""
-    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
-    raw, layers = make_cache("flash_attn_hnd", torch.bfloat16, num_layers=3, head_size=3)
-    slots = torch.arange(21)
-    want, _ = tritonkv.pack_kv_torch(layers, slots)
+@pytest.fixture(params=["openmp-team", "copy-threads"])
+def threads_of(request, monkeypatch):
+    """Each way the copies run on threads: torch's OpenMP team (where this build runs on torch's
+    runtime, as it does here), or the twins' copy threads (builds without OpenMP, other threads
+    than the main one)."""
+    lib = _cpu_digest.native()
+    assert lib is not None, _cpu_digest.backend()
+    if request.param == "openmp-team" and not lib.team:
+        pytest.skip("this build does not run on torch's OpenMP runtime")
+    monkeypatch.setattr(lib, "team", request.param == "openmp-team")
+    return lib
+
+
+@pytest.mark.parametrize("grain_bytes", [1, 100, 1 << 20])
+def test_shared_work_gives_the_serial_digest(monkeypatch, threads_of, grain_bytes):
+    """Above the copy threads' threshold the threads share the rows, taking grains of 4 rows
+    (GRAIN_BYTES 1), 16 or all of them (one thread works); the last grain short, words that
+    straddle heads (head_size 3 of bf16), and heads of whole vectors (head_size 64 of fp32, in
+    rows of a block): same bits and digest as one thread, packing and unpacking."""
     import tritonkv._cpu as cpu
 
-    serial = digest_hex(tritonkv.pack_kv(layers, slots, digest=True)[2])
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    monkeypatch.setattr(_cpu_digest, "GRAIN_BYTES", grain_bytes)
+    for dtype, head_size in ((torch.bfloat16, 3), (torch.float32, 64)):
+        raw, layers = make_cache("flash_attn_hnd", dtype, num_layers=3, head_size=head_size)
+        slots = torch.arange(21)
+        want, _ = tritonkv.pack_kv_torch(layers, slots)
+        monkeypatch.setattr(cpu, "PARALLEL_MIN_BYTES", 1 << 62)
+        serial = digest_hex(tritonkv.pack_kv(layers, slots, digest=True)[2])
+        monkeypatch.setattr(cpu, "PARALLEL_MIN_BYTES", 1)
+        got, _, d = tritonkv.pack_kv(layers, slots, digest=True)
+        assert torch.equal(bits(got), bits(want))
+        assert digest_hex(d) == serial == digest_hex(packed_digest(want))
+        twin_raw, twin_layers = like_with_sentinel(raw, "flash_attn_hnd")
+        tritonkv.unpack_kv_torch(want, twin_layers, slots)
+        fused_raw, fused_layers = like_with_sentinel(raw, "flash_attn_hnd")
+        assert digest_hex(tritonkv.unpack_kv(want, fused_layers, slots, digest=True)) == serial
+        for twin, fused in zip(storage_bits(twin_raw), storage_bits(fused_raw), strict=True):
+            assert torch.equal(twin, fused)
+
+
+def test_off_the_main_thread_the_copy_threads_run(monkeypatch):
+    """Called from another thread (which torch's team is not), the copies take the twins' copy
+    threads, with the same bits and digest."""
+    import threading
+
+    import tritonkv._cpu as cpu
+
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
     monkeypatch.setattr(cpu, "PARALLEL_MIN_BYTES", 1)
-    got, _, d = tritonkv.pack_kv(layers, slots, digest=True)
+    monkeypatch.setattr(_cpu_digest, "GRAIN_BYTES", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    lib = _cpu_digest.native()
+    used = []
+    monkeypatch.setattr(lib, "_team", lambda *a: used.append("team") or 0)
+    raw, layers = make_cache("flash_attn_nhd", torch.bfloat16, num_layers=2, num_blocks=6)
+    slots = torch.arange(20)
+    want, _ = tritonkv.pack_kv_torch(layers, slots)
+    result = []
+    worker = threading.Thread(
+        target=lambda: result.append(tritonkv.pack_kv(layers, slots, digest=True))
+    )
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive() and result, "the pack on another thread did not finish"
+    got, _, d = result[0]
+    assert used == [] and torch.equal(bits(got), bits(want))
+    assert digest_hex(d) == digest_hex(packed_digest(want))
+
+
+def test_busy_copy_threads_delay_nothing(monkeypatch):
+    """Every copy thread of the pool kept busy (as a core kept by another process would keep
+    them off): the calling thread copies all the rows itself and the calls queued for the busy
+    threads are cancelled, so the pack returns, right, while they are still busy (without the
+    cancel it would wait for them: the safety timer frees them after 60 s)."""
+    import threading
+
+    import tritonkv._cpu as cpu
+
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
+    monkeypatch.setattr(cpu, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(_cpu_digest, "GRAIN_BYTES", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cpu.MAX_WORKERS)
+    monkeypatch.setattr(_cpu_digest.native(), "team", False)  # the copy threads, not OpenMP's
+    raw, layers = make_cache("flash_attn_nhd", torch.bfloat16, num_layers=2, num_blocks=6)
+    slots = torch.arange(20)
+    want, _ = tritonkv.pack_kv_torch(layers, slots)
+    release, started = threading.Event(), threading.Semaphore(0)
+    safety = threading.Timer(60.0, release.set)
+    safety.start()
+
+    def occupy():
+        started.release()
+        release.wait()
+
+    busy = [cpu._executor().submit(occupy) for _ in range(cpu.MAX_WORKERS)]
+    try:
+        for _ in busy:
+            assert started.acquire(timeout=30), "a copy thread of the pool never started"
+        got, _, d = tritonkv.pack_kv(layers, slots, digest=True)
+        assert not release.is_set(), "the pack waited for the busy copy threads"
+    finally:
+        release.set()
+        safety.cancel()
+        for future in busy:
+            future.result(timeout=30)
     assert torch.equal(bits(got), bits(want))
-    assert digest_hex(d) == serial == digest_hex(packed_digest(want))
+    assert digest_hex(d) == digest_hex(packed_digest(want))
+
+
+def test_an_unknown_lane_loop_is_a_value_error(monkeypatch):
+    monkeypatch.setenv("TRITONKV_NATIVE_ISA", "sse9")
+    _cpu_digest._reset()
+    try:
+        with pytest.raises(ValueError, match=r"TRITONKV_NATIVE_ISA: expected one of .* got 'sse9'"):
+            _cpu_digest.native()
+    finally:
+        monkeypatch.undo()
+        _cpu_digest._reset()
 
 
 # ---------------------------------------------------------------- building and the fallback
@@ -286,6 +414,31 @@ def test_a_fresh_cache_builds_one_file_and_reuses_it(fresh):
     built = lib.path.stat().st_mtime_ns
     _cpu_digest._reset()
     assert _cpu_digest.native().path == lib.path and lib.path.stat().st_mtime_ns == built
+
+
+def test_a_compiler_without_openmp_builds_the_library_without_it(fresh, tmp_path, monkeypatch):
+    """A compiler that refuses -fopenmp: the library is built without OpenMP (one file), its
+    copies take the twins' copy threads, and pack's digest is still the reference's."""
+    import tritonkv._cpu as cpu
+
+    wrapper = tmp_path / "cc-without-openmp"
+    wrapper.write_text(
+        '#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec cc "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("TRITONKV_CC", str(wrapper))
+    lib = _cpu_digest.native()
+    assert lib is not None, _cpu_digest.backend()
+    assert not lib.team and len(list(fresh.iterdir())) == 1
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
+    monkeypatch.setattr(cpu, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    raw, layers = make_cache("flash_attn_hnd", torch.bfloat16, num_layers=2, num_blocks=6)
+    slots = torch.arange(20)
+    want, _ = tritonkv.pack_kv_torch(layers, slots)
+    got, _, d = tritonkv.pack_kv(layers, slots, digest=True)
+    assert torch.equal(bits(got), bits(want))
+    assert digest_hex(d) == digest_hex(packed_digest(want))
 
 
 LOAD = """

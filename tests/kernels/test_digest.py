@@ -1,8 +1,11 @@
 """The integrity digest (tritonkv.digest): its definition, the same bits from the Triton kernels
 (under the interpreter here) and the torch twins, detection of each fault on the list of issue 23,
 the write-back check, and outputs that stay bit-exact with the digest off. On the CPU the twins'
-digest runs fused in their copy (the native library, tritonkv/_cpu_digest.py): ``torch`` here;
-``torch-numpy`` is the twin with that library off (the NumPy pass after the copy, its fallback).
+digest runs fused in their copy (the native library, tritonkv/_cpu_digest.py): ``torch`` here
+(its widest lane loop this CPU has), ``torch-avx2`` and ``torch-portable`` the same with the lane
+loop capped (TRITONKV_NATIVE_ISA; where the CPU lacks AVX2, ``torch-avx2`` runs the portable
+one); ``torch-numpy`` is the twin with that library off (the NumPy pass after the copy, its
+fallback).
 
 Every fault is applied to the packed tensor between pack (the producer's digest) and unpack (the
 consumer's digest of what it read); a fault that leaves the bytes unchanged (two equal tokens
@@ -29,10 +32,22 @@ from tritonkv import (
 )
 from tritonkv import digest as digest_mod
 from tritonkv._digest_triton import byte_lanes
-from tritonkv.digest import digest_hex, finalize, packed_digest
+from tritonkv.digest import digest_hex, finalize, finalize_host, packed_digest
 
-KERNELS = ("torch", "torch-numpy", "triton")
-EXAMPLES = {"torch": 200, "torch-numpy": 100, "triton": 60}  # the interpreter: ~1.5 ms a program
+MAX = (1 << 63) - 1  # the largest int64 lane sum
+
+KERNELS = ("torch", "torch-avx2", "torch-portable", "torch-numpy", "triton")
+EXAMPLES = {
+    "torch": 200,
+    "torch-avx2": 100,
+    "torch-portable": 100,
+    "torch-numpy": 100,
+    "triton": 60,
+}
+_ISA = {
+    "torch-avx2": "avx2",
+    "torch-portable": "default",
+}  # TRITONKV_NATIVE_ISA of each  # the interpreter: ~1.5 ms a program
 _PROPERTY = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
@@ -43,6 +58,10 @@ _PROPERTY = settings(
 def _use(monkeypatch, name: str) -> None:
     """Run the ops on ``name`` of :data:`KERNELS` from now on."""
     monkeypatch.setenv("TRITONKV_KERNELS", "triton" if name == "triton" else "torch")
+    if name in _ISA:
+        monkeypatch.setenv("TRITONKV_NATIVE_ISA", _ISA[name])
+    else:
+        monkeypatch.delenv("TRITONKV_NATIVE_ISA", raising=False)
     _cpu_digest._reset()
     if name == "torch-numpy":
         monkeypatch.setenv("TRITONKV_NATIVE", "0")
@@ -107,6 +126,17 @@ def test_reference_is_the_definition(monkeypatch, num_bytes):
         lanes.zero_()
         byte_lanes(unaligned, lanes)
         assert digest_hex(finalize(lanes, num_bytes)) == _definition(unaligned)
+
+
+def test_host_finalization_is_the_finalization():
+    """finalize_host (Python ints: the native library's lanes) gives finalize's bits, for lane
+    sums above 2**32 (only the low 32 bits count) and sizes past 2**32 bytes too."""
+    gen = torch.Generator().manual_seed(5)
+    lanes = [*torch.randint(0, 1 << 40, (9, 2), generator=gen).tolist(), [0, 0], [MAX, MAX]]
+    for num_bytes in (0, 3, 4096, (1 << 32) + 5):
+        want = torch.stack([finalize(torch.tensor(pair), num_bytes) for pair in lanes])
+        assert torch.equal(finalize_host(lanes, num_bytes), want)
+    assert finalize_host([], 8).shape == (0, 2)
 
 
 def test_digest_of_a_dtype_is_the_digest_of_its_bytes():
@@ -186,7 +216,7 @@ def test_hidden_digests_are_equal_and_detect_a_flip(monkeypatch, dtype):
         flipped.view(torch.uint8).view(-1)[7] ^= 0x10
         d_flipped = unpack_hidden(flipped, dst, qsl, digest=True)
         got.append((digest_hex(d_pack), digest_hex(d_unpack), digest_hex(d_flipped)))
-    assert got[0] == got[1] == got[2]
+    assert got == [got[0]] * len(KERNELS)
     assert got[0][0] == got[0][1] == _definition(packed) != got[0][2]
 
 

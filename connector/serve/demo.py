@@ -74,10 +74,13 @@ def start_pd(
     tp: int = 1,
     consumer_tp: int | None = None,
     proxy_args: list[str] = (),
+    log_stats: bool = False,
     progress=print,
 ):
     """Start producer (TP ``tp``), consumer (TP ``consumer_tp``, default ``tp``) and proxy (with
-    ``proxy_args``, e.g. ``["--overlap"]``); return the three processes once all are healthy."""
+    ``proxy_args``, e.g. ``["--overlap"]``); return the three processes once all are healthy.
+    ``log_stats``: the consumer keeps vLLM's statistics (its Prometheus counters at
+    ``/metrics``)."""
     consumer_tp = tp if consumer_tp is None else consumer_tp
     kv_port = free_port_run(max(tp, 1))
     producer = cluster.start_vllm(
@@ -102,6 +105,7 @@ def start_pd(
         cpu="0|1" if consumer_tp > 1 else "1",
         tp=consumer_tp,
         env=env,
+        log_stats=log_stats,
     )
     proxy = cluster.start_proxy(free_port(), [producer.url], [consumer.url], args=list(proxy_args))
     t0 = time.monotonic()

@@ -2,7 +2,8 @@
 slot, the load is recomputed, and the answer equals a colocated run's, token for token; with the
 check off for that load (``no_digest``), the same fault changes the answer (the negative control).
 
-One producer/consumer pair (torch kernels, the default sync load, ``digest_write_back`` on) serves
+One producer/consumer pair (torch kernels, the default sync load, ``digest_write_back`` on, the
+consumer with vLLM's statistics on, so its ``/metrics`` carries the connector's counters) serves
 the module; faults come from the test hooks of ``connector.vllm_connector.integrity`` (a request's
 ``tritonkv_debug_fault``, allowed by ``debug_allow_corrupt``). Each case uses a prompt of its own,
 so no consumer prefix-cache hit stands in for a load.
@@ -10,6 +11,9 @@ so no consumer prefix-cache hit stands in for a load.
 
 from __future__ import annotations
 
+import re
+import time
+import urllib.request
 import uuid
 
 import pytest
@@ -27,6 +31,7 @@ def pd(tmp_path_factory, tiny_llama_dir):
         tmp_path_factory.mktemp("e2e-digest"),
         tiny_llama_dir,
         extra_config={"debug_allow_corrupt": True, "digest_write_back": True},
+        log_stats=True,
     )
     yield trio
     cluster.stop()
@@ -79,3 +84,37 @@ def test_clean_transfer_passes_both_checks(pd):
     events = pd.events(rid)
     assert events["loaded"] and not events["failed"], events
     assert text == pd.colocated(prompt)
+
+
+def _digest_failures(pd) -> float:
+    """``vllm:tritonkv_digest_failures_total`` on the consumer's ``/metrics`` (all label sets)."""
+    with urllib.request.urlopen(pd.consumer.url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    values = re.findall(r"^vllm:tritonkv_digest_failures_total(?:\{[^}]*\})?\s+(\S+)", text, re.M)
+    assert values, "no vllm:tritonkv_digest_failures_total on the consumer's /metrics"
+    return sum(float(v) for v in values)
+
+
+def _settled(read, want, timeout_s: float = 20.0) -> float:
+    """``read()`` once it equals ``want`` (vLLM's stats reach /metrics a few steps late), or its
+    last value after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    got = read()
+    while got != want and time.monotonic() < deadline:
+        time.sleep(0.5)
+        got = read()
+    return got
+
+
+def test_a_caught_fault_is_counted_on_the_live_servers_metrics(pd):
+    """The Prometheus counter off the running consumer's ``/metrics``: +1 for a load whose digest
+    did not match, +0 for a clean one (the negative control)."""
+    before = _digest_failures(pd)
+    prompt = pd.prompt(80, seed=70)
+    text, _ = _decode(pd, prompt, _prefill(pd, prompt))
+    assert text == pd.colocated(prompt)
+    assert _settled(lambda: _digest_failures(pd), before + 1, timeout_s=5) == before
+    prompt = pd.prompt(80, seed=71)
+    text, _ = _decode(pd, prompt, _prefill(pd, prompt, "flip_bit"))
+    assert text == pd.colocated(prompt)
+    assert _settled(lambda: _digest_failures(pd), before + 1) == before + 1

@@ -405,22 +405,7 @@ def test_data_parallel_engines_serve_side_by_side_and_say_where(vllm_mods):
 def _save_in_one_step(conn, req_id, prompt):
     """Have a producer's scheduler-side connector (the facade) save ``req_id``'s whole
     ``prompt`` in one step, through the calls vLLM makes; returns the transfer id it issued."""
-    from types import SimpleNamespace
-
-    request = SimpleNamespace(
-        request_id=req_id,
-        kv_transfer_params={"do_remote_decode": True},
-        prompt_token_ids=list(prompt),
-        prompt_embeds=None,
-        num_prompt_tokens=len(prompt),
-        num_computed_tokens=0,
-    )
-    conn.update_state_after_alloc(request, None, 0)
-    blocks = SimpleNamespace(get_block_ids=lambda _req_id: ([0],))
-    step = SimpleNamespace(
-        num_scheduled_tokens={req_id: len(prompt)}, kv_connector_block_state=blocks
-    )
-    [save] = conn.build_connector_meta(step).saves
+    [save] = _saves(conn, req_id, prompt)
     assert (save.req_id, save.num_tokens) == (req_id, len(prompt))
     return save.transfer_id
 
@@ -586,14 +571,20 @@ def test_a_transfer_id_already_in_use_is_refused_never_collides(vllm_mods, conne
     assert sum("already in use" in r.getMessage() for r in connector_log) == 2
 
 
-def _saves(conn, req_id, prompt, chosen):
+_UNCHOSEN = object()
+
+
+def _saves(conn, req_id, prompt, chosen=_UNCHOSEN):
     """The saves a producer's scheduler side asks for in the one step that computes ``prompt``,
-    sent with ``do_remote_decode`` and transfer id ``chosen``."""
+    sent with ``do_remote_decode`` and transfer id ``chosen`` (by default none)."""
     from types import SimpleNamespace
 
+    params = {"do_remote_decode": True}
+    if chosen is not _UNCHOSEN:
+        params["transfer_id"] = chosen
     request = SimpleNamespace(
         request_id=req_id,
-        kv_transfer_params={"do_remote_decode": True, "transfer_id": chosen},
+        kv_transfer_params=params,
         prompt_token_ids=list(prompt),
         prompt_embeds=None,
         num_prompt_tokens=len(prompt),

@@ -13,7 +13,9 @@ Request / reply protocol (one pipe per client, one request at a time)::
 An entry put with a digest (the connector binds each to its prompt's digest) is served, and
 dropped, only for a request that presents the same digest (compared in constant time); for any
 other request it does not exist: MISS with the reason an unknown key gets, ``existed`` False.
-Any other kind is answered with ERROR and the connection is closed. Codes 37 and 38 were PUT and
+A DISCARD drops every key of the key's group (:func:`group_of`: the chunks of one transfer) and
+seals it: parts of it put later are refused (a transfer released while its producer still
+computes it). Any other kind is answered with ERROR and the connection is closed. Codes 37 and 38 were PUT and
 MATCH (removed before 0.1.0); they are not reused while the frame version is 2.
 """
 
@@ -29,6 +31,7 @@ from ..logs import hide_ids, short_id
 from ..transport.frame import APP_KIND_MIN, DEFAULT_LIMITS
 
 __all__ = [
+    "CHUNK_SEP",
     "DIGEST",
     "EXISTED",
     "PART_DIM",
@@ -41,6 +44,8 @@ __all__ = [
     "Op",
     "Part",
     "check_key",
+    "chunk_key",
+    "group_of",
     "hide_ids",
     "op_name",
     "same_digest",
@@ -70,15 +75,28 @@ PART_STOP = "part_stop"  # ... one past the last index
 PART_FIELDS = (PART_TENSOR, PART_DIM, PART_START, PART_STOP)
 
 
+#: Between a transfer id and a chunk's index in the key of one chunk of that transfer (the
+#: overlapped flow publishes a prompt's KV chunk by chunk); the transfer id is the key's group.
+CHUNK_SEP = "#"
+
+
+def chunk_key(transfer_id: str, index: int) -> str:
+    """The key of chunk ``index`` of ``transfer_id``: ``"<transfer_id>#<index>"``."""
+    return f"{transfer_id}{CHUNK_SEP}{index}"
+
+
+def group_of(key: str) -> str:
+    """The transfer a key belongs to: the part before :data:`CHUNK_SEP` (the key itself when it
+    has none)."""
+    return key.partition(CHUNK_SEP)[0]
+
+
 def op_name(kind: int) -> str:
     """``GET``, ... for the store's kinds, the frame kind's name otherwise."""
     try:
         return Op(kind).name
     except ValueError:
         return kind.name if isinstance(kind, enum.Enum) else f"kind {kind}"
-
-
-#: Characters of a key (a transfer id) that go into a log line: a full id is what a GET needs.
 
 
 def same_digest(held: str | None, given) -> bool:

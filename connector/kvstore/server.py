@@ -271,7 +271,7 @@ class KVServer:
 
     def _on_discard(self, pipe: TensorPipe, msg: Message) -> None:
         try:
-            existed = self.buffer.discard(msg.key, self._digest(msg))
+            existed = self.buffer.discard(msg.key, self._digest(msg), seal=True)
         except (ValueError, TypeError) as e:
             self._error(pipe, msg.key, e)
             return

@@ -21,6 +21,9 @@ nothing vanishes silently, and ``puts == entries + claimed + discards + eviction
 always holds.
 
 Only its owner drops an entry whatever its digest (``drop``: a producer aborting its own save).
+A transfer may be stored in parts under keys of one group (``<transfer id>#<index>``, the
+overlapped flow's chunks): ``discard`` / ``drop`` with ``seal`` drop the whole group and refuse
+its later parts, so a transfer released while its producer still computes it leaves nothing.
 
 Full buffer (``capacity_bytes`` of tensor payload), by ``full_policy``:
 
@@ -38,11 +41,9 @@ buffer's ``limits`` refuse.
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,8 +52,8 @@ from ..logs import get_logger
 from ..transport import check_timeout
 from ..transport.errors import BufferFullError, KeyMissError, PipeClosedError
 from ..transport.frame import DEFAULT_LIMITS, FrameLimits, encode_header, spec_of
-from .prefix import PrefixIndex
-from .protocol import Op, Part, check_key, same_digest, short_id
+from .protocol import Op, Part, check_key, group_of, short_id
+from .table import ANY, Entry, Table
 
 if TYPE_CHECKING:
     from .server import KVServer
@@ -67,109 +68,8 @@ FULL_POLICIES = ("wait", "evict", "error")
 _COUNTERS = (
     "puts", "hits", "part_deliveries", "misses", "claimed", "discards", "evictions",
     "expirations", "timeouts", "full_waits", "full_errors", "failed_deliveries", "prefix_hits",
-    "prefix_misses", "bytes_put", "bytes_sent",
+    "prefix_misses", "bytes_put", "bytes_sent", "sealed_puts",
 )  # fmt: skip
-
-
-@dataclass(eq=False)
-class _Entry:
-    key: str
-    tensors: dict
-    meta: dict
-    nbytes: int
-    created: float
-    digest: str | None = None  # what a checkout or discard must present (None: nothing)
-    pins: int = 0
-    part_pins: int = 0  # of the pins, deliveries of parts (they run side by side)
-    # Part deliveries (a GET of one slice of one tensor): (tensor, dim) -> indices delivered. A
-    # delivery counts once every index of that dim was delivered, by one consumer or several.
-    covered: dict = field(default_factory=dict)
-
-    def cover(self, part: Part) -> bool:
-        """Record ``part`` as delivered; True once the parts cover its dim (then anew)."""
-        done = self.covered.setdefault((part.tensor, part.dim), set())
-        done.update(range(part.start, part.stop))
-        if len(done) < self.tensors[part.tensor].shape[part.dim]:
-            return False
-        del self.covered[(part.tensor, part.dim)]
-        return True
-
-
-class _Table:
-    """A buffer's entries (oldest first), their bytes, their prefix index, and why each removed
-    key went (the last ``tombstones`` of them). Not thread-safe: the buffer holds its lock."""
-
-    def __init__(self, block_size: int, tombstones: int):
-        if isinstance(tombstones, bool) or not isinstance(tombstones, int) or tombstones <= 0:
-            raise ValueError(f"tombstones: expected a positive int, got {tombstones!r}")
-        self.entries: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
-        self.nbytes = 0
-        self.pinned: set[str] = set()  # keys of the entries a lease holds
-        self.prefix = PrefixIndex(block_size)
-        # key -> (why it went, its digest): the reason is told only to who presents the digest
-        self._tombs: collections.OrderedDict[str, tuple[str, str | None]] = (
-            collections.OrderedDict()
-        )
-        self._tomb_limit = tombstones
-
-    def add(self, e: _Entry, hashes: list[bytes]) -> None:
-        self.entries[e.key] = e
-        self.nbytes += e.nbytes
-        self.prefix.add(e.key, hashes)
-        self._tombs.pop(e.key, None)
-
-    def remove(self, e: _Entry, reason: str) -> None:
-        del self.entries[e.key]
-        self.pinned.discard(e.key)
-        self.nbytes -= e.nbytes
-        self.prefix.remove(e.key)
-        self._tombs[e.key] = (reason, e.digest)
-        self._tombs.move_to_end(e.key)
-        while len(self._tombs) > self._tomb_limit:
-            self._tombs.popitem(last=False)
-
-    def check_absent(self, key: str) -> None:
-        if key in self.entries:
-            raise ValueError(f"key {key!r} is already in the buffer (discard it first)")
-
-    def full(self, nbytes: int, capacity_bytes: int, policy: str) -> str:
-        """Why an entry of ``nbytes`` does not fit."""
-        return (
-            f"buffer full: {self.nbytes} of {capacity_bytes} bytes used by {len(self.entries)} "
-            f"entries, entry needs {nbytes} (full_policy={policy!r})"
-        )
-
-    def find(self, key: str, digest: str | None) -> _Entry | None:
-        """The entry of ``key`` if ``digest`` is the one it was put with, else None."""
-        e = self.entries.get(key)
-        return e if e is not None and same_digest(e.digest, digest) else None
-
-    def miss_reason(self, key: str, wait_s: float, digest: str | None) -> str:
-        """Why ``key`` cannot be delivered to who presents ``digest`` (after waiting ``wait_s``
-        for it): with another digest, what a key never put gets."""
-        if self.find(key, digest) is not None:
-            return "claimed: being delivered to another consumer"
-        tomb = self._tombs.get(key)
-        if tomb is not None and same_digest(tomb[1], digest):
-            return tomb[0]
-        return f"not put within wait_s={wait_s:g} s" if wait_s > 0 else "never put (or forgotten)"
-
-    def pin(self, e: _Entry, part) -> None:
-        """A lease (of ``part``, or None: the whole entry) now holds ``e``."""
-        e.pins += 1
-        e.part_pins += part is not None
-        self.pinned.add(e.key)
-
-    def unpin(self, e: _Entry, part) -> None:
-        """A lease of ``e`` ended (``e`` may have been removed meanwhile)."""
-        e.pins -= 1
-        e.part_pins -= part is not None
-        if e.pins == 0 and self.entries.get(e.key) is e:
-            self.pinned.discard(e.key)
-
-    def unpinned(self):
-        """The entries no lease holds, oldest first."""
-        return (e for e in self.entries.values() if e.pins == 0)
 
 
 def _check_config(capacity_bytes, full_policy, limits, clock) -> None:
@@ -252,7 +152,7 @@ class Lease:
         nbytes: bytes of ``tensors`` (added to ``bytes_sent`` when delivered).
     """
 
-    def __init__(self, buffer: KVBuffer, entry: _Entry, part: Part | None):
+    def __init__(self, buffer: KVBuffer, entry: Entry, part: Part | None):
         self.key = entry.key
         self.part = part
         self.tensors = dict(entry.tensors) if part is None else part.cut(entry.tensors)
@@ -314,7 +214,7 @@ class KVBuffer:
         self.put_timeout_s = check_timeout("put_timeout_s", put_timeout_s)
         self.limits = limits
         self.clock = clock
-        self._table = _Table(block_size, tombstones)
+        self._table = Table(block_size, tombstones)
         self._cond = threading.Condition()
         # (key, digest) -> checkouts waiting for it
         self._waiting: collections.Counter[tuple[str, str | None]] = collections.Counter()
@@ -327,7 +227,7 @@ class KVBuffer:
         return self._table.prefix.block_size
 
     # ----------------------------------------------------------------------------- internals
-    def _remove_locked(self, e: _Entry, reason: str, counter: str) -> None:
+    def _remove_locked(self, e: Entry, reason: str, counter: str) -> None:
         self._table.remove(e, reason)
         self._c[counter] += 1
         self._cond.notify_all()
@@ -337,17 +237,11 @@ class KVBuffer:
         (None: none will; a pinned one is looked at again when its delivery ends)."""
         if self.ttl_s is None:
             return None
-        limit = now - self.ttl_s
-        # entries are oldest first (put appends them with the clock's time): stop at a young one
-        for e in list(itertools.takewhile(lambda e: e.created <= limit, self._table.unpinned())):
-            log.warning(
-                "KVBuffer: entry %s expired unclaimed after %.1f s",
-                short_id(e.key),
-                now - e.created,
-            )
-            self._remove_locked(
-                e, f"expired: unclaimed for {self.ttl_s:g} s (ttl_s)", "expirations"
-            )
+        why = f"expired: unclaimed for {self.ttl_s:g} s (ttl_s)"
+        for e in self._table.created_by(now - self.ttl_s):
+            age = now - e.created
+            log.warning("KVBuffer: entry %s expired unclaimed after %.1f s", short_id(e.key), age)
+            self._remove_locked(e, why, "expirations")
         nxt = next(self._table.unpinned(), None)
         return None if nxt is None else nxt.created + self.ttl_s
 
@@ -361,7 +255,7 @@ class KVBuffer:
         self._remove_locked(e, "evicted: buffer full (full_policy='evict')", "evictions")
         return True
 
-    def _servable_locked(self, key: str, digest: str | None) -> _Entry | None:
+    def _servable_locked(self, key: str, digest: str | None) -> Entry | None:
         """The entry of ``key`` (put with ``digest``) if one more delivery may start: not while a
         whole delivery is under way; deliveries of parts do not count (they add up to one, see
         Part)."""
@@ -370,11 +264,11 @@ class KVBuffer:
             return None
         return e
 
-    def _wait_servable_locked(self, key: str, digest, deadline: float) -> _Entry | None:
+    def _wait_servable_locked(self, key: str, digest, deadline: float) -> Entry | None:
         self._waiting[key, digest] += 1
         try:
             e = None
-            while e is None and not self._closed:
+            while e is None and not self._closed and not self._table.sealed(key, digest):
                 left = deadline - self.clock()
                 if left <= 0:
                     break
@@ -443,7 +337,7 @@ class KVBuffer:
             lease._open = False
             self._release_locked(lease._entry, lease.part, bool(delivered), lease.nbytes)
 
-    def _release_locked(self, e: _Entry, part: Part | None, delivered: bool, nbytes: int) -> None:
+    def _release_locked(self, e: Entry, part: Part | None, delivered: bool, nbytes: int) -> None:
         """Unpin ``e`` after a delivery (of ``part``) and count it; claim it if delivered."""
         self._table.unpin(e, part)
         if delivered:
@@ -473,11 +367,11 @@ class KVBuffer:
         not None: only a checkout or discard presenting it finds the entry). ``token_ids``
         (optional, ``[num_tokens]`` ints) indexes the entry's full blocks for ``match_prefix``.
         When full, follows ``full_policy`` waiting at most ``timeout_s`` (default
-        ``put_timeout_s``). Raises ValueError for a duplicate key, an empty digest, an entry
-        larger than the capacity or one the wire ``limits`` refuse (see KVBuffer), TypeError for
-        a dtype the wire cannot carry, BufferFullError when no room was made in time,
-        PipeClosedError once closed.
-        """
+        ``put_timeout_s``). False (nothing stored) when ``key``'s group was sealed for
+        ``digest`` (:meth:`discard`), else True. Raises ValueError for a duplicate key, an empty
+        digest, an entry larger than the capacity or one the wire ``limits`` refuse (see
+        KVBuffer), TypeError for a dtype the wire cannot carry, BufferFullError when no room was
+        made in time, PipeClosedError once closed."""
         key = check_key(key)
         digest = _check_digest(digest, put=True)
         nbytes = _entry_bytes(key, tensors, meta, self.limits, self.capacity_bytes)
@@ -492,6 +386,9 @@ class KVBuffer:
             if self._closed:
                 raise PipeClosedError("buffer is closed", key=key)
             table = self._table
+            if table.sealed(key, digest):
+                self._c["sealed_puts"] += 1
+                return False
             table.check_absent(key)
             while True:
                 next_expiry = self._expire_locked(self.clock())
@@ -511,27 +408,33 @@ class KVBuffer:
                     left = min(left, max(0.001, next_expiry - self.clock()))
                 self._cond.wait(left)
                 table.check_absent(key)
-            table.add(_Entry(key, dict(tensors), meta, nbytes, self.clock(), digest), hashes)
+            table.add(Entry(key, dict(tensors), meta, nbytes, self.clock(), digest), hashes)
             self._c["puts"] += 1
             self._c["bytes_put"] += nbytes
             self._cond.notify_all()
+            return True
 
-    def discard(self, key: str, digest: str | None = None) -> bool:
+    def discard(self, key: str, digest: str | None = None, *, seal: bool = False) -> bool:
         """Drop ``key`` (abort) if it was put with ``digest``. True if it was held (for that
-        digest). A lease of it keeps its tensors."""
-        return self._discard(check_key(key), _check_digest(digest), any_digest=False)
+        digest). A lease of it keeps its tensors. ``seal``: drop every key of its group put
+        with ``digest`` and refuse later puts of the group with it (``sealed_puts``); checkouts
+        waiting for them end: a transfer nobody will load, parts of it maybe still to come."""
+        return self._discard(check_key(key), _check_digest(digest), any_digest=False, seal=seal)
 
-    def drop(self, key: str) -> bool:
-        """The owner's :meth:`discard`: drop ``key`` whatever digest it was put with (a producer
-        aborting its own entry; never on behalf of a request). True if it was held."""
-        return self._discard(check_key(key), None, any_digest=True)
+    def drop(self, key: str, *, seal: bool = False) -> bool:
+        """The owner's :meth:`discard` (a producer aborting its own entry; never on behalf of a
+        request): whatever digest it was put with (``seal``: for every digest)."""
+        return self._discard(check_key(key), None, any_digest=True, seal=seal)
 
-    def _discard(self, key: str, digest: str | None, *, any_digest: bool) -> bool:
+    def _discard(self, key: str, digest: str | None, *, any_digest: bool, seal: bool) -> bool:
         with self._cond:  # the owner's drop finds the entry whatever its digest
-            e = self._table.entries.get(key) if any_digest else self._table.find(key, digest)
-            if e is not None:
+            held = self._table.held(key, ANY if any_digest else digest, group=seal)
+            for e in held:
                 self._remove_locked(e, "discarded", "discards")
-            return e is not None
+            if seal:
+                self._table.seal(group_of(key), ANY if any_digest else digest)
+                self._cond.notify_all()  # checkouts waiting for the group's keys end
+            return bool(held)
 
     def match_prefix(self, token_ids) -> tuple[int, str | None]:
         """Longest stored prefix of ``token_ids`` in whole blocks: ``(num_tokens, key)``, or
@@ -545,18 +448,15 @@ class KVBuffer:
             return n, best
 
     def __len__(self) -> int:
-        with self._cond:
-            return len(self._table.entries)
+        return len(self._table.entries)  # one read of a dict: atomic
 
     def __contains__(self, key: str) -> bool:
-        with self._cond:
-            return key in self._table.entries
+        return key in self._table.entries
 
     def stats(self) -> dict[str, int]:
-        """Counters: entries, bytes, capacity_bytes, pinned (entries with a lease out), puts,
-        hits, part_deliveries, misses, claimed, discards, evictions, expirations, timeouts,
-        full_waits, full_errors, failed_deliveries, prefix_hits, prefix_misses, bytes_put,
-        bytes_sent (of the leases checked in as delivered)."""
+        """Counters: entries, bytes, capacity_bytes, pinned (entries with a lease out), and
+        ``_COUNTERS`` (bytes_sent: of the leases checked in as delivered; sealed_puts: refused,
+        their group sealed)."""
         with self._cond:
             self._expire_locked(self.clock())
             out = dict.fromkeys(_COUNTERS, 0)

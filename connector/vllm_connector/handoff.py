@@ -37,7 +37,9 @@ from .metadata import ReleaseSpec
 #      connect, so it refuses the hand-off before dialing.
 #   4: transport wire version 4 (process-group payloads in pieces, so that staging copies of
 #      device tensors overlap the network): a consumer of version 3 could not read them.
-PROTOCOL = "tritonkv-4"
+#   5: the overlapped flow's producer publishes the prompt chunk by chunk (keys
+#      "<transfer_id>#<index>", meta "chunk"), which a consumer of version 4 would not find.
+PROTOCOL = "tritonkv-5"
 
 #: A transfer id as a producer mints it (``uuid4().hex``): nothing else is ever dialed for.
 TRANSFER_ID = re.compile(r"[0-9a-f]{32}")

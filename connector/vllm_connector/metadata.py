@@ -13,16 +13,38 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """One chunk of a prompt published while its prefill runs (the overlapped flow): prompt
+    positions ``[start, stop)``, ``start`` a block boundary, stored under
+    ``chunk_key(transfer_id, index)``; ``final``: the last one (``stop`` is the prompt's length)."""
+
+    index: int
+    start: int
+    stop: int
+    final: bool
+
+    def as_meta(self) -> list:
+        """How the entry's meta carries it (:data:`CHUNK`)."""
+        return [self.index, self.start, self.stop, self.final]
+
+
+#: The entry meta key of a chunk (:meth:`Chunk.as_meta`).
+CHUNK = "chunk"
+
+
 @dataclass
 class SaveSpec:
     """Producer worker: pack prompt positions ``[0, num_tokens)`` of ``block_ids`` as
-    ``transfer_id``, bound to ``prompt_digest``."""
+    ``transfer_id`` (with ``chunk``: only the chunk's positions, as its key), bound to
+    ``prompt_digest``."""
 
     req_id: str
     transfer_id: str
     block_ids: list[int]
     num_tokens: int
     prompt_digest: str = field(kw_only=True)
+    chunk: Chunk | None = field(default=None, kw_only=True)
     debug_fault: str = field(default="", kw_only=True)  # tests only (integrity.FAULTS)
 
 
@@ -31,7 +53,9 @@ class LoadSpec:
     """Consumer worker: pull ``transfer_id`` (presenting the hand-off's ``prompt_digest``) and
     write its rows ``[start, start + count)``. ``wait_s`` > 0 (an overlapped hand-off): the
     producer's server may wait that long for the entry to be stored, and the load is async.
-    ``fingerprint``: the hand-off's, which the entry's own must equal (None: not checked)."""
+    ``chunked``: the producer publishes the prompt in chunks (:class:`Chunk`), pulled one after
+    the other, each waiting up to ``wait_s``. ``fingerprint``: the hand-off's, which the entry's
+    own must equal (None: not checked)."""
 
     req_id: str
     transfer_id: str
@@ -46,6 +70,7 @@ class LoadSpec:
     prompt_digest: str = field(kw_only=True)
     fingerprint: str | None = field(default=None, kw_only=True)
     wait_s: float = field(default=0.0, kw_only=True)
+    chunked: bool = field(default=False, kw_only=True)
     debug_fault: str = field(default="", kw_only=True)  # tests only (integrity.FAULTS)
 
 
@@ -61,16 +86,25 @@ class ReleaseSpec:
     prompt_digest: str = field(kw_only=True)
 
 
-def finishing_prompts(scheduler_output, watched: dict, done) -> Iterator[tuple[str, Any, Any]]:
-    """``(request id, request, block ids per cache group or None)`` of every request in
-    ``watched`` (request id -> request), not in ``done``, whose last prompt token this step
-    computes (``scheduler_output`` is vLLM's ``SchedulerOutput``)."""
+def prompt_steps(scheduler_output, watched: dict, done) -> Iterator[tuple[str, Any, Any, int]]:
+    """``(request id, request, block ids per cache group or None, end)`` of every request in
+    ``watched`` (request id -> request), not in ``done``, of which this step computes prompt
+    tokens: once it ran, prompt positions ``[0, end)`` are in the cache (``scheduler_output`` is
+    vLLM's ``SchedulerOutput``, before the step advanced ``num_computed_tokens``)."""
     block_state = scheduler_output.kv_connector_block_state
     for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
         request = watched.get(req_id)
         if request is None or req_id in done:
             continue
         start, prompt_len = request.num_computed_tokens, request.num_prompt_tokens
-        if start < prompt_len <= start + scheduled:
+        if start < prompt_len:
             groups = block_state.get_block_ids(req_id) if block_state is not None else None
+            yield req_id, request, groups, min(start + scheduled, prompt_len)
+
+
+def finishing_prompts(scheduler_output, watched: dict, done) -> Iterator[tuple[str, Any, Any]]:
+    """``(request id, request, block ids per cache group or None)`` of the requests of
+    :func:`prompt_steps` whose last prompt token this step computes."""
+    for req_id, request, groups, end in prompt_steps(scheduler_output, watched, done):
+        if end == request.num_prompt_tokens:
             yield req_id, request, groups

@@ -1,20 +1,18 @@
 """The connector's scheduler side: which requests to save and load, and the hand-offs.
 
-A producer watches requests sent with ``do_remote_decode``, tells its workers to save each one's
-prompt in the step that computes its last prompt token (under the transfer id the proxy chose, when
-it chose one no other transfer of this producer used), and hands off where the KV is when the
-request finishes. A consumer checks each request's hand-off, reports the tokens it will load,
-tells its workers what to pull into which blocks, and has unused entries released. An overlapped
-hand-off (:mod:`.handoff`) always loads asynchronously, its pull waiting up to ``prefill_wait_s``
-for the producer to store the entry. Plain Python, no vLLM import: the facade (:mod:`.connector`)
-adapts vLLM's calls to this.
+A producer watches requests sent with ``do_remote_decode``, tells its workers what to save in
+each step (:mod:`.saves`: the whole prompt once computed, or, for the overlapped flow, chunk by
+chunk as it is computed), and hands off where the KV is when the request finishes. A consumer
+checks each request's hand-off, reports the tokens it will load, tells its workers what to pull
+into which blocks, and has unused entries released. An overlapped hand-off (:mod:`.handoff`)
+always loads asynchronously, its pulls of the prompt's chunks each waiting up to
+``prefill_wait_s`` for the producer to store it. Plain Python, no vLLM import: the facade
+(:mod:`.connector`) adapts vLLM's calls to this.
 """
 
 from __future__ import annotations
 
-import uuid
 from collections import OrderedDict
-from typing import Any
 
 from tritonkv import __version__
 
@@ -30,11 +28,11 @@ from .handoff import (
     is_handoff,
     parse_handoff,
     prompt_digest,
-    proxy_transfer_id,
     shown,
 )
 from .integrity import faults
-from .metadata import LoadSpec, ReleaseSpec, SaveSpec, finishing_prompts
+from .metadata import LoadSpec, ReleaseSpec
+from .saves import SavePlan
 from .tp_mapping import plan_heads
 
 log = get_logger("connector")
@@ -73,10 +71,7 @@ class SchedulerSide:
         self.block_size = block_size
         self.tp_size, self.total_kv_heads, self.use_mla = tp_size, total_kv_heads, use_mla
         self.engine_port, self.fingerprint = engine_port, fingerprint
-        self._watched: dict[str, Any] = {}  # producer: req_id -> Request (do_remote_decode)
-        self._saved: dict[str, str] = {}  # producer: req_id -> transfer id issued
-        self._issued: OrderedDict[str, None] = OrderedDict()  # producer: recent transfer ids
-        self._discards: list[str] = []  # producer: saved transfers of aborted requests
+        self._saves = SavePlan(block_size, cfg.debug_allow_corrupt)  # producer
         self._local_hit: dict[str, int] = {}  # consumer: req_id -> block-aligned local hit
         self._tried: set[str] = set()  # consumer: requests whose hand-off was used or refused
         self._refused: set[str] = set()  # consumer: requests whose hand-off was refused
@@ -192,7 +187,7 @@ class SchedulerSide:
                     req_id,
                 )
             else:
-                self._watched[req_id] = request
+                self._saves.watch(request)
         start = self._local_hit.pop(req_id, None)
         if num_external_tokens <= 0 or start is None:
             return
@@ -216,6 +211,7 @@ class SchedulerSide:
                 prompt_digest=params["prompt_digest"],
                 fingerprint=params["fingerprint"],
                 wait_s=self.cfg.prefill_wait_s if overlapped else 0.0,
+                chunked=overlapped,
                 corrupt=self.cfg.debug_allow_corrupt
                 and params.get("tritonkv_debug_corrupt") is True,
                 debug_fault=faults(params, self.cfg.debug_allow_corrupt),
@@ -235,57 +231,12 @@ class SchedulerSide:
     def build_meta(self, scheduler_output) -> dict[str, list]:
         """This step's instructions to the workers: the fields of ``TritonKVMetadata``
         (``saves``, ``loads``, ``discards``, ``releases``), each said once."""
+        saves, discards = self._saves.step(scheduler_output)
         meta: dict[str, list] = dict(
-            saves=[], loads=self._pending_loads, discards=self._discards, releases=self._releases
+            saves=saves, loads=self._pending_loads, discards=discards, releases=self._releases
         )
-        self._pending_loads, self._discards, self._releases = [], [], []
-        for req_id, request, block_ids in finishing_prompts(
-            scheduler_output, self._watched, self._saved
-        ):
-            prompt_len = request.num_prompt_tokens
-            if not block_ids:
-                log.error("tritonkv: no block ids for %s; its KV cannot be saved", req_id)
-                continue
-            transfer_id = self._transfer_id(req_id, request)
-            if transfer_id is None:
-                continue
-            needed = -(-prompt_len // self.block_size)  # blocks holding the prompt
-            meta["saves"].append(
-                SaveSpec(
-                    req_id,
-                    transfer_id,
-                    list(block_ids[0][:needed]),
-                    prompt_len,
-                    prompt_digest=prompt_digest(request.prompt_token_ids),
-                    debug_fault=faults(request.kv_transfer_params, self.cfg.debug_allow_corrupt),
-                )
-            )
-            self._saved[req_id] = transfer_id
-            self._issued[transfer_id] = None
-            while len(self._issued) > 1 << 16:
-                self._issued.popitem(last=False)
+        self._pending_loads, self._releases = [], []
         return meta
-
-    def _transfer_id(self, req_id: str, request) -> str | None:
-        """The transfer id to save ``request``'s prompt under: the one its proxy chose (the
-        overlapped flow), else a fresh ``uuid4().hex``. A chosen id that is malformed or that
-        this producer issued before (the last 64k) is refused, logged, and nothing is saved:
-        an entry under another id would never be found by the decode side, which waits for
-        the chosen one and recomputes when its wait ends."""
-        chosen, why = proxy_transfer_id(request.kv_transfer_params)
-        if chosen is None and not why:
-            return uuid.uuid4().hex
-        if chosen is not None and chosen in self._issued:
-            why = f"transfer_id {short_id(chosen)} is already in use"
-        if not why:
-            return chosen
-        log.warning(
-            "tritonkv: request %s: refusing the transfer id it chose (%s); its KV is not "
-            "saved, the decode side will recompute it",
-            req_id,
-            why,
-        )
-        return None
 
     def request_finished(self, request, aborted: bool) -> tuple[bool, dict | None]:
         """``(delay_free_blocks, kv_transfer_params)`` of a finished request (``aborted``: vLLM
@@ -303,7 +254,6 @@ class SchedulerSide:
         from a client and may name any address (its entry, if any, expires by its TTL).
         """
         req_id = request.request_id
-        self._watched.pop(req_id, None)
         self._local_hit.pop(req_id, None)
         self._tried.discard(req_id)
         self._accepted.pop(req_id, None)
@@ -319,12 +269,8 @@ class SchedulerSide:
             if handoff is not None and (handoff.transfer_id not in self._handled or waited):
                 self._handle(handoff.transfer_id, req_id)
                 self._releases.append(handoff)
-        transfer_id = self._saved.pop(req_id, None)
+        transfer_id = self._saves.finished(req_id, aborted)
         if transfer_id is None:
-            return False, None
-        if aborted:
-            # Nobody will be told where the KV is: drop it now rather than when its TTL runs out.
-            self._discards.append(transfer_id)
             return False, None
         return False, build_handoff(
             transfer_id=transfer_id,

@@ -282,7 +282,7 @@ def test_a_handoff_of_another_protocol_is_refused_naming_both(vllm_mods, handoff
     from connector.vllm_connector.handoff import PROTOCOL
 
     m = vllm_mods
-    assert handoff["protocol"] == PROTOCOL == "tritonkv-4"
+    assert handoff["protocol"] == PROTOCOL == "tritonkv-5"
     assert handoff["tritonkv_version"] == tritonkv.__version__
     old = {k: v for k, v in handoff.items() if k != "tritonkv_version"}
     old.update(
@@ -302,7 +302,7 @@ def test_a_handoff_of_another_protocol_is_refused_naming_both(vllm_mods, handoff
     [warning] = [r.getMessage() for r in connector_log]
     assert "refusing transfer 00000000…: its producer" in warning and "0" * 32 not in warning
     assert "hand-off protocol 'tritonkv-0' (tritonkv version not given)" in warning
-    assert f"this consumer 'tritonkv-4' (tritonkv {tritonkv.__version__})" in warning
+    assert f"this consumer 'tritonkv-5' (tritonkv {tritonkv.__version__})" in warning
 
 
 def test_another_connectors_handoff_is_ignored(vllm_mods, connector_log):

@@ -1,0 +1,148 @@
+"""The producer's plan of saves: which prompts to save in which step, under which transfer id,
+and which saved transfers to drop.
+
+A request sent with ``do_remote_decode`` is watched (:meth:`SavePlan.watch`) and saved whole in
+the step that computes its last prompt token, under a fresh ``uuid4().hex``. A request whose
+proxy chose its transfer id (the overlapped flow: its decode server already waits for it) is
+published as it is computed instead: in every step, the whole blocks that step completed, as a
+:class:`~.metadata.Chunk` (the last one up to the prompt's end), stored under
+``"<transfer_id>#<index>"``. A chosen id that is malformed or already issued is refused and
+nothing is saved. An aborted request's saved transfer (or a chunked one that ended unfinished) is
+dropped in the next step. Plain Python, no vLLM import.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+from ..kvstore import short_id
+from ..logs import get_logger
+from .handoff import prompt_digest, proxy_transfer_id
+from .integrity import faults
+from .metadata import Chunk, SaveSpec, prompt_steps
+
+log = get_logger("connector")
+
+#: How many issued transfer ids a producer remembers (a chosen one among them is refused).
+ISSUED_IDS = 1 << 16
+
+
+class SavePlan:
+    """What one producer's scheduler side saves (see the module docstring).
+
+    Args:
+        block_size: the scheduler's tokens per block.
+        debug_allow_corrupt: honour the test hooks of ``kv_transfer_params`` (``integrity``).
+    """
+
+    def __init__(self, block_size: int, debug_allow_corrupt: bool = False):
+        self.block_size = block_size
+        self._debug = debug_allow_corrupt
+        self._watched: dict[str, Any] = {}  # req_id -> Request (do_remote_decode)
+        self._saved: dict[str, str] = {}  # req_id -> transfer id issued
+        # req_id -> (next chunk's index, positions published, prompt digest) of the requests
+        # published chunk by chunk whose last chunk is still to come
+        self._published: dict[str, tuple[int, int, str]] = {}
+        self._issued: OrderedDict[str, None] = OrderedDict()  # recent transfer ids
+        self._discards: list[str] = []  # saved transfers of aborted requests
+
+    def watch(self, request) -> None:
+        """Save ``request``'s prompt (sent with ``do_remote_decode``, its prompt token ids)."""
+        self._watched[request.request_id] = request
+
+    def step(self, scheduler_output) -> tuple[list[SaveSpec], list[str]]:
+        """This step's saves, and the transfers to drop (each said once)."""
+        saves = []
+        done = self._saved.keys() - self._published.keys()
+        for req_id, request, block_ids, end in prompt_steps(scheduler_output, self._watched, done):
+            spec = self._save_spec(req_id, request, block_ids, end)
+            if spec is not None:
+                saves.append(spec)
+        discards, self._discards = self._discards, []
+        return saves, discards
+
+    def finished(self, req_id: str, aborted: bool) -> str | None:
+        """The transfer id of a finished request's saved prompt, for its hand-off; None when
+        none was saved, or when it was aborted or ended before its last chunk (then its entries
+        are dropped in the next step rather than when their TTL runs out)."""
+        self._watched.pop(req_id, None)
+        transfer_id = self._saved.pop(req_id, None)
+        unfinished = self._published.pop(req_id, None) is not None
+        if transfer_id is not None and (aborted or unfinished):
+            self._discards.append(transfer_id)
+            return None
+        return transfer_id
+
+    def _save_spec(self, req_id: str, request, block_ids, end: int) -> SaveSpec | None:
+        """What to save of ``request`` once this step computed its prompt positions ``[0,
+        end)`` (module docstring). None: nothing this step."""
+        prompt_len = request.num_prompt_tokens
+        final = end == prompt_len
+        chunked = req_id in self._published
+        if req_id not in self._saved:
+            chunked = proxy_transfer_id(request.kv_transfer_params)[0] is not None
+            if not (final or chunked):
+                return None
+        if not block_ids:
+            log.error("tritonkv: no block ids for %s; its KV cannot be saved", req_id)
+            return None
+        if req_id not in self._saved and not self._issue(req_id, request, chunked):
+            return None
+        chunk, digest = None, None
+        if chunked:
+            index, start, digest = self._published[req_id]
+            stop = end if final else end // self.block_size * self.block_size
+            if stop <= start:  # no new whole block (or recomputing after a preemption)
+                return None
+            chunk = Chunk(index, start, stop, final)
+            if final:
+                del self._published[req_id]
+            else:
+                self._published[req_id] = (index + 1, stop, digest)
+        needed = -(-end // self.block_size)  # blocks holding positions [0, end)
+        return SaveSpec(
+            req_id,
+            self._saved[req_id],
+            list(block_ids[0][:needed]),
+            prompt_len,
+            prompt_digest=digest or prompt_digest(request.prompt_token_ids),
+            chunk=chunk,
+            debug_fault=faults(request.kv_transfer_params, self._debug),
+        )
+
+    def _issue(self, req_id: str, request, chunked: bool) -> bool:
+        """Give ``request`` its transfer id (False: refused, nothing of it is saved)."""
+        transfer_id = self._transfer_id(req_id, request)
+        if transfer_id is None:
+            self._watched.pop(req_id)
+            return False
+        self._saved[req_id] = transfer_id
+        self._issued[transfer_id] = None
+        while len(self._issued) > ISSUED_IDS:
+            self._issued.popitem(last=False)
+        if chunked:
+            self._published[req_id] = (0, 0, prompt_digest(request.prompt_token_ids))
+        return True
+
+    def _transfer_id(self, req_id: str, request) -> str | None:
+        """The transfer id to save ``request``'s prompt under: the one its proxy chose (the
+        overlapped flow), else a fresh ``uuid4().hex``. A chosen id that is malformed or that
+        this producer issued before (the last 64k) is refused, logged, and nothing is saved:
+        an entry under another id would never be found by the decode side, which waits for
+        the chosen one and recomputes when its wait ends."""
+        chosen, why = proxy_transfer_id(request.kv_transfer_params)
+        if chosen is None and not why:
+            return uuid.uuid4().hex
+        if chosen is not None and chosen in self._issued:
+            why = f"transfer_id {short_id(chosen)} is already in use"
+        if not why:
+            return chosen
+        log.warning(
+            "tritonkv: request %s: refusing the transfer id it chose (%s); its KV is not "
+            "saved, the decode side will recompute it",
+            req_id,
+            why,
+        )
+        return None

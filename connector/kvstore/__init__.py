@@ -13,7 +13,7 @@ What other rooms use is exported here; the modules behind these names may move.
 from .admission import ConnectionCaps
 from .client import KVClient
 from .prefix import MAX_PREFIX_TOKENS, block_hashes
-from .protocol import Part, hide_ids, short_id
+from .protocol import Part, chunk_key, group_of, hide_ids, short_id
 from .server import KVServer
 from .store import FULL_POLICIES, KVBuffer, Lease
 
@@ -27,6 +27,8 @@ __all__ = [
     "Lease",
     "Part",
     "block_hashes",
+    "chunk_key",
+    "group_of",
     "hide_ids",
     "short_id",
 ]

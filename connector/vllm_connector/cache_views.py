@@ -101,9 +101,11 @@ class RankCaches:
         """What a producer over these caches sends for the ``kv_format`` option ``choice``."""
         return choose_kv_format(choice, self.layout, self.pages is not None, isa=self.isa)
 
-    def slots(self, block_ids: list[int], start: int, stop: int, rows: int) -> torch.Tensor:
+    def slots(
+        self, block_ids: list[int], start: int, stop: int, rows: int, offset: int = 0
+    ) -> torch.Tensor:
         """``[rows]`` slot of each prompt position in ``[start, stop)``, -1 elsewhere, on the
-        caches' device.
+        caches' device; row ``i`` is position ``offset + i`` (a chunk of a prompt).
 
         Example: ``block_size`` 4, ``block_ids`` [5, 1]: position 6 is offset 2 of block 1, slot
         ``1 * 4 + 2 = 6``; position 1 is slot ``5 * 4 + 1 = 21``.
@@ -113,16 +115,17 @@ class RankCaches:
         access (a dead worker) or a silent overwrite. Raises ValueError for block ids or
         positions that address no slot of these caches.
         """
-        if not 0 <= start <= stop <= rows or -(-stop // self.block_size) > len(block_ids):
+        needed = -(-stop // self.block_size)
+        if not 0 <= offset <= start <= stop <= offset + rows or needed > len(block_ids):
             raise ValueError(
-                f"positions [{start}, {stop}) of {rows} rows need "
-                f"{-(-stop // self.block_size)} blocks of {self.block_size}, got {len(block_ids)}"
+                f"positions [{start}, {stop}) of {rows} rows from position {offset} need "
+                f"{needed} blocks of {self.block_size}, got {len(block_ids)}"
             )
         slots = torch.full((rows,), -1, dtype=torch.int64)
         pos = torch.arange(start, stop)
         blocks = torch.tensor(block_ids, dtype=torch.int64)
-        slots[start:stop] = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-        chosen = slots[start:stop]
+        chosen = slots[start - offset : stop - offset]
+        chosen[:] = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
         if chosen.numel() and (int(chosen.min()) < 0 or int(chosen.max()) >= self.num_slots):
             raise ValueError(
                 f"block ids {block_ids} address slots in [{int(chosen.min())}, "

@@ -34,7 +34,7 @@ import torch
 
 from tritonkv import unpack_kv
 
-from ..kvstore import KVClient, Part, hide_ids, short_id
+from ..kvstore import KVClient, Part, chunk_key, hide_ids, short_id
 from ..logs import get_logger
 from ..transport.errors import (
     ClientBusyError,
@@ -46,8 +46,9 @@ from ..transport.threads import pin_current_thread
 from . import integrity
 from .cache_views import PAGES_ONLY, RankCaches, packed_shape
 from .config import ConnectorConfig
+from .handoff import shown
 from .landings import GpuLoad, Landing, Landings
-from .metadata import LoadSpec, ReleaseSpec
+from .metadata import CHUNK, LoadSpec, ReleaseSpec
 from .producer_clients import ProducerBackoff, ProducerClients, release_entries
 from .stats import TransferStats
 from .streams import DeviceBudget, StreamOps, device_streams
@@ -55,9 +56,12 @@ from .tp_mapping import HeadSource, plan_heads, rank_heads
 
 log = get_logger("connector")
 
-# ([(source, packed KV, its expected digest)], whether they hold whole pages, fetch ms): what one
-# load's pulls got
-Fetched = tuple[list[tuple[HeadSource, torch.Tensor, integrity.Expected]], bool, float]
+# One pulled entry (the prompt, or one chunk of it): (kv_format, packed KV, its expected digest,
+# the first prompt position of its rows)
+Pulled = tuple[str, torch.Tensor, integrity.Expected, int]
+# ([(source, packed KV, its expected digest, first position)], whether they hold whole pages,
+# fetch ms): what one load's pulls got
+Fetched = tuple[list[tuple[HeadSource, torch.Tensor, integrity.Expected, int]], bool, float]
 # How long a consumer on a GPU lets the producer's server wait for an entry not yet stored: a
 # producer on a GPU stores it once its pack and copy to the host completed (producer.Publisher).
 PUBLISH_WAIT_S = 0.5
@@ -212,15 +216,18 @@ class Consumer:
             gather = self._pool("gather", 8)
             futures = [gather.submit(self._fetch_part, spec, s) for s in sources]
             got = [f.result() for f in futures]  # the first failure fails the whole load
-        paged = {kv_format for kv_format, _, _ in got} == {"pages"}
-        parts = [(source, *rest) for source, (_, *rest) in zip(sources, got, strict=True)]
+        paged = {pulled[0] for pulls in got for pulled in pulls} == {"pages"}
+        parts = [
+            (source, *rest)
+            for source, pulls in zip(sources, got, strict=True)
+            for _, *rest in pulls
+        ]
         return parts, paged, 1e3 * (time.perf_counter() - t0)
 
-    def _fetch_part(
-        self, spec: LoadSpec, source: HeadSource
-    ) -> tuple[str, torch.Tensor, integrity.Expected]:
-        """``(kv_format, packed, expected digest)`` of one pull: ``source``'s heads of producer
-        rank ``source.rank``."""
+    def _fetch_part(self, spec: LoadSpec, source: HeadSource) -> list[Pulled]:
+        """What one producer rank, ``source.rank``, holds of ``source``'s heads: its entry, or,
+        for a chunked load, its chunks one after the other until the last (each waiting up to
+        ``spec.wait_s`` for the producer to store it)."""
         addr = (spec.host, spec.port + source.rank)
         self.backoff.check(addr, spec.transfer_id)
         held = (
@@ -233,14 +240,21 @@ class Consumer:
             max_bytes = expected_bytes(self.caches, self.tp_size, spec, source)
             if self._streams is not None and self._device_wire:  # it lands in GPU memory
                 self.budget.check_room(max_bytes, "a pull received on the device")
+            pulls = []
             with self.clients.pull(spec.req_id, addr, spec.wait_s, self.cfg.fetch_timeout_s) as c:
-                tensors, meta = c.get(
-                    spec.transfer_id,
-                    part=part,
-                    digest=spec.prompt_digest,
-                    max_bytes=max_bytes,
-                    **_waits(spec, self.cfg.fetch_timeout_s, self._streams is not None),
-                )
+                final, start = False, 0
+                while not final:  # one entry, or the chunks in order
+                    key = chunk_key(spec.transfer_id, len(pulls)) if spec.chunked else None
+                    tensors, meta = c.get(
+                        key or spec.transfer_id,
+                        part=part,
+                        digest=spec.prompt_digest,
+                        max_bytes=max_bytes,
+                        **_waits(spec, self.cfg.fetch_timeout_s, self._streams is not None),
+                    )
+                    span = entry_span(spec, meta, (len(pulls), start) if key else None)
+                    pulls.append((span, tensors, meta))
+                    start, final = span[1], span[2]
         except TransferTimeout as exc:
             # A producer that did not connect or answer in time: every further load from it
             # would stall the same way (a sync load stalls the whole decode batch), so they fail
@@ -258,10 +272,15 @@ class Consumer:
                 ) from None
             raise
         self.backoff.answered(addr)
-        entry = check_entry(self.caches, self.tp_size, spec, source, meta, tensors.get("kv"))
         heads = None if part is None else (part.start, part.stop)
-        want = integrity.expected(meta, heads) if self.cfg.digest else None
-        return (*entry, want)
+        got = []
+        for span, tensors, meta in pulls:
+            entry = check_entry(
+                self.caches, self.tp_size, spec, source, meta, tensors.get("kv"), span
+            )
+            want = integrity.expected(meta, heads) if self.cfg.digest else None
+            got.append((*entry, want, span[0]))
+        return got
 
     def _load(
         self, spec: LoadSpec, t0: float, fetch: Callable[[], Fetched], is_async: bool = False
@@ -287,25 +306,28 @@ class Consumer:
             parts, paged, fetch_ms = fetch()
             t1 = time.perf_counter()
             nbytes = 0
-            for source, packed, want in parts:  # every pull arrived: now write (one unpack each)
+            for source, packed, want, offset in parts:  # all arrived: now write, one unpack each
+                rows = packed.shape[2]  # positions [offset, offset + rows)
+                if paged:
+                    views, first = caches.pages, spec.start // block_size * block_size
+                    stop = min(len(spec.block_ids) * block_size, offset + rows)
+                else:
+                    views = caches.head_views(source.dst)
+                    first, stop = spec.start, spec.start + spec.count
+                first, stop = max(first, offset), min(stop, offset + rows)
+                if first >= stop:  # a chunk of the local hit, or of the last token only
+                    continue
                 if spec.corrupt or "no_digest" in spec.debug_fault:  # test hooks: no check (the
                     packed, want = _corrupted(packed) if spec.corrupt else packed, None  # KV lands)
                 if gpu is not None and not self._device_wire:  # host-staged: ours to copy
                     packed = gpu.to_device(packed)
-                rows = packed.shape[2]
-                if paged:
-                    views, first = caches.pages, spec.start // block_size * block_size
-                    stop = min(len(spec.block_ids) * block_size, rows)
-                else:
-                    views = caches.head_views(source.dst)
-                    first, stop = spec.start, spec.start + spec.count
-                slots = caches.slots(spec.block_ids, first, stop, rows)
+                slots = caches.slots(spec.block_ids, first, stop, rows, offset)
                 if "wrong_slot" in spec.debug_fault:  # test hook
-                    slots = integrity.shifted_slots(slots, first, stop)
+                    slots = integrity.shifted_slots(slots, first - offset, stop - offset)
                 layers = caches.prepared(views)
                 read = unpack_kv(packed, layers, slots, digest=isinstance(want, str))
                 write_back = want is not None and self.cfg.digest_write_back
-                where = (views, spec.block_ids, block_size, first, stop)
+                where = (views, spec.block_ids, block_size, first, stop, offset)
                 if gpu is not None:  # compared once the unpack completed, on a host copy
                     gpu.keep += [packed, slots]
                     if want is not None:
@@ -375,12 +397,44 @@ def _waits(spec: LoadSpec, fetch_timeout_s: float, on_gpu: bool) -> dict:
     return {"wait_s": wait_s} if on_gpu else {}
 
 
+def entry_span(spec: LoadSpec, meta: dict, chunk: tuple[int, int] | None) -> tuple[int, int, bool]:
+    """``(start, stop, final)``: the prompt positions a pulled entry holds, and whether it is
+    the last of ``spec``'s transfer; ``chunk``: ``(index, start)`` of the chunk pulled (its
+    predecessor ended at ``start``), None for a whole prompt. ValueError when the entry's meta
+    does not say what was asked: the chunk's index, positions from ``start`` to at most the
+    prompt's end, ``final`` there."""
+    if chunk is None:
+        return 0, spec.num_tokens, True
+    said = meta.get(CHUNK)
+    index, start = chunk
+    if (
+        not isinstance(said, list)
+        or len(said) != 4
+        or any(type(x) is not int for x in said[:3])
+        or said[:2] != [index, start]
+        or not start < said[2] <= spec.num_tokens
+        or said[3] is not (said[2] == spec.num_tokens)
+    ):
+        raise ValueError(
+            f"chunk {index} says {shown(said)}, expected [{index}, {start}, stop, final] with "
+            f"{start} < stop <= {spec.num_tokens} (the prompt's length), final at that end"
+        )
+    return start, said[2], said[3]
+
+
 def _entry_views(
-    caches: RankCaches, tp_size: int, spec: LoadSpec, source: HeadSource, kv_format
+    caches: RankCaches,
+    tp_size: int,
+    spec: LoadSpec,
+    source: HeadSource,
+    kv_format,
+    span: tuple[int, int, bool] | None = None,
 ) -> tuple[list, int]:
     """``(views, rows)`` an entry of ``kv_format`` fills for ``source``'s heads, from this side's
-    own caches (``tp_size``: this side's); ValueError if this cache cannot take that format."""
+    own caches (``tp_size``: this side's), holding prompt positions ``span`` (:func:`entry_span`;
+    default: the whole prompt); ValueError if this cache cannot take that format."""
     block_size = caches.block_size
+    start, stop, _ = span or (0, spec.num_tokens, True)
     if kv_format == "pages":
         if spec.producer_tp != tp_size:
             raise ValueError(
@@ -393,7 +447,9 @@ def _entry_views(
                 f"the producer sent whole pages, which this cache (layout {caches.layout}) has "
                 'not: set "kv_format": "tokens" on the producer'
             )
-        return caches.pages, -(-spec.num_tokens // block_size) * block_size
+        if start % block_size:
+            raise ValueError(f"whole pages from position {start}, not a multiple of {block_size}")
+        return caches.pages, -(-stop // block_size) * block_size - start
     if kv_format == "tokens":
         if caches.layout in PAGES_ONLY:
             raise ValueError(
@@ -401,7 +457,7 @@ def _entry_views(
                 f'({PAGES_ONLY[caches.layout]}): set "kv_format": "pages" (or "auto") on '
                 "the producer"
             )
-        return caches.head_views(source.dst), spec.num_tokens
+        return caches.head_views(source.dst), stop - start
     raise ValueError(f"entry's kv_format is {kv_format!r}, expected 'tokens' or 'pages'")
 
 
@@ -422,17 +478,24 @@ def expected_bytes(caches: RankCaches, tp_size: int, spec: LoadSpec, source: Hea
 
 
 def check_entry(
-    caches: RankCaches, tp_size: int, spec: LoadSpec, source: HeadSource, meta: dict, packed
+    caches: RankCaches,
+    tp_size: int,
+    spec: LoadSpec,
+    source: HeadSource,
+    meta: dict,
+    packed,
+    span: tuple[int, int, bool] | None = None,
 ) -> tuple[str, torch.Tensor]:
-    """``(kv_format, packed)`` if a pulled entry (its ``meta`` and ``packed`` KV) fits ``caches``
-    for ``source``'s heads, else ValueError saying what differs (``tp_size``: this side's)."""
+    """``(kv_format, packed)`` if a pulled entry (its ``meta`` and ``packed`` KV, holding prompt
+    positions ``span``: :func:`entry_span`) fits ``caches`` for ``source``'s heads, else
+    ValueError saying what differs (``tp_size``: this side's)."""
     if spec.fingerprint is not None and meta.get("fingerprint") != spec.fingerprint:
         raise ValueError(
             f"the entry's fingerprint {meta.get('fingerprint')!r} is not the hand-off's "
             f"{spec.fingerprint!r}"
         )
     kv_format = meta.get("kv_format")
-    views, rows = _entry_views(caches, tp_size, spec, source, kv_format)
+    views, rows = _entry_views(caches, tp_size, spec, source, kv_format, span)
     if kv_format == "pages" and meta.get("page_kind") != caches.page_kind:
         raise ValueError(
             f"the producer sent whole pages of kind {meta.get('page_kind')!r}, this "

@@ -168,17 +168,23 @@ def read_digests(want: Expected, packed: torch.Tensor, read: torch.Tensor | None
 
 
 def write_back_digests(
-    packed: torch.Tensor, views, block_ids: list[int], block_size: int, first: int, stop: int
+    packed: torch.Tensor,
+    views,
+    block_ids: list[int],
+    block_size: int,
+    first: int,
+    stop: int,
+    offset: int = 0,
 ) -> torch.Tensor:
     """``[2, 2]`` int64 on ``packed``'s device, without a host synchronisation: the digest of
-    the received rows ``first .. stop - 1``, then that of positions ``[first, stop)`` read back
-    from ``views`` through slots derived again from ``block_ids`` (not the slot mapping the
-    unpack wrote through)."""
+    the received rows of positions ``[first, stop)`` (row ``i`` is position ``offset + i``),
+    then that of those positions read back from ``views`` through slots derived again from
+    ``block_ids`` (not the slot mapping the unpack wrote through)."""
     slots = torch.tensor(
         [block_ids[p // block_size] * block_size + p % block_size for p in range(first, stop)],
         dtype=torch.int64,
     )
-    sent = tensor_digest(packed[:, :, first:stop])
+    sent = tensor_digest(packed[:, :, first - offset : stop - offset])
     return torch.stack(
         [sent, kv_digest(views, pinned_host(slots).to(packed.device, non_blocking=True))]
     )
@@ -211,15 +217,13 @@ def check_read(want: Expected, packed: torch.Tensor, read: torch.Tensor | None) 
         compare("read", want, read_digests(want, packed, read), 0)
 
 
-def check_write_back(
-    packed: torch.Tensor, views, block_ids: list[int], block_size: int, first: int, stop: int
-) -> None:
-    """:func:`write_back_digests`, compared here.
+def check_write_back(packed: torch.Tensor, *where) -> None:
+    """:func:`write_back_digests` of ``where`` (its arguments after ``packed``), compared here.
 
     Raises:
         DigestMismatch: the cache does not hold those rows there (e.g. a wrong destination slot).
     """
-    digests = write_back_digests(packed, views, block_ids, block_size, first, stop)
+    digests = write_back_digests(packed, *where)
     compare("write-back", None, digests, 0)
 
 

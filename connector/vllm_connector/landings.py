@@ -67,7 +67,7 @@ class GpuLoad:
 
     def check(self, want, packed, read, write_back: tuple | None) -> None:
         """Compare, at the verdict, what the unpack of ``packed`` read (``read``) with ``want``,
-        and with ``write_back`` (``(views, block_ids, block_size, first, stop)``) what the cache
+        and with ``write_back`` (``(views, block_ids, block_size, first, stop, offset)``) what the cache
         holds there."""
         self.checks.append((want, self._rows(), "read"))
         self._digests.append(integrity.read_digests(want, packed, read))

@@ -21,7 +21,7 @@ import torch
 
 from tritonkv import pack_kv
 
-from ..kvstore import KVBuffer, KVServer, hide_ids, short_id
+from ..kvstore import KVBuffer, KVServer, chunk_key, hide_ids, short_id
 from ..logs import get_logger
 from ..transport import addresses_of
 from ..transport.auth import MIN_SECRET_BYTES, SECRET_ENV, is_loopback
@@ -29,7 +29,7 @@ from ..transport.errors import error_text
 from .cache_views import RankCaches, packed_shape
 from .config import ConnectorConfig
 from .integrity import digest_tensors, entry_meta, flip_bit, meta_from_digests
-from .metadata import SaveSpec
+from .metadata import CHUNK, SaveSpec
 from .stats import TransferStats
 from .streams import DeviceBudget, Pending, Publisher, StreamOps, device_streams
 
@@ -161,8 +161,8 @@ class Producer:
         if self._buffer is None:
             return
         for transfer_id in discards:  # saved in an earlier step (ids are never reused)
-            try:
-                if self._buffer.drop(transfer_id):  # its own entry, whatever its digest
+            try:  # its own entry (or its chunks), whatever its digest; later chunks refused
+                if self._buffer.drop(transfer_id, seal=True):
                     log.info(
                         "tritonkv: discarded transfer %s (its request was aborted)",
                         short_id(transfer_id),
@@ -179,13 +179,26 @@ class Producer:
             except Exception as exc:
                 self._save_failed(spec, exc)
 
+    def entry_rows(self, spec: SaveSpec) -> tuple[int, int]:
+        """``(offset, rows)``: ``spec``'s entry holds prompt positions ``[offset, offset +
+        rows)``, known before packing. Token rows: the prompt (or its chunk); whole pages:
+        every slot of its blocks from the chunk's first one (past the prompt in the last)."""
+        offset = 0 if spec.chunk is None else spec.chunk.start
+        if self.kv_format == "pages":
+            return offset, len(spec.block_ids) * self.caches.block_size - offset
+        return offset, (spec.num_tokens if spec.chunk is None else spec.chunk.stop) - offset
+
     def entry_bytes(self, spec: SaveSpec) -> int:
-        """Bytes of ``spec``'s packed entry, known before packing: its rows (whole pages: every
-        slot of the prompt's blocks) × the bytes of one row over every layer, K and V."""
-        paged = self.kv_format == "pages"
-        views = self.caches.pages if paged else self.caches.layers
-        rows = len(spec.block_ids) * self.caches.block_size if paged else spec.num_tokens
+        """Bytes of ``spec``'s packed entry, known before packing: its rows
+        (:meth:`entry_rows`) × the bytes of one row over every layer, K and V."""
+        views = self.caches.pages if self.kv_format == "pages" else self.caches.layers
+        rows = self.entry_rows(spec)[1]
         return math.prod(packed_shape(views, rows)) * views[0][0].element_size()
+
+    def _slots(self, spec: SaveSpec):
+        """The slot of each row of ``spec``'s entry (:meth:`entry_rows`)."""
+        offset, rows = self.entry_rows(spec)
+        return self.caches.slots(spec.block_ids, offset, offset + rows, rows, offset)
 
     def _save(self, spec: SaveSpec) -> None:
         paged = self.kv_format == "pages"
@@ -198,18 +211,18 @@ class Producer:
                 f"entry may hold ({room} bytes: buffer_bytes, or the wire's message limit)"
             )
         t0 = time.perf_counter()
-        # Whole pages: every slot of the prompt's blocks, the last one's past the prompt too.
         # The rows are known here, on the host: the pack gets its output sized from them.
-        rows = len(spec.block_ids) * self.caches.block_size if paged else spec.num_tokens
-        shape = packed_shape(views, rows)
+        shape = packed_shape(views, self.entry_rows(spec)[1])
         meta = {"fingerprint": self.fingerprint, "kv_format": self.kv_format}
         if paged:
             meta["page_kind"] = self.caches.page_kind
+        if spec.chunk is not None:
+            meta[CHUNK] = spec.chunk.as_meta()
         if self._streams is not None:
             self._launch(spec, views, shape, nbytes, meta, t0)
             return
         out = torch.empty(shape, dtype=views[0][0].dtype, device=self.caches.device)
-        slots = self.caches.slots(spec.block_ids, 0, rows, rows)
+        slots = self._slots(spec)
         if self.cfg.digest:  # computed by the pack itself (integrity.py)
             packed, _, digest = pack_kv(self.caches.prepared(views), slots, out=out, digest=True)
             meta.update(entry_meta(packed, digest, self.kv_format))
@@ -232,8 +245,7 @@ class Producer:
             out, reserved = self.budget.empty(ops, shape, views[0][0].dtype, what, fail)
             try:
                 ops.side.wait_event(ops.event(vllm_stream))
-                rows = shape[2]
-                slots = self.caches.slots(spec.block_ids, 0, rows, rows)
+                slots = self._slots(spec)
                 digests = None
                 if self.cfg.digest:
                     packed, _, digest = pack_kv(
@@ -284,18 +296,26 @@ class Producer:
         return self._publisher is None or self._publisher.flush(timeout_s)
 
     def _store(self, spec: SaveSpec, packed, meta: dict, nbytes: int, pack_ms: float) -> None:
-        self._buffer.put(
-            spec.transfer_id,
-            {"kv": packed},
-            {**meta, "num_tokens": spec.num_tokens},
-            digest=spec.prompt_digest,
-        )
-        self.stats.record_save(nbytes=nbytes, num_tokens=spec.num_tokens, pack_ms=pack_ms)
+        chunk = spec.chunk
+        key = spec.transfer_id if chunk is None else chunk_key(spec.transfer_id, chunk.index)
+        what = "" if chunk is None else f" chunk {chunk.index} (positions {chunk.start}..)"
+        meta = {**meta, "num_tokens": spec.num_tokens}
+        if not self._buffer.put(key, {"kv": packed}, meta, digest=spec.prompt_digest):
+            log.info(
+                "tritonkv: not storing transfer %s%s for %s: it was released or aborted",
+                short_id(spec.transfer_id),
+                what,
+                spec.req_id,
+            )
+            return
+        num_tokens = spec.num_tokens if chunk is None else chunk.stop - chunk.start
+        self.stats.record_save(nbytes=nbytes, num_tokens=num_tokens, pack_ms=pack_ms)
         log.info(
-            "tritonkv: saved transfer %s for %s: %d tokens, %d bytes, pack %.2f ms, kv_format %s",
+            "tritonkv: saved transfer %s%s for %s: %d tokens, %d bytes, pack %.2f ms, kv_format %s",
             short_id(spec.transfer_id),
+            what,
             spec.req_id,
-            spec.num_tokens,
+            num_tokens,
             nbytes,
             pack_ms,
             self.kv_format,

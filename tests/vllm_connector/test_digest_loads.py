@@ -137,8 +137,8 @@ def _wrong_slot(cons_caches):
     """Make ``caches.slots`` send position 5 to block 3 (not in the consumer's table)."""
     right = cons_caches.slots
 
-    def slots(block_ids, start, stop, rows):
-        out = right(block_ids, start, stop, rows).clone()
+    def slots(block_ids, start, stop, rows, offset=0):
+        out = right(block_ids, start, stop, rows, offset).clone()
         out[5] = 3 * cons_caches.block_size
         return out
 

@@ -48,7 +48,7 @@ from .cache_views import PAGES_ONLY, RankCaches, packed_shape
 from .config import ConnectorConfig
 from .handoff import shown
 from .landings import GpuLoad, Landing, Landings
-from .metadata import CHUNK, LoadSpec, ReleaseSpec
+from .metadata import CHUNK_FIELDS, LoadSpec, ReleaseSpec
 from .producer_clients import ProducerBackoff, ProducerClients, release_entries
 from .stats import TransferStats
 from .streams import DeviceBudget, StreamOps, device_streams
@@ -405,19 +405,18 @@ def entry_span(spec: LoadSpec, meta: dict, chunk: tuple[int, int] | None) -> tup
     prompt's end, ``final`` there."""
     if chunk is None:
         return 0, spec.num_tokens, True
-    said = meta.get(CHUNK)
+    said = [meta.get(key) for key in CHUNK_FIELDS]
     index, start = chunk
     if (
-        not isinstance(said, list)
-        or len(said) != 4
-        or any(type(x) is not int for x in said[:3])
+        any(type(x) is not int for x in said[:3])
         or said[:2] != [index, start]
         or not start < said[2] <= spec.num_tokens
         or said[3] is not (said[2] == spec.num_tokens)
     ):
         raise ValueError(
-            f"chunk {index} says {shown(said)}, expected [{index}, {start}, stop, final] with "
-            f"{start} < stop <= {spec.num_tokens} (the prompt's length), final at that end"
+            f"chunk {index} says {shown(said)} ({', '.join(CHUNK_FIELDS)}), expected [{index}, "
+            f"{start}, stop, final] with {start} < stop <= {spec.num_tokens} (the prompt's "
+            "length), final at that end"
         )
     return start, said[2], said[3]
 

@@ -24,13 +24,14 @@ class Chunk:
     stop: int
     final: bool
 
-    def as_meta(self) -> list:
-        """How the entry's meta carries it (:data:`CHUNK`)."""
-        return [self.index, self.start, self.stop, self.final]
+    def as_meta(self) -> dict:
+        """How the entry's meta carries it: the fields under :data:`CHUNK_FIELDS` (the wire's
+        meta is flat)."""
+        return dict(zip(CHUNK_FIELDS, (self.index, self.start, self.stop, self.final), strict=True))
 
 
-#: The entry meta key of a chunk (:meth:`Chunk.as_meta`).
-CHUNK = "chunk"
+#: The entry meta keys of a chunk (:meth:`Chunk.as_meta`).
+CHUNK_FIELDS = ("chunk_index", "chunk_start", "chunk_stop", "chunk_final")
 
 
 @dataclass

@@ -29,7 +29,7 @@ from ..transport.errors import error_text
 from .cache_views import RankCaches, packed_shape
 from .config import ConnectorConfig
 from .integrity import digest_tensors, entry_meta, flip_bit, meta_from_digests
-from .metadata import CHUNK, SaveSpec
+from .metadata import SaveSpec
 from .stats import TransferStats
 from .streams import DeviceBudget, Pending, Publisher, StreamOps, device_streams
 
@@ -217,7 +217,7 @@ class Producer:
         if paged:
             meta["page_kind"] = self.caches.page_kind
         if spec.chunk is not None:
-            meta[CHUNK] = spec.chunk.as_meta()
+            meta.update(spec.chunk.as_meta())
         if self._streams is not None:
             self._launch(spec, views, shape, nbytes, meta, t0)
             return

@@ -101,7 +101,8 @@ class SavePlan:
                 del self._published[req_id]
             else:
                 self._published[req_id] = (index + 1, stop, digest)
-        needed = -(-end // self.block_size)  # blocks holding positions [0, end)
+        stop = end if chunk is None else chunk.stop
+        needed = -(-stop // self.block_size)  # blocks holding positions [0, stop)
         return SaveSpec(
             req_id,
             self._saved[req_id],

@@ -309,3 +309,48 @@ def test_a_closed_buffer_refuses_puts_and_still_delivers():
     with pytest.raises(PipeClosedError, match="buffer is closed"):
         buf.put("new", _t(4))
     assert deliver(buf, "held")[0]["x"].numel() == 4
+
+
+@pytest.mark.timeout(30)
+def test_a_sealed_discard_drops_the_whole_group_and_refuses_its_later_parts():
+    """A transfer stored in chunks (``<id>#<index>``): a sealed discard with the entries' digest
+    drops every chunk of it and no other key, refuses the chunks put afterwards (counted, nothing
+    stored) and ends at once a checkout waiting for one, with the reason; another digest's
+    entries of that group, and other groups, are neither dropped nor sealed."""
+    buf = KVBuffer(1 << 20)
+    for key in ("t#0", "t#1", "u#0", "t"):
+        buf.put(key, _t(10), digest="d")
+    buf.put("t#2", _t(10), digest="other")
+    waiter: dict = {}
+
+    def wait():
+        t0 = time.monotonic()
+        try:
+            buf.checkout("t#3", wait_s=20, digest="d")
+        except KeyMissError as e:
+            waiter["reason"], waiter["waited"] = e.reason, time.monotonic() - t0
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    time.sleep(0.2)
+    assert buf.discard("t#1", "d", seal=True)
+    thread.join(10)
+    assert waiter["reason"].startswith("discarded") and waiter["waited"] < 10
+    assert sorted(buf._table.entries) == ["t#2", "u#0"]
+    assert buf.put("t#3", _t(10), digest="d") is False and "t#3" not in buf
+    assert buf.put("t#4", _t(10), digest="other") is True
+    assert buf.put("u#1", _t(10), digest="d") is True
+    s = buf.stats()
+    assert (s["discards"], s["sealed_puts"], s["entries"]) == (3, 1, 4)
+    assert accounted(s)
+
+
+@pytest.mark.timeout(30)
+def test_an_owners_sealed_drop_seals_every_digest_and_a_plain_discard_seals_nothing():
+    buf = KVBuffer(1 << 20)
+    assert buf.drop("v", seal=True) is False  # nothing held yet: sealed all the same
+    assert buf.put("v#0", _t(10), digest="a") is False
+    assert buf.put("v", _t(10)) is False
+    buf.put("w#0", _t(10), digest="a")
+    assert buf.discard("w#0", "a") and buf.put("w#0", _t(10), digest="a") is True
+    assert buf.stats()["sealed_puts"] == 2

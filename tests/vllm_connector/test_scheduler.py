@@ -680,3 +680,37 @@ def test_parallel_sampling_loads_an_overlapped_transfer_once(vllm_mods, handoff)
     out, _ = m["step"](consumer)
     assert _loads(out) == []
     assert out.num_scheduled_tokens == {"c0": 1, "c1": len(PROMPT) - 2 * BLOCK_SIZE}
+
+
+def test_a_prompt_with_a_proxy_chosen_id_is_saved_chunk_by_chunk_as_vllm_prefills_it(vllm_mods):
+    """vLLM's scheduler prefills a 40-token prompt 18 tokens a step: each step saves the whole
+    blocks it completed, the last step the rest up to the prompt's end, all under the proxy's id
+    (with the block ids up to the chunk's end); a prompt without a chosen id is
+    saved once, whole, at its end."""
+    from connector.vllm_connector.metadata import Chunk
+
+    m = vllm_mods
+    producer = m["scheduler"]("kv_producer", max_batched=18)
+    chosen = "e" * 32
+    params = {"do_remote_decode": True, "transfer_id": chosen}
+    producer.add_request(m["request"]("p", params=params))
+    steps, handoffs = [], {}
+    while not handoffs:
+        out, handoffs = m["step"](producer)
+        saves = out.kv_connector_metadata.saves
+        steps.append([(s.transfer_id, s.chunk, len(s.block_ids)) for s in saves])
+        assert len(steps) < 8
+    assert steps == [
+        [(chosen, Chunk(0, 0, 16, False), 1)],  # positions [0, 18): block 0
+        [(chosen, Chunk(1, 16, 32, False), 2)],  # [0, 36): block 1
+        [(chosen, Chunk(2, 32, 40, True), 3)],  # [0, 40): the rest
+        [],  # decode steps, up to max_tokens
+        [],
+    ]
+    assert handoffs["p"]["transfer_id"] == chosen
+    plain = m["scheduler"]("kv_producer", max_batched=18)
+    plain.add_request(m["request"]("q", params={"do_remote_decode": True}))
+    saves = []
+    for _ in range(4):
+        saves += [(s.chunk, s.num_tokens) for s in m["step"](plain)[0].kv_connector_metadata.saves]
+    assert saves == [(None, len(PROMPT))]

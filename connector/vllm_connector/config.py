@@ -75,7 +75,8 @@ class ConnectorConfig:
     producers: tuple[str, ...] = ()
     #: consumer: the deadline of connecting to a producer. A producer that did not connect or
     #: answer in time is not asked again for this long: loads from it fail at once (and are
-    #: recomputed) instead of each waiting it out.
+    #: recomputed) instead of each waiting it out. Producer: its KV server's deadline for a
+    #: connection's handshake, when above the server's own 10 s (a slow host given more time).
     connect_timeout_s: float = 5.0
     #: both: ``gloo`` (CPU), ``nccl`` (CUDA) or ``socket`` (inline TCP); ``auto`` by device.
     transport: str = "auto"

@@ -521,9 +521,10 @@ def record_loaded(stats, spec: LoadSpec, nbytes: int, unpack_ms: float, log_args
     """Count and log a completed load (``log_args``: ``(fetch_ms, paged, parts)``)."""
     fetch_ms, paged, parts = log_args
     stats.record_load(nbytes=nbytes, num_tokens=spec.count, fetch_ms=fetch_ms, unpack_ms=unpack_ms)
+    ranks = dict.fromkeys(f"{s.rank}[{s.src[0]}:{s.src[1]}]" for s, *_ in parts)
     log.info(
         "tritonkv: loaded transfer %s for %s: %d tokens (positions %d..%d; %d local), %d bytes, "
-        "fetch %.2f ms, unpack %.2f ms, kv_format %s, from %s:%d ranks %s",
+        "fetch %.2f ms, unpack %.2f ms, kv_format %s, from %s:%d ranks %s%s",
         short_id(spec.transfer_id),
         spec.req_id,
         spec.count,
@@ -536,5 +537,6 @@ def record_loaded(stats, spec: LoadSpec, nbytes: int, unpack_ms: float, log_args
         "pages" if paged else "tokens",
         spec.host,
         spec.port,
-        ",".join(f"{s.rank}[{s.src[0]}:{s.src[1]}]" for s, *_ in parts),
+        ",".join(ranks),
+        f", {len(parts) // len(ranks)} chunks" if spec.chunked else "",
     )

@@ -35,6 +35,9 @@ from .streams import DeviceBudget, Pending, Publisher, StreamOps, device_streams
 
 log = get_logger("connector")
 
+#: The KV server's handshake deadline unless ``connect_timeout_s`` is longer.
+SERVER_CONNECT_TIMEOUT_S = 10.0
+
 
 class Producer:
     """Saves prompts' KV of one rank and serves it (see the module docstring).
@@ -137,6 +140,7 @@ class Producer:
                 self._buffer,
                 self.cfg.host,
                 port,
+                connect_timeout_s=max(SERVER_CONNECT_TIMEOUT_S, self.cfg.connect_timeout_s),
                 transport=self.cfg.transport_for(self.caches.device),
                 device=self.caches.device,
                 secret=self._secret,

@@ -60,18 +60,6 @@ def _overlapped(pd, prompt: str, transfer_id: str, **extra) -> dict:
     }
 
 
-def _prefill(pd, prompt: str, transfer_id: str) -> dict:
-    """The prefill leg of an overlapped request, as the proxy sends it."""
-    reply = completion(
-        pd.producer.url,
-        prompt,
-        1,
-        f"prefill-{uuid.uuid4().hex[:12]}",
-        kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id},
-    )
-    return reply["kv_transfer_params"]
-
-
 def _decode_in_thread(pd, prompt: str, params: dict, out: dict) -> threading.Thread:
     def run():
         out["text"], out["rid"] = pd.decode_with(prompt, params)
@@ -99,7 +87,8 @@ def test_overlapped_answers_equal_colocated(pd):
     """The first request teaches the proxy the producer's site (sequential); then prompts of
     several lengths, one longer than a prefill chunk, go out overlapped, at once: every answer
     is the colocated one, every prompt's KV was loaded (all but its last token) under the
-    proxy's transfer id, which the producer saved it under."""
+    proxy's transfer id, which the producer saved it under chunk by chunk as its prefill ran
+    (the 300-token prompt in at least 3 chunks: 128 tokens a step at most)."""
     first = pd.prompt(20, seed=40)
     assert pd.disaggregated(first)[0] == pd.colocated(first)
     lengths = [5, 33, 90, 300]
@@ -112,11 +101,12 @@ def test_overlapped_answers_equal_colocated(pd):
         [line] = [x for x in pd.proxy.log_text().splitlines() if f"req {rid} " in x]
         assert "overlapped" in line, line
         assert [e["transfer"] for e in events["loaded"]] == [line.split("transfer_id ")[1][:9]]
-    for rid in [r for _, r, _ in results]:
+    for n, rid in zip(lengths, [r for _, r, _ in results], strict=True):
         saved = [
             x for x in pd.producer.log_text().splitlines() if "saved transfer" in x and rid in x
         ]
-        assert len(saved) == 1, saved
+        chunks = [int(c) for c in re.findall(r"saved transfer \w+… chunk (\d+) ", "\n".join(saved))]
+        assert chunks == list(range(len(saved))) and len(saved) >= -(-n // 128), saved
 
 
 def test_parallel_sampling_through_the_overlapped_flow_loads_once(pd):
@@ -147,7 +137,7 @@ def test_a_decode_request_ahead_of_its_prefill_waits_and_a_corrupted_one_differs
         thread = _decode_in_thread(pd, prompt, params, out)
         time.sleep(1.0)  # the decode request waits for remote KV meanwhile
         assert "text" not in out, "the decode answered before its KV existed"
-        handoff = _prefill(pd, prompt, tid)
+        handoff = pd.prefill_params(prompt, tid)
         assert handoff["transfer_id"] == tid
         thread.join(60)
         events = pd.events(out["rid"])
@@ -179,11 +169,11 @@ def test_a_stream_aborted_by_its_client_leaves_the_producers_buffer_empty(pd):
     assert pd.disaggregated(pd.prompt(40, seed=61))[0] == pd.colocated(pd.prompt(40, seed=61))
 
 
-def test_a_decode_request_aborted_while_it_waits_stops_waiting_and_a_late_entry_expires(pd):
+def test_a_decode_request_aborted_while_it_waits_stops_waiting_and_its_late_kv_is_refused(pd):
     """Aborted while its load waits: the consumer stops waiting at once (its pull is closed,
-    the blocks freed) and asks the producer to drop the entry. Its prefill, finishing only
-    afterwards, stores an entry nobody will take: that one expires by its TTL (``ttl_s``),
-    leaving the buffer empty."""
+    the blocks freed) and asks the producer to drop the transfer, which seals it. Its prefill,
+    running only afterwards, stores nothing: every chunk is refused at once (no entry waits for
+    its TTL), and the buffer stays empty."""
     prompt, tid = pd.prompt(45, seed=70), uuid.uuid4().hex
     params = _overlapped(pd, prompt, tid)
     url = urllib.parse.urlsplit(pd.consumer.url)
@@ -205,9 +195,11 @@ def test_a_decode_request_aborted_while_it_waits_stops_waiting_and_a_late_entry_
     [line] = [x for x in pd.consumer.log_text().splitlines() if released in x]
     assert line.endswith("(already gone)"), line
     expired_before = _buffer(pd)[3]
-    assert _prefill(pd, prompt, tid)["transfer_id"] == tid  # the late entry
-    _wait("the late entry's expiry", lambda: _buffer(pd)[3] > expired_before, TTL_S + 30)
-    assert _buffer(pd)[0] == 0
+    assert pd.prefill_params(prompt, tid)["transfer_id"] == tid  # the late prefill
+    refused = f"not storing transfer {tid[:8]}… chunk 0 (positions 0..) for "
+    _wait("the late chunk's refusal", lambda: refused in pd.producer.log_text())
+    assert f"saved transfer {tid[:8]}" not in pd.producer.log_text()
+    assert _buffer(pd)[0] == 0 and _buffer(pd)[3] == expired_before
 
 
 def test_producer_killed_while_the_consumer_waits_for_its_prefill(pd):

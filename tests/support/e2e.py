@@ -13,6 +13,7 @@ from pathlib import Path
 
 from connector.serve.demo import completion, make_prompt, start_pd, vocabulary
 from connector.serve.launch import Cluster, Proc, http_json, transfer_events
+from connector.serve.overlap import overlap_params, site_of
 
 MAX_TOKENS = 12
 
@@ -43,16 +44,34 @@ class PD:
         reply = completion(self.proxy.url, prompt, max_tokens, rid)
         return reply["choices"][0]["text"], rid, reply["usage"]
 
-    def prefill_params(self, prompt: str) -> dict:
-        """Run only the prefill leg on the producer and return its kv_transfer_params."""
+    def prefill_params(self, prompt: str, transfer_id: str | None = None) -> dict:
+        """Run only the prefill leg on the producer (under ``transfer_id``, as the overlapped
+        flow's proxy asks, when given) and return its kv_transfer_params."""
+        params = {"do_remote_decode": True}
+        if transfer_id is not None:
+            params["transfer_id"] = transfer_id
         reply = completion(
             self.producer.url,
             prompt,
             1,
             f"prefill-{uuid.uuid4().hex[:12]}",
-            kv_transfer_params={"do_remote_decode": True},
+            kv_transfer_params=params,
         )
         return reply["kv_transfer_params"]
+
+    def overlapped(self, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[str, str, str]:
+        """What ``tritonkv-proxy --overlap`` does, by hand: the decode request (with the site of
+        an earlier hand-off and a fresh transfer id) and then the prefill request under that
+        id, while the decode one waits; returns (text, decode request id, transfer id)."""
+        site = site_of(self.prefill_params(self.prompt(5, seed=1)))
+        transfer_id = uuid.uuid4().hex
+        with ThreadPoolExecutor(1) as pool:
+            decode = pool.submit(
+                self.decode_with, prompt, overlap_params(site, transfer_id), max_tokens
+            )
+            assert self.prefill_params(prompt, transfer_id)["transfer_id"] == transfer_id
+            text, rid = decode.result(timeout=300)
+        return text, rid, transfer_id
 
     def decode_with(self, prompt: str, params: dict, max_tokens: int = MAX_TOKENS):
         """Run only the decode leg on the consumer with the given params; (text, request id)."""

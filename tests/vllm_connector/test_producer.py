@@ -57,3 +57,17 @@ def test_a_producer_off_loopback_needs_a_secret_or_insecure(caplog):
         prod.shutdown()
     assert SECRET.decode() not in caplog.text
     assert "without a shared secret (insecure)" in caplog.text
+
+
+@pytest.mark.parametrize("configured,served", [(5.0, 10.0), (25.0, 25.0)])
+def test_the_kv_servers_handshake_deadline_follows_a_longer_connect_timeout(configured, served):
+    """A consumer given more than the server's 10 s to connect (a slow host) is not cut off by
+    the producer's own deadline when both read one config; a shorter one keeps the 10 s."""
+    base = free_port_run(1)
+    cfg = ConnectorConfig(port=base, connect_timeout_s=configured)
+    prod = producer(caches(NHD), 4, cfg=cfg, engine_port=base)
+    prod.serve()
+    try:
+        assert prod.server._listener.connect_timeout_s == served
+    finally:
+        prod.shutdown()

@@ -147,6 +147,8 @@ class TritonKVMetadata(KVConnectorMetadata):
     releases: list[ReleaseSpec] = field(default_factory=list)
     hidden_saves: list[HiddenSaveSpec] = field(default_factory=list)  # extract_hidden_states
     hidden_drops: list[HiddenDrop] = field(default_factory=list)
+    #: the step computes no token (vLLM runs such steps while requests wait for remote KV)
+    idle: bool = False
 
 
 # ------------------------------------------------------------------------------------- stats
@@ -338,7 +340,8 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         hidden = self._hidden_sched.build_meta(scheduler_output) if self._hidden_sched else {}
-        return TritonKVMetadata(**self._sched.build_meta(scheduler_output), **hidden)
+        idle = scheduler_output.total_num_scheduled_tokens == 0
+        return TritonKVMetadata(**self._sched.build_meta(scheduler_output), **hidden, idle=idle)
 
     def request_finished(self, request, block_ids):
         """See :meth:`.scheduler.SchedulerSide.request_finished` (the hand-off's keys) and, with
@@ -426,8 +429,11 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Async loads whose fetch completed: unpacked here, on the worker's own thread (or, when
         the fetch failed, their blocks put in the error set); on a GPU reported once their
-        unpack's event completed and their digest matched (polled, never waited for)."""
-        return self._worker.get_finished(finished_req_ids)
+        unpack's event completed and their digest matched (polled, never waited for). In a step
+        that computes nothing, waits a little for a fetch (:data:`.worker.IDLE_WAIT_S`)."""
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        idle = isinstance(meta, TritonKVMetadata) and meta.idle
+        return self._worker.get_finished(finished_req_ids, idle)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for per layer: a sync load completes inside ``start_load_kv`` (before the

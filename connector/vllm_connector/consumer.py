@@ -26,7 +26,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from functools import partial
 
@@ -154,9 +154,16 @@ class Consumer:
                 continue
             self._loading[spec.req_id] = (spec, t0, future)
 
-    def get_finished(self) -> set[str] | None:
+    def get_finished(self, idle_wait_s: float = 0.0) -> set[str] | None:
         """Async loads whose fetch completed: unpacked here, on the worker's own thread (or, when
-        the fetch failed, their blocks put in the error set)."""
+        the fetch failed, their blocks put in the error set).
+
+        ``idle_wait_s`` > 0 (a step that computes nothing, which vLLM runs back to back while
+        requests wait for remote KV): with no fetch done, wait that long at most for the first
+        one, rather than spin the cores the producer and the transfer need."""
+        pending = [future for _, _, future in self._loading.values()]
+        if idle_wait_s > 0 and pending and not any(f.done() for f in pending):
+            wait_futures(pending, timeout=idle_wait_s, return_when=FIRST_COMPLETED)
         done = [req_id for req_id, (_, _, future) in self._loading.items() if future.done()]
         finished = set()
         for req_id in done:
@@ -187,16 +194,7 @@ class Consumer:
         release_entries(releases, self.tp_rank, self.tp_size, self.backoff, self.clients, timeout_s)
 
     def _new_client(self, host: str, port: int) -> KVClient:
-        # Host memory for gloo and socket: the copy to the device is the consumer's (_load).
-        return KVClient(
-            host,
-            port,
-            device=self.caches.device if self._device_wire else "cpu",
-            transport=self.cfg.transport_for(self.caches.device),
-            timeout_s=self.cfg.fetch_timeout_s,
-            connect_timeout_s=self.cfg.connect_timeout_s,
-            secret=self._secret,
-        )
+        return new_client(self.cfg, self.caches.device, self._device_wire, self._secret, host, port)
 
     def _fetch(self, spec: LoadSpec) -> Fetched:
         """What ``spec``'s transfer holds for this rank (:data:`Fetched`): one pull per producer
@@ -230,31 +228,18 @@ class Consumer:
         ``spec.wait_s`` for the producer to store it)."""
         addr = (spec.host, spec.port + source.rank)
         self.backoff.check(addr, spec.transfer_id)
-        held = (
-            1
-            if self.use_mla
-            else len(rank_heads(self.total_kv_heads, spec.producer_tp, source.rank))
-        )
-        part = Part("kv", 3, *source.src) if source.num_heads < held else None
+        part = None  # the whole entry, unless this rank takes only some of its heads
+        if not self.use_mla and source.num_heads < len(
+            rank_heads(self.total_kv_heads, spec.producer_tp, source.rank)
+        ):
+            part = Part("kv", 3, *source.src)
         try:
             max_bytes = expected_bytes(self.caches, self.tp_size, spec, source)
             if self._streams is not None and self._device_wire:  # it lands in GPU memory
                 self.budget.check_room(max_bytes, "a pull received on the device")
-            pulls = []
+            waits = _waits(spec, self.cfg.fetch_timeout_s, self._streams is not None)
             with self.clients.pull(spec.req_id, addr, spec.wait_s, self.cfg.fetch_timeout_s) as c:
-                final, start = False, 0
-                while not final:  # one entry, or the chunks in order
-                    key = chunk_key(spec.transfer_id, len(pulls)) if spec.chunked else None
-                    tensors, meta = c.get(
-                        key or spec.transfer_id,
-                        part=part,
-                        digest=spec.prompt_digest,
-                        max_bytes=max_bytes,
-                        **_waits(spec, self.cfg.fetch_timeout_s, self._streams is not None),
-                    )
-                    span = entry_span(spec, meta, (len(pulls), start) if key else None)
-                    pulls.append((span, tensors, meta))
-                    start, final = span[1], span[2]
+                pulls = pull_entries(c, spec, part, max_bytes, waits)
         except TransferTimeout as exc:
             # A producer that did not connect or answer in time: every further load from it
             # would stall the same way (a sync load stalls the whole decode batch), so they fail
@@ -308,13 +293,7 @@ class Consumer:
             nbytes = 0
             for source, packed, want, offset in parts:  # all arrived: now write, one unpack each
                 rows = packed.shape[2]  # positions [offset, offset + rows)
-                if paged:
-                    views, first = caches.pages, spec.start // block_size * block_size
-                    stop = min(len(spec.block_ids) * block_size, offset + rows)
-                else:
-                    views = caches.head_views(source.dst)
-                    first, stop = spec.start, spec.start + spec.count
-                first, stop = max(first, offset), min(stop, offset + rows)
+                views, first, stop = _written(caches, spec, paged, source, offset, rows)
                 if first >= stop:  # a chunk of the local hit, or of the last token only
                     continue
                 if spec.corrupt or "no_digest" in spec.debug_fault:  # test hooks: no check (the
@@ -386,6 +365,55 @@ class Consumer:
         for pool in pools:
             pool.shutdown(wait=False, cancel_futures=True)
         self.clients.close()
+
+
+def new_client(cfg: ConnectorConfig, device, device_wire: bool, secret, host: str, port: int):
+    """The :class:`~connector.kvstore.KVClient` of one producer rank: receiving into ``device``
+    memory over nccl (``device_wire``), else into host memory (gloo, socket: the copy to the
+    device is the consumer's own), with the config's transport and deadlines."""
+    return KVClient(
+        host,
+        port,
+        device=device if device_wire else "cpu",
+        transport=cfg.transport_for(device),
+        timeout_s=cfg.fetch_timeout_s,
+        connect_timeout_s=cfg.connect_timeout_s,
+        secret=secret,
+    )
+
+
+def pull_entries(client, spec: LoadSpec, part: Part | None, max_bytes: int, waits: dict) -> list:
+    """``[(span, tensors, meta)]`` pulled with ``client`` for ``spec``: its transfer's entry
+    (one GET), or, for a chunked load, its chunks one after the other until the last, each one's
+    ``span`` checked (:func:`entry_span`) before the next is asked for."""
+    pulls, start, final = [], 0, False
+    while not final:
+        index = len(pulls)
+        tensors, meta = client.get(
+            chunk_key(spec.transfer_id, index) if spec.chunked else spec.transfer_id,
+            part=part,
+            digest=spec.prompt_digest,
+            max_bytes=max_bytes,
+            **waits,
+        )
+        span = entry_span(spec, meta, (index, start) if spec.chunked else None)
+        pulls.append((span, tensors, meta))
+        start, final = span[1], span[2]
+    return pulls
+
+
+def _written(caches: RankCaches, spec: LoadSpec, paged: bool, source, offset: int, rows: int):
+    """``(views, first, stop)``: where an entry of ``rows`` rows from position ``offset`` is
+    written, positions ``[first, stop)`` (empty when none of it is to be loaded). Token rows: the
+    positions ``spec`` loads; whole pages: every slot of the blocks from the one holding
+    ``spec.start`` to the last allocated one."""
+    block_size = caches.block_size
+    if paged:
+        views, first = caches.pages, spec.start // block_size * block_size
+        stop = len(spec.block_ids) * block_size
+    else:
+        views, first, stop = caches.head_views(source.dst), spec.start, spec.start + spec.count
+    return views, max(first, offset), min(stop, offset + rows)
 
 
 def _waits(spec: LoadSpec, fetch_timeout_s: float, on_gpu: bool) -> dict:

@@ -183,25 +183,16 @@ class Producer:
             except Exception as exc:
                 self._save_failed(spec, exc)
 
-    def entry_rows(self, spec: SaveSpec) -> tuple[int, int]:
-        """``(offset, rows)``: ``spec``'s entry holds prompt positions ``[offset, offset +
-        rows)``, known before packing. Token rows: the prompt (or its chunk); whole pages:
-        every slot of its blocks from the chunk's first one (past the prompt in the last)."""
-        offset = 0 if spec.chunk is None else spec.chunk.start
-        if self.kv_format == "pages":
-            return offset, len(spec.block_ids) * self.caches.block_size - offset
-        return offset, (spec.num_tokens if spec.chunk is None else spec.chunk.stop) - offset
-
     def entry_bytes(self, spec: SaveSpec) -> int:
         """Bytes of ``spec``'s packed entry, known before packing: its rows
-        (:meth:`entry_rows`) × the bytes of one row over every layer, K and V."""
+        (:func:`entry_rows`) × the bytes of one row over every layer, K and V."""
         views = self.caches.pages if self.kv_format == "pages" else self.caches.layers
-        rows = self.entry_rows(spec)[1]
+        rows = entry_rows(spec, self.kv_format, self.caches.block_size)[1]
         return math.prod(packed_shape(views, rows)) * views[0][0].element_size()
 
     def _slots(self, spec: SaveSpec):
-        """The slot of each row of ``spec``'s entry (:meth:`entry_rows`)."""
-        offset, rows = self.entry_rows(spec)
+        """The slot of each row of ``spec``'s entry (:func:`entry_rows`)."""
+        offset, rows = entry_rows(spec, self.kv_format, self.caches.block_size)
         return self.caches.slots(spec.block_ids, offset, offset + rows, rows, offset)
 
     def _save(self, spec: SaveSpec) -> None:
@@ -216,7 +207,7 @@ class Producer:
             )
         t0 = time.perf_counter()
         # The rows are known here, on the host: the pack gets its output sized from them.
-        shape = packed_shape(views, self.entry_rows(spec)[1])
+        shape = packed_shape(views, entry_rows(spec, self.kv_format, self.caches.block_size)[1])
         meta = {"fingerprint": self.fingerprint, "kv_format": self.kv_format}
         if paged:
             meta["page_kind"] = self.caches.page_kind
@@ -302,30 +293,16 @@ class Producer:
     def _store(self, spec: SaveSpec, packed, meta: dict, nbytes: int, pack_ms: float) -> None:
         chunk = spec.chunk
         key = spec.transfer_id if chunk is None else chunk_key(spec.transfer_id, chunk.index)
-        what = "" if chunk is None else f" chunk {chunk.index} (positions {chunk.start}..)"
         meta = {**meta, "num_tokens": spec.num_tokens}
-        if not self._buffer.put(key, {"kv": packed}, meta, digest=spec.prompt_digest):
-            log.info(
-                "tritonkv: not storing transfer %s%s for %s: it was released or aborted",
-                short_id(spec.transfer_id),
-                what,
-                spec.req_id,
-            )
-            return
-        num_tokens = spec.num_tokens if chunk is None else chunk.stop - chunk.start
-        self.stats.record_save(nbytes=nbytes, num_tokens=num_tokens, pack_ms=pack_ms)
-        log.info(
-            "tritonkv: saved transfer %s%s for %s: %d tokens, %d bytes, pack %.2f ms, kv_format %s",
-            short_id(spec.transfer_id),
-            what,
-            spec.req_id,
-            num_tokens,
-            nbytes,
-            pack_ms,
-            self.kv_format,
-        )
+        stored = self._buffer.put(key, {"kv": packed}, meta, digest=spec.prompt_digest)
+        if stored:
+            num_tokens = spec.num_tokens if chunk is None else chunk.stop - chunk.start
+            self.stats.record_save(nbytes=nbytes, num_tokens=num_tokens, pack_ms=pack_ms)
+        log_saved(spec, stored, nbytes, pack_ms, self.kv_format)
 
     def _save_failed(self, spec: SaveSpec, exc: BaseException) -> None:
+        """Count and log a failed save; a chunked transfer's other chunks are dropped and the
+        rest refused (its consumer, waiting for the next one, then stops waiting at once)."""
         self.stats.record_save_failure()
         log.error(
             "tritonkv: could not save transfer %s for %s (%s: %s): the decode side will "
@@ -335,6 +312,8 @@ class Producer:
             type(exc).__name__,
             hide_ids(error_text(exc)),
         )
+        if spec.chunk is not None and self._buffer is not None:
+            self._buffer.drop(spec.transfer_id, seal=True)
 
     def count_auth_failures(self) -> None:
         """Add the failed authentications on this rank's KV server since the last call to the
@@ -358,6 +337,33 @@ class Producer:
         if self._buffer is not None:
             self._buffer.close()
             self._buffer = None
+
+
+def entry_rows(spec: SaveSpec, kv_format: str, block_size: int) -> tuple[int, int]:
+    """``(offset, rows)``: ``spec``'s entry of ``kv_format`` holds prompt positions ``[offset,
+    offset + rows)``, known before packing. Token rows: the prompt (or its chunk); whole pages:
+    every slot of its blocks from the chunk's first one (past the prompt in the last)."""
+    offset = 0 if spec.chunk is None else spec.chunk.start
+    if kv_format == "pages":
+        return offset, len(spec.block_ids) * block_size - offset
+    return offset, (spec.num_tokens if spec.chunk is None else spec.chunk.stop) - offset
+
+
+def log_saved(spec: SaveSpec, stored: bool, nbytes: int, pack_ms: float, kv_format: str) -> None:
+    """The log line of a save (``stored`` False: refused, its transfer released or aborted)."""
+    chunk = spec.chunk
+    what = "" if chunk is None else f" chunk {chunk.index} (positions {chunk.start}..)"
+    if not stored:
+        log.info(
+            "tritonkv: not storing transfer %s%s for %s: it was released or aborted",
+            *(short_id(spec.transfer_id), what, spec.req_id),
+        )
+        return
+    num_tokens = spec.num_tokens if chunk is None else chunk.stop - chunk.start
+    log.info(
+        "tritonkv: saved transfer %s%s for %s: %d tokens, %d bytes, pack %.2f ms, kv_format %s",
+        *(short_id(spec.transfer_id), what, spec.req_id, num_tokens, nbytes, pack_ms, kv_format),
+    )
 
 
 @dataclass

@@ -25,6 +25,11 @@ from .streams import DeviceBudget, gpu_budget_line
 
 log = get_logger("connector")
 
+#: How long ``get_finished`` of a step that computes nothing may wait for an async load's fetch
+#: (it returns as soon as one completes): an engine whose requests all wait for remote KV then
+#: runs at most about 100 empty steps a second instead of spinning a core.
+IDLE_WAIT_S = 0.01
+
 
 class WorkerSide:
     """The worker-side state of one rank's connector (see the module docstring).
@@ -145,14 +150,17 @@ class WorkerSide:
         if self.consumer is not None:
             self.consumer.start_load_kv(loads, releases)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(
+        self, finished_req_ids: set[str], idle: bool = False
+    ) -> tuple[set[str] | None, set[str] | None]:
         """``(None, requests whose async load completed)``: see
-        :meth:`.consumer.Consumer.get_finished`; the pulls of ``finished_req_ids`` still waiting
-        for an entry are closed first (:meth:`.producer_clients.ProducerClients.end`)."""
+        :meth:`.consumer.Consumer.get_finished` (``idle``: this step computed nothing, so it may
+        wait up to :data:`IDLE_WAIT_S` for a load); the pulls of ``finished_req_ids`` still
+        waiting for an entry are closed first (:meth:`.producer_clients.ProducerClients.end`)."""
         if self.consumer is None:
             return None, None
         self.consumer.clients.end(finished_req_ids or set())
-        return None, self.consumer.get_finished()
+        return None, self.consumer.get_finished(IDLE_WAIT_S if idle else 0.0)
 
     def wait_for_save(self, saves: list[SaveSpec], discards: list[str] = ()) -> None:
         """See :meth:`.producer.Producer.wait_for_save`."""

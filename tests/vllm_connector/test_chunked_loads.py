@@ -6,6 +6,7 @@ a release or an abort while chunks are still to come."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from functools import partial
 from types import SimpleNamespace
@@ -306,3 +307,56 @@ def test_a_prefill_aborted_between_its_chunks_ends_the_waiting_load_at_once(serv
         conn.shutdown()
     assert bits(dst).eq(SENTINEL).all()
     assert len(served.buffer) == 0 and served.buffer.stats()["sealed_puts"] == 2
+
+
+def test_an_idle_step_waits_a_little_for_a_fetch_and_returns_as_soon_as_one_completes(served):
+    """A step that computes nothing (vLLM's empty steps while requests wait for remote KV): with
+    no fetch done, ``get_finished`` waits up to its ``idle_wait_s`` instead of returning at once,
+    and returns the moment the fetch completes; a busy step (0) never waits."""
+    saves = _chunk_saves(10, [10], [0, 1, 2])
+    conn = _consumer(caches(NHD, seed=None))
+    try:
+        conn.start_load_kv([_load("c", served.server.port, [3, 4, 5], 0, 10, wait_s=30)])
+        t0 = time.monotonic()
+        assert conn.get_finished(idle_wait_s=0.3) is None
+        assert time.monotonic() - t0 >= 0.29, "an idle step did not wait for the fetch"
+        threading.Timer(0.5, served.worker.wait_for_save, [saves]).start()
+        t0 = time.monotonic()
+        assert conn.get_finished(0.0) is None
+        assert conn.get_finished(idle_wait_s=30) == {"c"}
+        assert time.monotonic() - t0 < 25, "it waited past the fetch's completion"
+    finally:
+        conn.shutdown()
+    assert conn.get_finished(idle_wait_s=30) is None  # nothing in flight: nothing to wait for
+
+
+def test_a_chunk_that_fails_to_save_ends_the_waiting_load_and_the_rest_are_refused(
+    served, monkeypatch
+):
+    """The pack of the second chunk fails on the producer (any failure of one save): the
+    transfer's stored chunks are dropped and the rest refused, so the consumer waiting for that
+    chunk stops at once (recomputes) instead of waiting out its 30 s, and nothing is left."""
+    from connector.vllm_connector import producer as producer_mod
+
+    saves = _chunk_saves(10, [4, 4], [0, 1, 2])
+    conn = _consumer(caches(NHD, seed=None))
+    try:
+        conn.start_load_kv([_load("c", served.server.port, [3, 4, 5], 0, 10, wait_s=30)])
+        served.worker.wait_for_save(saves[:1])
+        _until("chunk 0's pull", lambda: served.buffer.stats()["claimed"] == 1)
+
+        def failing(*args, **kwargs):
+            raise RuntimeError("injected: the pack failed")
+
+        monkeypatch.setattr(producer_mod, "pack_kv", failing)
+        t0 = time.monotonic()
+        served.worker.wait_for_save(saves[1:2])
+        assert _poll(conn, {"c"}, wait_s=15) == ({"c"}, {3, 4, 5})
+        assert time.monotonic() - t0 < 15
+        monkeypatch.undo()
+        served.worker.wait_for_save(saves[2:])
+    finally:
+        conn.shutdown()
+    stats = served.buffer.stats()
+    assert len(served.buffer) == 0 and stats["sealed_puts"] == 1
+    assert served.worker.stats.peek()["save_failures"] == 1

@@ -441,7 +441,9 @@ def test_an_aborted_prefill_hands_nothing_off_and_its_kv_is_dropped(vllm_mods):
         kv_transfer_params={"do_remote_decode": True},
     )
     assert sched.request_finished(done, [])[1]["transfer_id"] == done_id
-    step = SimpleNamespace(num_scheduled_tokens={}, kv_connector_block_state=None)
+    step = SimpleNamespace(
+        num_scheduled_tokens={}, total_num_scheduled_tokens=0, kv_connector_block_state=None
+    )
     meta = sched.build_connector_meta(step)
     assert meta.discards == [aborted_id]
     assert sched.build_connector_meta(step).discards == []  # said once
@@ -593,7 +595,9 @@ def _saves(conn, req_id, prompt, chosen=_UNCHOSEN):
     conn.update_state_after_alloc(request, None, 0)
     blocks = SimpleNamespace(get_block_ids=lambda _req_id: ([0],))
     step = SimpleNamespace(
-        num_scheduled_tokens={req_id: len(prompt)}, kv_connector_block_state=blocks
+        num_scheduled_tokens={req_id: len(prompt)},
+        total_num_scheduled_tokens=len(prompt),
+        kv_connector_block_state=blocks,
     )
     return conn.build_connector_meta(step).saves
 
@@ -624,9 +628,10 @@ def test_an_overlapped_handoff_loads_async_and_waits_for_the_entry(vllm_mods, ha
     assert out.num_scheduled_tokens == {}
     out, _ = m["step"](consumer)
     assert _loads(out) == [] and out.num_scheduled_tokens == {}  # still waiting
+    assert out.kv_connector_metadata.idle  # its workers may wait for the load a little
     m["step"](consumer, m["KVConnectorOutput"](finished_recving={"o"}))
     out, _ = m["step"](consumer)
-    assert out.num_scheduled_tokens == {"o": 1}
+    assert out.num_scheduled_tokens == {"o": 1} and not out.kv_connector_metadata.idle
     # a sequential hand-off keeps the configured (sync) load, without waiting
     consumer.add_request(m["request"]("s", params={**handoff, "transfer_id": "d" * 32}))
     out, _ = m["step"](consumer)

@@ -158,7 +158,9 @@ def test_report_fails_when_overlap_went_in_one_piece_or_an_answer_was_wrong(tmp_
     flat = pd_goal.chunk_stats({"a": pd_goal.Published(1, 2048, 1)})
     rows = [_row("colocated", 1, 1300.0), _row("tritonkv-overlap", 1, 1700.0, **flat)]
     assert pd_goal.report(rows, _measured(), pd_goal.QUICK, tmp_path) == 1
-    assert "NOT A MEASUREMENT OF OVERLAP" in (tmp_path / "pd-goal-summary.txt").read_text()
+    text = (tmp_path / "pd-goal-summary.txt").read_text()
+    assert "sequential / overlap - [NOT A MEASUREMENT OF OVERLAP]" in text  # on its goal line
+    assert "1 transfers, 1 / 1 / 1 chunks (min / p50 / max): NOT A MEASUREMENT" in text
     rows = [_row("colocated", 1, 1300.0), _row("tritonkv-pag", 1, 2900.0, wrong=1)]
     assert pd_goal.report(rows, _measured(), pd_goal.QUICK, tmp_path) == 1
     unmeasured = {**_measured(), "prefill_ms": None, "kv_bytes": None, "rate_mbit": None}

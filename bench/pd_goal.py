@@ -20,7 +20,9 @@
 5. from the logs of each point: the consumer's fetch times of the sequential setup (T as the
    link really gives it) and, for the overlapped setups, how many chunks each request's KV was
    published in (:func:`saved_transfers`); a point where some request went in one piece did not
-   measure overlap, and the run fails;
+   measure overlap, and the run fails; and from the prefill server's ``/metrics``, its mean
+   prefill time during the point (``vllm:request_prefill_time_seconds``, "P load"): what the
+   prefill really took beside the load, against P measured alone;
 6. the goal ratios (:func:`goal_ratios`): overlap TTFT p50 / (1.2 x max(P, T) + D), D one decode
    step (the sequential setup's ITL p50), goal <= 1; overlap TTFT p50 / NIXL tuned's, goal
    <= 0.75; and sequential / overlap.
@@ -43,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +65,7 @@ INPUT_LEN = pd_link.PREFILL_PROBE_TOKENS  # 2048: P is measured on a prompt of t
 CHUNK_TOKENS = 256
 BLOCK_SIZE = 32  # connector.serve.launch's --block-size
 PROBE_RATE_MBIT = 10_000  # the link while P and the KV bytes are measured (before T = P is set)
+METRICS_TIMEOUT_S = 30.0
 WARMUPS = 2  # requests through a setup before its points (the overlap proxy's first is sequential)
 #: The goals of issue 25: TTFT p50 <= GOAL_BOUND x max(P, T) + D and <= GOAL_NIXL x NIXL tuned's.
 GOAL_BOUND = 1.2
@@ -172,6 +176,9 @@ _SAVED = re.compile(
     r"(?: chunk (?P<chunk>\d+) \(positions \d+\.\.\))? for \S+: "
     r"(?P<tokens>\d+) tokens, (?P<bytes>\d+) bytes"
 )
+_PREFILL = re.compile(
+    r"^vllm:request_prefill_time_seconds_(?P<what>sum|count)(?:\{[^}]*\})?\s+(?P<v>\S+)", re.M
+)
 _FETCH = re.compile(r"tritonkv: loaded transfer [0-9a-f]{8}… for .*?, fetch (?P<ms>[\d.]+) ms")
 
 
@@ -214,6 +221,29 @@ def chunk_stats(saved: dict[str, Published]) -> dict:
 def fetch_ms(log_text: str) -> list[float]:
     """The fetch times (ms) of the loads a consumer's log reports."""
     return [float(m["ms"]) for m in _FETCH.finditer(log_text)]
+
+
+def prefill_histogram(metrics_text: str) -> tuple[float, float]:
+    """``(sum of seconds, count)`` of vLLM's ``request_prefill_time_seconds`` (every engine)."""
+    got = {"sum": 0.0, "count": 0.0}
+    for m in _PREFILL.finditer(metrics_text):
+        got[m["what"]] += float(m["v"])
+    return got["sum"], got["count"]
+
+
+def prefill_in_load_ms(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    """The mean prefill time (ms) of the requests between two :func:`prefill_histogram` reads."""
+    n = after[1] - before[1]
+    return round((after[0] - before[0]) / n * 1e3, 1) if n > 0 else None
+
+
+def _prefill_now(proc: Proc) -> tuple[float, float]:
+    """The prefill histogram of ``proc``'s server now ((0, 0) when it cannot be read)."""
+    try:
+        with urllib.request.urlopen(proc.url + "/metrics", timeout=METRICS_TIMEOUT_S) as resp:
+            return prefill_histogram(resp.read().decode())
+    except OSError:  # (urllib's errors and timeouts are OSErrors)
+        return 0.0, 0.0
 
 
 def not_overlapped(row: dict) -> str | None:
@@ -292,12 +322,12 @@ def run(args: argparse.Namespace, progress) -> int:
             t0 = time.monotonic()
             try:
                 with Cluster(workdir) as cluster:
-                    setup = pd_link.start_link_setup(name, cluster, model, link, producer_args)
-                    url = setup.entry.url
-                    progress(f"{name}: healthy after {time.monotonic() - t0:.0f} s")
-                    tok_s = pd_link.prefill_rate(
-                        (setup.producer or setup.entry).url, words, plan["probe_reps"]
+                    setup = pd_link.start_link_setup(
+                        name, cluster, model, link, producer_args, log_stats=True
                     )
+                    url, prefill_server = setup.entry.url, setup.producer or setup.entry
+                    progress(f"{name}: healthy after {time.monotonic() - t0:.0f} s")
+                    tok_s = pd_link.prefill_rate(prefill_server.url, words, plan["probe_reps"])
                     p_ms = INPUT_LEN / tok_s * 1e3
                     progress(f"  P = {p_ms:.0f} ms ({tok_s:.0f} tok/s; load {pd_link.loadavg()})")
                     if name != "colocated" and m["kv_bytes"] is None:
@@ -314,10 +344,12 @@ def run(args: argparse.Namespace, progress) -> int:
                     for clients in plan["clients"]:
                         marks = _LogMark(setup.producer), _LogMark(setup.consumer)
                         before, tx0 = pd_link.loadavg(), link.tx_bytes("producer")
+                        hist0 = _prefill_now(prefill_server)
                         result = pd_link.serve_bench(
                             url, model, clients=clients, plan=plan, log=log
                         )
                         tx = link.tx_bytes("producer") - tx0
+                        in_load = prefill_in_load_ms(hist0, _prefill_now(prefill_server))
                         saved, fetches = (
                             saved_transfers(marks[0].since()),
                             fetch_ms(marks[1].since()),
@@ -335,7 +367,7 @@ def run(args: argparse.Namespace, progress) -> int:
                                 failed_checks=failed_checks,
                                 load_text_diffs=pd_link.text_diffs(result, ref_load.get(clients, {})),
                                 link_mb_per_req=round(tx / 1e6 / max(1, plan["num_prompts"]), 2),
-                                prefill_ms=round(p_ms, 1),
+                                prefill_ms=round(p_ms, 1), prefill_in_load_ms=in_load,
                                 fetch_p50_ms=round(statistics.median(fetches), 1) if fetches else None,
                                 **chunk_stats(saved),
                                 load_before=before, load_after=pd_link.loadavg(),
@@ -407,14 +439,19 @@ def summary(rows: list[dict], m: dict, plan: dict) -> str:
             )
     lines.append(
         f"{'setup':<21}{'clients':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
-        f"{'P ms':>7}{'fetch':>7}{'MB/req':>8}{'chunks':>9}{'wrong':>6}{'diff':>5}{'failed':>7}"
+        f"{'P ms':>7}{'P load':>7}{'fetch':>7}{'MB/req':>8}{'chunks':>9}{'wrong':>6}{'diff':>5}{'failed':>7}"
         "  load before / after"
+    )
+    lines.append(
+        "(P ms: the prefill server's 2048-token prefill alone; P load: its mean prefill time "
+        "during the point, vLLM's request_prefill_time_seconds; fetch: the consumer's fetch p50)"
     )
     for r in rows:
         chunks = "-" if not r["transfers"] else f"{r['chunks_min']}-{r['chunks_max']}"
         lines.append(
             f"{r['setup']:<21}{r['clients']:>8}{fmt(r['ttft_p50_ms']):>10}{fmt(r['ttft_p99_ms']):>10}"
             f"{fmt(r['itl_p50_ms']):>9}{fmt(r['itl_p99_ms']):>9}{fmt(r['prefill_ms']):>7}"
+            f"{fmt(r['prefill_in_load_ms']):>7}"
             f"{fmt(r['fetch_p50_ms']):>7}{fmt(r['link_mb_per_req']):>8}{chunks:>9}{r['wrong']:>6}"
             f"{r['load_text_diffs']:>5}{(r['failed'] or 0) + r['failed_checks']:>7}  "
             f"{r['load_before']} / {r['load_after']}"

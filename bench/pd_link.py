@@ -122,20 +122,27 @@ def _kv_env(name: str, side: str, link: netlink.Link, secret: str) -> tuple[dict
 
 
 def start_link_setup(
-    name: str, cluster: Cluster, model: Path, link: netlink.Link, producer_args: list[str] = ()
+    name: str,
+    cluster: Cluster,
+    model: Path,
+    link: netlink.Link,
+    producer_args: list[str] = (),
+    log_stats: bool = False,
 ) -> LinkSetup:
     """Start ``name``'s servers in their namespaces and wait until all are healthy.
 
     Called with this thread inside the consumer's namespace (:func:`netlink.entered`).
     ``producer_args``: more vLLM arguments for the producer (and the colocated server, whose
-    prefill is the reference), e.g. ``--max-num-batched-tokens``.
+    prefill is the reference), e.g. ``--max-num-batched-tokens``; ``log_stats``: keep their
+    statistics (vLLM's Prometheus histograms at ``/metrics``).
     """
     common = {"max_model_len": MAX_MODEL_LEN}
     base = ["--no-enable-prefix-caching"]
     if name == "colocated":
         server = cluster.start_vllm(
             "colocated", model, free_port(), role=None, cpu="0",
-            prefix=link.prefix("consumer"), args=[*base, *producer_args], **common,
+            prefix=link.prefix("consumer"), args=[*base, *producer_args], log_stats=log_stats,
+            **common,
         )  # fmt: skip
         cluster.wait_ready([server])
         return LinkSetup(name, server)
@@ -165,6 +172,7 @@ def start_link_setup(
                 host=link.producer_ip if side == "producer" else "127.0.0.1",
                 prefix=link.prefix(side),
                 args=[*base, *(producer_args if side == "producer" else ())],
+                log_stats=log_stats and side == "producer",
                 **common,
             )
         )

@@ -38,7 +38,8 @@ unpack 20.00 ms, kv_format pages, from 10.228.0.9:22623 ranks 0[0:4]
 def _row(setup, clients, ttft, itl=10.0, **extra):
     return {"setup": setup, "clients": clients, "ttft_p50_ms": ttft, "ttft_p99_ms": ttft * 1.2,
             "itl_p50_ms": itl, "itl_p99_ms": itl * 2, "wrong": 0, "failed": 0, "failed_checks": 0,
-            "load_text_diffs": 0, "prefill_ms": 1400.0, "fetch_p50_ms": None,
+            "load_text_diffs": 0, "prefill_ms": 1400.0, "prefill_in_load_ms": 1500.0,
+            "fetch_p50_ms": None,
             "link_mb_per_req": 34.1, "load_before": "1 1 1", "load_after": "2 2 2",
             **pd_goal.chunk_stats({}), **extra}  # fmt: skip
 
@@ -110,6 +111,22 @@ def test_saved_transfers_count_the_chunks_each_transfer_was_published_in():
     assert pd_goal.fetch_ms(PRODUCER_LOG) == []
 
 
+def test_prefill_in_load_reads_vllms_histogram_between_two_reads():
+    metrics = (
+        "# HELP vllm:request_prefill_time_seconds Histogram of time spent in PREFILL phase\n"
+        'vllm:request_prefill_time_seconds_bucket{engine="0",le="0.3"} 1.0\n'
+        'vllm:request_prefill_time_seconds_sum{engine="0",model_name="tiny"} 4.5\n'
+        'vllm:request_prefill_time_seconds_count{engine="0",model_name="tiny"} 3.0\n'
+        'vllm:request_prefill_time_seconds_sum{engine="1",model_name="tiny"} 1.5\n'
+        'vllm:request_prefill_time_seconds_count{engine="1",model_name="tiny"} 1.0\n'
+        'vllm:request_queue_time_seconds_sum{engine="0"} 99.0\n'
+    )
+    assert pd_goal.prefill_histogram(metrics) == (6.0, 4.0)
+    assert pd_goal.prefill_histogram("") == (0.0, 0.0)
+    assert pd_goal.prefill_in_load_ms((6.0, 4.0), (10.5, 7.0)) == 1500.0
+    assert pd_goal.prefill_in_load_ms((6.0, 4.0), (6.0, 4.0)) is None  # no request in between
+
+
 def test_an_overlapped_row_published_in_one_piece_is_not_a_measurement():
     one_piece = pd_goal.chunk_stats(pd_goal.saved_transfers(PRODUCER_LOG.splitlines()[0]))
     chunked = pd_goal.chunk_stats({"a": pd_goal.Published(8, 2048, 1)})
@@ -148,6 +165,7 @@ def test_report_writes_the_csv_and_the_summary_with_the_goals(tmp_path):
     assert "--max-num-batched-tokens 256 (8 chunks a prompt)" in text
     assert "T = KV x 8 / rate = 1400 ms" in text and "15.7 Gb/s real" in text
     assert "consumer fetch p50 1412 ms" in text
+    assert " 1400 " in text.splitlines()[6] and " 1500 " in text.splitlines()[6]  # P, P load
     bound = 1.2 * pd_goal.transfer_ms(33554432, 191.7) + 20.0  # T (1400.3 ms) > P
     assert f"= {round(1800 / bound, 3):g} (goal <= 1: NOT met)" in text
     assert f"= {round(1800 / 3000, 3):g} (goal <= 0.75: met)" in text

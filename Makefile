@@ -41,7 +41,7 @@ bench: setup
 # LINK=1: the link-limited mode (bench/pd_link.py: network namespaces and a rate-limited veth, root
 # only; load from vLLM's own benchmark client); about 15 minutes.
 # GOAL=1: issue 25's goal measurement over that link (bench/pd_goal.py: T = P at 2048 tokens,
-# chunked prefill, overlapped vs sequential vs NIXL); about 20 minutes.
+# chunked prefill, overlapped vs sequential vs NIXL); about 15 minutes.
 bench-pd: setup
 	$(PY) -m bench.bench_pd $(if $(or $(LINK),$(GOAL)),--link) $(if $(GOAL),--goal)
 

@@ -22,6 +22,10 @@ tritonkv-overlap  as tritonkv-pag, the proxy with ``--overlap``: prefill and dec
 nixl-tuned        vLLM's NixlConnector with ``bench/nixl_tuned`` (UCX over TCP on the veth only)
 ================  ============================================================================
 
+``--goal`` runs issue 25's goal measurement instead (:mod:`bench.pd_goal`: these servers, the
+link set so that transfer time = prefill time, chunked prefill; also ``tritonkv-overlap-tok``,
+the overlapped flow with ``kv_format: tokens``).
+
 Model: :data:`SHAPE` (random weights, built locally), whose KV bytes per token over prefill
 tokens per second on one core is within 2x of Llama-3-8B bf16's on one H100 (bench/README.md
 derives it and the link rates; the run measures its prefill rate again and prints the ratio).
@@ -203,7 +207,8 @@ def serve_bench(url: str, model: Path, *, clients: int, plan: dict, log: Path) -
             "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
             "--model", str(model), "--served-model-name", "tiny", "--tokenizer", str(model),
             "--dataset-name", "random", "--random-input-len", str(plan["input_len"]),
-            "--random-output-len", str(plan["output_len"]), "--random-range-ratio", str(plan.get("range_ratio", 0.25)),
+            "--random-output-len", str(plan["output_len"]),
+            "--random-range-ratio", str(plan.get("range_ratio", 0.25)),
             "--num-prompts", str(plan["num_prompts"]), "--max-concurrency", str(clients),
             "--request-rate", "inf", "--seed", str(SEED), "--temperature", "0",
             "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl",

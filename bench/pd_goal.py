@@ -284,6 +284,41 @@ def _kv_bytes(setup: pd_link.LinkSetup, link: netlink.Link, url: str, plan: dict
     return link.tx_bytes("producer") - tx0
 
 
+def _point(
+    setup: pd_link.LinkSetup, link: netlink.Link, model: Path, clients: int, plan: dict,
+    refs: dict, m: dict, p_ms: float, log: Path,
+) -> dict:  # fmt: skip
+    """One point: ``vllm bench serve`` at ``clients``, then the subset checked; its CSV row.
+
+    ``refs``: the checked ``subset`` and colocated's ``load`` results (by clients) and
+    ``answers`` (set here when ``setup`` is colocated); ``m``: the run's measured figures.
+    """
+    name, url = setup.name, setup.entry.url
+    prefill_server = setup.producer or setup.entry
+    marks = _LogMark(setup.producer), _LogMark(setup.consumer)
+    before, tx0 = pd_link.loadavg(), link.tx_bytes("producer")
+    hist0 = _prefill_now(prefill_server)
+    result = pd_link.serve_bench(url, model, clients=clients, plan=plan, log=log)
+    tx = link.tx_bytes("producer") - tx0
+    in_load = prefill_in_load_ms(hist0, _prefill_now(prefill_server))
+    saved, fetches = saved_transfers(marks[0].since()), fetch_ms(marks[1].since())
+    answers = pd_link.checked_answers(url, refs["subset"], plan)
+    if name == "colocated":
+        refs["load"][clients], refs["answers"] = result, answers
+    wrong, failed_checks = pd_link._wrong(answers, refs["answers"])
+    r = pd_link.row(
+        name, "-" if name == "colocated" else m["rate_mbit"], clients, result,
+        checked=len(answers), wrong=wrong, failed_checks=failed_checks,
+        load_text_diffs=pd_link.text_diffs(result, refs["load"].get(clients, {})),
+        link_mb_per_req=round(tx / 1e6 / max(1, plan["num_prompts"]), 2),
+        prefill_ms=round(p_ms, 1), prefill_in_load_ms=in_load,
+        fetch_p50_ms=round(statistics.median(fetches), 1) if fetches else None,
+        **chunk_stats(saved), load_before=before, load_after=pd_link.loadavg(),
+    )  # fmt: skip
+    r["link"] = "-" if name == "colocated" else "T = P"
+    return r
+
+
 def run(args: argparse.Namespace, progress) -> int:
     """The goal measurement (module docstring); 0 when every answer matched and overlap showed."""
     plan = {**(QUICK if args.quick else DEFAULTS), "input_len": INPUT_LEN, "range_ratio": 0}
@@ -312,8 +347,7 @@ def run(args: argparse.Namespace, progress) -> int:
     words = vocabulary(model)
     subset = pd_link.check_prompts(words, plan)
     rows: list[dict] = []
-    ref_load: dict[int, dict] = {}
-    ref_answers: list = []
+    refs = {"subset": subset, "load": {}, "answers": []}  # colocated's, once it ran
     m = {"chunk_tokens": chunk, "prefill_ms": None, "kv_bytes": None, "rate_mbit": args.goal_rate}
     log = workdir / "bench-serve.log"
     progress(f"goal mode: setups {setups}, chunk {chunk} tokens, plan {plan}; logs in {workdir}")
@@ -342,42 +376,12 @@ def run(args: argparse.Namespace, progress) -> int:
                     for _ in range(WARMUPS):
                         pd_link.checked_answers(url, subset[:1], plan)
                     for clients in plan["clients"]:
-                        marks = _LogMark(setup.producer), _LogMark(setup.consumer)
-                        before, tx0 = pd_link.loadavg(), link.tx_bytes("producer")
-                        hist0 = _prefill_now(prefill_server)
-                        result = pd_link.serve_bench(
-                            url, model, clients=clients, plan=plan, log=log
-                        )
-                        tx = link.tx_bytes("producer") - tx0
-                        in_load = prefill_in_load_ms(hist0, _prefill_now(prefill_server))
-                        saved, fetches = (
-                            saved_transfers(marks[0].since()),
-                            fetch_ms(marks[1].since()),
-                        )
-                        if name == "colocated":
-                            ref_load[clients] = result
-                        answers = pd_link.checked_answers(url, subset, plan)
-                        if name == "colocated":
-                            ref_answers = answers
-                        wrong, failed_checks = pd_link._wrong(answers, ref_answers)
-                        rate = "-" if name == "colocated" else m["rate_mbit"]
-                        rows.append(
-                            pd_link.row(
-                                name, rate, clients, result, checked=len(answers), wrong=wrong,
-                                failed_checks=failed_checks,
-                                load_text_diffs=pd_link.text_diffs(result, ref_load.get(clients, {})),
-                                link_mb_per_req=round(tx / 1e6 / max(1, plan["num_prompts"]), 2),
-                                prefill_ms=round(p_ms, 1), prefill_in_load_ms=in_load,
-                                fetch_p50_ms=round(statistics.median(fetches), 1) if fetches else None,
-                                **chunk_stats(saved),
-                                load_before=before, load_after=pd_link.loadavg(),
-                            )
-                        )  # fmt: skip
+                        rows.append(_point(setup, link, model, clients, plan, refs, m, p_ms, log))
                         r = rows[-1]
-                        r["link"] = "-" if name == "colocated" else "T = P"
                         progress(
                             f"  {name}, {clients} clients: TTFT p50 {r['ttft_p50_ms']} ms, "
-                            f"chunks/transfer {r['chunks_p50']}, {wrong} wrong, load {r['load_after']}"
+                            f"chunks/transfer {r['chunks_p50']}, {r['wrong']} wrong, "
+                            f"load {r['load_after']}"
                         )
                         why = not_overlapped(r)
                         if why:

@@ -40,8 +40,10 @@ bench: setup
 # NIXL (no CUDA needed) is installed into .bench_deps/nixl first, never into the venv.
 # LINK=1: the link-limited mode (bench/pd_link.py: network namespaces and a rate-limited veth, root
 # only; load from vLLM's own benchmark client); about 15 minutes.
+# GOAL=1: issue 25's goal measurement over that link (bench/pd_goal.py: T = P at 2048 tokens,
+# chunked prefill, overlapped vs sequential vs NIXL); about 15 minutes.
 bench-pd: setup
-	$(PY) -m bench.bench_pd $(if $(LINK),--link)
+	$(PY) -m bench.bench_pd $(if $(or $(LINK),$(GOAL)),--link) $(if $(GOAL),--goal)
 
 # Chaos soak (connector/serve/soak.py): P/D under load while the producer and consumer are killed and
 # restarted; about 7 minutes; ends with one `soak: ...` line. CI runs a 2-minute pass.

@@ -22,6 +22,10 @@ tritonkv-overlap  as tritonkv-pag, the proxy with ``--overlap``: prefill and dec
 nixl-tuned        vLLM's NixlConnector with ``bench/nixl_tuned`` (UCX over TCP on the veth only)
 ================  ============================================================================
 
+``--goal`` runs issue 25's goal measurement instead (:mod:`bench.pd_goal`: these servers, the
+link set so that transfer time = prefill time, chunked prefill; also ``tritonkv-overlap-tok``,
+the overlapped flow with ``kv_format: tokens``).
+
 Model: :data:`SHAPE` (random weights, built locally), whose KV bytes per token over prefill
 tokens per second on one core is within 2x of Llama-3-8B bf16's on one H100 (bench/README.md
 derives it and the link rates; the run measures its prefill rate again and prints the ratio).
@@ -58,6 +62,8 @@ SETUPS = (
     "tritonkv-overlap",
     "nixl-tuned",
 )
+#: Setups :func:`start_link_setup` also knows, outside the default matrix (``--goal`` runs it).
+EXTRA_SETUPS = ("tritonkv-overlap-tok",)
 #: 8 layers, hidden 512, 8 query heads, 4 KV heads of 64, fp32: 16 KiB of KV per token.
 SHAPE = {
     "num_layers": 8,
@@ -97,6 +103,8 @@ class LinkSetup:
 
     name: str
     entry: Proc
+    producer: Proc | None = None
+    consumer: Proc | None = None
 
 
 def _kv_env(name: str, side: str, link: netlink.Link, secret: str) -> tuple[dict, dict | None]:
@@ -117,26 +125,39 @@ def _kv_env(name: str, side: str, link: netlink.Link, secret: str) -> tuple[dict
     return env, {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 
 
-def start_link_setup(name: str, cluster: Cluster, model: Path, link: netlink.Link) -> LinkSetup:
+def start_link_setup(
+    name: str,
+    cluster: Cluster,
+    model: Path,
+    link: netlink.Link,
+    producer_args: list[str] = (),
+    log_stats: bool = False,
+) -> LinkSetup:
     """Start ``name``'s servers in their namespaces and wait until all are healthy.
 
     Called with this thread inside the consumer's namespace (:func:`netlink.entered`).
+    ``producer_args``: more vLLM arguments for the producer (and the colocated server, whose
+    prefill is the reference), e.g. ``--max-num-batched-tokens``; ``log_stats``: keep their
+    statistics (vLLM's Prometheus histograms at ``/metrics``).
     """
-    common = {"max_model_len": MAX_MODEL_LEN, "args": ["--no-enable-prefix-caching"]}
+    common = {"max_model_len": MAX_MODEL_LEN}
+    base = ["--no-enable-prefix-caching"]
     if name == "colocated":
         server = cluster.start_vllm(
             "colocated", model, free_port(), role=None, cpu="0",
-            prefix=link.prefix("consumer"), **common,
+            prefix=link.prefix("consumer"), args=[*base, *producer_args], log_stats=log_stats,
+            **common,
         )  # fmt: skip
         cluster.wait_ready([server])
         return LinkSetup(name, server)
-    if name not in SETUPS:
-        raise ValueError(f"setup: expected one of {SETUPS}, got {name!r}")
+    if name not in SETUPS + EXTRA_SETUPS:
+        raise ValueError(f"setup: expected one of {SETUPS + EXTRA_SETUPS}, got {name!r}")
     secret, kv_port = secrets.token_hex(32), free_port_run(1)
     procs = []
     for side, cpu in (("producer", "0"), ("consumer", "1")):
         env, kv_config = _kv_env(name, side, link, secret)
-        extra = {"kv_format": "tokens" if name == "tritonkv-tok" else "pages"}
+        tokens = name in ("tritonkv-tok", "tritonkv-overlap-tok")
+        extra = {"kv_format": "tokens" if tokens else "pages"}
         if name == "tritonkv-async" and side == "consumer":
             extra["async_load"] = True
         if side == "producer":
@@ -154,6 +175,8 @@ def start_link_setup(name: str, cluster: Cluster, model: Path, link: netlink.Lin
                 kv_config=kv_config,
                 host=link.producer_ip if side == "producer" else "127.0.0.1",
                 prefix=link.prefix(side),
+                args=[*base, *(producer_args if side == "producer" else ())],
+                log_stats=log_stats and side == "producer",
                 **common,
             )
         )
@@ -162,11 +185,11 @@ def start_link_setup(name: str, cluster: Cluster, model: Path, link: netlink.Lin
         free_port(),
         [producer.url],
         [consumer.url],
-        args=["--overlap"] if name == "tritonkv-overlap" else [],
+        args=["--overlap"] if name.startswith("tritonkv-overlap") else [],
         prefix=link.prefix("consumer"),
     )
     cluster.wait_ready([producer, consumer, proxy])
-    return LinkSetup(name, proxy)
+    return LinkSetup(name, proxy, producer, consumer)
 
 
 # --------------------------------------------------------------------------------- the load
@@ -184,7 +207,8 @@ def serve_bench(url: str, model: Path, *, clients: int, plan: dict, log: Path) -
             "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
             "--model", str(model), "--served-model-name", "tiny", "--tokenizer", str(model),
             "--dataset-name", "random", "--random-input-len", str(plan["input_len"]),
-            "--random-output-len", str(plan["output_len"]), "--random-range-ratio", "0.25",
+            "--random-output-len", str(plan["output_len"]),
+            "--random-range-ratio", str(plan.get("range_ratio", 0.25)),
             "--num-prompts", str(plan["num_prompts"]), "--max-concurrency", str(clients),
             "--request-rate", "inf", "--seed", str(SEED), "--temperature", "0",
             "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl",
@@ -264,6 +288,10 @@ def run(args: argparse.Namespace, progress) -> int:
     if reason:
         print(f"bench_pd --link: cannot make network namespaces here: {reason}")
         return 2
+    if args.goal:
+        from . import pd_goal  # (it imports this module)
+
+        return pd_goal.run(args, progress)
     plan = dict(QUICK if args.quick else DEFAULTS)
     if args.clients:
         plan["clients"] = tuple(int(x) for x in args.clients.split(","))
@@ -442,3 +470,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link", action="store_true", help="the link-limited mode (this module)")
     parser.add_argument("--rates", default=None, help="link rates, Mbit/s (default 250,1000)")
     parser.add_argument("--clients", default=None, help="--link: concurrencies (default 1,4)")
+    from . import pd_goal
+
+    pd_goal.add_args(parser)

@@ -144,6 +144,7 @@ class TritonKVMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     discards: list[str] = field(default_factory=list)  # transfer ids of aborted requests
+    refusals: list[tuple[str, str]] = field(default_factory=list)  # (chosen id refused, digest)
     releases: list[ReleaseSpec] = field(default_factory=list)
     hidden_saves: list[HiddenSaveSpec] = field(default_factory=list)  # extract_hidden_states
     hidden_drops: list[HiddenDrop] = field(default_factory=list)
@@ -447,7 +448,7 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self):
         meta = self._get_connector_metadata()
         if isinstance(meta, TritonKVMetadata):
-            self._worker.wait_for_save(meta.saves, meta.discards)
+            self._worker.wait_for_save(meta.saves, meta.discards, meta.refusals)
             if self._hidden_worker is not None:
                 self._hidden_worker.save(meta.hidden_saves, meta.hidden_drops)
 

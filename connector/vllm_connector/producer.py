@@ -157,26 +157,16 @@ class Producer:
         log.info("tritonkv: rank %d serving KV on %s:%d", self.tp_rank, self.cfg.host, port)
         self._watcher = BufferWatcher(self)
 
-    def wait_for_save(self, saves: list[SaveSpec], discards: list[str] = ()) -> None:
-        """Drop the entries of ``discards`` (aborted requests) and pack and store ``saves``, after
-        the forward pass. Never raises: a save that fails (an entry that can never fit the
-        buffer or the wire, no memory to pack it, a full buffer) is that request's failure only,
-        logged and counted; its decode side finds no entry and recomputes the prompt."""
+    def wait_for_save(self, saves: list[SaveSpec], discards: list[str] = (), refusals=()) -> None:
+        """Drop the entries of ``discards`` (aborted requests), seal the ``(transfer id, prompt
+        digest)`` of ``refusals`` (chosen ids refused: their decode side stops waiting), and
+        pack and store ``saves``, after the forward pass. Never raises: a save that fails (an
+        entry that can never fit the buffer or the wire, no memory to pack it, a full buffer)
+        is that request's failure only, logged and counted; its decode side finds no entry and
+        recomputes the prompt."""
         if self._buffer is None:
             return
-        for transfer_id in discards:  # saved in an earlier step (ids are never reused)
-            try:  # its own entry (or its chunks), whatever its digest; later chunks refused
-                if self._buffer.drop(transfer_id, seal=True):
-                    log.info(
-                        "tritonkv: discarded transfer %s (its request was aborted)",
-                        short_id(transfer_id),
-                    )
-            except Exception as exc:  # the entry's TTL drops it later
-                log.error(
-                    "tritonkv: could not discard transfer %s (%s)",
-                    short_id(transfer_id),
-                    hide_ids(error_text(exc)),
-                )
+        drop_transfers(self._buffer, discards, refusals)
         for spec in saves:
             try:
                 self._save(spec)
@@ -337,6 +327,29 @@ class Producer:
         if self._buffer is not None:
             self._buffer.close()
             self._buffer = None
+
+
+def drop_transfers(buffer: KVBuffer, discards, refusals) -> None:
+    """Drop every entry of each of ``discards`` (its own: any digest) and of each ``(transfer
+    id, digest)`` of ``refusals`` (for that digest only), and seal them: parts stored later are
+    refused, and a consumer waiting for one stops at once. A failure is logged (the TTL drops
+    the entries later)."""
+    drops = [(t, None, "its request was aborted") for t in discards]
+    drops += [(t, d, "a prompt of this digest was refused its id") for t, d in refusals]
+    for transfer_id, digest, why in drops:
+        try:
+            if digest is None:
+                held = buffer.drop(transfer_id, seal=True)
+            else:
+                held = buffer.discard(transfer_id, digest, seal=True)
+            if held:
+                log.info("tritonkv: discarded transfer %s (%s)", short_id(transfer_id), why)
+        except Exception as exc:
+            log.error(
+                "tritonkv: could not discard transfer %s (%s)",
+                short_id(transfer_id),
+                hide_ids(error_text(exc)),
+            )
 
 
 def entry_rows(spec: SaveSpec, kv_format: str, block_size: int) -> tuple[int, int]:

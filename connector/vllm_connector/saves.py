@@ -47,13 +47,17 @@ class SavePlan:
         self._published: dict[str, tuple[int, int, str]] = {}
         self._issued: OrderedDict[str, None] = OrderedDict()  # recent transfer ids
         self._discards: list[str] = []  # saved transfers of aborted requests
+        # (transfer id, prompt digest) of chosen ids refused: sealed for that prompt, so that
+        # its decode side, waiting for the id, stops at once
+        self._refusals: list[tuple[str, str]] = []
 
     def watch(self, request) -> None:
         """Save ``request``'s prompt (sent with ``do_remote_decode``, its prompt token ids)."""
         self._watched[request.request_id] = request
 
     def step(self, scheduler_output) -> tuple[list[SaveSpec], list[str]]:
-        """This step's saves, and the transfers to drop (each said once)."""
+        """This step's saves, and the transfers to drop (each said once; the refusals of chosen
+        ids: :meth:`take_refusals`)."""
         saves = []
         done = self._saved.keys() - self._published.keys()
         for req_id, request, block_ids, end in prompt_steps(scheduler_output, self._watched, done):
@@ -62,6 +66,12 @@ class SavePlan:
                 saves.append(spec)
         discards, self._discards = self._discards, []
         return saves, discards
+
+    def take_refusals(self) -> list[tuple[str, str]]:
+        """``(transfer id, prompt digest)`` of the chosen ids refused since the last call: the
+        worker seals each for that digest (its decode side's pulls end at once)."""
+        refusals, self._refusals = self._refusals, []
+        return refusals
 
     def finished(self, req_id: str, aborted: bool) -> str | None:
         """The transfer id of a finished request's saved prompt, for its hand-off; None when
@@ -138,6 +148,7 @@ class SavePlan:
             return uuid.uuid4().hex
         if chosen is not None and chosen in self._issued:
             why = f"transfer_id {short_id(chosen)} is already in use"
+            self._refusals.append((chosen, prompt_digest(request.prompt_token_ids)))
         if not why:
             return chosen
         log.warning(

@@ -233,7 +233,11 @@ class SchedulerSide:
         (``saves``, ``loads``, ``discards``, ``releases``), each said once."""
         saves, discards = self._saves.step(scheduler_output)
         meta: dict[str, list] = dict(
-            saves=saves, loads=self._pending_loads, discards=discards, releases=self._releases
+            saves=saves,
+            loads=self._pending_loads,
+            discards=discards,
+            refusals=self._saves.take_refusals(),
+            releases=self._releases,
         )
         self._pending_loads, self._releases = [], []
         return meta

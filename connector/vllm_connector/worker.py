@@ -162,10 +162,10 @@ class WorkerSide:
         self.consumer.clients.end(finished_req_ids or set())
         return None, self.consumer.get_finished(IDLE_WAIT_S if idle else 0.0)
 
-    def wait_for_save(self, saves: list[SaveSpec], discards: list[str] = ()) -> None:
+    def wait_for_save(self, saves: list[SaveSpec], discards=(), refusals=()) -> None:
         """See :meth:`.producer.Producer.wait_for_save`."""
         if self.producer is not None:
-            self.producer.wait_for_save(saves, discards)
+            self.producer.wait_for_save(saves, discards, refusals)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.consumer.get_block_ids_with_load_errors() if self.consumer else set()

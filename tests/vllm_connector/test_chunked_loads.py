@@ -360,3 +360,28 @@ def test_a_chunk_that_fails_to_save_ends_the_waiting_load_and_the_rest_are_refus
     stats = served.buffer.stats()
     assert len(served.buffer) == 0 and stats["sealed_puts"] == 1
     assert served.worker.stats.peek()["save_failures"] == 1
+
+
+def test_a_refused_id_is_sealed_for_that_prompt_only(served):
+    """A proxy reused a transfer id another prompt's chunks are stored under: the producer
+    refuses it for the second prompt and seals it for that prompt's digest, so the second
+    prompt's waiting decode stops at once; the first prompt's chunks stay and load."""
+    other = "e7" * 16  # the second prompt's digest
+    saves = _chunk_saves(10, [10], [0, 1, 2])
+    served.worker.wait_for_save(saves)
+    conn = _consumer(caches(NHD, seed=None))
+    try:
+        waiting = _load("late", served.server.port, [3, 4, 5], 0, 10, wait_s=30)
+        waiting.prompt_digest = other
+        conn.start_load_kv([waiting])
+        assert _poll(conn, {"late"}, wait_s=0.2) == (set(), set())
+        t0 = time.monotonic()
+        served.worker.wait_for_save([], refusals=[(TID, other)])
+        assert _poll(conn, {"late"}, wait_s=15) == ({"late"}, {3, 4, 5})
+        assert time.monotonic() - t0 < 15
+        assert len(served.buffer) == 1  # the first prompt's entry
+        conn.start_load_kv([_load("first", served.server.port, [3, 4, 5], 0, 10, wait_s=5)])
+        assert _poll(conn, {"first"}) == ({"first"}, set())
+    finally:
+        conn.shutdown()
+    assert len(served.buffer) == 0

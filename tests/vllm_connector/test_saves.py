@@ -129,3 +129,6 @@ def test_a_chosen_id_already_issued_is_refused_and_nothing_of_that_prompt_is_sav
     plan.watch(second)
     assert _prefill(plan, second, [4, 4]) == []
     assert plan.finished("again", aborted=False) is None
+    # the worker seals the id for that prompt: its decode side, waiting for it, stops at once
+    assert plan.take_refusals() == [(CHOSEN, prompt_digest(second.prompt_token_ids))]
+    assert plan.take_refusals() == []

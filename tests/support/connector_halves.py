@@ -3,12 +3,13 @@ directly (at TP 1 unless told), and an in-process save-then-load (no sockets, no
 
 from __future__ import annotations
 
+import time
 from functools import partial
 from types import SimpleNamespace
 
 import torch
 
-from connector.kvstore import KVBuffer
+from connector.kvstore import KVBuffer, KVServer
 from connector.vllm_connector.cache_views import RankCaches
 from connector.vllm_connector.config import ConnectorConfig
 from connector.vllm_connector.consumer import Consumer
@@ -149,3 +150,32 @@ def transfer(
     errors = dst.get_block_ids_with_load_errors()
     dst.shutdown()
     return dst, errors
+
+
+class ServedProducer:
+    """A producer rank over random NHD caches (``src``), its buffer served on a loopback port
+    over gloo (``server.port``)."""
+
+    def __init__(self, block_size: int, *, seed: int = 7, kv_format: str = "tokens"):
+        self.src = caches(NHD, seed=seed)
+        self.worker = producer(self.src, block_size, kv_format=kv_format)
+        self.buffer = KVBuffer(1 << 24)
+        self.worker.attach_buffer(self.buffer)
+        self.server = KVServer(self.buffer, "127.0.0.1", 0, transport="gloo")
+
+    def close(self) -> None:
+        self.server.close()
+        self.buffer.close()
+
+
+def poll_loads(conn, until, wait_s: float = 20.0, ended=frozenset()):
+    """``conn.get_finished`` (given ``ended`` as vLLM's finished_req_ids, through its clients'
+    ``end``) until ``until`` requests were reported or ``wait_s`` passed; returns ``(finished,
+    load-error blocks)``."""
+    finished, errors, end = set(), set(), time.monotonic() + wait_s
+    while not until <= finished and time.monotonic() < end:
+        conn.clients.end(set(ended))
+        finished |= conn.get_finished() or set()
+        errors |= conn.get_block_ids_with_load_errors()
+        time.sleep(0.01)
+    return finished, errors

@@ -19,16 +19,18 @@ from support.connector_halves import (
     DIGEST,
     NHD,
     SENTINEL,
+    ServedProducer,
     bits,
     caches,
     consumer,
     fake_client,
+    poll_loads,
     producer,
 )
 from support.kvstore import deliver
 from support.vllm_fixtures import captured_log
 
-from connector.kvstore import KVBuffer, KVServer, chunk_key
+from connector.kvstore import KVBuffer, chunk_key
 from connector.vllm_connector.config import ConnectorConfig
 from connector.vllm_connector.handoff import prompt_digest
 from connector.vllm_connector.metadata import CHUNK_FIELDS, Chunk, LoadSpec, SaveSpec
@@ -191,40 +193,15 @@ def test_a_chunk_whose_meta_lies_fails_the_load_and_writes_nothing(how):
     assert bits(dst).eq(SENTINEL).all()
 
 
-class _Served:
-    """A producer rank over random NHD caches, its buffer served on a loopback port."""
-
-    def __init__(self, kv_format="tokens"):
-        self.src = caches(NHD, seed=11)
-        self.worker = producer(self.src, BLOCK_SIZE, kv_format=kv_format)
-        self.buffer = KVBuffer(1 << 24)
-        self.worker.attach_buffer(self.buffer)
-        self.server = KVServer(self.buffer, "127.0.0.1", 0, transport="gloo")
-
-    def close(self):
-        self.server.close()
-        self.buffer.close()
-
-
 @pytest.fixture
 def served():
-    s = _Served()
+    s = ServedProducer(BLOCK_SIZE, seed=11)
     yield s
     s.close()
 
 
 def _consumer(dst, **cfg):
     return consumer(dst, BLOCK_SIZE, cfg=ConnectorConfig(transport="socket", **cfg))
-
-
-def _poll(conn, until, wait_s=20.0, ended=frozenset()):
-    finished, errors, end = set(), set(), time.monotonic() + wait_s
-    while not until <= finished and time.monotonic() < end:
-        conn.clients.end(set(ended))
-        finished |= conn.get_finished() or set()
-        errors |= conn.get_block_ids_with_load_errors()
-        time.sleep(0.01)
-    return finished, errors
 
 
 def _until(what: str, done, wait_s: float = 10.0) -> None:
@@ -252,9 +229,9 @@ def test_each_chunk_is_pulled_as_soon_as_it_is_stored(served):
         for n, spec in enumerate(saves[:-1], start=1):
             served.worker.wait_for_save([spec])
             _until(f"chunk {n - 1}'s pull", lambda n=n: served.buffer.stats()["claimed"] == n)
-            assert _poll(conn, {"c"}, wait_s=0.05) == (set(), set())  # waiting for the next
+            assert poll_loads(conn, {"c"}, wait_s=0.05) == (set(), set())  # waiting for the next
         served.worker.wait_for_save(saves[-1:])
-        assert _poll(conn, {"c"}) == ({"c"}, set())
+        assert poll_loads(conn, {"c"}) == ({"c"}, set())
     finally:
         conn.shutdown()
     want = _expected(served.src, [5, 0, 3, 1], [2, 4, 0, 1], 0, 14, "tokens")
@@ -299,7 +276,7 @@ def test_a_prefill_aborted_between_its_chunks_ends_the_waiting_load_at_once(serv
             _until("chunk 0's pull", lambda: served.buffer.stats()["claimed"] == 1)
             t0 = time.monotonic()
             served.worker.wait_for_save([], discards=[TID])
-            assert _poll(conn, {"c"}, wait_s=15) == ({"c"}, {3, 4, 5})
+            assert poll_loads(conn, {"c"}, wait_s=15) == ({"c"}, {3, 4, 5})
             assert time.monotonic() - t0 < 15
         assert any("discarded" in r.getMessage() for r in logs), [r.getMessage() for r in logs]
         served.worker.wait_for_save(saves[1:])  # the steps already under way when it was aborted
@@ -351,7 +328,7 @@ def test_a_chunk_that_fails_to_save_ends_the_waiting_load_and_the_rest_are_refus
         monkeypatch.setattr(producer_mod, "pack_kv", failing)
         t0 = time.monotonic()
         served.worker.wait_for_save(saves[1:2])
-        assert _poll(conn, {"c"}, wait_s=15) == ({"c"}, {3, 4, 5})
+        assert poll_loads(conn, {"c"}, wait_s=15) == ({"c"}, {3, 4, 5})
         assert time.monotonic() - t0 < 15
         monkeypatch.undo()
         served.worker.wait_for_save(saves[2:])
@@ -374,14 +351,14 @@ def test_a_refused_id_is_sealed_for_that_prompt_only(served):
         waiting = _load("late", served.server.port, [3, 4, 5], 0, 10, wait_s=30)
         waiting.prompt_digest = other
         conn.start_load_kv([waiting])
-        assert _poll(conn, {"late"}, wait_s=0.2) == (set(), set())
+        assert poll_loads(conn, {"late"}, wait_s=0.2) == (set(), set())
         t0 = time.monotonic()
         served.worker.wait_for_save([], refusals=[(TID, other)])
-        assert _poll(conn, {"late"}, wait_s=15) == ({"late"}, {3, 4, 5})
+        assert poll_loads(conn, {"late"}, wait_s=15) == ({"late"}, {3, 4, 5})
         assert time.monotonic() - t0 < 15
         assert len(served.buffer) == 1  # the first prompt's entry
         conn.start_load_kv([_load("first", served.server.port, [3, 4, 5], 0, 10, wait_s=5)])
-        assert _poll(conn, {"first"}) == ({"first"}, set())
+        assert poll_loads(conn, {"first"}) == ({"first"}, set())
     finally:
         conn.shutdown()
     assert len(served.buffer) == 0

@@ -10,10 +10,18 @@ import time
 
 import pytest
 import torch
-from support.connector_halves import DIGEST, NHD, SENTINEL, bits, caches, consumer, producer
+from support.connector_halves import (
+    DIGEST,
+    NHD,
+    SENTINEL,
+    ServedProducer,
+    bits,
+    caches,
+    consumer,
+    poll_loads,
+)
 from support.vllm_fixtures import captured_log
 
-from connector.kvstore import KVBuffer, KVServer
 from connector.transport.errors import ClientBusyError
 from connector.vllm_connector.config import ConnectorConfig
 from connector.vllm_connector.metadata import LoadSpec, SaveSpec
@@ -25,24 +33,14 @@ BLOCK_SIZE, NUM_TOKENS = 4, 10  # a 10-token prompt in blocks [1, 3, 5] on both 
 BLOCKS = [1, 3, 5]
 
 
-class Producer:
-    """A producer rank over random NHD caches, its buffer served on a loopback port."""
-
+class Producer(ServedProducer):
     def __init__(self):
-        self.src = caches(NHD, seed=7)
-        self.worker = producer(self.src, BLOCK_SIZE, kv_format="tokens")
-        self.buffer = KVBuffer(1 << 24)
-        self.worker.attach_buffer(self.buffer)
-        self.server = KVServer(self.buffer, "127.0.0.1", 0, transport="gloo")
+        super().__init__(BLOCK_SIZE)
 
     def save(self, transfer_id: str) -> None:
         self.worker.wait_for_save(
             [SaveSpec("p", transfer_id, BLOCKS, NUM_TOKENS, prompt_digest=DIGEST)]
         )
-
-    def close(self) -> None:
-        self.server.close()
-        self.buffer.close()
 
 
 @pytest.fixture
@@ -75,18 +73,6 @@ def _consumer(dst, **cfg):
     return consumer(dst, BLOCK_SIZE, cfg=ConnectorConfig(transport="socket", **cfg))
 
 
-def _poll(conn, until, wait_s: float = 20.0, ended=frozenset()):
-    """get_finished (given ``ended`` as vLLM's finished_req_ids, through cancel) until ``until``
-    requests were reported; returns ``(finished, load-error blocks)``."""
-    finished, errors, end = set(), set(), time.monotonic() + wait_s
-    while not until <= finished and time.monotonic() < end:
-        conn.clients.end(set(ended))
-        finished |= conn.get_finished() or set()
-        errors |= conn.get_block_ids_with_load_errors()
-        time.sleep(0.01)
-    return finished, errors
-
-
 def _slots(blocks):
     return torch.tensor([b * BLOCK_SIZE + i for b in blocks for i in range(BLOCK_SIZE)])
 
@@ -112,13 +98,13 @@ def test_overlapped_loads_wait_for_their_entries_each_on_a_connection_of_its_own
         conn.start_load_kv([_spec("a", "a" * 32, prod.server.port, wait_s=20)])
         conn.start_load_kv([_spec("never", "0" * 32, prod.server.port, 20, blocks=[0, 2, 4])])
         conn.start_load_kv([_spec("b", "b" * 32, prod.server.port, 20, blocks=[0, 2, 4])])
-        assert _poll(conn, {"a"}, wait_s=0.3) == (set(), set())  # waiting, not failed
+        assert poll_loads(conn, {"a"}, wait_s=0.3) == (set(), set())  # waiting, not failed
         prod.save("b" * 32)
-        assert _poll(conn, {"b"}, wait_s=10) == ({"b"}, set())  # while "a" still waits
+        assert poll_loads(conn, {"b"}, wait_s=10) == ({"b"}, set())  # while "a" still waits
         prod.save("a" * 32)
-        assert _poll(conn, {"a"}) == ({"a"}, set())
+        assert poll_loads(conn, {"a"}) == ({"a"}, set())
         conn.clients.end({"never"})
-        assert _poll(conn, {"never"}, ended={"never"}) == ({"never"}, {0, 2, 4})
+        assert poll_loads(conn, {"never"}, ended={"never"}) == ({"never"}, {0, 2, 4})
     finally:
         conn.shutdown()
     assert _loaded_rows_match(prod.src, dst, BLOCKS, [0, 2, 4])
@@ -133,13 +119,13 @@ def test_a_leased_client_that_loaded_is_kept_for_the_next_load(prod):
     try:
         conn.start_load_kv([_spec("x", "c" * 32, prod.server.port, wait_s=20)])
         conn.start_load_kv([_spec("y", "d" * 32, prod.server.port, 20, blocks=[0, 2, 4])])
-        assert _poll(conn, {"x"}, wait_s=0.3) == (set(), set())
+        assert poll_loads(conn, {"x"}, wait_s=0.3) == (set(), set())
         for key in ("d" * 32, "c" * 32):
             prod.save(key)
-        assert _poll(conn, {"x", "y"}) == ({"x", "y"}, set())
+        assert poll_loads(conn, {"x", "y"}) == ({"x", "y"}, set())
         conn.start_load_kv([_spec("z", "e" * 32, prod.server.port, wait_s=20)])
         prod.save("e" * 32)
-        assert _poll(conn, {"z"}) == ({"z"}, set())
+        assert poll_loads(conn, {"z"}) == ({"z"}, set())
     finally:
         conn.shutdown()
     assert prod.server.stats()["connections"] == 2, "two leases, then one reused"
@@ -151,7 +137,7 @@ def test_a_prefill_that_never_stores_its_entry_is_recomputed_after_the_wait(prod
     try:
         with captured_log("vllm.tritonkv.connector") as logs:
             conn.start_load_kv([_spec("r", "f" * 32, prod.server.port, wait_s=0.2)])
-            assert _poll(conn, {"r"}) == ({"r"}, set(BLOCKS))
+            assert poll_loads(conn, {"r"}) == ({"r"}, set(BLOCKS))
         [failed] = [r.getMessage() for r in logs]
         assert "not put within wait_s=0.2 s" in failed and "3 blocks will be recomputed" in failed
     finally:
@@ -165,9 +151,9 @@ def test_a_producer_killed_while_a_load_waits_fails_the_load_at_once(prod):
     conn = _consumer(caches(NHD, seed=None))
     try:
         conn.start_load_kv([_spec("r", "1" * 32, prod.server.port, wait_s=30)])
-        assert _poll(conn, {"r"}, wait_s=0.3) == (set(), set())
+        assert poll_loads(conn, {"r"}, wait_s=0.3) == (set(), set())
         prod.server.close()
-        assert _poll(conn, {"r"}, wait_s=15) == ({"r"}, set(BLOCKS))
+        assert poll_loads(conn, {"r"}, wait_s=15) == ({"r"}, set(BLOCKS))
     finally:
         conn.shutdown()
 
@@ -181,12 +167,12 @@ def test_a_request_that_ends_while_its_load_waits_stops_waiting(prod):
     try:
         with captured_log("vllm.tritonkv.connector") as logs:
             conn.start_load_kv([_spec("gone", "2" * 32, prod.server.port, wait_s=30)])
-            assert _poll(conn, {"gone"}, wait_s=0.3) == (set(), set())
-            assert _poll(conn, {"gone"}, wait_s=15, ended={"gone"}) == ({"gone"}, set(BLOCKS))
+            assert poll_loads(conn, {"gone"}, wait_s=0.3) == (set(), set())
+            assert poll_loads(conn, {"gone"}, wait_s=15, ended={"gone"}) == ({"gone"}, set(BLOCKS))
         assert any("its request ended while the pull waited" in r.getMessage() for r in logs)
         conn.start_load_kv([_spec("next", "3" * 32, prod.server.port, wait_s=20)])
         prod.save("3" * 32)
-        assert _poll(conn, {"next"}) == ({"next"}, set())
+        assert poll_loads(conn, {"next"}) == ({"next"}, set())
     finally:
         conn.shutdown()
     assert _loaded_rows_match(prod.src, dst)
@@ -201,7 +187,7 @@ def test_an_entry_of_another_fingerprint_than_the_handoffs_is_refused(prod):
         prod.save("4" * 32)
         with captured_log("vllm.tritonkv.connector") as logs:
             conn.start_load_kv([_spec("r", "4" * 32, prod.server.port, 5, fingerprint="other")])
-            assert _poll(conn, {"r"}) == ({"r"}, set(BLOCKS))
+            assert poll_loads(conn, {"r"}) == ({"r"}, set(BLOCKS))
         assert any("fingerprint 'fp' is not the hand-off's 'other'" in r.getMessage() for r in logs)
     finally:
         conn.shutdown()

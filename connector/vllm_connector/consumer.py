@@ -238,8 +238,17 @@ class Consumer:
             if self._streams is not None and self._device_wire:  # it lands in GPU memory
                 self.budget.check_room(max_bytes, "a pull received on the device")
             waits = _waits(spec, self.cfg.fetch_timeout_s, self._streams is not None)
+            heads = None if part is None else (part.start, part.stop)
+
+            def checked(span, tensors: dict, meta: dict) -> Pulled:
+                entry = check_entry(
+                    self.caches, self.tp_size, spec, source, meta, tensors.get("kv"), span
+                )
+                want = integrity.expected(meta, heads) if self.cfg.digest else None
+                return (*entry, want, span[0])
+
             with self.clients.pull(spec.req_id, addr, spec.wait_s, self.cfg.fetch_timeout_s) as c:
-                pulls = pull_entries(c, spec, part, max_bytes, waits)
+                pulls = pull_entries(c, spec, part, max_bytes, waits, checked)
         except TransferTimeout as exc:
             # A producer that did not connect or answer in time: every further load from it
             # would stall the same way (a sync load stalls the whole decode batch), so they fail
@@ -257,15 +266,7 @@ class Consumer:
                 ) from None
             raise
         self.backoff.answered(addr)
-        heads = None if part is None else (part.start, part.stop)
-        got = []
-        for span, tensors, meta in pulls:
-            entry = check_entry(
-                self.caches, self.tp_size, spec, source, meta, tensors.get("kv"), span
-            )
-            want = integrity.expected(meta, heads) if self.cfg.digest else None
-            got.append((*entry, want, span[0]))
-        return got
+        return pulls
 
     def _load(
         self, spec: LoadSpec, t0: float, fetch: Callable[[], Fetched], is_async: bool = False
@@ -382,10 +383,14 @@ def new_client(cfg: ConnectorConfig, device, device_wire: bool, secret, host: st
     )
 
 
-def pull_entries(client, spec: LoadSpec, part: Part | None, max_bytes: int, waits: dict) -> list:
-    """``[(span, tensors, meta)]`` pulled with ``client`` for ``spec``: its transfer's entry
-    (one GET), or, for a chunked load, its chunks one after the other until the last, each one's
-    ``span`` checked (:func:`entry_span`) before the next is asked for."""
+def pull_entries(
+    client, spec: LoadSpec, part: Part | None, max_bytes: int, waits: dict, checked
+) -> list[Pulled]:
+    """``[checked(span, tensors, meta)]`` of what ``client`` pulls for ``spec``: its transfer's
+    entry (one GET), or, for a chunked load, its chunks one after the other until the last. Each
+    one's ``span`` (:func:`entry_span`) and contents (``checked``, which raises ValueError) are
+    checked as it arrives, before the next is asked for: what a producer can make this rank hold
+    is the prompt's KV plus one reply of at most ``max_bytes``."""
     pulls, start, final = [], 0, False
     while not final:
         index = len(pulls)
@@ -397,7 +402,7 @@ def pull_entries(client, spec: LoadSpec, part: Part | None, max_bytes: int, wait
             **waits,
         )
         span = entry_span(spec, meta, (index, start) if spec.chunked else None)
-        pulls.append((span, tensors, meta))
+        pulls.append(checked(span, tensors, meta))
         start, final = span[1], span[2]
     return pulls
 

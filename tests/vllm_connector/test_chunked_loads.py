@@ -362,3 +362,24 @@ def test_a_refused_id_is_sealed_for_that_prompt_only(served):
     finally:
         conn.shutdown()
     assert len(served.buffer) == 0
+
+
+def test_a_chunk_holding_more_rows_than_it_says_is_refused_before_the_next_is_pulled():
+    """The second chunk's tensor holds more rows than its positions: the load fails at that
+    chunk (nothing written), and the third chunk is never asked for (still in the buffer)."""
+    src, dst = caches(NHD, seed=5), caches(NHD, seed=None)
+    prod = producer(src, BLOCK_SIZE, kv_format="tokens")
+    buffer = KVBuffer(1 << 24)
+    prod.attach_buffer(buffer)
+    prod.wait_for_save(_chunk_saves(10, [4, 4], [0, 1, 2]))
+    key = chunk_key(TID, 1)
+    tensors, meta = deliver(buffer, key, digest=DIGEST)
+    buffer.put(key, {"kv": torch.cat([tensors["kv"]] * 2, dim=2)}, meta, digest=DIGEST)
+    conn = consumer(dst, BLOCK_SIZE, connect=lambda h, p: fake_client(partial(deliver, buffer)))
+    with captured_log("vllm.tritonkv.connector") as logs:
+        conn.start_load_kv([_load("c", 1, [3, 4, 5], 0, 10)])
+        assert conn.get_block_ids_with_load_errors() == {3, 4, 5}
+    conn.shutdown()
+    assert any("entry holds" in r.getMessage() for r in logs), [r.getMessage() for r in logs]
+    assert bits(dst).eq(SENTINEL).all()
+    assert list(buffer._table.entries) == [chunk_key(TID, 2)]

@@ -355,3 +355,45 @@ def test_the_write_back_check_runs_once_the_unpack_completed(faults, fails):
         assert errors == set(DST_BLOCKS) and stats["digest_failures"] == 1
     else:
         assert errors == set() and stats["loads"] == 1
+
+
+@pytest.mark.parametrize("kv_format", ["tokens", "pages"])
+def test_chunks_are_packed_stored_and_unpacked_by_events_without_host_reads(monkeypatch, kv_format):
+    """The overlapped flow's chunks on the GPU path: each chunk's pack is launched on the step
+    and stored (under its chunk key) once its event completed; a chunked load unpacks each at
+    its offset, bit-exact, and nothing in the step reads the device."""
+    from connector.kvstore import chunk_key
+    from connector.vllm_connector.metadata import Chunk
+
+    monkeypatch.setenv("TRITONKV_KERNELS", "triton")
+    cfg = ConnectorConfig(kv_format=kv_format)
+    fake = FakeStreams()
+    src = caches(NHD, seed=1)
+    prod = producer(src, BLOCK_SIZE, cfg=cfg, streams=fake)
+    for t in src:
+        fake.on_device(t)
+    buffer = KVBuffer(1 << 24)
+    prod.attach_buffer(buffer)
+    chunks = [Chunk(0, 0, 4, False), Chunk(1, 4, 10, True)]
+    for chunk in chunks:
+        blocks = SRC_BLOCKS[: -(-chunk.stop // BLOCK_SIZE)]
+        spec = SaveSpec("p", TID, blocks, NUM_TOKENS, prompt_digest=DIGEST, chunk=chunk)
+        with no_host_reads(fake, MODULES) as violations:
+            prod.wait_for_save([spec])
+        assert violations == [] and len(buffer) == chunk.index  # not before its event
+        fake.complete_all()
+        assert prod.flush(10)
+    assert sorted(buffer._table.entries) == [chunk_key(TID, 0), chunk_key(TID, 1)]
+    cons, dst = _consumer(fake, buffer, cfg)
+    spec = _load_spec()
+    spec.chunked = True
+    with no_host_reads(fake, MODULES) as violations:
+        cons.start_load_kv([spec])
+    assert violations == []
+    fake.complete_all()
+    assert cons.get_block_ids_with_load_errors() == set()
+    got = _positions(dst, DST_BLOCKS, NUM_TOKENS - 1)
+    assert torch.equal(got, _positions(src, SRC_BLOCKS, NUM_TOKENS - 1))
+    assert len(buffer) == 0 and cons.stats.peek()["loads"] == 1
+    cons.shutdown()
+    prod.shutdown()

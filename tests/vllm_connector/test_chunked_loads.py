@@ -30,7 +30,8 @@ from support.connector_halves import (
 from support.kvstore import deliver
 from support.vllm_fixtures import captured_log
 
-from connector.kvstore import KVBuffer, chunk_key
+from connector.kvstore import KVBuffer, KVServer, chunk_key
+from connector.serve.launch import free_port_run
 from connector.vllm_connector.config import ConnectorConfig
 from connector.vllm_connector.handoff import prompt_digest
 from connector.vllm_connector.metadata import CHUNK_FIELDS, Chunk, LoadSpec, SaveSpec
@@ -383,3 +384,36 @@ def test_a_chunk_holding_more_rows_than_it_says_is_refused_before_the_next_is_pu
     assert any("entry holds" in r.getMessage() for r in logs), [r.getMessage() for r in logs]
     assert bits(dst).eq(SENTINEL).all()
     assert list(buffer._table.entries) == [chunk_key(TID, 2)]
+
+
+def test_a_consumer_of_another_tp_size_gathers_each_producer_ranks_chunks():
+    """TP 2 → 1: the consumer's rank pulls the chunks of both producer ranks (one KV head each),
+    each as it is stored, and writes each rank's head of each chunk, bit-exact."""
+    base = free_port_run(2)
+    ranks = []
+    for rank in range(2):
+        src = caches((2, NUM_BLOCKS, BLOCK_SIZE, 1, 8), seed=20 + rank)
+        worker = producer(src, BLOCK_SIZE, kv_format="tokens", tp_rank=rank)
+        buffer = KVBuffer(1 << 24)
+        worker.attach_buffer(buffer)
+        ranks.append((src, worker, buffer, KVServer(buffer, "127.0.0.1", base + rank)))
+    dst = caches(NHD, seed=None)  # 2 KV heads
+    conn = consumer(dst, BLOCK_SIZE, cfg=ConnectorConfig(transport="socket"), total_kv_heads=2)
+    saves = _chunk_saves(14, [4, 4, 4], [5, 0, 3, 1])
+    spec = _load("c", base, [2, 4, 0, 1], 0, 14, wait_s=20)
+    spec.producer_tp = 2
+    try:
+        conn.start_load_kv([spec])
+        for spec_ in saves:
+            for _, worker, _, _ in ranks:
+                worker.wait_for_save([spec_])
+        assert poll_loads(conn, {"c"}) == ({"c"}, set())
+    finally:
+        conn.shutdown()
+        for _, _, buffer, server in ranks:
+            server.close()
+            buffer.close()
+    src = [torch.cat([ranks[0][0][i], ranks[1][0][i]], dim=3) for i in range(2)]  # both heads
+    want = _expected(src, [5, 0, 3, 1], [2, 4, 0, 1], 0, 14, "tokens")
+    assert torch.equal(bits(dst).flatten(2, 3), want)
+    assert all(len(buffer) == 0 for _, _, buffer, _ in ranks)

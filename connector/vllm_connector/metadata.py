@@ -48,6 +48,11 @@ class SaveSpec:
     chunk: Chunk | None = field(default=None, kw_only=True)
     debug_fault: str = field(default="", kw_only=True)  # tests only (integrity.FAULTS)
 
+    @property
+    def saved_tokens(self) -> int:
+        """The prompt positions this save holds: the prompt's, or its chunk's."""
+        return self.num_tokens if self.chunk is None else self.chunk.stop - self.chunk.start
+
 
 @dataclass
 class LoadSpec:

@@ -2,7 +2,8 @@
 
 After a step's forward pass, :meth:`Producer.wait_for_save` packs each finished prompt's KV for
 every layer with **one** :func:`tritonkv.pack_kv` call (token rows or whole pages: the
-``kv_format`` option) into the rank's :class:`~connector.kvstore.KVBuffer` under its transfer id;
+``kv_format`` option) into the rank's :class:`~connector.kvstore.KVBuffer` under its transfer id
+(in the overlapped flow, each chunk the step completed, under ``<transfer_id>#<index>``);
 each entry is bound to its prompt's digest (``SaveSpec.prompt_digest``), so that the
 :class:`~connector.kvstore.KVServer` serving the buffer on ``engine_port + tp_rank`` (GET and
 DISCARD only) serves or drops it only for a request presenting that digest; and a :class:`BufferWatcher` logs the buffer's occupancy. With ``digest`` on (the default) the entry's meta also
@@ -286,8 +287,7 @@ class Producer:
         meta = {**meta, "num_tokens": spec.num_tokens}
         stored = self._buffer.put(key, {"kv": packed}, meta, digest=spec.prompt_digest)
         if stored:
-            num_tokens = spec.num_tokens if chunk is None else chunk.stop - chunk.start
-            self.stats.record_save(nbytes=nbytes, num_tokens=num_tokens, pack_ms=pack_ms)
+            self.stats.record_save(nbytes=nbytes, num_tokens=spec.saved_tokens, pack_ms=pack_ms)
         log_saved(spec, stored, nbytes, pack_ms, self.kv_format)
 
     def _save_failed(self, spec: SaveSpec, exc: BaseException) -> None:
@@ -372,10 +372,10 @@ def log_saved(spec: SaveSpec, stored: bool, nbytes: int, pack_ms: float, kv_form
             *(short_id(spec.transfer_id), what, spec.req_id),
         )
         return
-    num_tokens = spec.num_tokens if chunk is None else chunk.stop - chunk.start
     log.info(
         "tritonkv: saved transfer %s%s for %s: %d tokens, %d bytes, pack %.2f ms, kv_format %s",
-        *(short_id(spec.transfer_id), what, spec.req_id, num_tokens, nbytes, pack_ms, kv_format),
+        *(short_id(spec.transfer_id), what, spec.req_id, spec.saved_tokens, nbytes, pack_ms),
+        kv_format,
     )
 
 

@@ -43,15 +43,22 @@ MODULES = (producer_mod, consumer_mod, integrity_mod)
 ROW_BYTES = 128
 
 
-def _save(fake, cfg, faults=""):
-    """A producer on fake streams, its buffer, and one prompt's save launched (under the
-    audit): ``(producer, buffer, its cache tensors, the audit's violations)``."""
+def _producer(fake, cfg):
+    """A producer on fake streams over random caches on the fake device, and its buffer:
+    ``(producer, buffer, its cache tensors)``."""
     src = caches(NHD, seed=1)
     prod = producer(src, BLOCK_SIZE, cfg=cfg, streams=fake)
     for t in src:
         fake.on_device(t)
     buffer = KVBuffer(1 << 24)
     prod.attach_buffer(buffer)
+    return prod, buffer, src
+
+
+def _save(fake, cfg, faults=""):
+    """A producer on fake streams, its buffer, and one prompt's save launched (under the
+    audit): ``(producer, buffer, its cache tensors, the audit's violations)``."""
+    prod, buffer, src = _producer(fake, cfg)
     spec = SaveSpec("p", TID, SRC_BLOCKS, NUM_TOKENS, prompt_digest=DIGEST, debug_fault=faults)
     with no_host_reads(fake, MODULES) as violations:
         prod.wait_for_save([spec])
@@ -368,12 +375,7 @@ def test_chunks_are_packed_stored_and_unpacked_by_events_without_host_reads(monk
     monkeypatch.setenv("TRITONKV_KERNELS", "triton")
     cfg = ConnectorConfig(kv_format=kv_format)
     fake = FakeStreams()
-    src = caches(NHD, seed=1)
-    prod = producer(src, BLOCK_SIZE, cfg=cfg, streams=fake)
-    for t in src:
-        fake.on_device(t)
-    buffer = KVBuffer(1 << 24)
-    prod.attach_buffer(buffer)
+    prod, buffer, src = _producer(fake, cfg)
     chunks = [Chunk(0, 0, 4, False), Chunk(1, 4, 10, True)]
     for chunk in chunks:
         blocks = SRC_BLOCKS[: -(-chunk.stop // BLOCK_SIZE)]

@@ -47,10 +47,7 @@ def test_flow_with_triton_kernels(tmp_path_factory, tiny_llama_dir):
 
 def test_tensor_parallel_2(tmp_path_factory, tiny_llama_dir):
     """TP=2 on both sides: each rank moves its own KV heads, rank r pulls from rank r, over
-    connections authenticated by a secret read from ``secret_file``; the consumer's loads
-    asynchronous (which failed on this 2-core machine while the waiting decode engine's empty
-    steps spun its cores: they now wait for the fetch, ``worker.IDLE_WAIT_S``; the synchronous
-    path at TP 2 runs in test_e2e_hetero_tp's 1 → 2).
+    connections authenticated by a secret read from ``secret_file``.
 
     A connector that mixed ranks up would still report full loads; only the tokens catch it.
     """
@@ -60,11 +57,7 @@ def test_tensor_parallel_2(tmp_path_factory, tiny_llama_dir):
     secret_file.write_text("tp2-shared-secret-0123456789abcdef\n")
     secret_file.chmod(0o600)  # only its owner may read it (a wider mode is refused at start)
     cluster, pd = start_cluster(
-        workdir,
-        tiny_llama_dir,
-        env=env,
-        tp=2,
-        extra_config={"secret_file": str(secret_file), "async_load": True},
+        workdir, tiny_llama_dir, env=env, tp=2, extra_config={"secret_file": str(secret_file)}
     )
     try:
         for events in _check_prompts(pd, [20, 100], seed=400):

@@ -1,6 +1,7 @@
 """One client request on its way through the proxy (:class:`Exchange`), the failure of a step
 (:class:`Failure`, carrying the client's answer), and the relay of the decode server's answer to
-the client, whole or as a stream (:func:`relay_whole`, :func:`relay_stream`). Used by
+the client, whole or as a stream (:func:`relay_whole`, :func:`first_bytes` then
+:func:`relay_stream`). Used by
 :mod:`connector.serve.router` and :mod:`connector.serve.overlap`.
 """
 
@@ -148,16 +149,17 @@ async def relay_whole(
     return Response(raw, status_code=resp.status, media_type=ctype, headers=ex.id_header)
 
 
-async def relay_stream(
+async def first_bytes(
     ex: Exchange, resp: aiohttp.ClientResponse, limit_s: float, connect_s: float
-) -> Response:
-    """The decode stream, relayed once its first bytes came (a silent server still gets 504).
+) -> bytes:
+    """A decode stream's first bytes (the proxy answers only once they came, so a silent server
+    still gets 504); the response is closed when they do not come.
 
     Raises:
         Failure: The first bytes did not come, or not within the decode limit.
     """
     try:
-        first = await resp.content.readany()
+        return await resp.content.readany()
     except (TimeoutError, aiohttp.ClientError, asyncio.CancelledError) as exc:
         resp.close()
         if isinstance(exc, asyncio.CancelledError):
@@ -165,6 +167,12 @@ async def relay_stream(
         failure = Failure.of(exc, "decode", ex.decode_url, limit_s, connect_s)
         ex.log_done(failure.response.status_code, f" ({failure.summary})")
         raise failure from exc
+
+
+def relay_stream(
+    ex: Exchange, resp: aiohttp.ClientResponse, first: bytes, limit_s: float, connect_s: float
+) -> Response:
+    """The decode stream, relayed from its ``first`` bytes (:func:`first_bytes`) on."""
     ex.log_done(resp.status, " (stream started)")
     headers = {**ex.id_header, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     return StreamingResponse(

@@ -8,8 +8,11 @@ plus a transfer id the proxy mints and gives the producer too. :class:`Sites` ke
 prefill URL: a server without one is served sequentially (its first request, or after it failed),
 and one that saved under another id than the proxy's (a producer that cannot take a chosen id)
 is never overlapped again. :class:`Overlap` makes an overlapped request's two calls at once: the
-decode answer goes back to the router as soon as its headers came; the prefill answer is read on a
-task of its own, and only checked (:meth:`Sites.confirm`) and logged.
+decode answer goes back to the router as soon as it came (a stream's first bytes); the prefill
+answer is read on a task of its own and checked (:meth:`Sites.confirm`). A prefill that failed
+before the decode answer came sends the decode request again without a hand-off (the decode
+server would otherwise wait for the KV up to its ``prefill_wait_s``); one that failed later is
+only logged.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from .bodies import handoff_params
 from .exchange import Exchange, Failure
 
 logger = get_logger("proxy")
+
+#: A decode answer: the response, headers read, and for a 2xx stream its first bytes (else None).
+Answer = tuple[aiohttp.ClientResponse, bytes | None]
 
 #: The keys of a hand-off that describe its producer, not its prompt (what a site holds).
 SITE_KEYS = (
@@ -118,25 +124,35 @@ class Overlap:
     Args:
         prefill_call: ``await prefill_call(ex, body)`` makes ``ex``'s prefill call: ``(status,
             body, content type)``, or :class:`~.exchange.Failure` (logged, the site forgotten).
-        decode_call: ``await decode_call(ex, body)`` starts ``ex``'s decode call: the response,
-            headers read, or :class:`~.exchange.Failure`.
+        answer_call: ``await answer_call(ex, body, stream)`` makes ``ex``'s decode call: the
+            response, headers read, and for a 2xx stream its first bytes (else None); or
+            :class:`~.exchange.Failure`.
     """
 
     def __init__(
         self,
         prefill_call: Callable[[Exchange, bytes], Awaitable[tuple[int, bytes, str | None]]],
-        decode_call: Callable[[Exchange, bytes], Awaitable[aiohttp.ClientResponse]],
+        answer_call: Callable[[Exchange, bytes, bool], Awaitable[Answer]],
     ) -> None:
         self.sites = Sites()
-        self._prefill_call, self._decode_call = prefill_call, decode_call
+        self._prefill_call, self._answer_call = prefill_call, answer_call
         self._prefills: set[asyncio.Task] = set()  # prefill calls still running
 
-    async def dispatch(self, ex: Exchange, prefill: bytes, decode: bytes) -> aiohttp.ClientResponse:
-        """Starts ``ex``'s prefill call on a task of its own and its decode call; returns the
-        decode response, headers read. The prefill call (``ex.prefill_task``) is cancelled (its
-        connection closed, so vLLM aborts it) when the decode call fails, answers non-2xx or is
-        cancelled (the client left; the router cancels it too when the client leaves before the
-        decode answer's first bytes); else it runs to its end.
+    async def dispatch(
+        self, ex: Exchange, prefill: bytes, decode: bytes, alone: bytes, stream: bool
+    ) -> Answer:
+        """Starts ``ex``'s prefill call on a task of its own and its decode call (``decode``);
+        returns the decode answer (see ``answer_call``).
+
+        A prefill that fails (:meth:`_prefill`) before the decode answer came would leave the
+        decode server waiting for a KV that will never come, up to its ``prefill_wait_s``: the
+        decode call is closed instead (vLLM aborts the request, ending its wait) and ``alone``
+        (the client's body with no hand-off) goes to the next decode server, which computes the
+        prompt itself at once. A prefill failure after the answer came is only logged.
+
+        The prefill call (``ex.prefill_task``) is cancelled (its connection closed, so vLLM aborts
+        it) when the decode call fails, answers non-2xx or is cancelled (the client left); else it
+        runs to its end.
 
         Raises:
             Failure: The decode server could not be reached or did not answer in time.
@@ -144,23 +160,38 @@ class Overlap:
         task = ex.prefill_task = asyncio.ensure_future(self._prefill(ex, prefill))
         self._prefills.add(task)
         task.add_done_callback(self._prefills.discard)
-        resp = None
+        answer = asyncio.ensure_future(self._answer_call(ex, decode, stream))
+        out = None
         try:
-            resp = await self._decode_call(ex, decode)
+            await asyncio.wait((answer, task), return_when=asyncio.FIRST_COMPLETED)
+            if not answer.done() and not task.cancelled() and task.result():
+                answer.cancel()
+                await asyncio.gather(answer, return_exceptions=True)
+                logger.warning(
+                    "req %s: its overlapped prefill failed before the decode server answered; "
+                    "the decode request is sent again without a hand-off (the prompt is "
+                    "computed there)",
+                    ex.req_id,
+                )
+                ex.transfer_id = None
+                answer = asyncio.ensure_future(self._answer_call(ex, alone, stream))
+            out = await answer
         finally:
-            if resp is None or not 200 <= resp.status < 300:
+            if not answer.done():  # cancelled: the client left
+                answer.cancel()
+            if out is None or not 200 <= out[0].status < 300:
                 task.cancel()
-        return resp
+        return out
 
-    async def _prefill(self, ex: Exchange, body: bytes) -> None:
-        """The prefill call of an overlapped request: its failure is logged (the decode server
-        recomputes the prompt once its pull fails or its wait ends), its hand-off confirms the
-        site (:meth:`Sites.confirm`)."""
+    async def _prefill(self, ex: Exchange, body: bytes) -> str:
+        """The prefill call of an overlapped request; what went wrong ("" if nothing), logged:
+        the call failed, it answered non-2xx, or its hand-off is not under the proxy's id
+        (:meth:`Sites.confirm`, which also learns the site again)."""
         url = ex.prefill_url
         try:
             status, raw, _ = await self._prefill_call(ex, body)
-        except Failure:
-            return  # logged by prefill_call
+        except Failure as failure:
+            return failure.summary  # logged by prefill_call
         problem = "" if 200 <= status < 300 else f"it answered {status}"
         if not problem:
             try:
@@ -173,8 +204,9 @@ class Overlap:
             url,
             ex.prefill_ms,
             short_id(ex.transfer_id),
-            f": {problem}; the decode server recomputes the prompt" if problem else "",
+            f": {problem}" if problem else "",
         )
+        return problem
 
     async def close(self) -> None:
         """Cancels the prefill calls still running and waits for them to end."""

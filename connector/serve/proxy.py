@@ -43,8 +43,12 @@ carries the overlapped hand-off (that producer's address, ``tp_size``, ``fingerp
 server (its ``prefill_wait_s``). The decode answer goes to the client as soon as it starts; the
 prefill answer is only read: a failed prefill call makes the next request to that server
 sequential again, a producer that saved under another id is never overlapped again (both
-logged), and the decode server recomputes the prompt when its load fails or its wait ends. A
-decode call that fails or answers non-2xx cancels the prefill call (vLLM aborts it).
+logged). A prefill that failed (an error, no hand-off, or one under another id) before the
+decode answer came (a stream's first bytes) closes that decode call and sends the client's body
+to the next decode server without a hand-off: the prompt is computed there at once instead of
+after the decode server's ``prefill_wait_s``. After that, the decode server recomputes the
+prompt when its load fails or its wait ends. A decode call that fails or answers non-2xx
+cancels the prefill call (vLLM aborts it).
 
 Failures (JSON bodies shaped like vLLM's errors, plus ``stage``, ``server`` and, for timeouts,
 ``timeout_s``):

@@ -30,7 +30,7 @@ from starlette.requests import ClientDisconnect
 
 from ..logs import get_logger, short_id
 from .bodies import InvalidBody, client_body, decode_body, encode, handoff_params, prefill_body
-from .exchange import Exchange, Failure, error_response, relay_stream, relay_whole
+from .exchange import Exchange, Failure, error_response, first_bytes, relay_stream, relay_whole
 from .guards import BodyRefused, read_body, request_id, shows_details
 from .overlap import Overlap, overlap_params
 
@@ -127,7 +127,7 @@ class PDProxy:
         self._decode_rr = itertools.cycle(self._decode_urls)
         self._session: aiohttp.ClientSession | None = None
         self._warned_no_remote_prefill = False
-        self._overlap = Overlap(self._prefill_call, self._decode_call)
+        self._overlap = Overlap(self._prefill_call, self._answer)
 
     async def start(self) -> None:
         """Opens the outbound session (call inside the serving event loop)."""
@@ -271,6 +271,7 @@ class PDProxy:
                 ex.transfer_id, ex.overlapped = uuid.uuid4().hex, True
                 prefill = encode(prefill_body(body, path, ex.transfer_id))
                 decode = encode(decode_body(body, overlap_params(site, ex.transfer_id)))
+                alone = encode(decode_body(body, None))
         except ValueError as exc:  # InvalidBody, or encode's refusal
             msg = (
                 str(exc)
@@ -282,16 +283,17 @@ class PDProxy:
             response = error_response(400, msg, "BadRequestError", param=param)
             response.headers["X-Request-Id"] = req_id
             return response
+        stream = bool(body.get("stream"))
         try:
             if decode is None:
                 prefill_raw = await self._prefill(ex, prefill)
                 decode = self._handoff(ex, prefill_raw, body)
-                resp = await self._decode_call(ex, decode)
+                resp, first = await self._answer(ex, decode, stream)
             else:
-                resp = await self._overlap.dispatch(ex, prefill, decode)
+                resp, first = await self._overlap.dispatch(ex, prefill, decode, alone, stream)
             limits = (self.config.timeout_s, self.config.connect_timeout_s)
-            if body.get("stream") and 200 <= resp.status < 300:
-                return await relay_stream(ex, resp, *limits)
+            if first is not None:
+                return relay_stream(ex, resp, first, *limits)
             return await relay_whole(ex, resp, *limits)
         except Failure as failure:
             failure.response.headers.update(ex.id_header)
@@ -383,6 +385,22 @@ class PDProxy:
         if self.config.overlap:
             self._overlap.sites.learn(url, kv)
         return decode
+
+    async def _answer(
+        self, ex: Exchange, body: bytes, stream: bool
+    ) -> tuple[aiohttp.ClientResponse, bytes | None]:
+        """Calls the next decode server: its response, headers read, and for a 2xx stream its
+        first bytes too (else None).
+
+        Raises:
+            Failure: The server could not be reached, or did not answer in time.
+        """
+        resp = await self._decode_call(ex, body)
+        if not (stream and 200 <= resp.status < 300):
+            return resp, None
+        return resp, await first_bytes(
+            ex, resp, self.config.timeout_s, self.config.connect_timeout_s
+        )
 
     async def _decode_call(self, ex: Exchange, body: bytes) -> aiohttp.ClientResponse:
         """Starts the call to the next decode server; returns its response, headers read.

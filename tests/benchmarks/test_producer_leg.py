@@ -56,3 +56,14 @@ def test_thread_cpu_walks_children_and_their_threads():
     finally:
         child.kill()
         child.wait(10)
+
+
+def test_summary_pools_the_rounds_and_gives_the_first_setups_ratio():
+    times = {
+        "tritonkv": [{64: [0.010, 0.012, 0.011]}, {64: [0.030, 0.031, 0.029]}],
+        "nixl-tuned": [{64: [0.020, 0.021, 0.019]}, {64: [0.019, 0.020, 0.021]}],
+    }
+    lines = producer_leg.summary(times, [64])
+    assert lines[0] == "tritonkv 64 tokens: 20.5 ms (rounds 11.0 / 30.0)"
+    assert lines[1] == "nixl-tuned 64 tokens: 20.0 ms (rounds 20.0 / 20.0)"
+    assert lines[2] == "tritonkv / nixl-tuned at 64 tokens: 1.02"

@@ -278,3 +278,54 @@ def _listens(port: int) -> bool:
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
         return True
     return False
+
+
+@pytest.mark.parametrize("failure", ["error", "no_kv", "other_id"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_prefill_failing_before_the_decode_answered_sends_the_decode_again_alone(
+    servers, stream: bool, failure: str
+) -> None:
+    """A decode server waiting for the KV of a prefill that failed (an error answer, no
+    hand-off, or one under another id) would wait out its ``prefill_wait_s``: the proxy closes
+    that decode call (vLLM aborts the request) and sends the client's body again without a
+    hand-off, so the prompt is computed at once. The client gets that answer."""
+    prefill, decode = servers
+    with _proxy(prefill, decode) as client, captured_log("vllm.tritonkv.proxy") as logs:
+        _sequential(client, prefill, decode)
+        decode.await_kv = True
+        if failure == "error":
+            prefill.mode, prefill.error_status = "error", 500
+        elif failure == "no_kv":
+            prefill.mode = "no_kv"
+        else:
+            prefill.honor_ids = False
+        r = client.post(PATH, json={**BODY, "stream": stream})
+        assert r.status_code == 200, r.text
+        assert "D0" in r.text and "P" not in r.text.replace("D0", "")
+        _wait("the waiting decode call's close", lambda: decode.disconnects == 1)
+        assert len(decode.received) == 3
+        assert decode.received[1].body["kv_transfer_params"]["overlap"] is True
+        assert decode.received[2].body == {**BODY, "stream": stream}  # no hand-off
+        assert any("sent again without a hand-off" in x.getMessage() for x in logs)
+
+
+def test_a_prefill_failing_after_the_decode_answered_changes_nothing(servers) -> None:
+    """Once the decode answer came (here a stream's first bytes, before the held prefill
+    fails), the prefill's failure is only logged: nothing is sent again."""
+    prefill, decode = servers
+    with _proxy(prefill, decode) as client, captured_log("vllm.tritonkv.proxy") as logs:
+        _sequential(client, prefill, decode)
+        prefill.make_gate()
+        prefill.honor_ids = False
+        with client.stream("POST", PATH, json={**BODY, "stream": True}) as r:
+            assert r.status_code == 200
+            chunks = r.iter_raw()
+            first = next(chunks)
+            prefill.open_gate()
+            _wait(
+                "the prefill's warning",
+                lambda: any("another transfer id" in x.getMessage() for x in logs),
+            )
+            raw = first + b"".join(chunks)
+        assert raw.decode().count("data: ") == 5  # 4 chunks and [DONE], from the one call
+        assert len(decode.received) == 2 and decode.disconnects == 0

@@ -68,6 +68,9 @@ class FakeServer:
             before it is sent (up to 5 s).
         honor_ids: Whether a prefill fake saves under the ``transfer_id`` its request's
             ``kv_transfer_params`` name (as the connector does), else under a fresh one.
+        await_kv: Whether a decode fake holds back its answer to a request whose hand-off says
+            ``overlap`` (a stream: after its headers, as vLLM sends them at once) until the peer
+            leaves: a consumer waiting for a KV that never comes.
         disconnects: Requests that saw the peer close the connection while hanging or waiting on
             the gate.
         issued: The ``kv_transfer_params`` a prefill fake returned, in order.
@@ -99,6 +102,7 @@ class FakeServer:
         self.disconnects = 0
         self.gate: asyncio.Event | None = None
         self.honor_ids = True
+        self.await_kv = False
 
     def make_gate(self) -> None:
         """Makes streams wait after their first chunk until :meth:`open_gate`."""
@@ -204,6 +208,12 @@ class FakeServer:
                 }
                 self.issued.append(copy.deepcopy(kv))
             return web.json_response(_full(self.name, chat, "P", kv))
+        if self.await_kv and (body.get("kv_transfer_params") or {}).get("overlap"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            if body.get("stream"):
+                await resp.prepare(request)
+            await self._hang(request)
+            return resp
         if body.get("stream"):
             return await self._stream(request, chat)
         return web.json_response(_full(self.name, chat, "decoded", body.get("kv_transfer_params")))

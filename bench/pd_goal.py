@@ -349,6 +349,7 @@ def run(args: argparse.Namespace, progress) -> int:
     rows: list[dict] = []
     refs = {"subset": subset, "load": {}, "answers": []}  # colocated's, once it ran
     m = {"chunk_tokens": chunk, "prefill_ms": None, "kv_bytes": None, "rate_mbit": args.goal_rate}
+    m["confine"] = bool(getattr(args, "confine", False))
     log = workdir / "bench-serve.log"
     progress(f"goal mode: setups {setups}, chunk {chunk} tokens, plan {plan}; logs in {workdir}")
     with netlink.link(args.goal_rate or PROBE_RATE_MBIT) as link, netlink.entered(link.consumer_ns):
@@ -357,8 +358,9 @@ def run(args: argparse.Namespace, progress) -> int:
             try:
                 with Cluster(workdir) as cluster:
                     setup = pd_link.start_link_setup(
-                        name, cluster, model, link, producer_args, log_stats=True
-                    )
+                        name, cluster, model, link, producer_args, log_stats=True,
+                        confine_cores=args.confine,
+                    )  # fmt: skip
                     url, prefill_server = setup.entry.url, setup.producer or setup.entry
                     progress(f"{name}: healthy after {time.monotonic() - t0:.0f} s")
                     tok_s = pd_link.prefill_rate(prefill_server.url, words, plan["probe_reps"])
@@ -397,7 +399,9 @@ def run(args: argparse.Namespace, progress) -> int:
 def report(rows: list[dict], m: dict, plan: dict, outdir: Path) -> int:
     """Write pd-goal.csv and pd-goal-summary.txt under ``outdir``, print the summary; the exit code."""
     stamp = {"git_sha": git_sha(), "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count()}
-    stamp |= {k: m[k] for k in ("chunk_tokens", "prefill_ms", "kv_bytes", "rate_mbit")}
+    stamp |= {
+        k: m.get(k) for k in ("chunk_tokens", "prefill_ms", "kv_bytes", "rate_mbit", "confine")
+    }
     outdir.mkdir(parents=True, exist_ok=True)
     write_csv(outdir / "pd-goal.csv", rows, stamp)
     text = summary(rows, m, plan)
@@ -420,7 +424,12 @@ def summary(rows: list[dict], m: dict, plan: dict) -> str:
     lines = [
         f"goal mode (issue 25 Part 2): prompts of {INPUT_LEN} tokens, {plan['output_len']} output "
         f"tokens, every prefill server with --max-num-batched-tokens {chunk} "
-        f"({INPUT_LEN // chunk} chunks a prompt); model {pd_link.SHAPE}, fp32; load {plan}"
+        f"({INPUT_LEN // chunk} chunks a prompt); model {pd_link.SHAPE}, fp32; load {plan}; "
+        + (
+            "each server confined to its core (--confine)"
+            if m.get("confine")
+            else "model workers bound to their core, API servers and engine cores free"
+        )
     ]
     p, kv, rate = m["prefill_ms"], m["kv_bytes"], m["rate_mbit"]
     if p is None or kv is None or rate is None:

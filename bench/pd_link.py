@@ -50,7 +50,7 @@ from connector.serve.demo import make_prompt, vocabulary
 from connector.serve.launch import Cluster, Proc, free_port, free_port_run
 from connector.serve.tiny_model import build_tiny_llama
 
-from . import netlink
+from . import cores, netlink
 from .bench_pd import BENCH, NIXL_SITE, Answer, _body, ensure_nixl, post, write_csv
 from .common import git_sha
 
@@ -132,13 +132,15 @@ def start_link_setup(
     link: netlink.Link,
     producer_args: list[str] = (),
     log_stats: bool = False,
+    confine_cores: bool = False,
 ) -> LinkSetup:
     """Start ``name``'s servers in their namespaces and wait until all are healthy.
 
     Called with this thread inside the consumer's namespace (:func:`netlink.entered`).
     ``producer_args``: more vLLM arguments for the producer (and the colocated server, whose
     prefill is the reference), e.g. ``--max-num-batched-tokens``; ``log_stats``: keep their
-    statistics (vLLM's Prometheus histograms at ``/metrics``).
+    statistics (vLLM's Prometheus histograms at ``/metrics``); ``confine_cores``: once healthy,
+    every thread of each server onto its core (:func:`.cores.confine`; the proxy stays free).
     """
     common = {"max_model_len": MAX_MODEL_LEN}
     base = ["--no-enable-prefix-caching"]
@@ -149,6 +151,8 @@ def start_link_setup(
             **common,
         )  # fmt: skip
         cluster.wait_ready([server])
+        if confine_cores:
+            cores.confine([(server.name, server.popen.pid, 0)])
         return LinkSetup(name, server)
     if name not in SETUPS + EXTRA_SETUPS:
         raise ValueError(f"setup: expected one of {SETUPS + EXTRA_SETUPS}, got {name!r}")
@@ -189,6 +193,10 @@ def start_link_setup(
         prefix=link.prefix("consumer"),
     )
     cluster.wait_ready([producer, consumer, proxy])
+    if confine_cores:
+        cores.confine(
+            [(producer.name, producer.popen.pid, 0), (consumer.name, consumer.popen.pid, 1)]
+        )
     return LinkSetup(name, proxy, producer, consumer)
 
 
@@ -323,7 +331,7 @@ def run(args: argparse.Namespace, progress) -> int:
             t0 = time.monotonic()
             try:
                 with Cluster(workdir) as cluster:
-                    setup = start_link_setup(name, cluster, model, link)
+                    setup = start_link_setup(name, cluster, model, link, confine_cores=args.confine)
                     progress(f"{name}: healthy after {time.monotonic() - t0:.0f} s")
                     if name == "colocated":
                         prefill_tok_s = prefill_rate(setup.entry.url, words)
@@ -470,6 +478,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link", action="store_true", help="the link-limited mode (this module)")
     parser.add_argument("--rates", default=None, help="link rates, Mbit/s (default 250,1000)")
     parser.add_argument("--clients", default=None, help="--link: concurrencies (default 1,4)")
+    parser.add_argument(
+        "--confine",
+        action="store_true",
+        help="--link: once healthy, every thread of each server onto its core (producer and "
+        "colocated 0, consumer 1), not only its model worker (default: API server and engine "
+        "core run on either core)",
+    )
     from . import pd_goal
 
     pd_goal.add_args(parser)

@@ -19,7 +19,6 @@ and the first setup's pooled median over each other's.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import statistics
@@ -33,6 +32,7 @@ from connector.serve.launch import Cluster
 from connector.serve.tiny_model import build_tiny_llama
 
 from .bench_pd import MAX_MODEL_LEN, PAUSE_S, _body, make_prompts, post, start_setup
+from .cores import confine, pin_tree, thread_cpu
 
 HISTOGRAMS = ("e2e_request_latency", "request_queue_time", "request_prefill_time")
 
@@ -51,32 +51,6 @@ def histogram_sums(url: str) -> dict[str, tuple[float, float]]:
     return out
 
 
-def thread_cpu(pid: int) -> dict[tuple[int, str], tuple[float, int]]:
-    """``(tid, name) -> (CPU seconds, last CPU)`` of every thread of ``pid`` and its children."""
-    pids, todo = [], [pid]
-    while todo:  # children from /proc/<pid>/task/<tid>/children, as ps does
-        p = todo.pop()
-        pids.append(p)
-        for task in Path(f"/proc/{p}/task").glob("*/children"):
-            with contextlib.suppress(OSError):
-                todo += [int(c) for c in task.read_text().split()]
-    out = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for p in pids:
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                stat = (task / "stat").read_text()
-            except OSError:
-                continue
-            name = stat[stat.index("(") + 1 : stat.rindex(")")]
-            fields = stat[stat.rindex(")") + 2 :].split()
-            out[(int(task.name), name)] = (
-                (int(fields[11]) + int(fields[12])) / tick,
-                int(fields[36]),
-            )
-    return out
-
-
 def leg(setup, prompt: str) -> float:
     """One P/D request's two legs, 0.1 s before each; the producer leg's wall time (s)."""
     time.sleep(PAUSE_S)
@@ -87,20 +61,6 @@ def leg(setup, prompt: str) -> float:
     if prefill.error or decode.error:
         raise RuntimeError(f"{setup.name}: {prefill.error or decode.error}")
     return prefill.elapsed
-
-
-def pin_tree(pid: int, cpus: set[int], only_unpinned_from: set[int] | None = None) -> int:
-    """Move every thread of ``pid``'s tree onto ``cpus`` (only those whose affinity is not
-    ``only_unpinned_from``, when given); how many moved."""
-    moved = 0
-    for tid, _ in thread_cpu(pid):
-        try:
-            if only_unpinned_from is None or os.sched_getaffinity(tid) != only_unpinned_from:
-                os.sched_setaffinity(tid, cpus)
-                moved += 1
-        except OSError:  # the thread ended meanwhile
-            pass
-    return moved
 
 
 def run_setup(label: str, workdir: Path, model: Path, prompts, warm, lengths) -> dict[int, list]:
@@ -114,10 +74,10 @@ def run_setup(label: str, workdir: Path, model: Path, prompts, warm, lengths) ->
             moved = pin_tree(setup.producer.popen.pid, {1}, only_unpinned_from={0})
             print(f"{label}: moved {moved} threads to core 1")
         elif pin == "alone":
-            moved = [
-                pin_tree(s.popen.pid, {c}) for s, c in ((setup.producer, 0), (setup.consumer, 1))
-            ]
-            print(f"{label}: producer's {moved[0]} threads on core 0, consumer's {moved[1]} on 1")
+            moved = confine(
+                [(s.name, s.popen.pid, c) for s, c in ((setup.producer, 0), (setup.consumer, 1))]
+            )
+            print(f"{label}: threads confined to their server's core: {moved}")
         elif pin:
             raise SystemExit(f"unknown setup suffix +{pin} (expected +pin or +alone)")
         for n in lengths:  # warm-up

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 
-from bench import producer_leg
+from bench import cores, producer_leg
 
 METRICS = (
     b'vllm:request_prefill_time_seconds_sum{engine="0",model_name="tiny"} 0.5\n'
@@ -47,7 +47,7 @@ def test_thread_cpu_walks_children_and_their_threads():
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
     try:
         assert child.stdout.readline().strip() == b"1"
-        threads = producer_leg.thread_cpu(os.getpid())
+        threads = cores.thread_cpu(os.getpid())
         tids = {tid for tid, _ in threads}
         assert os.getpid() in tids and child.pid in tids
         assert len(os.listdir(f"/proc/{child.pid}/task")) >= 2

@@ -166,7 +166,9 @@ class Overlap:
             await asyncio.wait((answer, task), return_when=asyncio.FIRST_COMPLETED)
             if not answer.done() and not task.cancelled() and task.result():
                 answer.cancel()
-                await asyncio.gather(answer, return_exceptions=True)
+                (late,) = await asyncio.gather(answer, return_exceptions=True)
+                if isinstance(late, tuple):  # it came as it was cancelled: nobody reads it
+                    late[0].close()
                 logger.warning(
                     "req %s: its overlapped prefill failed before the decode server answered; "
                     "the decode request is sent again without a hand-off (the prompt is "

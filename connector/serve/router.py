@@ -215,15 +215,6 @@ class PDProxy:
             return failure.response
         return Response(body, status_code=status, media_type=ctype)
 
-    def _headers(self, request: Request, req_id: str) -> dict[str, str]:
-        """Returns the headers sent to both servers for one client request."""
-        headers = {"Content-Type": "application/json", "X-Request-Id": req_id}
-        for name in _FORWARDED:
-            value = request.headers.get(name)
-            if value:
-                headers[name] = value
-        return headers
-
     async def generate(self, request: Request, path: str) -> Response:
         """Serves one completions or chat completions request: prefill, then decode.
 
@@ -259,7 +250,7 @@ class PDProxy:
 
     async def _generate(self, request: Request, path: str, req_id: str, raw: bytes) -> Response:
         """:meth:`generate`'s work once the body is read: prefill, hand-off, decode."""
-        ex = Exchange(req_id, path, self._headers(request, req_id))
+        ex = Exchange(req_id, path, _upstream_headers(request, req_id))
         decode = None
         try:
             body = client_body(raw, path)
@@ -355,18 +346,7 @@ class PDProxy:
                 that can be passed on.
         """
         url = ex.prefill_url
-        try:
-            kv = handoff_params(prefill_raw)
-            decode = encode(decode_body(body, kv))
-        except ValueError:
-            msg = (
-                f"prefill server {url} returned a body that is not a JSON object with an "
-                "object or null kv_transfer_params that can be passed on"
-            )
-            logger.warning("req %s: %s", ex.req_id, msg)
-            raise Failure(
-                error_response(502, msg, "BadGateway", stage="prefill", server=url), msg
-            ) from None
+        kv, decode = _decode_request(ex, prefill_raw, body)
         if kv is None:
             logger.warning(
                 "req %s prefill %s returned no kv_transfer_params; the decode server will "
@@ -427,6 +407,34 @@ class PDProxy:
                 failure.summary,
             )
             raise failure from exc
+
+
+def _upstream_headers(request: Request, req_id: str) -> dict[str, str]:
+    """The headers sent to both servers for one client request."""
+    headers = {"Content-Type": "application/json", "X-Request-Id": req_id}
+    for name in _FORWARDED:
+        value = request.headers.get(name)
+        if value:
+            headers[name] = value
+    return headers
+
+
+def _decode_request(
+    ex: Exchange, prefill_raw: bytes, body: dict[str, Any]
+) -> tuple[dict[str, Any] | None, bytes]:
+    """The prefill answer's hand-off and the decode request made of it (see
+    :meth:`PDProxy._handoff`); Failure (502, logged) when it cannot be passed on."""
+    try:
+        kv = handoff_params(prefill_raw)
+        return kv, encode(decode_body(body, kv))
+    except ValueError:
+        msg = (
+            f"prefill server {ex.prefill_url} returned a body that is not a JSON object with an "
+            "object or null kv_transfer_params that can be passed on"
+        )
+        logger.warning("req %s: %s", ex.req_id, msg)
+        response = error_response(502, msg, "BadGateway", stage="prefill", server=ex.prefill_url)
+        raise Failure(response, msg) from None
 
 
 async def _admit(request: Request, config: ProxyConfig) -> tuple[str, bytes] | Response:

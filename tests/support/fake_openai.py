@@ -210,8 +210,12 @@ class FakeServer:
             return web.json_response(_full(self.name, chat, "P", kv))
         if self.await_kv and (body.get("kv_transfer_params") or {}).get("overlap"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            if body.get("stream"):
-                await resp.prepare(request)
+            try:
+                if body.get("stream"):
+                    await resp.prepare(request)
+            except ConnectionResetError:  # the peer left before the headers went out
+                self.disconnects += 1
+                return resp
             await self._hang(request)
             return resp
         if body.get("stream"):

@@ -301,7 +301,7 @@ def test_a_prefill_failing_before_the_decode_answered_sends_the_decode_again_alo
             prefill.honor_ids = False
         r = client.post(PATH, json={**BODY, "stream": stream})
         assert r.status_code == 200, r.text
-        assert "D0" in r.text and "P" not in r.text.replace("D0", "")
+        assert "D0" in r.text  # the answer of the decode call sent again
         _wait("the waiting decode call's close", lambda: decode.disconnects == 1)
         assert len(decode.received) == 3
         assert decode.received[1].body["kv_transfer_params"]["overlap"] is True

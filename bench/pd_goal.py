@@ -349,7 +349,7 @@ def run(args: argparse.Namespace, progress) -> int:
     rows: list[dict] = []
     refs = {"subset": subset, "load": {}, "answers": []}  # colocated's, once it ran
     m = {"chunk_tokens": chunk, "prefill_ms": None, "kv_bytes": None, "rate_mbit": args.goal_rate}
-    m["confine"] = bool(getattr(args, "confine", False))
+    m["confine"] = args.confine
     log = workdir / "bench-serve.log"
     progress(f"goal mode: setups {setups}, chunk {chunk} tokens, plan {plan}; logs in {workdir}")
     with netlink.link(args.goal_rate or PROBE_RATE_MBIT) as link, netlink.entered(link.consumer_ns):
@@ -399,9 +399,7 @@ def run(args: argparse.Namespace, progress) -> int:
 def report(rows: list[dict], m: dict, plan: dict, outdir: Path) -> int:
     """Write pd-goal.csv and pd-goal-summary.txt under ``outdir``, print the summary; the exit code."""
     stamp = {"git_sha": git_sha(), "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count()}
-    stamp |= {
-        k: m.get(k) for k in ("chunk_tokens", "prefill_ms", "kv_bytes", "rate_mbit", "confine")
-    }
+    stamp |= {k: m[k] for k in ("chunk_tokens", "prefill_ms", "kv_bytes", "rate_mbit", "confine")}
     outdir.mkdir(parents=True, exist_ok=True)
     write_csv(outdir / "pd-goal.csv", rows, stamp)
     text = summary(rows, m, plan)
@@ -427,7 +425,7 @@ def summary(rows: list[dict], m: dict, plan: dict) -> str:
         f"({INPUT_LEN // chunk} chunks a prompt); model {pd_link.SHAPE}, fp32; load {plan}; "
         + (
             "each server confined to its core (--confine)"
-            if m.get("confine")
+            if m["confine"]
             else "model workers bound to their core, API servers and engine cores free"
         )
     ]

@@ -139,7 +139,13 @@ def test_an_overlapped_row_published_in_one_piece_is_not_a_measurement():
 
 
 def _measured():
-    return {"chunk_tokens": 256, "prefill_ms": 1400.0, "kv_bytes": 33554432, "rate_mbit": 191.7}
+    return {
+        "chunk_tokens": 256,
+        "prefill_ms": 1400.0,
+        "kv_bytes": 33554432,
+        "rate_mbit": 191.7,
+        "confine": False,
+    }
 
 
 def test_report_writes_the_csv_and_the_summary_with_the_goals(tmp_path):

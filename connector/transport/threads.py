@@ -6,12 +6,19 @@ process can name other CPUs for them (the vLLM connector's ``transfer_cpus``, e.
 ``VLLM_CPU_OMP_THREADS_BIND`` leaves out): every thread the pipe, the server and the loader start
 then moves there first, and so do the threads those threads start (gloo's among them), which
 inherit it. Linux only; the setting is per process.
+
+Each transfer thread also names itself to the kernel (``ps -L``, ``top -H``, ``py-spy``,
+``/proc/<pid>/task/<tid>/comm``: :func:`os_thread_name`), so that a stalled one can be found among
+a vLLM worker's threads, which otherwise all carry the process's name.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -21,6 +28,8 @@ from ..logs import get_logger
 log = get_logger("transport")
 _cpus: frozenset[int] | None = None
 _RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+_BRACKETS = re.compile(r"\[[^\]]*\]")
+_PR_SET_NAME = 15  # prctl(2)
 
 
 def parse_cpus(spec: str) -> frozenset[int]:
@@ -97,6 +106,32 @@ def transfer_cpus() -> frozenset[int] | None:
     return _cpus
 
 
+def os_thread_name(name: str) -> str:
+    """The kernel's name for a transfer thread called ``name``: without its bracketed parts (peer,
+    port), ``tkv-server`` shortened, in at most 15 ASCII bytes (Linux's limit), e.g.
+    ``tkv-server[14579]-conn3`` -> ``tkv-srv-conn3``."""
+    short = _BRACKETS.sub("", name).replace("tkv-server", "tkv-srv")
+    return short.encode("ascii", "replace")[:15].decode("ascii")
+
+
+@functools.cache
+def _prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def name_current_thread(name: str) -> None:
+    """Give the calling OS thread :func:`os_thread_name` of ``name`` (Linux; elsewhere nothing).
+    Never raises: a name is a diagnostic aid only."""
+    prctl = _prctl()
+    if prctl is not None:
+        prctl(_PR_SET_NAME, ctypes.c_char_p(os_thread_name(name).encode("ascii")), 0, 0, 0)
+
+
 def pin_current_thread() -> None:
     """Move the calling thread to the transfer CPUs, if any are set (a thread's first step).
 
@@ -112,9 +147,11 @@ def pin_current_thread() -> None:
 
 
 def transfer_thread(target: Callable[..., object], name: str, args: tuple = ()) -> threading.Thread:
-    """A daemon thread (not started) that runs ``target(*args)`` on the transfer CPUs."""
+    """A daemon thread (not started) that runs ``target(*args)`` on the transfer CPUs, named
+    ``name`` (and :func:`os_thread_name` of it for the kernel)."""
 
     def run() -> None:
+        name_current_thread(name)
         pin_current_thread()
         target(*args)
 

@@ -27,6 +27,7 @@ from ..logs import get_logger
 from ..transport import addresses_of
 from ..transport.auth import MIN_SECRET_BYTES, SECRET_ENV, is_loopback
 from ..transport.errors import error_text
+from ..transport.threads import name_current_thread
 from .cache_views import RankCaches, packed_shape
 from .config import ConnectorConfig
 from .integrity import digest_tensors, entry_meta, flip_bit, meta_from_digests
@@ -249,7 +250,7 @@ class Producer:
         self._publisher_thread().submit(_Job(spec, packed, digests, meta, nbytes, pending))
 
     def _publisher_thread(self) -> Publisher:
-        """The ``tritonkv-publish`` thread (:class:`~.streams.Publisher`): stores the launched
+        """The ``tkv-publish`` thread (:class:`~.streams.Publisher`): stores the launched
         saves once each one's pack completed (:meth:`_publish`), or fails them (recomputed)."""
         if self._publisher is None:
             failed = lambda job, exc: self._save_failed(job.spec, exc)
@@ -405,7 +406,7 @@ class BufferWatcher:
         self._thread = threading.Thread(
             target=BufferWatcher._watch,
             args=(weakref.ref(producer), self._stop, interval_s),
-            name="tritonkv-buffer-watch",
+            name="tkv-buffer-watch",
             daemon=True,
         )
         self._thread.start()
@@ -421,6 +422,7 @@ class BufferWatcher:
 
     @staticmethod
     def _watch(ref, stop: threading.Event, interval_s: float) -> None:
+        name_current_thread(threading.current_thread().name)
         last = None
         while not stop.is_set():
             producer = ref()

@@ -32,6 +32,7 @@ import torch
 
 from ..logs import get_logger
 from ..transport.buffers import host_empty
+from ..transport.threads import name_current_thread
 
 log = get_logger("connector")
 
@@ -217,7 +218,7 @@ class Publisher:
         publish: Callable[[object, float], None],
         failed: Callable[[object, BaseException], None],
         *,
-        name: str = "tritonkv-publish",
+        name: str = "tkv-publish",
         publish_timeout_s: float = 30.0,
     ):
         self.ops, self.budget = ops, budget
@@ -299,6 +300,7 @@ class Publisher:
             self.stuck = [j for j in self.stuck if not self.let_go(j)]
 
     def _run(self) -> None:
+        name_current_thread(threading.current_thread().name)
         self.ops.bind_thread()
         self.copy_stream = self.ops.new_stream()
         while True:

@@ -9,7 +9,13 @@ import pytest
 from support.transport import assert_entry_equal, make_entry
 
 from connector.kvstore import KVBuffer, KVClient
-from connector.transport.threads import parse_cpus, set_transfer_cpus, transfer_cpus
+from connector.transport.threads import (
+    os_thread_name,
+    parse_cpus,
+    set_transfer_cpus,
+    transfer_cpus,
+    transfer_thread,
+)
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -97,3 +103,29 @@ def test_a_thread_that_cannot_move_still_runs(monkeypatch, caplog, cpus):
     t.join(10)
     assert ran == [1]
     assert "tkv-test stays on its CPUs" in caplog.text
+
+
+def _kernel_name() -> str:
+    with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+        return f.read().strip()
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("tkv-server[14579]-conn3", "tkv-srv-conn3"),
+        ("tkv-pipe[127.0.0.1:40022]-send", "tkv-pipe-send"),
+        ("tkv-server[80]-accept", "tkv-srv-accept"),
+        ("tkv-pg-rendezvous", "tkv-pg-rendezvo"),  # Linux keeps 15 bytes
+        ("tkv-ünicode", "tkv-?nicode"),
+    ],
+)
+def test_transfer_threads_tell_the_kernel_their_name(name, expected):
+    """What ps -L, top -H and py-spy show for a transfer thread (not the process's name)."""
+    assert os_thread_name(name) == expected
+    seen = []
+    t = transfer_thread(lambda: seen.append(_kernel_name()), name)
+    t.start()
+    t.join(10)
+    assert seen == [expected]
+    assert _kernel_name() != expected  # the caller's own name is unchanged

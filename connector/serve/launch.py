@@ -204,6 +204,16 @@ CONNECTOR_MODULE = f"{__package__.rpartition('.')[0]}.vllm_connector"
 class Cluster:
     """A set of processes started together and stopped together (a context manager).
 
+    Each process leads a process group of its own (:meth:`Proc.stop` signals the group, so its
+    children go too; a terminal's Ctrl-C does not reach it) but stays in the caller's session, as
+    every server started from one shell does. Not a session each: Linux's autogroup scheduling
+    (``/proc/sys/kernel/sched_autogroup_enabled``, on by default) shares the CPU between sessions
+    first, and a vLLM worker busy-waits for a second after each step (``sched_yield`` in its
+    shared-memory queue), which yields only to threads of its own session. With a session per
+    server on 2 cores, the other server's threads waited up to 0.9 s for a core they needed for
+    0.3 ms (tritonkv's transfer threads, ``tests/e2e/test_e2e_hetero_tp.py``, per-thread
+    ``/proc/<pid>/task/<tid>/schedstat``); in one session, at most 3 ms.
+
     Attributes:
         workdir: Logs and per-server scratch folders go here.
         python: The interpreter that runs the vLLM servers (and the proxy's ``-m`` form).
@@ -250,7 +260,7 @@ class Cluster:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
-                start_new_session=True,
+                process_group=0,  # its own group (stop() signals it), our session
             )
         finally:
             log_file.close()

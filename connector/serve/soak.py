@@ -133,13 +133,13 @@ def ask(port: int, req: Request, timeout_s: float, stream: bool | None = None) -
 
 
 def fd_count(proc: Proc) -> int:
-    """Open file descriptors of every live process in ``proc``'s session (its process group)."""
+    """Open file descriptors of every live process in ``proc``'s process group."""
     total = 0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            if os.getsid(int(entry)) != proc.popen.pid:
+            if os.getpgid(int(entry)) != proc.popen.pid:
                 continue
             total += len(os.listdir(f"/proc/{entry}/fd"))
         except (OSError, ProcessLookupError):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -32,6 +34,40 @@ def test_start_failure_names_the_first_error(tmp_path: Path) -> None:
     msg = str(err.value)
     assert "ERROR bind failed" in msg and "OSError: address in use" in msg
     assert "teardown 199" in msg and "teardown 100" not in msg
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_each_process_leads_its_own_group_in_the_callers_session(tmp_path: Path) -> None:
+    """stop() signals a process's whole group (a child it started goes too), and the process
+    stays in this session, so the kernel's autogroup scheduling does not split the cores
+    between the servers of one cluster (see Cluster)."""
+    script = (
+        "import os, subprocess, sys, time; "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "print(os.getpgid(0), os.getsid(0), child.pid, flush=True); time.sleep(60)"
+    )
+    with Cluster(tmp_path) as cluster:
+        proc = cluster.start("grouped", [sys.executable, "-c", script], env=dict(os.environ))
+        deadline = time.monotonic() + 30
+        while not proc.log_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pgid, sid, child = (int(x) for x in proc.log_text().split())
+        assert pgid == proc.popen.pid != os.getpgid(0)
+        assert sid == os.getsid(0)
+        assert _alive(child)
+    assert proc.popen.poll() is not None
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
 
 
 def test_free_ports_are_outside_the_ephemeral_range() -> None:

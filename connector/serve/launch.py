@@ -212,7 +212,7 @@ class Cluster:
     shared-memory queue), which yields only to threads of its own session. With a session per
     server on 2 cores, the other server's threads waited up to 0.9 s for a core they needed for
     0.3 ms (tritonkv's transfer threads, ``tests/e2e/test_e2e_hetero_tp.py``, per-thread
-    ``/proc/<pid>/task/<tid>/schedstat``); in one session, at most 3 ms.
+    ``/proc/<pid>/task/<tid>/schedstat``); in one session, at most 7 ms.
 
     Attributes:
         workdir: Logs and per-server scratch folders go here.

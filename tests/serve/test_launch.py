@@ -70,6 +70,37 @@ def test_each_process_leads_its_own_group_in_the_callers_session(tmp_path: Path)
     assert not _alive(child)
 
 
+def test_the_soaks_fd_count_covers_a_servers_whole_group(tmp_path: Path) -> None:
+    """connector.serve.soak counts the descriptors of a server and of the children it started
+    (its process group), and nothing of this process's."""
+    from connector.serve.soak import fd_count
+
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import sys, time\n"
+        "files = [open(sys.executable, 'rb') for _ in range(40)]\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    server = tmp_path / "server.py"
+    server.write_text(
+        "import subprocess, sys, time\n"
+        "files = [open(sys.executable, 'rb') for _ in range(int(sys.argv[1]))]\n"
+        f"subprocess.Popen([sys.executable, {str(child)!r}])\n"
+        "time.sleep(60)\n"
+    )
+    counts = []
+    with Cluster(tmp_path) as cluster:
+        for n in (0, 25):
+            proc = cluster.start(f"fds{n}", [sys.executable, str(server), str(n)], env={})
+            deadline = time.monotonic() + 30
+            while "ready" not in proc.log_text() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            counts.append(fd_count(proc))
+    assert counts[1] - counts[0] == 25, counts
+    assert counts[0] >= 40 + 2 * 3, counts  # the child's files and both processes' stdio
+
+
 def test_free_ports_are_outside_the_ephemeral_range() -> None:
     """Ports for servers that bind late are drawn where no outgoing connection can take them.
 

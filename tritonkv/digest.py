@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -65,8 +66,6 @@ CHUNK_WORDS = 1 << 15  # NumPy reference: words per chunk (its temporaries stay 
 PARALLEL_MIN_WORDS = 1 << 20  # NumPy reference: from 4 MiB on, ranges go to the copy threads
 SEGMENT_CHUNK_WORDS = 1 << 21  # segment_digests: words per pass (int64 temporaries of 16 MiB;
 # about six are alive at once: ~100 MiB of scratch at most, on the rows' device)
-SEGMENT_NATIVE_BYTES = 1 << 14  # segment_digests on the CPU: from this mean segment size on,
-# one native pass per segment (its per-call overhead is then below the torch passes' cost)
 
 
 def fmix32(h: int) -> int:
@@ -110,21 +109,25 @@ def finalize(lanes: torch.Tensor, num_bytes: int) -> torch.Tensor:
     return _fmix32_torch(mixed)
 
 
-def finalize_host(lanes: list[tuple[int, int]], num_bytes: int) -> torch.Tensor:
+def finalize_host(lanes: list[tuple[int, int]], num_bytes: int | Sequence[int]) -> torch.Tensor:
     """:func:`finalize` of lane sums the host holds (Python ints, e.g. from the native library):
     the same bits in Python arithmetic, one tensor made instead of a dozen small torch ops.
 
     Args:
         lanes: ``(A, B)`` sums of each digest (any value: only the low 32 bits count).
-        num_bytes: the size in bytes of each digested tensor.
+        num_bytes: the size in bytes of each digested tensor: one for all, or one each.
 
     Returns:
         ``[len(lanes), 2]`` int64 digests on the CPU.
     """
-    c0, c1 = count_keys(num_bytes)
-    return torch.tensor(
-        [[fmix32((a & MASK) ^ c0), fmix32((b & MASK) ^ c1)] for a, b in lanes], dtype=torch.int64
-    ).view(len(lanes), DIGEST_SIZE)
+    sizes = [num_bytes] * len(lanes) if isinstance(num_bytes, int) else list(num_bytes)
+    if len(sizes) != len(lanes):
+        raise ValueError(f"{len(sizes)} sizes for {len(lanes)} lane sums")
+    out = []
+    for (a, b), n in zip(lanes, sizes, strict=True):
+        c0, c1 = count_keys(n)
+        out.append([fmix32((a & MASK) ^ c0), fmix32((b & MASK) ^ c1)])
+    return torch.tensor(out, dtype=torch.int64).view(len(lanes), DIGEST_SIZE)
 
 
 def _lanes_numpy(words: np.ndarray, first_word: int = 0) -> tuple[int, int]:
@@ -235,8 +238,8 @@ def segment_digests(rows: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
     """The digest of each segment of rows, ``tensor_digest(rows[cu_seqlens[i] :
     cu_seqlens[i + 1]])`` for every ``i``, in a few torch passes over ``rows`` whatever the
     number of segments (no per-segment launch, no host synchronisation on a GPU): e.g. each
-    request's hidden states of one pack. On the CPU, segments of ``SEGMENT_NATIVE_BYTES`` and
-    more (on average) take one pass each of the native library instead.
+    request's hidden states of one pack. On the CPU the native library takes each segment
+    instead, one call each (where it is built; else the torch passes).
 
     Args:
         rows: ``[num_rows, ...]`` contiguous tensor, any dtype, whose rows are whole 32-bit
@@ -267,8 +270,9 @@ def segment_digests(rows: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
     row_bytes = rows[0].numel() * rows.element_size() if rows.shape[0] else 0
     if num_seqs == 0:
         return torch.zeros((0, DIGEST_SIZE), dtype=torch.int64, device=rows.device)
-    large = bounds[-1] * row_bytes >= SEGMENT_NATIVE_BYTES * num_seqs
-    if row_bytes % 4 or row_bytes == 0 or (rows.device.type == "cpu" and large and _native()):
+    if rows.device.type == "cpu" and _native():
+        return _native_segments(rows, bounds, row_bytes)
+    if row_bytes % 4 or row_bytes == 0:
         return torch.stack([tensor_digest(rows[a:b]) for a, b in itertools.pairwise(bounds)])
     per_row = row_bytes // 4
     words = rows[: bounds[-1]].reshape(-1).view(torch.uint8).view(torch.int32).view(-1, per_row)
@@ -294,6 +298,26 @@ def segment_digests(rows: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
         lanes.index_add_(0, seg, sums)
     keys = on_device([count_keys(n * row_bytes) for n in lengths])
     return _fmix32_torch((lanes & MASK) ^ keys)
+
+
+def _native_segments(rows: torch.Tensor, bounds: list[int], row_bytes: int) -> torch.Tensor:
+    """:func:`segment_digests` by the native library: a segment of ``PARALLEL_MIN_BYTES`` or
+    more by :func:`tensor_digest` (the copy threads share it), the others one lane-loop call
+    each on this thread (a ctypes call each, not a few torch ops)."""
+    from . import _cpu_digest
+    from ._cpu import PARALLEL_MIN_BYTES
+
+    ranges = list(itertools.pairwise(bounds))
+    small = [i for i, (a, b) in enumerate(ranges) if (b - a) * row_bytes < PARALLEL_MIN_BYTES]
+    out = torch.empty((len(ranges), DIGEST_SIZE), dtype=torch.int64)
+    if small:
+        lanes = _cpu_digest.native().segment_lanes(rows, [ranges[i] for i in small])
+        sizes = [(ranges[i][1] - ranges[i][0]) * row_bytes for i in small]
+        out[small] = finalize_host(lanes, sizes)
+    for i, (a, b) in enumerate(ranges):
+        if (b - a) * row_bytes >= PARALLEL_MIN_BYTES:
+            out[i] = tensor_digest(rows[a:b])
+    return out
 
 
 def _native() -> bool:

@@ -1,4 +1,4 @@
-"""bench/bench_hidden.py without servers: the summary's ratios, and no ratio from a failed row;
+"""bench/bench_hidden.py without servers: the summary's medians and ratios, and no ratio from a failed row;
 bench/hidden_extract.py's dry run (its table, and its bit-exactness check, which can fail)."""
 
 from __future__ import annotations
@@ -14,13 +14,18 @@ def _row(name, tps, failed=0):
     return {"setup": name, "tokens_per_s": tps, "wall_s": 1.0, "failed": failed}
 
 
-def test_summary_ratios() -> None:
-    rows = [_row("plain", 300.0), _row("tritonkv-net", 150.0), _row("example", 100.0, failed=2)]
+def test_summary_medians_and_ratios() -> None:
+    rows = [
+        _row("plain", 300.0), _row("plain", 100.0), _row("plain", 200.0),
+        _row("tritonkv-net", 150.0), _row("tritonkv-net", 50.0),
+        _row("example", 100.0, failed=2),
+    ]  # fmt: skip
     lines = summary(rows)
-    assert lines[2] == "| plain | 300.0 | 1.0 | 0 | 1.00 | - |"
-    assert lines[3] == "| tritonkv-net | 150.0 | 1.0 | 0 | 0.50 | - |"  # example failed: no ratio
-    assert lines[4] == "| example | 100.0 | 1.0 | 2 | - | - |"
-    assert SETUPS[0] == "plain" and "example" in SETUPS
+    assert lines[2] == "| plain | 200.0 | 100-300 | 3 | 0 | 1.00 | - | - |"
+    # the median of two batches is their mean; example failed: no ratio to it
+    assert lines[3] == "| tritonkv-net | 100.0 | 50-150 | 2 | 0 | 0.50 | - | - |"
+    assert lines[4] == "| example | 100.0 | 100-100 | 1 | 2 | - | - | - |"
+    assert SETUPS[0] == "plain" and "example" in SETUPS and "spec-only" in SETUPS
 
 
 def test_hidden_extract_dry_run(tmp_path) -> None:

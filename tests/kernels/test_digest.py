@@ -376,13 +376,21 @@ def test_reference_in_parallel_ranges_is_the_same(monkeypatch):
     assert digest_hex(packed_digest(t)) == serial == _definition(t)
 
 
-@pytest.mark.parametrize("native_from", [0, 1 << 40], ids=["native-passes", "torch-passes"])
-def test_segment_digests_are_each_segments_own_digest(monkeypatch, native_from):
+@pytest.mark.parametrize("way", ["native", "native-threads", "torch-passes"])
+def test_segment_digests_are_each_segments_own_digest(monkeypatch, way):
     """``segment_digests`` (one pass for every request of a pack) equals ``tensor_digest`` of
     each segment, for random segmentations, dtypes and row widths (rows of a whole number of
-    32-bit words, and not: the per-segment fallback), on both CPU ways; a flipped bit changes
-    its segment's digest and no other."""
-    monkeypatch.setattr(digest_mod, "SEGMENT_NATIVE_BYTES", native_from)
+    32-bit words, and not), on every CPU way: the native library's lane loop per segment, its
+    copy threads for large segments (here from 24 bytes on), the torch passes (no native
+    library; rows of other widths: the per-segment fallback); a flipped bit changes its
+    segment's digest and no other."""
+    from tritonkv import _cpu, _cpu_digest
+
+    assert _cpu_digest.native() is not None, _cpu_digest.backend()
+    if way == "torch-passes":
+        monkeypatch.setattr(digest_mod, "_native", lambda: False)
+    if way == "native-threads":
+        monkeypatch.setattr(_cpu, "PARALLEL_MIN_BYTES", 24)
     monkeypatch.setattr(digest_mod, "SEGMENT_CHUNK_WORDS", 64)  # several chunks, a row across none
 
     @settings(_PROPERTY, max_examples=40)

@@ -70,9 +70,12 @@ SPEC = {
 }
 
 
-def _server(name: str, cluster: Cluster, model: Path, storage: Path):
-    """Start ``name``'s server (not waiting for it); returns ``(proc, reader)``: ``reader(params) -> dict`` or None."""
+def _server(label: str, cluster: Cluster, model: Path, storage: Path):
+    """Start the server of setup ``label`` (``name`` or ``name#k``, a second server of one
+    setup), not waiting for it; returns ``(proc, reader)``: ``reader(params) -> dict`` or None."""
     from connector.hidden_reader import HiddenStatesReader, read_hidden_file
+
+    name = label.split("#")[0]
 
     args = ["--max-num-batched-tokens", "512", "--no-enable-prefix-caching"]
     env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
@@ -117,7 +120,8 @@ def _server(name: str, cluster: Cluster, model: Path, storage: Path):
             },
         }
         reader = lambda p: load_hidden_states(p["hidden_states_path"])
-    proc = cluster.start_vllm(name, model, free_port(), cpu="0", env=env, args=args, **kw)
+    proc = cluster.start_vllm(label.replace("#", "-"), model, free_port(), cpu="0", env=env,
+                              args=args, **kw)  # fmt: skip
     return proc, reader
 
 
@@ -195,13 +199,24 @@ def summary(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _setup(label: str) -> str:
+    name, _, k = label.partition("#")
+    if name not in SETUPS or (k and not k.isdigit()):
+        raise argparse.ArgumentTypeError(
+            f"expected one of {', '.join(SETUPS)} (or NAME#2), got {label!r}"
+        )
+    return label
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=48, help="prompts per batch")
     parser.add_argument("--tokens", type=int, default=256, help="tokens per prompt")
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3, help="batches per setup")
-    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
+    parser.add_argument("--setups", nargs="+", default=list(SETUPS), type=_setup,
+                        help="setups (NAME#2: a second server of NAME, a control of the "
+                        "spread between servers)")  # fmt: skip
     parser.add_argument("--out", default="hidden", help="result files' stem in bench/results/cpu")
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="bench_hidden_"))

@@ -200,7 +200,8 @@ def copy_kv(
     slots = slots.clamp(min=0)
     block, offset = slots // block_size, slots % block_size
     # CPU: copy whole blocks where the batch holds them in order (NHD / MLA; about copy speed).
-    runs = _BlockRuns.find(slots, block_size) if on_cpu and keep is None else None
+    wholes = on_cpu and keep is None and any(g.block_views is not None for g in groups)
+    runs = _BlockRuns.find(slots, block_size) if wholes else None
     copies = RowCopies()
     copy_rows = copies.scatter if unpack else copies.gather  # (cache rows, index, packed rows)
     for group in groups:

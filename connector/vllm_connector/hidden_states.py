@@ -47,6 +47,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tritonkv import pack_kv, prepare_kv
@@ -59,11 +60,22 @@ from .config import ConnectorConfig
 from .hidden_files import HiddenFileWriter
 from .integrity import faults, flip_bit, hidden_meta
 from .metadata import finishing_prompts
-from .streams import DeviceBudget, DeviceBudgetExceeded, Pending, Publisher, device_streams
+from .streams import (
+    DeviceBudget,
+    DeviceBudgetExceeded,
+    HostOps,
+    Pending,
+    Publisher,
+    device_streams,
+)
 
 log = get_logger("connector")
 
 __all__ = ["PARAM_KEYS", "HiddenDrop", "HiddenSaveSpec", "HiddenScheduler", "HiddenWorker"]
+
+#: on the CPU, the most packed bytes that may wait for their digests and deliveries off the
+#: step; a step's pack beyond it is delivered on the step
+HOST_QUEUE_BYTES = 256 << 20
 
 #: the ``kv_transfer_params`` keys a finished request's hidden states are announced under
 PARAM_KEYS = (
@@ -224,11 +236,11 @@ def prompt_slots(spec: HiddenSaveSpec, num_blocks: int, block_size: int) -> torc
         )
     if len(spec.token_ids) != spec.num_tokens:
         raise ValueError(f"{len(spec.token_ids)} token ids for {spec.num_tokens} tokens")
-    blocks = torch.tensor(spec.block_ids, dtype=torch.int64)
+    blocks = np.asarray(spec.block_ids, dtype=np.int64)
     if int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks:
         raise ValueError(f"block ids outside [0, {num_blocks})")
-    pos = torch.arange(spec.num_tokens, dtype=torch.int64)
-    return blocks[pos // bs] * bs + pos % bs
+    slots = (blocks[:, None] * bs + np.arange(bs, dtype=np.int64)).reshape(-1)
+    return torch.from_numpy(slots[: spec.num_tokens])
 
 
 @dataclass
@@ -290,6 +302,8 @@ class HiddenWorker:
         self.put_timeout_s, self.digest = put_timeout_s, digest
         self._streams = streams if streams is not None else device_streams(cache.device)
         self.budget = budget or DeviceBudget(ConnectorConfig().gpu_memory_bytes)
+        #: on the CPU: packed rows waiting for their digests and deliveries off the step
+        self.host_queue = DeviceBudget(HOST_QUEUE_BYTES)
         self._publisher: Publisher | None = None
 
     @property
@@ -300,11 +314,8 @@ class HiddenWorker:
         """Drop ``drops`` and take ``saves`` (one pack for all). Never raises."""
         if self.tp_rank != 0:
             return
-        if drops and self._streams is not None:  # after the saves launched before them
+        if drops:  # after the saves launched before them
             self._publisher_thread().submit(_Batch([], [], [], drops=list(drops)))
-        else:
-            for drop in drops:
-                self._drop(drop)
         good, slots = [], []
         for spec in saves:
             try:
@@ -325,14 +336,16 @@ class HiddenWorker:
         try:
             out = torch.empty(self._shape(good), dtype=self.cache.dtype, device=self.cache.device)
             self._pack(batch, slots, out)
-            hexes = (
-                digests_hex(list(segment_digests(batch.rows, batch.bounds)))
-                if self.digest
-                else None
-            )
-            self._deliver_all(batch, batch.rows, hexes)
         except Exception as exc:  # never into vLLM's step
             self._batch_failed(batch, exc)
+            return
+        nbytes = out.numel() * out.element_size()
+        try:  # the digests and deliveries off the step, unless too much already waits for them
+            batch.pending.reserved = self.host_queue.reserve(nbytes, "queued hidden states")
+        except DeviceBudgetExceeded:
+            self._publish(batch, time.monotonic() + 30.0)
+            return
+        self._publisher_thread().submit(batch)
 
     def _shape(self, specs: list[HiddenSaveSpec]) -> tuple[int, ...]:
         """The pack's output for ``specs``, sized from their lengths (known on the host)."""
@@ -405,8 +418,8 @@ class HiddenWorker:
     def _publisher_thread(self) -> Publisher:
         if self._publisher is None:
             self._publisher = Publisher(
-                self._streams,
-                self.budget,
+                self._streams if self._streams is not None else HostOps(),
+                self.budget if self._streams is not None else self.host_queue,
                 self._publish,
                 self._batch_failed,
                 name="tritonkv-hidden-publish",
@@ -415,10 +428,16 @@ class HiddenWorker:
 
     def _publish(self, batch: _Batch, deadline: float) -> None:
         """On the publisher thread, once ``batch``'s pack completed: digest each request's rows
-        (on the device), copy rows and digests to pinned host memory, deliver them."""
+        (on a GPU: there, then rows and digests copied to pinned host memory), deliver them."""
         for drop in batch.drops:
             self._drop(drop)
         if not batch.specs:
+            return
+        if self._streams is None:  # host rows
+            hexes = None
+            if self.digest:
+                hexes = digests_hex(list(segment_digests(batch.rows, batch.bounds)))
+            self._deliver_all(batch, batch.rows, hexes)
             return
         digests = None
         if self.digest:

@@ -32,7 +32,7 @@ import torch
 
 from ..logs import get_logger
 from ..transport.buffers import host_empty
-from ..transport.threads import name_current_thread
+from ..transport.threads import transfer_thread
 
 log = get_logger("connector")
 
@@ -78,6 +78,22 @@ class StreamOps:
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor on this device, from the current stream's pool."""
         return torch.empty(shape, dtype=dtype, device=self.device)
+
+
+class HostOps:
+    """The :class:`StreamOps` of a :class:`Publisher` whose jobs are host work done off vLLM's
+    step (the CPU): no streams, no events, nothing to wait for."""
+
+    side = None
+
+    def new_stream(self):
+        return None
+
+    def bind_thread(self) -> None:
+        pass
+
+    def use(self, stream):
+        return contextlib.nullcontext()
 
 
 def device_streams(device: torch.device) -> StreamOps | None:
@@ -194,7 +210,8 @@ def gpu_budget_line(device: torch.device, budget_bytes: int, buffer_bytes: int) 
 
 
 class Publisher:
-    """A thread that finishes, off vLLM's step and in order, the work a step launched on a GPU:
+    """A thread (on the transfer CPUs, if set) that finishes, off vLLM's step and in order, the
+    work a step launched on a GPU (or, with :class:`HostOps`, the host work a step left):
     for each job it waits (polling, within ``publish_timeout_s``) for ``job.pending``'s event
     (the pack), then calls ``publish(job, deadline)`` (which copies what it needs to the host
     with :meth:`to_host` and stores it); an exception, or a pack that does not complete in time,
@@ -230,7 +247,7 @@ class Publisher:
         self._cond = threading.Condition()
         self._busy = False
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = transfer_thread(self._run, name)  # on transfer_cpus, if set
         self._thread.start()
 
     def submit(self, job) -> None:
@@ -300,7 +317,6 @@ class Publisher:
             self.stuck = [j for j in self.stuck if not self.let_go(j)]
 
     def _run(self) -> None:
-        name_current_thread(threading.current_thread().name)
         self.ops.bind_thread()
         self.copy_stream = self.ops.new_stream()
         while True:

@@ -41,10 +41,17 @@ def served(tmp_path):
     buffer = KVBuffer(1 << 20)
     server = KVServer(buffer, "127.0.0.1", 0, secret=SECRET)
     writer = HiddenFileWriter(1 << 20)
-    make = lambda digest: HiddenWorker(
-        _cache(), tp_rank=0, writer=writer, buffer=lambda: buffer, digest=digest
-    )
+    workers = []
+
+    def make(digest):
+        workers.append(
+            HiddenWorker(_cache(), tp_rank=0, writer=writer, buffer=lambda: buffer, digest=digest)
+        )
+        return workers[-1]
+
     yield make, server.port, writer
+    for worker in workers:
+        worker.shutdown()
     writer.close()
     server.close()
     buffer.close()
@@ -66,7 +73,7 @@ def test_a_bit_flipped_in_transit_is_caught_by_both_ways_out(served, tmp_path, d
     flipped = HiddenSaveSpec("req-f", "t" * 32, [5, 2], 7, list(range(7)), path, "flip_bit")
     clean = HiddenSaveSpec("req-c", "c" * 32, [3], 4, [9, 8, 7, 6], str(tmp_path / "c.safetensors"))
     worker.save([flipped, clean])
-    assert writer.flush(10)
+    assert worker.flush(10)  # its publisher thread, then the writer
     want = _expected(worker.cache, flipped)
     if digest:
         with pytest.raises(DigestMismatch, match=r"transfer tttttttt: digest check 'receipt'"):
@@ -96,7 +103,7 @@ def test_the_header_holds_the_digests_and_readers_of_the_tensors_ignore_it(serve
     path = str(tmp_path / "h.safetensors")
     spec = HiddenSaveSpec("req-h", "h" * 32, [1, 6], 6, list(range(40, 46)), path)
     worker.save([spec])
-    assert writer.flush(10)
+    assert worker.flush(10)  # its publisher thread, then the writer
     plain = load_file(path)
     assert set(plain) == {"hidden_states", "token_ids"}
     assert plain["hidden_states"].dtype == torch.float32 and plain["token_ids"].dtype == torch.int64

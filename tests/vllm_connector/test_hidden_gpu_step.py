@@ -169,13 +169,15 @@ def test_the_step_never_reads_the_device_and_nothing_leaves_before_the_pack(
 
 
 def test_the_audit_sees_the_host_path_read_the_device(tmp_path) -> None:
-    """The negative control: the same save without streams (the CPU path, which reads the
-    digests on the step) on a "device" cache is flagged."""
+    """The negative control: the same save without streams (the CPU path, which digests on
+    the host, off the step) on a "device" cache is flagged."""
     rig = _Rig("network")
     worker = hs.HiddenWorker(rig.cache, tp_rank=0, writer=None, buffer=lambda: rig.buffer)
     with no_host_reads(rig.fake, MODULES) as violations:
         worker.save([_spec("a", [2], 3, tmp_path, "network")])
+        assert worker.flush(10)
     assert any("digests read on the host" in v for v in violations), violations
+    worker.shutdown()
     rig.close()
 
 

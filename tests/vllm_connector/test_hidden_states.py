@@ -6,6 +6,8 @@ buffer, bad spec) that never raise."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -115,8 +117,30 @@ def test_scheduler_custom_paths_and_embeddings(tmp_path) -> None:
 # -------------------------------------------------------------------------------- worker side
 
 
-def _worker(cache, buffer, *, tp_rank=0, writer=None, stats=None):
-    return HiddenWorker(cache, tp_rank=tp_rank, writer=writer, buffer=lambda: buffer, stats=stats)
+_WORKERS: list[HiddenWorker] = []
+
+
+@pytest.fixture(autouse=True)
+def _shut_workers():
+    yield
+    while _WORKERS:
+        _WORKERS.pop().shutdown(5.0)
+
+
+class _FlushedWorker(HiddenWorker):
+    """A HiddenWorker whose ``save`` also waits for what the step left to its publisher thread
+    (digests, deliveries): these tests look at the deliveries after the step."""
+
+    def save(self, saves, drops=()) -> None:
+        super().save(saves, drops)
+        assert self.flush(10.0)
+
+
+def _worker(cache, buffer, *, tp_rank=0, writer=None, stats=None, flushed=True):
+    kind = _FlushedWorker if flushed else HiddenWorker
+    worker = kind(cache, tp_rank=tp_rank, writer=writer, buffer=lambda: buffer, stats=stats)
+    _WORKERS.append(worker)
+    return worker
 
 
 def _specs(lengths, block_size, num_blocks, seed):
@@ -245,6 +269,67 @@ def test_aborted_request_leaves_nothing(tmp_path) -> None:
         assert len(buffer) == 0 and os.listdir(tmp_path) == []
     finally:
         writer.close()
+        buffer.close()
+
+
+class _HeldBuffer(KVBuffer):
+    """A KV buffer whose puts (of the keys in ``hold``; None: all) wait for ``release``, and
+    that notes the thread each put ran on."""
+
+    def __init__(self, *a, hold=None, **k):
+        super().__init__(*a, **k)
+        self.hold, self.release, self.threads = hold, threading.Event(), []
+
+    def put(self, key, *a, **k):
+        self.threads.append(threading.current_thread().name)
+        if self.hold is None or key in self.hold:
+            assert self.release.wait(10), "never released"
+        return super().put(key, *a, **k)
+
+
+def test_cpu_deliveries_leave_the_step_in_order() -> None:
+    """On the CPU the step packs; the digests and deliveries run on the publisher thread: a
+    save returns while the buffer holds up its put, and an abort in a later step is carried out
+    after that delivery (the entry does not outlive it)."""
+    cache = _cache((6, 2, 4, 8))
+    buffer = _HeldBuffer(1 << 20)
+    try:
+        worker = _worker(cache, buffer, flushed=False)
+        t0 = time.monotonic()
+        worker.save([HiddenSaveSpec("a", "t-a", [1], 3, [1, 2, 3], None)])
+        worker.save([HiddenSaveSpec("b", "t-b", [2], 4, [4, 5, 6, 7], None)])
+        worker.save([], [hs.HiddenDrop("t-a", None)])  # a later step: "a" aborted meanwhile
+        assert time.monotonic() - t0 < 5 and len(buffer) == 0  # nothing waited for the puts
+        buffer.release.set()
+        assert worker.flush(10)
+        assert "t-a" not in buffer and "t-b" in buffer
+        assert buffer.threads == ["tritonkv-hidden-publish"] * 2
+    finally:
+        buffer.release.set()
+        buffer.close()
+
+
+def test_cpu_step_delivers_itself_past_the_host_queue(monkeypatch) -> None:
+    """Past ``HOST_QUEUE_BYTES`` of packed rows waiting for the publisher thread, a step
+    delivers its own (memory stays bounded); below it again, the thread does."""
+    monkeypatch.setattr(hs, "HOST_QUEUE_BYTES", 3 * 2 * 8 * 4)  # one 3-token request's rows
+    cache = _cache((6, 2, 4, 8))
+    buffer = _HeldBuffer(1 << 20, hold={"t-a"})
+    try:
+        worker = _worker(cache, buffer, flushed=False)
+        worker.save([HiddenSaveSpec("a", "t-a", [1], 3, [1, 2, 3], None)])  # queued, held
+        worker.save([HiddenSaveSpec("b", "t-b", [2], 3, [4, 5, 6], None)])  # over: on the step
+        me = threading.current_thread().name
+        assert buffer.threads[-1] == me and "t-b" in buffer
+        assert "t-a" not in buffer and worker.host_queue.in_use == 3 * 2 * 8 * 4
+        buffer.release.set()
+        assert worker.flush(10) and worker.host_queue.in_use == 0
+        assert sorted(buffer.threads) == sorted(["tritonkv-hidden-publish", me])
+        worker.save([HiddenSaveSpec("c", "t-c", [3], 3, [7, 8, 9], None)])
+        assert worker.flush(10) and buffer.threads[-1] == "tritonkv-hidden-publish"
+        assert all(key in buffer for key in ("t-a", "t-b", "t-c"))
+    finally:
+        buffer.release.set()
         buffer.close()
 
 

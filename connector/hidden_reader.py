@@ -90,10 +90,12 @@ class HiddenStatesReader:
         self._lock = threading.Lock()
 
     def fetch(
-        self, host: str, port: int, transfer_id: str, *, wait_s: float = 0.0
+        self, host: str, port: int, transfer_id: str, *, wait_s: float | None = None
     ) -> dict[str, torch.Tensor]:
         """One request's hidden states (see :func:`fetch_hidden_states` for what is returned
         and raised)."""
+        if wait_s is None:
+            wait_s = self._client_args["timeout_s"] / 2
         if not isinstance(transfer_id, str) or not transfer_id:
             raise TypeError(f"transfer_id: expected a non-empty str, got {transfer_id!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
@@ -146,7 +148,7 @@ def fetch_hidden_states(
     secret: bytes | str | None = None,
     timeout_s: float = 30.0,
     connect_timeout_s: float = 10.0,
-    wait_s: float = 0.0,
+    wait_s: float | None = None,
     transport: str = "socket",
 ) -> dict[str, torch.Tensor]:
     """Pull one request's hidden states from the producer's KV server, over a connection of its
@@ -158,7 +160,10 @@ def fetch_hidden_states(
         secret: the server's shared secret (None: a server started without one).
         timeout_s: the deadline of the whole pull (connect and transfer).
         connect_timeout_s: the deadline of the connection's handshake.
-        wait_s: how long the server may wait for the entry to appear (below ``timeout_s``).
+        wait_s: how long the server may wait for the entry to appear (below ``timeout_s``;
+            default half of it). The producer delivers a request's hidden states off its step,
+            so they may arrive just after the response that names them; a save that failed
+            ends the wait at once (a MISS).
         transport: ``socket`` (inline TCP, any host) or ``gloo``.
 
     Returns:
@@ -167,8 +172,9 @@ def fetch_hidden_states(
 
     Raises:
         TypeError, ValueError: arguments of the wrong type or range.
-        connector.transport.errors.KeyMissError: the server does not hold it (never taken,
-            already read, expired, or its request was aborted); the reason says which it knows.
+        connector.transport.errors.KeyMissError: the server does not hold it (its save
+            failed, never taken, already read, expired, or its request was aborted); the reason
+            says which it knows.
         DigestMismatch: what arrived differs from what the producer packed (check
             ``receipt``); the entry was delivered (and dropped) all the same.
         connector.transport.errors.TransferTimeout, PeerDeadError, ...: the pull failed in time.

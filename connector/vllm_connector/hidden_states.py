@@ -20,8 +20,13 @@ Worker side (:class:`HiddenWorker`): after the step's forward pass and the draft
 **one** :func:`tritonkv.pack_kv` launch over the hidden-state cache, addressed by query offsets
 over the prompts laid end to end (prompt ``i`` owns packed rows ``cu_seqlens[i] :
 cu_seqlens[i + 1]``); each request then gets a view of its rows (no per-request copy), with its
-token ids beside it, handed to the file writer (:mod:`.hidden_files`, off the step) and/or put in
-the rank's KV buffer, which the producer's KV server serves. With ``digest`` (on by default) each
+token ids beside it, handed to the file writer (:mod:`.hidden_files`) and/or put in the rank's KV
+buffer, which the producer's KV server serves. Only the pack is on the step: the digests and
+deliveries are a :class:`~.streams.Publisher` thread's (on the ``transfer_cpus``), in order, drops
+of aborted requests included; past :data:`HOST_QUEUE_BYTES` of packed rows waiting for it, a step
+delivers its own. So an entry may appear just after the response naming it: readers wait for it
+(``wait_s``), and a request whose save failed has its transfer id sealed, which ends such a wait
+at once. With ``digest`` (on by default) each
 request's tensors carry their digest (:func:`.integrity.hidden_meta`): stored with the entry and
 in the file's header, checked by the file writer before its rename and by the readers
 (:mod:`connector.hidden_reader`). Every rank of a TP group holds the same hidden states (they
@@ -32,11 +37,10 @@ On a GPU (:mod:`.streams`, the rules of the KV path): the pack waits for an even
 vLLM's stream, runs on tritonkv's side stream into an output sized from the prompts' lengths
 (known on the host) within the rank's :class:`~.streams.DeviceBudget`, and vLLM's stream waits
 for the pack's event (the blocks may be reused next). Nothing on the step reads the device or
-waits for it. A :class:`~.streams.Publisher` thread then, once the pack's event completed,
-digests each request's rows on the device, copies rows and digests to pinned host memory and
-delivers them (files, buffer); a pack that does not complete in time fails its requests (their
-files get an ``.error``), never the engine. Drops of aborted requests go through that thread too,
-after the saves launched before them.
+waits for it. The publisher thread then, once the pack's event completed, digests each
+request's rows on the device, copies rows and digests to pinned host memory and delivers them
+(files, buffer); a pack that does not complete in time fails its requests (their files get an
+``.error``), never the engine.
 No vLLM import.
 """
 
@@ -323,6 +327,7 @@ class HiddenWorker:
                 good.append(spec)
             except Exception as exc:
                 self._fail(spec, exc)
+                self._unserve(spec)
         if not good:
             return
         # the file locks, on the step: before vLLM can tell anyone the path
@@ -488,6 +493,7 @@ class HiddenWorker:
             except Exception as exc:
                 ok = False
                 self._fail(spec, exc, "the KV buffer", count=False)  # counted below
+                self._unserve(spec)
         if self.stats is not None:
             if ok:
                 self.stats.record_hidden_save(num_tokens=spec.num_tokens)
@@ -507,6 +513,7 @@ class HiddenWorker:
         """Every request of ``batch`` failed (``exc``); their files get an ``.error``."""
         for i, spec in enumerate(batch.specs):
             self._fail(spec, exc, "the pack")
+            self._unserve(spec)
             if batch.locks[i] is not None:
                 why = f"its pack failed: {type(exc).__name__}: {error_text(exc)}"
                 HiddenFileWriter.refuse(spec.path, batch.locks[i], why)
@@ -523,6 +530,20 @@ class HiddenWorker:
             type(exc).__name__,
             error_text(exc),
         )
+
+    def _unserve(self, spec: HiddenSaveSpec) -> None:
+        """No entry will come for ``spec``: seal its transfer id, so that a reader waiting for
+        it (its delivery is off the step) gets a MISS at once instead of waiting it out."""
+        try:
+            buffer = self.buffer
+            if buffer is not None:
+                buffer.drop(spec.transfer_id, seal=True)
+        except Exception as exc:  # its reader waits out its wait_s
+            log.error(
+                "tritonkv: could not seal hidden states %s (%s)",
+                short_id(spec.transfer_id),
+                error_text(exc),
+            )
 
     def _drop(self, drop: HiddenDrop) -> None:
         try:

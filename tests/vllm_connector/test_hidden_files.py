@@ -187,7 +187,40 @@ def test_fetch_hidden_states(server) -> None:
     )
     assert torch.equal(got["token_ids"], tensors["token_ids"])
     with pytest.raises(KeyMissError):  # delivered once
-        fetch_hidden_states("127.0.0.1", srv.port, "tid", secret=SECRET, timeout_s=10)
+        fetch_hidden_states("127.0.0.1", srv.port, "tid", secret=SECRET, timeout_s=10, wait_s=0)
+
+
+def _later(delay_s: float, fn, *args) -> threading.Thread:
+    t = threading.Thread(target=lambda: (time.sleep(delay_s), fn(*args)), daemon=True)
+    t.start()
+    return t
+
+
+def test_fetch_waits_for_an_entry_put_after_the_response(server) -> None:
+    """A producer delivers off its step: the entry may land after the response naming it. The
+    readers wait for it (default: half their timeout); with ``wait_s=0`` they do not."""
+    buffer, srv = server
+    tensors = _tensors(5)
+    with pytest.raises(KeyMissError):
+        fetch_hidden_states("127.0.0.1", srv.port, "late", secret=SECRET, wait_s=0)
+    put = _later(0.3, buffer.put, "late", tensors, {"kind": "hidden_states", "num_tokens": 5})
+    got = fetch_hidden_states("127.0.0.1", srv.port, "late", secret=SECRET, timeout_s=10)
+    assert _same(got, tensors)
+    put.join(5)
+    _later(0.3, buffer.put, "late2", tensors, {"kind": "hidden_states", "num_tokens": 5})
+    with HiddenStatesReader(secret=SECRET, timeout_s=10) as reader:
+        assert _same(reader.fetch("127.0.0.1", srv.port, "late2"), tensors)
+
+
+def test_a_sealed_transfer_ends_the_wait_at_once(server) -> None:
+    """A save that failed seals its transfer id (HiddenWorker): a reader waiting for it gets
+    its MISS then, not after its wait."""
+    buffer, srv = server
+    _later(0.3, lambda: buffer.drop("failed", seal=True))
+    t0 = time.monotonic()
+    with pytest.raises(KeyMissError):
+        fetch_hidden_states("127.0.0.1", srv.port, "failed", secret=SECRET, timeout_s=30)
+    assert time.monotonic() - t0 < 10  # its wait was 15 s
 
 
 def test_fetch_refusals(server) -> None:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from support.kvstore import deliver
 
 from connector.kvstore import KVBuffer
+from connector.transport.errors import KeyMissError
 from connector.vllm_connector import hidden_states as hs
 from connector.vllm_connector.hidden_files import HiddenFileWriter, read_hidden_file
 from connector.vllm_connector.hidden_states import HiddenSaveSpec, HiddenScheduler, HiddenWorker
@@ -251,6 +252,11 @@ def test_failures_are_per_request(tmp_path) -> None:
         figures = stats.take()
         assert figures["hidden_saves"] == 1 and figures["hidden_save_failures"] == 2
         assert "t-ok" in buffer and "t-big" not in buffer and "t-bad" not in buffer
+        for key in ("t-bad", "t-big"):  # sealed: a reader waiting for them ends at once
+            t0 = time.monotonic()
+            with pytest.raises(KeyMissError):
+                buffer.checkout(key, wait_s=20)
+            assert time.monotonic() - t0 < 5
     finally:
         buffer.close()
 

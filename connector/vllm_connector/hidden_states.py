@@ -348,7 +348,7 @@ class HiddenWorker:
         try:  # the digests and deliveries off the step, unless too much already waits for them
             batch.pending.reserved = self.host_queue.reserve(nbytes, "queued hidden states")
         except DeviceBudgetExceeded:
-            self._publish(batch, time.monotonic() + 30.0)
+            self._publisher_thread().run_here(batch)
             return
         self._publisher_thread().submit(batch)
 
@@ -438,19 +438,14 @@ class HiddenWorker:
             self._drop(drop)
         if not batch.specs:
             return
-        if self._streams is None:  # host rows
-            hexes = None
-            if self.digest:
-                hexes = digests_hex(list(segment_digests(batch.rows, batch.bounds)))
-            self._deliver_all(batch, batch.rows, hexes)
-            return
-        digests = None
+        rows, digests, publisher = batch.rows, None, self._publisher_thread()
         if self.digest:
-            with self._streams.use(self._publisher.copy_stream):
-                digests = segment_digests(batch.rows, batch.bounds)
-        rows, digests = self._publisher.to_host(batch, [batch.rows, digests], deadline)
-        batch.rows = None  # the device output goes back to the allocator
-        self._publisher.let_go(batch)  # its pack and copy completed
+            with publisher.ops.use(publisher.copy_stream):  # (the CPU's: none)
+                digests = segment_digests(rows, batch.bounds)
+        if self._streams is not None:  # to pinned host memory
+            rows, digests = publisher.to_host(batch, [rows, digests], deadline)
+            batch.rows = None  # the device output goes back to the allocator
+            publisher.let_go(batch)  # its pack and copy completed
         self._deliver_all(batch, rows, None if digests is None else digests_hex(list(digests)))
 
     def _deliver_all(self, batch: _Batch, rows: torch.Tensor, hexes: list[str] | None) -> None:
@@ -532,24 +527,16 @@ class HiddenWorker:
         )
 
     def _unserve(self, spec: HiddenSaveSpec) -> None:
-        """No entry will come for ``spec``: seal its transfer id, so that a reader waiting for
-        it (its delivery is off the step) gets a MISS at once instead of waiting it out."""
-        try:
-            buffer = self.buffer
-            if buffer is not None:
-                buffer.drop(spec.transfer_id, seal=True)
-        except Exception as exc:  # its reader waits out its wait_s
-            log.error(
-                "tritonkv: could not seal hidden states %s (%s)",
-                short_id(spec.transfer_id),
-                error_text(exc),
-            )
+        """No entry will come for ``spec``: its transfer id sealed (see :meth:`_drop`)."""
+        self._drop(HiddenDrop(spec.transfer_id, None))
 
     def _drop(self, drop: HiddenDrop) -> None:
+        """Drop ``drop``'s entry and seal its transfer id (a later put is refused, and a reader
+        waiting for it, its delivery being off the step, gets a MISS at once); delete its file."""
         try:
             buffer = self.buffer
             if buffer is not None:
-                buffer.drop(drop.transfer_id)
+                buffer.drop(drop.transfer_id, seal=True)
             if drop.path is not None and self.writer is not None:
                 self.writer.delete(drop.path)
         except Exception as exc:  # its TTL drops the entry later

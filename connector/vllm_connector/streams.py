@@ -257,6 +257,11 @@ class Publisher:
             self._jobs.append(job)
             self._cond.notify_all()
 
+    def run_here(self, job) -> None:
+        """Publish ``job`` on the calling thread now, as the thread would (its failure goes to
+        ``failed``; nothing raised). For host work (no event to wait for) that must not queue."""
+        self._one(job, time.monotonic() + self.publish_timeout_s)
+
     def flush(self, timeout_s: float) -> bool:
         """Wait until no job is queued or being published (True) or ``timeout_s`` passed."""
         deadline = time.monotonic() + timeout_s

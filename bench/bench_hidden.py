@@ -28,9 +28,10 @@ example             vLLM's ExampleHiddenStatesConnector with only its pinned mem
                     file (vLLM's ``load_hidden_states``)
 ==================  =========================================================================
 
-The server's model runs on core 0; tritonkv's transfer threads (its KV server, its file writer) on
-core 1 (``transfer_cpus``), where the clients run too; Example's writer threads stay in the worker,
-on core 0. Every reader checks that the token ids beside the states are its prompt's and the shape is
+The server's model runs on core 0; tritonkv's transfer threads (its KV server, its file writer,
+its publisher) on core 1 (``transfer_cpus``), where the clients, the API server and the engine
+core run too (``+core0``: on core 0, with the model); Example's writer threads stay in the
+worker, on core 0. Every reader checks that the token ids beside the states are its prompt's and the shape is
 ``[num_tokens, 2, hidden_size]``; a wrong one is counted as a failure. Figures: hidden-state
 tokens per second (prompt tokens whose states the clients hold, over the wall time of the batch),
 their median over the rounds, and the ratios of the medians to ``plain``, ``spec-only`` and
@@ -71,11 +72,11 @@ SPEC = {
 
 
 def _server(label: str, cluster: Cluster, model: Path, storage: Path):
-    """Start the server of setup ``label`` (``name`` or ``name#k``, a second server of one
-    setup), not waiting for it; returns ``(proc, reader)``: ``reader(params) -> dict`` or None."""
+    """Start the server of setup ``label`` (``NAME[+core0][#k]``, see :func:`_setup`), not
+    waiting for it; returns ``(proc, reader)``: ``reader(params) -> dict`` or None."""
     from connector.hidden_reader import HiddenStatesReader, read_hidden_file
 
-    name = label.split("#")[0]
+    name, core0 = label.split("#")[0].removesuffix("+core0"), "+core0" in label
 
     args = ["--max-num-batched-tokens", "512", "--no-enable-prefix-caching"]
     env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
@@ -89,7 +90,8 @@ def _server(label: str, cluster: Cluster, model: Path, storage: Path):
             "role": "kv_producer",
             "kv_port": free_port_run(1),
             "extra_config": {"shared_storage_path": str(storage), "hidden_states_files": files,
-                             "hidden_states_serve": not files, "transfer_cpus": "1",
+                             "hidden_states_serve": not files,
+                             "transfer_cpus": "" if core0 else "1",
                              "digest": not name.endswith("-nodigest")},
         }  # fmt: skip
         if name.startswith("tritonkv-noread"):
@@ -120,7 +122,7 @@ def _server(label: str, cluster: Cluster, model: Path, storage: Path):
             },
         }
         reader = lambda p: load_hidden_states(p["hidden_states_path"])
-    proc = cluster.start_vllm(label.replace("#", "-"), model, free_port(), cpu="0", env=env,
+    proc = cluster.start_vllm(label.replace("#", "-").replace("+", "-"), model, free_port(), cpu="0", env=env,
                               args=args, **kw)  # fmt: skip
     return proc, reader
 
@@ -200,10 +202,14 @@ def summary(rows: list[dict]) -> list[str]:
 
 
 def _setup(label: str) -> str:
-    name, _, k = label.partition("#")
-    if name not in SETUPS or (k and not k.isdigit()):
+    """A setup's label: ``NAME``, ``NAME#k`` (another server of it: the spread between
+    servers), ``NAME+core0`` (tritonkv's transfer threads left on the model's core:
+    ``transfer_cpus`` unset)."""
+    head, _, k = label.partition("#")
+    name = head.removesuffix("+core0")
+    if name not in SETUPS or (k and not k.isdigit()) or (name != head and "tritonkv" not in name):
         raise argparse.ArgumentTypeError(
-            f"expected one of {', '.join(SETUPS)} (or NAME#2), got {label!r}"
+            f"expected one of {', '.join(SETUPS)}, NAME#2, or tritonkv-...+core0; got {label!r}"
         )
     return label
 
@@ -216,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="batches per setup")
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), type=_setup,
                         help="setups (NAME#2: a second server of NAME, a control of the "
-                        "spread between servers)")  # fmt: skip
+                        "spread between servers; tritonkv-...+core0: its transfer threads on the "
+                        "model's core)")  # fmt: skip
     parser.add_argument("--out", default="hidden", help="result files' stem in bench/results/cpu")
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="bench_hidden_"))

@@ -3,11 +3,13 @@ bench/hidden_extract.py's dry run (its table, and its bit-exactness check, which
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
 from bench import hidden_extract
-from bench.bench_hidden import SETUPS, summary
+from bench.bench_hidden import SETUPS, _setup, summary
 
 
 def _row(name, tps, failed=0):
@@ -26,6 +28,15 @@ def test_summary_medians_and_ratios() -> None:
     assert lines[3] == "| tritonkv-net | 100.0 | 50-150 | 2 | 0 | 0.50 | - | - |"
     assert lines[4] == "| example | 100.0 | 100-100 | 1 | 2 | - | - | - |"
     assert SETUPS[0] == "plain" and "example" in SETUPS and "spec-only" in SETUPS
+
+
+def test_setup_labels() -> None:
+    """NAME, NAME#k (another server of it), tritonkv-...+core0 (its threads on the model's core)."""
+    for good in ("tritonkv-files+core0", "tritonkv-net+core0#2", "spec-only#2", "plain"):
+        assert _setup(good) == good
+    for bad in ("plain+core0", "nope", "spec-only#a", "tritonkv-files+core1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected one of"):
+            _setup(bad)
 
 
 def test_hidden_extract_dry_run(tmp_path) -> None:

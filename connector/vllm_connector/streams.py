@@ -84,8 +84,6 @@ class HostOps:
     """The :class:`StreamOps` of a :class:`Publisher` whose jobs are host work done off vLLM's
     step (the CPU): no streams, no events, nothing to wait for."""
 
-    side = None
-
     def new_stream(self):
         return None
 

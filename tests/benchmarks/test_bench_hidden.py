@@ -4,12 +4,14 @@ bench/hidden_extract.py's dry run (its table, and its bit-exactness check, which
 from __future__ import annotations
 
 import argparse
+import inspect
 
 import pytest
 import torch
 
 from bench import hidden_extract
-from bench.bench_hidden import SETUPS, _setup, summary
+from bench.bench_hidden import MODELS, SETUPS, _setup, summary
+from connector.serve.tiny_model import build_tiny_llama
 
 
 def _row(name, tps, failed=0):
@@ -37,6 +39,16 @@ def test_setup_labels() -> None:
     for bad in ("plain+core0", "nope", "spec-only#a", "tritonkv-files+core1"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected one of"):
             _setup(bad)
+
+
+def test_models_are_build_arguments() -> None:
+    """Every shape of ``--model`` names only arguments ``build_tiny_llama`` takes; ``pd-link`` is
+    not the tiny default."""
+    params = inspect.signature(build_tiny_llama).parameters
+    for name, shape in MODELS.items():
+        assert set(shape) <= set(params), name
+    assert MODELS["tiny"] == {}
+    assert MODELS["pd-link"]["hidden_size"] != params["hidden_size"].default
 
 
 def test_hidden_extract_dry_run(tmp_path) -> None:

@@ -453,10 +453,8 @@ class HiddenWorker:
         """Deliver each request's rows of ``rows`` (host memory, complete; ``hexes``: their
         digests, None with ``digest`` off) with its token ids (digested here, all at once)."""
         b = batch.bounds
-        ids = np.fromiter(
-            itertools.chain.from_iterable(s.token_ids for s in batch.specs), np.int64, count=b[-1]
-        )
-        ids = torch.from_numpy(ids)
+        chained = itertools.chain.from_iterable(s.token_ids for s in batch.specs)
+        ids = torch.from_numpy(np.fromiter(chained, np.int64, count=b[-1]))
         id_hexes = digests_hex(list(segment_digests(ids, b))) if hexes is not None else None
         for i, spec in enumerate(batch.specs):
             digests = {} if hexes is None else hidden_meta(hexes[i], id_hexes[i])

@@ -4,7 +4,7 @@ a plain server and vLLM's own ExampleHiddenStatesConnector, in one run.
 ``python -m bench.bench_hidden [--prompts 48] [--tokens 256] [--clients 4] [--rounds 3]
 [--model tiny|pd-link]``. Each setup is one vLLM server (fp32, block 32, one core,
 ``--max-num-batched-tokens 512``) of a random Llama built locally (:data:`MODELS`). ``tiny`` is
-the tiny Llama of ``connector.serve.tiny_model``: its 512-token step takes about 11 ms, so the
+the tiny Llama of ``connector.serve.tiny_model``: its 512-token step takes 11-16 ms, so the
 fixed costs of a step and of a request (vLLM's extraction's and a connector's) weigh far more
 there than beside a real model. ``pd-link`` is ``bench.pd_link.SHAPE`` (8 layers, hidden 512),
 whose step takes about 30 x longer. All servers are started first, then every round runs one

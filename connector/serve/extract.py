@@ -12,6 +12,12 @@ skipped. Hidden states come over the network from the server's KV port (``--via 
 default; no shared storage) or from the file the server wrote (``--via files``, moved into the
 dataset). A prompt that fails is reported and left out; the run goes on.
 
+By default each prompt is answered with one token and its file holds the prompt's hidden states.
+With ``--include-outputs --max-tokens N`` the server generates up to N tokens (greedy) and the file
+holds every token the model was fed: the prompt and the response but its last token
+(``kv_transfer_params["include_output_tokens"]``, as vLLM's ``ExampleHiddenStatesConnector``), the
+usual data for training a speculator on the model's own answers.
+
 Example::
 
     tritonkv-extract --url http://127.0.0.1:8000 --prompts prompts.jsonl \\
@@ -74,7 +80,7 @@ def _save(tensors: dict, path: Path) -> None:
 
 
 def _one(url: str, model: str, pid: str, fields: dict, out: Path, via: str, readers, timeout_s):
-    body = {"model": model, "max_tokens": 1, "temperature": 0, **fields}
+    body = {"model": model, "temperature": 0, **fields}
     params = http_json(url + "/v1/completions", body, timeout_s=timeout_s).get("kv_transfer_params")
     if not params:
         raise RuntimeError("the reply has no kv_transfer_params: is the server's connector set up?")
@@ -141,13 +147,22 @@ def extract(
     secret: str | None = None,
     timeout_s: float = 300.0,
     progress=None,
+    max_tokens: int = 1,
+    include_outputs: bool = False,
 ) -> dict[str, int]:
     """Extract every prompt not yet in ``out``; returns ``{"done", "skipped", "failed",
-    "tokens"}``. ``progress(done, total)`` is called after each prompt."""
+    "tokens"}``. ``progress(done, total)`` is called after each prompt. Each request generates
+    up to ``max_tokens``; ``include_outputs``: their hidden states are saved too (all but the
+    last's: see the module docstring)."""
     if via not in ("network", "files"):
         raise ValueError(f"via: expected network|files, got {via!r}")
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"concurrency: expected an int >= 1, got {concurrency!r}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens: expected an int >= 1, got {max_tokens!r}")
+    asked = {"max_tokens": max_tokens}
+    if include_outputs:
+        asked["kv_transfer_params"] = {"include_output_tokens": True}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     todo = [(pid, f) for pid, f in prompts if not (out / f"{pid}.safetensors").exists()]
@@ -160,7 +175,7 @@ def extract(
         open(out / "index.jsonl", "a") as index,
     ):
         futures = {
-            pool.submit(_one, url, model, pid, f, out, via, readers, timeout_s): pid
+            pool.submit(_one, url, model, pid, {**asked, **f}, out, via, readers, timeout_s): pid
             for pid, f in todo
         }
         for future in as_completed(futures):
@@ -204,6 +219,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--secret-file", default="", help="the KV server's shared secret")
     parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument("--max-tokens", type=int, default=1, help="tokens each request generates")
+    parser.add_argument(
+        "--include-outputs",
+        action="store_true",
+        help="save the generated tokens' hidden states too (all but the last)",
+    )
     args = parser.parse_args(argv)
     secret = Path(args.secret_file).read_text().strip() if args.secret_file else None
     secret = secret or os.environ.get("TRITONKV_SECRET") or None
@@ -211,7 +232,8 @@ def main(argv: list[str] | None = None) -> None:
     counts = extract(
         args.url, prompts, args.out, model=args.model, via=args.via,
         concurrency=args.concurrency, secret=secret, timeout_s=args.timeout_s,
-        progress=_bar(time.monotonic()),
+        progress=_bar(time.monotonic()), max_tokens=args.max_tokens,
+        include_outputs=args.include_outputs,
     )  # fmt: skip
     print(json.dumps(counts))
     if counts["failed"]:

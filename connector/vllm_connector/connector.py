@@ -81,7 +81,8 @@ Hidden states are not carried from producer to consumer: the decode server recom
 prompt token instead, which produces them. With vLLM's ``extract_hidden_states`` speculative method
 (``--speculative-config '{"method": "extract_hidden_states", "num_speculative_tokens": 1,
 "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [...]}}}'``) this
-connector takes every request's prompt hidden states out of vLLM (:mod:`.hidden_states`): as
+connector takes every request's prompt hidden states out of vLLM (:mod:`.hidden_states`; the
+whole sequence with ``include_output_tokens``, the only case where it keeps blocks): as
 files, a drop-in for vLLM's ``ExampleHiddenStatesConnector`` (``hidden_states_path``,
 :mod:`.hidden_files`), and from TP rank 0's KV server (``hidden_states_transfer_id``, read with
 :func:`connector.hidden_reader.fetch_hidden_states`). The hybrid KV cache manager stays on for

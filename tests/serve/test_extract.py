@@ -113,6 +113,19 @@ def test_extract_and_resume(stand_in, tmp_path, via) -> None:
     again = extract(url, prompts, out, via=via, secret=SECRET)  # resumed: only "bad" again
     assert again == {"done": 0, "skipped": 2, "failed": 1, "tokens": 0}
     assert len(calls) == asked + 1 and calls[-1]["prompt"] == [13]
+    assert calls[0]["max_tokens"] == 1 and "kv_transfer_params" not in calls[0]
+
+
+def test_include_outputs_asks_for_whole_sequences(stand_in, tmp_path) -> None:
+    url, calls, _ = stand_in
+    prompts = read_prompts(_prompts_file(tmp_path, [{"id": "w", "prompt_token_ids": [3, 4]}]))
+    counts = extract(url, prompts, tmp_path / "dataset", secret=SECRET, max_tokens=8,
+                     include_outputs=True)  # fmt: skip
+    assert counts["done"] == 1
+    assert calls[-1]["max_tokens"] == 8
+    assert calls[-1]["kv_transfer_params"] == {"include_output_tokens": True}
+    with pytest.raises(ValueError, match="max_tokens"):
+        extract(url, prompts, tmp_path / "d2", max_tokens=0)
 
 
 def test_network_reads_keep_one_connection_per_client_thread(stand_in, tmp_path) -> None:

@@ -67,6 +67,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
 
+def _fetch(params: dict) -> dict:
+    """A request's hidden states from the server its ``kv_transfer_params`` name."""
+    host, port = params["hidden_states_host"], params["hidden_states_port"]
+    tid = params["hidden_states_transfer_id"]
+    return fetch_hidden_states(host, port, tid, secret=SECRET, timeout_s=60)
+
+
 def _ask(url: str, prompt: list[int], max_tokens: int) -> dict:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     return http_json(url + "/v1/completions", body, timeout_s=300)
@@ -88,13 +95,7 @@ def test_every_request_over_files_and_network(server, tiny_llama_dir) -> None:
         assert os.path.dirname(params["hidden_states_path"]) == str(storage)
         assert params["hidden_states_port"] == kv_port  # TP rank 0's server holds them
         from_file = read_hidden_file(params["hidden_states_path"], timeout_s=60)
-        from_net = fetch_hidden_states(
-            params["hidden_states_host"],
-            params["hidden_states_port"],
-            params["hidden_states_transfer_id"],
-            secret=SECRET,
-            timeout_s=60,
-        )
+        from_net = _fetch(params)
         assert torch.equal(_bits(from_net["hidden_states"]), _bits(from_file["hidden_states"]))
         assert torch.equal(from_net["token_ids"], from_file["token_ids"])
         assert from_file["token_ids"].tolist() == prompt
@@ -134,13 +135,7 @@ def test_a_bit_flipped_after_the_digest_is_caught_both_ways(server) -> None:
         read_hidden_file(path, timeout_s=60)
     assert not os.path.exists(path) and os.path.exists(path + ".error")
     with pytest.raises(DigestMismatch, match="digest check 'receipt' failed"):
-        fetch_hidden_states(
-            params["hidden_states_host"],
-            params["hidden_states_port"],
-            params["hidden_states_transfer_id"],
-            secret=SECRET,
-            timeout_s=60,
-        )
+        _fetch(params)
 
 
 def test_include_output_tokens_over_the_server(server, tiny_llama_dir) -> None:
@@ -167,13 +162,7 @@ def test_include_output_tokens_over_the_server(server, tiny_llama_dir) -> None:
         fed = prompt + outputs[:-1]
         assert len(outputs) == 5 and params["hidden_states_num_tokens"] == len(fed)
         from_file = read_hidden_file(params["hidden_states_path"], timeout_s=60)
-        from_net = fetch_hidden_states(
-            params["hidden_states_host"],
-            params["hidden_states_port"],
-            params["hidden_states_transfer_id"],
-            secret=SECRET,
-            timeout_s=60,
-        )
+        from_net = _fetch(params)
         assert from_file["token_ids"].tolist() == fed
         assert torch.equal(_bits(from_net["hidden_states"]), _bits(from_file["hidden_states"]))
         with torch.no_grad():

@@ -1,10 +1,12 @@
 """bench/bench_hidden.py without servers: the summary's medians and ratios, and no ratio from a failed row;
-bench/hidden_extract.py's dry run (its table, and its bit-exactness check, which can fail)."""
+bench/hidden_extract.py's dry run (its table, and its bit-exactness check, which can fail);
+bench/gil_convoy.py's modes."""
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import os
 
 import pytest
 import torch
@@ -73,3 +75,19 @@ def test_hidden_extract_check_sees_wrong_rows(monkeypatch) -> None:
             hidden_extract.check(step)
     finally:
         step.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="gil_convoy needs two cores")
+def test_gil_convoy_runs_every_mode_and_restores_the_caller() -> None:
+    """bench/gil_convoy.py, two steps a mode: every mode timed, the side threads did work (the
+    publisher's entries were delivered, else it raises), the caller's CPUs and threads back."""
+    from bench import gil_convoy
+
+    cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    result = gil_convoy.run(steps=2, rounds=1, cpu_ms=0.2)
+    assert set(result["modes"]) == set(gil_convoy.MODES)
+    assert all(m["forward_ms"] > 0 for m in result["modes"].values())
+    assert result["modes"]["none"]["slowdown_ms"] == 0.0
+    for mode in ("python", "native"):
+        assert result["modes"][mode]["side_cpu_ms_per_step"] >= 0.2
+    assert os.sched_getaffinity(0) == cpus and torch.get_num_threads() == threads

@@ -58,6 +58,7 @@ from tritonkv.digest import digests_hex, segment_digests
 
 from ..kvstore import short_id
 from ..logs import get_logger
+from ..transport.buffers import pinned_host
 from ..transport.errors import error_text
 from .config import ConnectorConfig
 from .hidden_files import HiddenFileWriter
@@ -362,7 +363,8 @@ class HiddenWorker:
         for n in lengths:
             batch.bounds.append(batch.bounds[-1] + n)
         query_start_loc = torch.tensor(batch.bounds, dtype=torch.int64)
-        flat = torch.cat(slots).to(out.device, non_blocking=True)
+        # from pinned memory: a copy from pageable memory would wait for vLLM's stream
+        flat = pinned_host(torch.cat(slots)).to(out.device, non_blocking=True)
         packed, _ = pack_kv(self._layers, flat, query_start_loc, out=out)
         batch.rows = packed[0, 0]  # [total_tokens, num_hidden_states, hidden_size]
         return flat

@@ -176,3 +176,13 @@ def no_host_reads(fake: FakeStreams, modules=()):
     finally:
         for owner, name, value in reversed(patches):
             setattr(owner, name, value)
+
+
+def gpu_busy(stream) -> torch.cuda.Event:
+    """An event behind about a second of GPU time queued on CUDA ``stream`` now: a call that
+    returns before it completes did not wait for the stream (a sync, or a copy from pageable
+    memory, would have)."""
+    torch.cuda._sleep(2_000_000_000)
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev

@@ -23,7 +23,7 @@ from support.connector_halves import (
     fake_client,
     producer,
 )
-from support.fake_streams import FakeStreams, no_host_reads
+from support.fake_streams import FakeStreams, gpu_busy, no_host_reads
 from support.kvstore import deliver
 
 import connector.vllm_connector.consumer as consumer_mod
@@ -280,14 +280,6 @@ def test_bad_memory_options_are_refused():
         ConnectorConfig.from_extra({"gpu_memory_bytes": 0})
 
 
-def _busy(stream):
-    """An event behind about a second of GPU time queued on ``stream`` now."""
-    torch.cuda._sleep(2_000_000_000)
-    ev = torch.cuda.Event()
-    ev.record(stream)
-    return ev
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("buffer_memory", ["host", "device"])
@@ -321,11 +313,11 @@ def test_on_a_gpu_the_step_never_synchronises(buffer_memory):
                 # the "forward pass" still runs (~1 s of GPU time) when each call returns: a
                 # call that waited for vLLM's stream (a sync, or a copy from pageable memory)
                 # would return after it
-                busy = _busy(compute)
+                busy = gpu_busy(compute)
                 prod.wait_for_save([spec])
                 assert not busy.query(), "wait_for_save waited for vLLM's stream"
                 assert prod.flush(30)
-                busy = _busy(compute)
+                busy = gpu_busy(compute)
                 cons.start_load_kv([load])
                 cons.get_finished()
                 assert not busy.query(), "start_load_kv waited for vLLM's stream"

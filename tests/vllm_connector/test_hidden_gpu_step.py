@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from support.fake_streams import FakeStreams, no_host_reads
+from support.fake_streams import FakeStreams, gpu_busy, no_host_reads
 from support.kvstore import deliver
 
 from connector.kvstore import KVBuffer
@@ -276,8 +276,8 @@ def test_a_flipped_bit_is_caught_on_the_gpu_path(tmp_path, digest) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_the_hidden_step_never_synchronises(tmp_path) -> None:
     """The real thing: CUDA streams and events, sync-debug mode "error" around ``save`` (after
-    a warm-up round: Triton compiles, tritonkv builds its layer table); files and the buffer
-    bit-exact."""
+    a warm-up round: Triton compiles, tritonkv builds its layer table), which returns while
+    vLLM's stream is still busy; files and the buffer bit-exact."""
     cache = _cache().cuda()
     buffer = KVBuffer(1 << 22)
     writer = HiddenFileWriter(1 << 22)
@@ -293,7 +293,9 @@ def test_on_a_gpu_the_hidden_step_never_synchronises(tmp_path) -> None:
             if round_no:
                 torch.cuda.set_sync_debug_mode("error")
             try:
+                busy = gpu_busy(compute)  # the "forward pass" still runs when save returns
                 worker.save(step)
+                assert not (round_no and busy.query()), "save waited for vLLM's stream"
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         specs += step

@@ -34,8 +34,7 @@ example             vLLM's ExampleHiddenStatesConnector with only its pinned mem
 
 The server's model runs on core 0; tritonkv's transfer threads (its KV server, its file writer,
 its publisher) on core 1 (``transfer_cpus``), where the clients, the API server and the engine
-core run too (``+core0``: on core 0, with the model; ``+thread``: every step's digests and
-deliveries on tritonkv's publisher thread, ``hidden_step_bytes`` 0); Example's writer threads stay in the
+core run too (``+core0``: on core 0, with the model); Example's writer threads stay in the
 worker, on core 0. Every reader checks that the token ids beside the states are its prompt's and the shape is
 ``[num_tokens, 2, hidden_size]``; a wrong one is counted as a failure. Figures: hidden-state
 tokens per second (prompt tokens whose states the clients hold, over the wall time of the batch),
@@ -80,12 +79,11 @@ SPEC = {
 
 
 def _server(label: str, cluster: Cluster, model: Path, storage: Path):
-    """Start the server of setup ``label`` (``NAME[+core0][+thread][#k]``, see :func:`_setup`),
-    not waiting for it; returns ``(proc, reader)``: ``reader(params) -> dict`` or None."""
+    """Start the server of setup ``label`` (``NAME[+core0][#k]``, see :func:`_setup`), not
+    waiting for it; returns ``(proc, reader)``: ``reader(params) -> dict`` or None."""
     from connector.hidden_reader import HiddenStatesReader, read_hidden_file
 
-    name, *mods = label.split("#")[0].split("+")
-    core0 = "core0" in mods
+    name, core0 = label.split("#")[0].removesuffix("+core0"), "+core0" in label
 
     args = ["--max-num-batched-tokens", "512", "--no-enable-prefix-caching"]
     env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
@@ -103,8 +101,6 @@ def _server(label: str, cluster: Cluster, model: Path, storage: Path):
                              "transfer_cpus": "" if core0 else "1",
                              "digest": not name.endswith("-nodigest")},
         }  # fmt: skip
-        if "thread" in mods:
-            kw["extra_config"]["hidden_step_bytes"] = 0
         if name.startswith("tritonkv-noread"):
             reader = None
         elif files:
@@ -215,19 +211,12 @@ def summary(rows: list[dict]) -> list[str]:
 def _setup(label: str) -> str:
     """A setup's label: ``NAME``, ``NAME#k`` (another server of it: the spread between
     servers), ``NAME+core0`` (tritonkv's transfer threads left on the model's core:
-    ``transfer_cpus`` unset), ``NAME+thread`` (``hidden_step_bytes`` 0), or both."""
+    ``transfer_cpus`` unset)."""
     head, _, k = label.partition("#")
-    name, *mods = head.split("+")
-    if (
-        name not in SETUPS
-        or (k and not k.isdigit())
-        or (mods and "tritonkv" not in name)
-        or not set(mods) <= {"core0", "thread"}
-        or len(set(mods)) != len(mods)
-    ):
+    name = head.removesuffix("+core0")
+    if name not in SETUPS or (k and not k.isdigit()) or (name != head and "tritonkv" not in name):
         raise argparse.ArgumentTypeError(
-            f"expected one of {', '.join(SETUPS)}, NAME#2, or tritonkv-...+core0 / +thread; "
-            f"got {label!r}"
+            f"expected one of {', '.join(SETUPS)}, NAME#2, or tritonkv-...+core0; got {label!r}"
         )
     return label
 
@@ -241,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), type=_setup,
                         help="setups (NAME#2: a second server of NAME, a control of the "
                         "spread between servers; tritonkv-...+core0: its transfer threads on the "
-                        "model's core; +thread: hidden_step_bytes 0)")  # fmt: skip
+                        "model's core)")  # fmt: skip
     parser.add_argument(
         "--model",
         choices=MODELS,

@@ -35,25 +35,10 @@ def test_summary_medians_and_ratios() -> None:
 
 
 def test_setup_labels() -> None:
-    """NAME, NAME#k (another server of it), tritonkv-...+core0 (its threads on the model's core),
-    tritonkv-...+thread (hidden_step_bytes 0)."""
-    for good in (
-        "tritonkv-files+core0",
-        "tritonkv-net+core0#2",
-        "spec-only#2",
-        "plain",
-        "tritonkv-files+thread",
-        "tritonkv-net+core0+thread#2",
-    ):
+    """NAME, NAME#k (another server of it), tritonkv-...+core0 (its threads on the model's core)."""
+    for good in ("tritonkv-files+core0", "tritonkv-net+core0#2", "spec-only#2", "plain"):
         assert _setup(good) == good
-    for bad in (
-        "plain+core0",
-        "nope",
-        "spec-only#a",
-        "tritonkv-files+core1",
-        "tritonkv-net+thread+thread",
-        "plain+thread",
-    ):
+    for bad in ("plain+core0", "nope", "spec-only#a", "tritonkv-files+core1"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected one of"):
             _setup(bad)
 

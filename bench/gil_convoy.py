@@ -17,9 +17,9 @@ one thread per core:
   (:class:`~connector.vllm_connector.hidden_states.HiddenWorker`, digests on, a KV buffer as the
   way out, its publisher thread on core 1), the pack on the step before the next forward, the
   rest (digests, deliveries) on the publisher thread while that forward runs
-  (``hidden_step_bytes`` 0);
+  (``INLINE_PUBLISH_BYTES`` 0);
 - ``inline``: the same save, all of it on the step before the forward (the connector's choice
-  on the CPU for a pack this small, ``hidden_step_bytes``).
+  on the CPU for a pack this small, ``INLINE_PUBLISH_BYTES``).
 
 Rounds interleave the modes; each figure is the median time over all of a mode's steps, of the
 forward (and, in ``publisher`` and ``inline``, the save before it: compare those two), and the
@@ -105,16 +105,17 @@ class _Publisher:
 
         from connector.kvstore import KVBuffer
         from connector.transport.threads import set_transfer_cpus, transfer_cpus
+        from connector.vllm_connector import hidden_states
         from connector.vllm_connector.hidden_states import HiddenSaveSpec, HiddenWorker
 
-        self.saved_cpus = transfer_cpus()
+        self.saved_cpus, self.saved_inline = transfer_cpus(), hidden_states.INLINE_PUBLISH_BYTES
         set_transfer_cpus({1})  # the publisher thread, started at the first save
+        if not inline:
+            hidden_states.INLINE_PUBLISH_BYTES = 0
         blocks = 2 * TOKENS // 32
         self.cache = torch.randn(blocks + 1, 2, 32, 128)  # tiny Llama: 2 aux layers, hidden 128
         self.buffer = KVBuffer(1 << 30)
         self.worker = HiddenWorker(self.cache, tp_rank=0, writer=None, buffer=lambda: self.buffer)
-        if not inline:  # else the connector's default, hidden_step_bytes
-            self.worker.step_bytes = 0
         self.spec, self.step = HiddenSaveSpec, 0
         self.ids, self.keys = list(range(TOKENS)), []
 
@@ -137,10 +138,12 @@ class _Publisher:
 
     def close(self) -> None:
         from connector.transport.threads import set_transfer_cpus
+        from connector.vllm_connector import hidden_states
 
         self.worker.shutdown(10.0)
         self.buffer.close()
         set_transfer_cpus(self.saved_cpus)
+        hidden_states.INLINE_PUBLISH_BYTES = self.saved_inline
 
 
 def _model():

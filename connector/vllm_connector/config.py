@@ -128,12 +128,6 @@ class ConnectorConfig:
     #: extract_hidden_states: the most bytes waiting for the file writer; a request beyond is
     #: refused (its ``<path>.error`` says why), never waited for on vLLM's step (default 1 GiB).
     hidden_writer_bytes: int = 1 << 30
-    #: extract_hidden_states, on the CPU: a step's pack of at most this many bytes is digested
-    #: and delivered on the step itself when nothing waits on the publisher thread and the
-    #: buffer has room: that work is mostly Python, which slows vLLM's forward about twice as
-    #: much from a thread beside it, competing for the interpreter lock (``bench/gil_convoy.py``).
-    #: Larger packs (their digests native code, the lock released) and 0: the thread.
-    hidden_step_bytes: int = 4 << 20
     #: both: the integrity digest of every transfer (:mod:`tritonkv.digest`): the producer
     #: stores the digest its pack computes with the entry, the consumer's unpack checks what it
     #: read against it; a mismatch is a failed load (recomputed, warned, counted in
@@ -251,8 +245,6 @@ class ConnectorConfig:
             raise ValueError(f"gpu_memory_bytes: expected > 0, got {self.gpu_memory_bytes}")
         if self.hidden_writer_bytes <= 0:
             raise ValueError(f"hidden_writer_bytes: expected > 0, got {self.hidden_writer_bytes}")
-        if self.hidden_step_bytes < 0:
-            raise ValueError(f"hidden_step_bytes: expected >= 0, got {self.hidden_step_bytes}")
         if not 0 < self.port < 65536 or self.buffer_bytes <= 0:
             raise ValueError(f"port/buffer_bytes out of range: {self.port}, {self.buffer_bytes}")
 

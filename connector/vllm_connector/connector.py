@@ -422,7 +422,6 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
             put_timeout_s=self.cfg.put_timeout_s,
             digest=self.cfg.digest,
             budget=worker.budget,
-            step_bytes=self.cfg.hidden_step_bytes,
         )
         log.info(
             "tritonkv: rank %d takes hidden states from %s %s %s (%s)",

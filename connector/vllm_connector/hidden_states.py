@@ -23,8 +23,8 @@ A finished sequence's request is reported in ``finished_sending`` by every rank 
 for it), so vLLM may free them. The digests and deliveries are a :class:`~.streams.Publisher`
 thread's (on the ``transfer_cpus``), in order, drops of aborted requests included; past
 :data:`HOST_QUEUE_BYTES` of packed rows waiting for it, a step delivers its own. On the CPU a
-small pack (``hidden_step_bytes``) is delivered on its step when nothing waits before it and
-the buffer has room: there its Python costs vLLM's forward less than beside it. So an entry
+small pack (:data:`INLINE_PUBLISH_BYTES`) is delivered on its step when nothing waits before it
+and the buffer has room: there its Python costs vLLM's forward less than beside it. So an entry
 may appear just after the response naming it: readers wait for it (``wait_s``), and a request
 whose save failed has its transfer id sealed, which ends such a wait at once. With ``digest`` (on
 by default) each request's tensors carry their digest (:func:`.integrity.hidden_meta`): stored with the entry and
@@ -89,6 +89,12 @@ __all__ = [
 #: on the CPU, the most packed bytes that may wait for their digests and deliveries off the
 #: step; a step's pack beyond it is delivered on the step
 HOST_QUEUE_BYTES = 256 << 20
+#: on the CPU, a step's pack of at most this many bytes is digested and delivered on the step
+#: when nothing waits before it: its work there is mostly Python, which costs vLLM's forward
+#: about twice as much from a thread beside it, competing for the interpreter lock, as on the
+#: step (``bench/gil_convoy.py``); a larger pack's digests (native code, the lock released)
+#: stay off the step
+INLINE_PUBLISH_BYTES = 4 << 20
 
 
 def check_hidden_cache(cache: torch.Tensor, names: list[str], block_size: int) -> None:
@@ -271,7 +277,6 @@ class HiddenWorker:
         streams: the device's streams and events (:class:`~.streams.StreamOps`, made for a CUDA
             cache; a test passes a stand-in); None on the CPU.
         budget: the rank's device memory budget (``gpu_memory_bytes``; default: one of its own).
-        step_bytes: on the CPU, the largest pack delivered on its step (``hidden_step_bytes``).
     """
 
     def __init__(
@@ -286,7 +291,6 @@ class HiddenWorker:
         digest: bool = True,
         streams=None,
         budget: DeviceBudget | None = None,
-        step_bytes: int = ConnectorConfig.hidden_step_bytes,
     ):
         if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
             raise ValueError(
@@ -302,7 +306,6 @@ class HiddenWorker:
         )
         self._streams = streams if streams is not None else device_streams(cache.device)
         self.budget = budget or DeviceBudget(ConnectorConfig().gpu_memory_bytes)
-        self.step_bytes = step_bytes
         #: on the CPU: packed rows waiting for their digests and deliveries off the step
         self.host_queue = DeviceBudget(HOST_QUEUE_BYTES)
         self._publisher: Publisher | None = None
@@ -348,8 +351,8 @@ class HiddenWorker:
             return
         nbytes = out.numel() * out.element_size()
         publisher = self._publisher_thread()
-        if nbytes <= self.step_bytes and publisher.idle() and self._room(batch, nbytes):
-            publisher.run_here(batch)  # small, nothing to wait for: here (``hidden_step_bytes``)
+        if nbytes <= INLINE_PUBLISH_BYTES and publisher.idle() and self._room(batch, nbytes):
+            publisher.run_here(batch)  # small, and nothing to wait for: here (see the constant)
             return
         try:  # the digests and deliveries off the step, unless too much already waits for them
             batch.pending.reserved = self.host_queue.reserve(nbytes, "queued hidden states")

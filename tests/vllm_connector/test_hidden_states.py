@@ -324,16 +324,16 @@ def test_cpu_deliveries_leave_the_step_in_order() -> None:
 
 
 def test_cpu_small_pack_is_delivered_on_its_step_unless_something_waits(monkeypatch) -> None:
-    """On the CPU a pack of at most ``hidden_step_bytes`` is digested and delivered before
+    """On the CPU a pack of at most ``INLINE_PUBLISH_BYTES`` is digested and delivered before
     ``save`` returns, on the step's thread; behind a job still on the publisher thread (here a
     drop it is carrying out), or when larger, it goes to that thread, in order."""
+    monkeypatch.setattr(hs, "INLINE_PUBLISH_BYTES", 4 * 2 * 8 * 4)  # up to 4 tokens' rows
     cache = _cache((6, 2, 4, 8), hnd=True)
     buffer = _HeldBuffer(1 << 20, hold=set())
     buffer.release.set()
     me = threading.current_thread().name
     try:
         worker = _worker(cache, buffer, flushed=False)
-        worker.step_bytes = 4 * 2 * 8 * 4  # up to 4 tokens' rows
         small = HiddenSaveSpec("a", "t-a", [1], 4, [1, 2, 3, 4], None)
         worker.save([small])
         assert buffer.threads == [me] and "t-a" in buffer  # before save returned
@@ -368,11 +368,11 @@ def test_cpu_step_delivers_itself_past_the_host_queue(monkeypatch) -> None:
     """Past ``HOST_QUEUE_BYTES`` of packed rows waiting for the publisher thread, a step
     delivers its own (memory stays bounded); below it again, the thread does."""
     monkeypatch.setattr(hs, "HOST_QUEUE_BYTES", 3 * 2 * 8 * 4)  # one 3-token request's rows
+    monkeypatch.setattr(hs, "INLINE_PUBLISH_BYTES", 0)  # no pack small enough for the step
     cache = _cache((6, 2, 4, 8))
     buffer = _HeldBuffer(1 << 20, hold={"t-a"})
     try:
         worker = _worker(cache, buffer, flushed=False)
-        worker.step_bytes = 0  # no pack small enough for the step
         worker.save([HiddenSaveSpec("a", "t-a", [1], 3, [1, 2, 3], None)])  # queued, held
         worker.save([HiddenSaveSpec("b", "t-b", [2], 3, [4, 5, 6], None)])  # over: on the step
         me = threading.current_thread().name

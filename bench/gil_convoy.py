@@ -15,15 +15,11 @@ one thread per core:
   lock);
 - ``publisher``: the connector's real save of the step's two 256-token prompts
   (:class:`~connector.vllm_connector.hidden_states.HiddenWorker`, digests on, a KV buffer as the
-  way out, its publisher thread on core 1), the pack on the step before the next forward, the
-  rest (digests, deliveries) on the publisher thread while that forward runs
-  (``INLINE_PUBLISH_BYTES`` 0);
-- ``inline``: the same save, all of it on the step before the forward (the connector's choice
-  on the CPU for a pack this small, ``INLINE_PUBLISH_BYTES``).
+  way out, its publisher thread on core 1), the pack on the step before the next forward (its
+  time not counted), the rest on the publisher thread while that forward runs.
 
-Rounds interleave the modes; each figure is the median time over all of a mode's steps, of the
-forward (and, in ``publisher`` and ``inline``, the save before it: compare those two), and the
-side thread's CPU time per step (``time.thread_time``) says how much work it did.
+Rounds interleave the modes; each figure is the median forward time over all of a mode's steps,
+and the side thread's CPU time per step (``time.thread_time``) says how much work it did.
 
     python -m bench.gil_convoy [--steps 40] [--rounds 5] [--cpu-ms 0.85] [--out FILE]
 """
@@ -40,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-MODES = ("none", "python", "native", "publisher", "inline")
+MODES = ("none", "python", "native", "publisher")
 TOKENS = 256  # per prompt; two prompts a step
 
 
@@ -100,18 +96,15 @@ class _Side:
 class _Publisher:
     """The connector's save of two prompts a step, into a KV buffer drained after each step."""
 
-    def __init__(self, inline: bool = False) -> None:
+    def __init__(self) -> None:
         import torch
 
         from connector.kvstore import KVBuffer
         from connector.transport.threads import set_transfer_cpus, transfer_cpus
-        from connector.vllm_connector import hidden_states
         from connector.vllm_connector.hidden_states import HiddenSaveSpec, HiddenWorker
 
-        self.saved_cpus, self.saved_inline = transfer_cpus(), hidden_states.INLINE_PUBLISH_BYTES
+        self.saved_cpus = transfer_cpus()
         set_transfer_cpus({1})  # the publisher thread, started at the first save
-        if not inline:
-            hidden_states.INLINE_PUBLISH_BYTES = 0
         blocks = 2 * TOKENS // 32
         self.cache = torch.randn(blocks + 1, 2, 32, 128)  # tiny Llama: 2 aux layers, hidden 128
         self.buffer = KVBuffer(1 << 30)
@@ -138,12 +131,10 @@ class _Publisher:
 
     def close(self) -> None:
         from connector.transport.threads import set_transfer_cpus
-        from connector.vllm_connector import hidden_states
 
         self.worker.shutdown(10.0)
         self.buffer.close()
         set_transfer_cpus(self.saved_cpus)
-        hidden_states.INLINE_PUBLISH_BYTES = self.saved_inline
 
 
 def _model():
@@ -187,23 +178,19 @@ def _run(steps: int, rounds: int, cpu_ms: float) -> dict:
                     "python": lambda: _Side(_python_work, cpu_ms / 1e3),
                     "native": lambda: _Side(_native_work, cpu_ms / 1e3),
                     "publisher": _Publisher,
-                    "inline": lambda: _Publisher(inline=True),
                 }[mode]
                 side = side() if side else None
-                saves = mode in ("publisher", "inline")
-                cpu0 = _publisher_cpu() if saves else 0.0
+                cpu0 = _publisher_cpu() if mode == "publisher" else 0.0
                 for _ in range(steps):
-                    t0 = time.perf_counter()
                     if side is not None:
                         side.go()
-                    if not saves:
-                        t0 = time.perf_counter()
+                    t0 = time.perf_counter()
                     model(ids)
                     times[mode].append(time.perf_counter() - t0)
-                    if saves:
+                    if mode == "publisher":
                         side.drain()
                 if side is not None:
-                    side_cpu[mode] += _publisher_cpu() - cpu0 if saves else side.cpu_s
+                    side_cpu[mode] += _publisher_cpu() - cpu0 if mode == "publisher" else side.cpu_s
                     side.close()
     base = statistics.median(times["none"])
     out = {"steps": steps, "rounds": rounds, "cpu_ms": cpu_ms, "modes": {}}

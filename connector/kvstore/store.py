@@ -447,13 +447,6 @@ class KVBuffer:
             self._c["prefix_hits" if best else "prefix_misses"] += 1
             return n, best
 
-    def room(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more of tensors fit now, without evicting or waiting (a hint: a
-        put from another thread may take the room first)."""
-        with self._cond:
-            self._expire_locked(self.clock())
-            return self._table.nbytes + nbytes <= self.capacity_bytes
-
     def __len__(self) -> int:
         return len(self._table.entries)  # one read of a dict: atomic
 

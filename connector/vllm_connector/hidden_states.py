@@ -20,14 +20,13 @@ its rows (no per-request copy), with its token ids beside it, handed to the file
 (:mod:`.hidden_files`) and/or put in the rank's KV buffer, which the producer's KV server serves.
 A finished sequence's request is reported in ``finished_sending`` by every rank in that step
 (:meth:`HiddenWorker.take_released`): the pack has read its blocks (on a GPU: vLLM's stream waits
-for it), so vLLM may free them. The digests and deliveries are a :class:`~.streams.Publisher`
-thread's (on the ``transfer_cpus``), in order, drops of aborted requests included; past
-:data:`HOST_QUEUE_BYTES` of packed rows waiting for it, a step delivers its own. On the CPU a
-small pack (:data:`INLINE_PUBLISH_BYTES`) is delivered on its step when nothing waits before it
-and the buffer has room: there its Python costs vLLM's forward less than beside it. So an entry
-may appear just after the response naming it: readers wait for it (``wait_s``), and a request
-whose save failed has its transfer id sealed, which ends such a wait at once. With ``digest`` (on
-by default) each request's tensors carry their digest (:func:`.integrity.hidden_meta`): stored with the entry and
+for it), so vLLM may free them. Only the pack is on the step: the digests and deliveries are a
+:class:`~.streams.Publisher` thread's (on the ``transfer_cpus``), in order, drops of aborted
+requests included; past :data:`HOST_QUEUE_BYTES` of packed rows waiting for it, a step delivers
+its own. So an entry may appear just after the response naming it: readers wait for it
+(``wait_s``), and a request whose save failed has its transfer id sealed, which ends such a wait
+at once. With ``digest`` (on by default) each
+request's tensors carry their digest (:func:`.integrity.hidden_meta`): stored with the entry and
 in the file's header, checked by the file writer before its rename and by the readers
 (:mod:`connector.hidden_reader`). Every rank of a TP group holds the same hidden states (they
 follow the all-reduce); only rank 0 takes them. A failure (full writer queue, full buffer, a bad
@@ -89,12 +88,6 @@ __all__ = [
 #: on the CPU, the most packed bytes that may wait for their digests and deliveries off the
 #: step; a step's pack beyond it is delivered on the step
 HOST_QUEUE_BYTES = 256 << 20
-#: on the CPU, a step's pack of at most this many bytes is digested and delivered on the step
-#: when nothing waits before it: its work there is mostly Python, which costs vLLM's forward
-#: about twice as much from a thread beside it, competing for the interpreter lock, as on the
-#: step (``bench/gil_convoy.py``); a larger pack's digests (native code, the lock released)
-#: stay off the step
-INLINE_PUBLISH_BYTES = 4 << 20
 
 
 def check_hidden_cache(cache: torch.Tensor, names: list[str], block_size: int) -> None:
@@ -350,22 +343,12 @@ class HiddenWorker:
             self.out.batch_failed(batch, exc)
             return
         nbytes = out.numel() * out.element_size()
-        publisher = self._publisher_thread()
-        if nbytes <= INLINE_PUBLISH_BYTES and publisher.idle() and self._room(batch, nbytes):
-            publisher.run_here(batch)  # small, and nothing to wait for: here (see the constant)
-            return
         try:  # the digests and deliveries off the step, unless too much already waits for them
             batch.pending.reserved = self.host_queue.reserve(nbytes, "queued hidden states")
         except DeviceBudgetExceeded:
-            publisher.run_here(batch)
+            self._publisher_thread().run_here(batch)
             return
-        publisher.submit(batch)
-
-    def _room(self, batch: _Batch, nbytes: int) -> bool:
-        """Whether the buffer (if any) holds ``batch``'s entries now without waiting for room
-        (token ids included)."""
-        buffer = self.out.buffer
-        return buffer is None or buffer.room(nbytes + 8 * batch.bounds[-1])
+        self._publisher_thread().submit(batch)
 
     def _shape(self, specs: list[HiddenSaveSpec]) -> tuple[int, ...]:
         """The pack's output for ``specs``, sized from their lengths (known on the host)."""

@@ -271,11 +271,6 @@ class Publisher:
                 self._cond.wait(left)
         return True
 
-    def idle(self) -> bool:
-        """No job queued or being published (a job submitted after this call runs after it)."""
-        with self._cond:
-            return not self._jobs and not self._busy
-
     def stop(self, timeout_s: float = 5.0) -> None:
         with self._cond:
             self._stopped = True

@@ -21,7 +21,6 @@ from support.kvstore import deliver
 from connector.kvstore import KVBuffer
 from connector.transport.errors import KeyMissError
 from connector.vllm_connector import hidden_states as hs
-from connector.vllm_connector import integrity
 from connector.vllm_connector.hidden_files import HiddenFileWriter, read_hidden_file
 from connector.vllm_connector.hidden_states import HiddenSaveSpec, HiddenScheduler, HiddenWorker
 from connector.vllm_connector.stats import TransferStats
@@ -284,15 +283,12 @@ def test_aborted_request_leaves_nothing(tmp_path) -> None:
 
 
 class _HeldBuffer(KVBuffer):
-    """A KV buffer whose puts (of the keys in ``hold``; None: all) wait for ``release``, as
-    for room (it has none until then), and that notes the thread each put ran on."""
+    """A KV buffer whose puts (of the keys in ``hold``; None: all) wait for ``release``, and
+    that notes the thread each put ran on."""
 
     def __init__(self, *a, hold=None, **k):
         super().__init__(*a, **k)
         self.hold, self.release, self.threads = hold, threading.Event(), []
-
-    def room(self, nbytes):
-        return self.release.is_set() and super().room(nbytes)
 
     def put(self, key, *a, **k):
         self.threads.append(threading.current_thread().name)
@@ -323,52 +319,10 @@ def test_cpu_deliveries_leave_the_step_in_order() -> None:
         buffer.close()
 
 
-def test_cpu_small_pack_is_delivered_on_its_step_unless_something_waits(monkeypatch) -> None:
-    """On the CPU a pack of at most ``INLINE_PUBLISH_BYTES`` is digested and delivered before
-    ``save`` returns, on the step's thread; behind a job still on the publisher thread (here a
-    drop it is carrying out), or when larger, it goes to that thread, in order."""
-    monkeypatch.setattr(hs, "INLINE_PUBLISH_BYTES", 4 * 2 * 8 * 4)  # up to 4 tokens' rows
-    cache = _cache((6, 2, 4, 8), hnd=True)
-    buffer = _HeldBuffer(1 << 20, hold=set())
-    buffer.release.set()
-    me = threading.current_thread().name
-    try:
-        worker = _worker(cache, buffer, flushed=False)
-        small = HiddenSaveSpec("a", "t-a", [1], 4, [1, 2, 3, 4], None)
-        worker.save([small])
-        assert buffer.threads == [me] and "t-a" in buffer  # before save returned
-        got, meta = deliver(buffer, "t-a")
-        assert torch.equal(
-            got["hidden_states"].view(torch.int32), _expected(cache, small).view(torch.int32)
-        )
-        integrity.check_hidden(meta, got, "receipt", "")
-        worker.save([HiddenSaveSpec("b", "t-b", [2, 3], 5, [5, 6, 7, 8, 9], None)])  # larger
-        assert worker.flush(10) and buffer.threads[-1] == "tritonkv-hidden-publish"
-        gate, dropping = threading.Event(), threading.Event()
-        real_drop = worker.out.drop
-
-        def held_drop(drop):
-            dropping.set()
-            assert gate.wait(10), "never released"
-            real_drop(drop)
-
-        monkeypatch.setattr(worker.out, "drop", held_drop)
-        worker.save([], [hs.HiddenDrop("t-b", None)])
-        assert dropping.wait(10)
-        worker.save([HiddenSaveSpec("c", "t-c", [4], 2, [1, 2], None)])  # small, behind the drop
-        assert "t-c" not in buffer and "t-b" in buffer
-        gate.set()
-        assert worker.flush(10) and "t-c" in buffer and "t-b" not in buffer
-        assert buffer.threads[-1] == "tritonkv-hidden-publish"
-    finally:
-        buffer.close()
-
-
 def test_cpu_step_delivers_itself_past_the_host_queue(monkeypatch) -> None:
     """Past ``HOST_QUEUE_BYTES`` of packed rows waiting for the publisher thread, a step
     delivers its own (memory stays bounded); below it again, the thread does."""
     monkeypatch.setattr(hs, "HOST_QUEUE_BYTES", 3 * 2 * 8 * 4)  # one 3-token request's rows
-    monkeypatch.setattr(hs, "INLINE_PUBLISH_BYTES", 0)  # no pack small enough for the step
     cache = _cache((6, 2, 4, 8))
     buffer = _HeldBuffer(1 << 20, hold={"t-a"})
     try:

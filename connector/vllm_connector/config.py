@@ -117,7 +117,9 @@ class ConnectorConfig:
     #: extract_hidden_states: write each request's prompt hidden states to a safetensors file
     #: (the files and ``.lock`` protocol of vLLM's ExampleHiddenStatesConnector).
     hidden_states_files: bool = True
-    #: extract_hidden_states: the files' folder (``<request id>.safetensors``), as Example's.
+    #: extract_hidden_states: the files' folder (``<request id>.safetensors``, as Example's; an
+    #: id that is no plain file name, e.g. a client's ``X-Request-Id`` with ``/``, gets a
+    #: hashed one inside the folder).
     shared_storage_path: str = "/tmp"
     #: extract_hidden_states: honour a request's ``kv_transfer_params["hidden_states_path"]``
     #: (lets clients write anywhere the server may: trusted clients only), as Example's.

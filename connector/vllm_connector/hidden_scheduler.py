@@ -26,7 +26,9 @@ Either way ``request_finished`` returns ``hidden_states_path`` (a file, Example'
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -46,6 +48,22 @@ PARAM_KEYS = (
     "hidden_states_port",
     "hidden_states_num_tokens",
 )
+
+
+_SAFE_STEM = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+
+
+def file_stem(req_id: str) -> str:
+    """The file name (without ``.safetensors``) of ``req_id``'s hidden states in the folder:
+    ``req_id`` itself when it is letters, digits and ``._-`` only, not starting with a dot, and
+    at most 200 characters (vLLM's own ids: Example's names); else its first 100 such
+    characters (others as ``_``, none leading) and 16 hex digits of its SHA-256. A request id can come from a
+    client (vLLM takes the ``X-Request-Id`` header): it never names a path outside the folder."""
+    if _SAFE_STEM.fullmatch(req_id):
+        return req_id
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", req_id)[:100].lstrip("._-")
+    tag = hashlib.sha256(req_id.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{safe}-{tag}" if safe else tag
 
 
 @dataclass
@@ -156,7 +174,7 @@ class HiddenScheduler:
                 request.request_id,
                 custom,
             )
-        return os.path.join(self.storage_path, f"{request.request_id}.safetensors")
+        return os.path.join(self.storage_path, f"{file_stem(request.request_id)}.safetensors")
 
     def build_meta(self, scheduler_output) -> dict[str, list]:
         """``{"hidden_saves", "hidden_holds", "hidden_drops"}`` for this step's metadata."""

@@ -178,6 +178,25 @@ def test_include_output_tokens_over_the_server(server, tiny_llama_dir) -> None:
         time.sleep(0.5)
 
 
+def test_a_client_request_id_cannot_move_the_file_out_of_the_folder(server) -> None:
+    """vLLM builds its request id from the client's ``X-Request-Id``: one that climbs out of
+    ``shared_storage_path`` still gets its file inside it, readable, and nothing lands where
+    the id points."""
+    proc, storage, _ = server
+    escape = f"/../../escaped-{os.getpid()}-{random.randrange(1 << 30)}"
+    # the control: joined as given (Example's way), vLLM's id for it names a path outside
+    raw = os.path.normpath(os.path.join(storage, f"cmpl-{escape}-0-abcd1234.safetensors"))
+    assert not raw.startswith(str(storage) + os.sep)
+    prompt = [11, 12, 13, 14]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    reply = http_json(proc.url + "/v1/completions", body, timeout_s=300, request_id=escape)
+    path = reply["kv_transfer_params"]["hidden_states_path"]
+    assert os.path.dirname(path) == str(storage)
+    assert read_hidden_file(path, timeout_s=60)["token_ids"].tolist() == prompt
+    outside = os.path.dirname(raw)
+    assert not [n for n in os.listdir(outside) if n.startswith(os.path.basename(escape))]
+
+
 def _metric(url: str, name: str) -> float:
     """The value of Prometheus gauge ``name`` on the server's ``/metrics``."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as reply:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import os
+import re
 import threading
 import time
 from types import SimpleNamespace
@@ -20,6 +21,7 @@ from support.kvstore import deliver
 
 from connector.kvstore import KVBuffer
 from connector.transport.errors import KeyMissError
+from connector.vllm_connector import hidden_scheduler as hs_sched
 from connector.vllm_connector import hidden_states as hs
 from connector.vllm_connector.hidden_files import HiddenFileWriter, read_hidden_file
 from connector.vllm_connector.hidden_states import HiddenSaveSpec, HiddenScheduler, HiddenWorker
@@ -86,6 +88,28 @@ def test_scheduler_takes_a_chunked_prompt_in_its_last_step(tmp_path) -> None:
             "hidden_states_num_tokens": 10,
         },
     )
+
+
+_UNSAFE_IDS = ["../../escape", "/abs/x", "a/b", "..", ".hidden", "x" * 500, "a\x00b", "é/../..", ""]
+
+
+@pytest.mark.parametrize("req_id", _UNSAFE_IDS)
+def test_a_request_id_never_names_a_file_outside_the_folder(tmp_path, req_id) -> None:
+    """vLLM takes a client's ``X-Request-Id`` into the request id: the default file stays a
+    plain name in ``shared_storage_path``, one per id, whatever the id."""
+    sched = HiddenScheduler(block_size=4, group=0, storage_path=str(tmp_path))
+    sched.watch(_request(req_id, [1, 2]))
+    (spec,) = sched.build_meta(_step({req_id: 2}, {req_id: ([3],)}))["hidden_saves"]
+    name = os.path.basename(spec.path)
+    assert os.path.dirname(spec.path) == str(tmp_path) and name.endswith(".safetensors")
+    assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name) and len(name) < 255
+
+
+def test_plain_request_ids_keep_examples_file_names() -> None:
+    for req_id in ("cmpl-3f2a-0-1c2b3d4e", "r1", "A.b_c-9", "x" * 200):
+        assert hs_sched.file_stem(req_id) == req_id
+    assert hs_sched.file_stem("a/b") != hs_sched.file_stem("a_b") == "a_b"
+    assert len({hs_sched.file_stem(i) for i in _UNSAFE_IDS}) == len(_UNSAFE_IDS)
 
 
 def test_scheduler_aborted_and_unscheduled_requests(tmp_path) -> None:

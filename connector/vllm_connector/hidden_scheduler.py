@@ -56,9 +56,10 @@ _SAFE_STEM = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 def file_stem(req_id: str) -> str:
     """The file name (without ``.safetensors``) of ``req_id``'s hidden states in the folder:
     ``req_id`` itself when it is letters, digits and ``._-`` only, not starting with a dot, and
-    at most 200 characters (vLLM's own ids: Example's names); else its first 100 such
-    characters (others as ``_``, none leading) and 16 hex digits of its SHA-256. A request id can come from a
-    client (vLLM takes the ``X-Request-Id`` header): it never names a path outside the folder."""
+    at most 200 characters (vLLM's own ids: Example's names); else its first 100 characters
+    (others than those as ``_``, none of ``._-`` leading) and 16 hex digits of its SHA-256. A
+    request id can come from a client (vLLM takes the ``X-Request-Id`` header): it never names
+    a path outside the folder."""
     if _SAFE_STEM.fullmatch(req_id):
         return req_id
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", req_id)[:100].lstrip("._-")

@@ -169,9 +169,13 @@ class Native:
     def lanes(self, data: np.ndarray, first_word: int = 0) -> tuple[int, int]:
         """Lane sums of the bytes of contiguous ``data`` (a last partial word zero-padded), its
         first word at position ``first_word``."""
-        out = np.zeros(2, dtype=np.uint32)
-        self._lanes(data.ctypes.data, data.nbytes, first_word, out.ctypes.data_as(_u32p))
-        return int(out[0]), int(out[1])
+        return self.lanes_at(data.ctypes.data, data.nbytes, first_word)
+
+    def lanes_at(self, address: int, nbytes: int, first_word: int = 0) -> tuple[int, int]:
+        """:meth:`lanes` of the ``nbytes`` bytes at ``address`` (the caller keeps them alive)."""
+        out = (ctypes.c_uint32 * 2)()
+        self._lanes(address, nbytes, first_word, out)
+        return out[0], out[1]
 
     def segment_lanes(self, rows: torch.Tensor, ranges: list[tuple[int, int]]) -> list[list[int]]:
         """Lane sums of each segment ``rows[a:b]`` of contiguous CPU ``rows`` for ``(a, b)`` in
@@ -497,7 +501,8 @@ def copy_with_digest(
 def tensor_digest(lib: Native, t: torch.Tensor) -> torch.Tensor:
     """The digest of CPU tensor ``t``'s bytes in memory order of its contiguous form, read where
     they lie: rows of a strided view (one head of a packed tensor, a range of its tokens) are
-    digested as they are gathered, with no contiguous copy.
+    digested as they are gathered, with no contiguous copy; a contiguous tensor under
+    ``PARALLEL_MIN_BYTES`` in one call of the lane loop (a 2 KiB tensor: 130 -> 55 µs here).
 
     Args:
         lib: :func:`native`.
@@ -508,10 +513,12 @@ def tensor_digest(lib: Native, t: torch.Tensor) -> torch.Tensor:
     """
     from ._cpu import MAX_WORKERS, PARALLEL_MIN_BYTES
 
+    num_bytes = t.numel() * t.element_size()
+    if num_bytes < PARALLEL_MIN_BYTES and t.is_contiguous():  # one call of the lane loop
+        return _digest.finalize_host([lib.lanes_at(t.data_ptr(), num_bytes)], num_bytes)[0]
     rows = _as_rows(t)
     if rows is None:
         rows = t.contiguous().view(1, -1)
-    num_bytes = rows.numel() * rows.element_size()
     workers = min(MAX_WORKERS, torch.get_num_threads()) if num_bytes >= PARALLEL_MIN_BYTES else 1
     slots = np.arange(rows.shape[0], dtype=np.int64)
     lanes = lib.copy_rows(

@@ -459,7 +459,8 @@ class HiddenWorker:
             tensors = {"hidden_states": rows[b[i] : b[i + 1]], "token_ids": ids[b[i] : b[i + 1]]}
             self.out.deliver(spec, batch.locks[i], batch.ok[i], tensors, digests)
             batch.locks[i] = None  # the writer's now
-        log.info(
+        # DEBUG: a line a step would flood an extraction's log (the stats count them)
+        log.debug(
             "tritonkv: took the hidden states of %d requests, %d tokens, in one pack (%.2f ms "
             "from its launch to their delivery)",
             len(batch.specs),

@@ -207,6 +207,8 @@ def test_fused_hidden_copies_are_the_twins(lane_loops, monkeypatch, dtype, hidde
 
 SLICES = {
     "whole": lambda p: p,
+    "contiguous_part": lambda p: p[1:],  # one call of the lane loop, from its storage offset
+    "contiguous_odd_bytes": lambda p: p.view(torch.uint8).reshape(-1)[3:10],
     "one_head": lambda p: p[:, :, :, 1],  # integrity.py's per-head digests
     "token_range": lambda p: p[:, :, 2:5],  # the write-back check's rows
     "one_part": lambda p: p[:, 1],

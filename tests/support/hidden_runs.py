@@ -70,8 +70,19 @@ class CpuExampleHiddenStatesConnector(ex.ExampleHiddenStatesConnector):
 
 def run(model: str, prompts: list[list[int]], out_dir: str, *, which: str, layers: list[int],
         budget: int, tp: int = 1, port: int = 0, max_tokens: int = 1,
-        include_outputs: bool = False, prefix_caching: bool = False) -> dict:  # fmt: skip
+        include_outputs: bool = False, prefix_caching: bool = False,
+        num_blocks: int | None = None) -> dict:  # fmt: skip
     from vllm import LLM, SamplingParams
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    preempted: list[str] = []  # (in-process engines: TP 1)
+    preempt = Scheduler._preempt_request
+
+    def counting_preempt(self, request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return preempt(self, request, *args, **kwargs)
+
+    Scheduler._preempt_request = counting_preempt
 
     from connector.hidden_reader import fetch_hidden_states
 
@@ -96,11 +107,12 @@ def run(model: str, prompts: list[list[int]], out_dir: str, *, which: str, layer
         tokenizer=model,
         dtype="float32",
         block_size=32,
-        max_model_len=1024,
+        max_model_len=1024 if num_blocks is None else 128,  # (what so few blocks can hold)
         max_num_seqs=8,
         max_num_batched_tokens=budget,
         enforce_eager=True,
         enable_prefix_caching=prefix_caching,
+        num_gpu_blocks_override=num_blocks,
         seed=0,
         tensor_parallel_size=tp,
         distributed_executor_backend="mp" if tp > 1 else None,
@@ -134,7 +146,8 @@ def run(model: str, prompts: list[list[int]], out_dir: str, *, which: str, layer
             "blocks": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
         }
     result: dict = {"params": [], "files": [], "net": [], "tokens": [], "held": held,
-                    "cached": [o.num_cached_tokens for o in outs]}  # fmt: skip
+                    "cached": [o.num_cached_tokens for o in outs],
+                    "preempted": preempted}  # fmt: skip
     for o in outs:
         params = o.kv_transfer_params
         result["params"].append(params)
@@ -168,11 +181,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=1)
     parser.add_argument("--include-outputs", action="store_true")
     parser.add_argument("--prefix-caching", action="store_true", help="on, a prompt at a time")
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (override)")
     args = parser.parse_args(argv)
     run(args.model, json.loads(args.prompts), args.out, which=args.which,
         layers=json.loads(args.layers), budget=args.budget, tp=args.tp, port=args.port,
         max_tokens=args.max_tokens, include_outputs=args.include_outputs,
-        prefix_caching=args.prefix_caching)  # fmt: skip
+        prefix_caching=args.prefix_caching, num_blocks=args.num_blocks)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ engines runs the batch once; tritonkv's states are read both from its files and 
 server. A transformers run of the same model checks which layer each aux id is. Then the same
 batch generating :data:`OUTPUTS` tokens each with ``include_output_tokens`` (Example's whole
 sequences: every token fed to the model, the prompt and all outputs but the last). Last, with
-vLLM's prefix cache on, prompts whose first blocks are cached (:func:`_cached_prompts`).
+vLLM's prefix cache on, prompts whose first blocks are cached (:func:`_cached_prompts`), and
+whole sequences in a KV cache so small that vLLM preempts requests (:func:`_tight_prompts`).
 """
 
 from __future__ import annotations
@@ -46,21 +47,34 @@ def _cached_prompts() -> list[list[int]]:
     return [first, list(first), first[:64] + more(30), first[:40] + more(20)]
 
 
+def _tight_prompts() -> list[list[int]]:
+    """Four prompts that, generating :data:`TIGHT_OUTPUTS` tokens each, need more than
+    :data:`TIGHT_BLOCKS` blocks together: vLLM preempts some and computes them again."""
+    rng = random.Random(3)
+    return [[rng.randrange(3, 500) for _ in range(n)] for n in (40, 50, 60, 70)]
+
+
+TIGHT_BLOCKS, TIGHT_OUTPUTS = 8, 40
+
+
 def _run(which: str, model, out, env, port: int = 0, tp: int = 1, whole: bool = False,
-         cached: bool = False) -> dict:  # fmt: skip
+         cached: bool = False, tight: bool = False) -> dict:  # fmt: skip
+    prompts = _cached_prompts() if cached else _tight_prompts() if tight else _prompts()
+    outputs = TIGHT_OUTPUTS if tight else OUTPUTS
     cmd = [
         sys.executable,
         str(REPO_ROOT / "tests" / "support" / "hidden_runs.py"),
         f"--model={model}",
-        f"--prompts={json.dumps(_cached_prompts() if cached else _prompts())}",
+        f"--prompts={json.dumps(prompts)}",
         f"--out={out}",
         f"--which={which}",
         f"--layers={json.dumps(LAYERS)}",
         f"--budget={BUDGET}",
         f"--port={port}",
         f"--tp={tp}",
-        *([f"--max-tokens={OUTPUTS}", "--include-outputs"] if whole else []),
+        *([f"--max-tokens={outputs}", "--include-outputs"] if whole else []),
         *(["--prefix-caching"] if cached else []),
+        *([f"--num-blocks={TIGHT_BLOCKS}"] if tight else []),
     ]
     done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
@@ -112,6 +126,19 @@ def runs_cached(tiny_llama_dir, vllm_env, tmp_path_factory):
     example = _run("example", tiny_llama_dir, base / "example", vllm_env, cached=True)
     port = free_port_run()
     ours = _run("tritonkv", tiny_llama_dir, base / "tritonkv", vllm_env, port=port, cached=True)
+    return example, ours
+
+
+@pytest.fixture(scope="module")
+def runs_preempted(tiny_llama_dir, vllm_env, tmp_path_factory):
+    """Both connectors with include_output_tokens in a KV cache too small for the batch
+    (:func:`_tight_prompts`): requests are preempted and computed again."""
+    from connector.serve.launch import free_port_run
+
+    base = tmp_path_factory.mktemp("hidden_runs_preempted")
+    kw = {"whole": True, "tight": True}
+    example = _run("example", tiny_llama_dir, base / "example", vllm_env, **kw)
+    ours = _run("tritonkv", tiny_llama_dir, base / "tritonkv", vllm_env, port=free_port_run(), **kw)
     return example, ours
 
 
@@ -291,3 +318,30 @@ def test_prefix_cache_rows_are_the_cached_blocks(runs_cached) -> None:
         assert torch.equal(_bits(later[:cached]), _bits(first[:cached]))
     assert not torch.equal(_bits(shared64[64:80]), _bits(first[64:80]))
     assert not torch.equal(_bits(shared40[40:60]), _bits(first[40:60]))
+
+
+def test_preempted_whole_sequences_same_as_example(runs_preempted, tiny_llama_dir) -> None:
+    """Requests preempted (their blocks freed, everything computed again when they resume) still
+    get their whole sequence: bit for bit Example's, over files and the network, the model's
+    states (close: transformers), and no block left held."""
+    from transformers import AutoModelForCausalLM
+
+    example, ours = runs_preempted
+    assert ours["preempted"] and len(ours["preempted"]) == len(example["preempted"])
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32)
+    for i, (theirs, mine, net) in enumerate(
+        zip(example["files"], ours["files"], ours["net"], strict=True)
+    ):
+        fed = _tight_prompts()[i] + ours["tokens"][i][:-1]
+        assert mine["token_ids"].tolist() == theirs["token_ids"].tolist() == fed
+        for key in theirs:
+            assert torch.equal(_bits(mine[key]), _bits(theirs[key])), (i, key)
+            assert torch.equal(_bits(net[key]), _bits(mine[key])), (i, key)
+        with torch.no_grad():
+            ref = model(mine["token_ids"][None], output_hidden_states=True).hidden_states
+        for k, layer in enumerate(LAYERS):
+            torch.testing.assert_close(mine["hidden_states"][:, k], ref[layer][0], atol=2e-4,
+                                       rtol=2e-4)  # fmt: skip
+    assert ours["tokens"] == example["tokens"]
+    assert all(len(t) == TIGHT_OUTPUTS for t in ours["tokens"])
+    assert ours["held"]["requests"] == ours["held"]["blocks"] == 0

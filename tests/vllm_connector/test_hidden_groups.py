@@ -74,3 +74,39 @@ def test_connector_supports_hma() -> None:
     from connector.vllm_connector import TritonKVConnector
 
     assert supports_hma(TritonKVConnector)
+
+
+@pytest.mark.parametrize("role", ["kv_consumer", "kv_both"])
+def test_an_engine_that_loads_kv_is_refused(role, tiny_llama_dir, monkeypatch) -> None:
+    """A consumer's loaded prompts were computed elsewhere: their hidden-state rows would be stale
+    memory, so extract_hidden_states with a role that loads KV fails at start, naming the role;
+    the producer (the control) starts."""
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from connector.vllm_connector import TritonKVConnector
+    from connector.vllm_connector import connector as facade
+
+    monkeypatch.setattr(facade, "hidden_group", lambda *_: {"group": 0, "block_size": 32})
+
+    def build(kv_role: str):
+        config = VllmConfig(
+            model_config=ModelConfig(model=str(tiny_llama_dir), dtype="float32", seed=0),
+            cache_config=CacheConfig(block_size=32, cache_dtype="auto"),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="TritonKVConnector",
+                kv_connector_module_path="connector.vllm_connector",
+                kv_role=kv_role,
+                kv_load_failure_policy="recompute",
+            ),
+            device_config=DeviceConfig("cpu"),
+        )
+        return TritonKVConnector(config, KVConnectorRole.SCHEDULER)
+
+    with pytest.raises(
+        ValueError, match=rf"extract_hidden_states with kv_role '{role}'.*kv_producer"
+    ):
+        build(role)
+    producer = build("kv_producer")
+    assert producer._hidden_sched is not None
+    producer.shutdown()

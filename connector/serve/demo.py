@@ -75,12 +75,13 @@ def start_pd(
     consumer_tp: int | None = None,
     proxy_args: list[str] = (),
     log_stats: bool = False,
+    dtype: str = "float32",
     progress=print,
 ):
     """Start producer (TP ``tp``), consumer (TP ``consumer_tp``, default ``tp``) and proxy (with
-    ``proxy_args``, e.g. ``["--overlap"]``); return the three processes once all are healthy.
-    ``log_stats``: the consumer keeps vLLM's statistics (its Prometheus counters at
-    ``/metrics``)."""
+    ``proxy_args``, e.g. ``["--overlap"]``), both servers in ``dtype``; return the three
+    processes once all are healthy. ``log_stats``: the consumer keeps vLLM's statistics (its
+    Prometheus counters at ``/metrics``)."""
     consumer_tp = tp if consumer_tp is None else consumer_tp
     kv_port = free_port_run(max(tp, 1))
     producer = cluster.start_vllm(
@@ -94,6 +95,7 @@ def start_pd(
         tp=tp,
         env=env,
         args=["--max-num-batched-tokens", str(PRODUCER_MAX_BATCHED_TOKENS)],
+        dtype=dtype,
     )
     consumer = cluster.start_vllm(
         "consumer",
@@ -106,6 +108,7 @@ def start_pd(
         tp=consumer_tp,
         env=env,
         log_stats=log_stats,
+        dtype=dtype,
     )
     proxy = cluster.start_proxy(free_port(), [producer.url], [consumer.url], args=list(proxy_args))
     t0 = time.monotonic()

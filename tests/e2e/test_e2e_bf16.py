@@ -14,7 +14,7 @@ names the dtypes and the ISA. Negative control: KV corrupted in transit changes 
 from __future__ import annotations
 
 import pytest
-from support.e2e import assert_token_granular_load, run_concurrently, start_cluster
+from support.e2e import start_cluster
 from support.vllm_fixtures import requires_vllm
 
 pytestmark = [pytest.mark.slow, requires_vllm, pytest.mark.timeout(900)]
@@ -58,24 +58,12 @@ def pd(request, tmp_path_factory, tiny_llama_dir):
 
 def test_batch_of_prompts_in_bfloat16(pd):
     pd, cache_dtype, isa = pd
-    lengths = [5, 32, 33, 90, 300]
-    prompts = [pd.prompt(n, seed=300 + n) for n in lengths]
-    results = run_concurrently(pd.disaggregated, [(p,) for p in prompts])
-    for n, prompt, (text, rid, usage) in zip(lengths, prompts, results, strict=True):
-        assert usage["prompt_tokens"] == n
-        assert text == pd.colocated(prompt), f"{n}-token prompt differs from colocated ({isa})"
-        events = assert_token_granular_load(pd, rid, n)
+    for events in pd.batch_as_colocated([5, 32, 33, 90, 300], seed=300):
         assert {e["kv_format"] for e in events["saved"] + events["loaded"]} == {"pages"}, events
-    fingerprint = pd.prefill_params(prompts[0])["fingerprint"]
+    fingerprint = pd.prefill_params(pd.prompt(5, seed=1))["fingerprint"]
     assert f"|bfloat16|{cache_dtype}|" in fingerprint, fingerprint
     assert f"cpu_attn={isa}" in fingerprint, fingerprint
 
 
 def test_negative_control_corrupted_kv_changes_the_output(pd):
-    pd, _, _ = pd
-    prompt = pd.prompt(60, seed=17)
-    reference = pd.colocated(prompt)
-    params = pd.prefill_params(prompt)
-    corrupted, rid = pd.decode_with(prompt, {**params, "tritonkv_debug_corrupt": True})
-    assert pd.events(rid)["loaded"], "the corrupted KV was not loaded"
-    assert corrupted != reference
+    pd[0].assert_corrupted_kv_changes_the_answer(seed=17)

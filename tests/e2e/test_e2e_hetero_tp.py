@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from support.e2e import assert_token_granular_load, run_concurrently, start_cluster
+from support.e2e import assert_token_granular_load, start_cluster
 from support.vllm_fixtures import requires_vllm
 
 pytestmark = [pytest.mark.slow, requires_vllm, pytest.mark.timeout(900)]
@@ -41,12 +41,7 @@ def test_unequal_tensor_parallel_sizes(tmp_path_factory, tiny_llama_dir, produce
         },
     )
     try:
-        lengths = [20, 100]
-        prompts = [pd.prompt(n, seed=500 + n) for n in lengths]
-        results = run_concurrently(pd.disaggregated, [(p,) for p in prompts])
-        for n, prompt, (text, rid, _) in zip(lengths, prompts, results, strict=True):
-            assert text == pd.colocated(prompt), f"{n}-token prompt differs from colocated"
-            events = assert_token_granular_load(pd, rid, n)
+        for events in pd.batch_as_colocated([20, 100], seed=500):
             assert len(events["saved"]) == producer_tp and len(events["loaded"]) == consumer_tp
         _check_overlapped(pd, producer_tp, consumer_tp)
         # Which producer ranks (and heads) each consumer rank pulled: the plan, in the log.
@@ -54,11 +49,7 @@ def test_unequal_tensor_parallel_sizes(tmp_path_factory, tiny_llama_dir, produce
         expected = ["0[0:1],1[0:1]"] if producer_tp == 2 else ["0[0:1]", "0[1:2]"]
         assert sources == expected, sources
         # Negative control: the same path with scrambled KV gives another answer.
-        prompt = pd.prompt(60, seed=517)
-        params = pd.prefill_params(prompt)
-        corrupted, rid = pd.decode_with(prompt, {**params, "tritonkv_debug_corrupt": True})
-        assert pd.events(rid)["loaded"], "the corrupted KV was not loaded"
-        assert corrupted != pd.colocated(prompt)
+        pd.assert_corrupted_kv_changes_the_answer(seed=517)
         print(
             "\n".join(
                 line for line in pd.consumer.log_text().splitlines() if "loaded transfer" in line

@@ -73,6 +73,28 @@ class PD:
             text, rid = decode.result(timeout=300)
         return text, rid, transfer_id
 
+    def batch_as_colocated(self, lengths: list[int], seed: int) -> list[dict]:
+        """Prompts of ``lengths`` tokens through the proxy at once: each answer equals colocated
+        and its load was token-granular; returns each one's transfer events."""
+        prompts = [self.prompt(n, seed=seed + n) for n in lengths]
+        results = run_concurrently(self.disaggregated, [(p,) for p in prompts])
+        out = []
+        for n, prompt, (text, rid, usage) in zip(lengths, prompts, results, strict=True):
+            assert usage["prompt_tokens"] == n
+            assert text == self.colocated(prompt), f"{n}-token prompt differs from colocated"
+            out.append(assert_token_granular_load(self, rid, n))
+        return out
+
+    def assert_corrupted_kv_changes_the_answer(self, seed: int) -> None:
+        """Negative control: a hand-off whose KV is scrambled on arrival (the
+        ``tritonkv_debug_corrupt`` hook) is loaded and gives another answer than colocated."""
+        prompt = self.prompt(60, seed=seed)
+        reference = self.colocated(prompt)
+        params = self.prefill_params(prompt)
+        corrupted, rid = self.decode_with(prompt, {**params, "tritonkv_debug_corrupt": True})
+        assert self.events(rid)["loaded"], "the corrupted KV was not loaded"
+        assert corrupted != reference
+
     def decode_with(self, prompt: str, params: dict, max_tokens: int = MAX_TOKENS):
         """Run only the decode leg on the consumer with the given params; (text, request id)."""
         rid = f"decode-{uuid.uuid4().hex[:12]}"

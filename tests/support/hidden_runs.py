@@ -71,7 +71,7 @@ class CpuExampleHiddenStatesConnector(ex.ExampleHiddenStatesConnector):
 def run(model: str, prompts: list[list[int]], out_dir: str, *, which: str, layers: list[int],
         budget: int, tp: int = 1, port: int = 0, max_tokens: int = 1,
         include_outputs: bool = False, prefix_caching: bool = False,
-        num_blocks: int | None = None) -> dict:  # fmt: skip
+        num_blocks: int | None = None, dtype: str = "float32") -> dict:  # fmt: skip
     from vllm import LLM, SamplingParams
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -105,7 +105,7 @@ def run(model: str, prompts: list[list[int]], out_dir: str, *, which: str, layer
     llm = LLM(
         model=model,
         tokenizer=model,
-        dtype="float32",
+        dtype=dtype,
         block_size=32,
         max_model_len=1024 if num_blocks is None else 128,  # (what so few blocks can hold)
         max_num_seqs=8,
@@ -182,11 +182,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--include-outputs", action="store_true")
     parser.add_argument("--prefix-caching", action="store_true", help="on, a prompt at a time")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (override)")
+    parser.add_argument("--dtype", default="float32", help="the model's (vLLM's dtype)")
     args = parser.parse_args(argv)
     run(args.model, json.loads(args.prompts), args.out, which=args.which,
         layers=json.loads(args.layers), budget=args.budget, tp=args.tp, port=args.port,
         max_tokens=args.max_tokens, include_outputs=args.include_outputs,
-        prefix_caching=args.prefix_caching, num_blocks=args.num_blocks)  # fmt: skip
+        prefix_caching=args.prefix_caching, num_blocks=args.num_blocks,
+        dtype=args.dtype)  # fmt: skip
 
 
 if __name__ == "__main__":

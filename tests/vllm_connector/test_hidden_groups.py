@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from support.vllm_fixtures import requires_vllm
+from support.vllm_fixtures import requires_vllm, tiny_vllm_config
 
 pytestmark = requires_vllm
 
@@ -81,7 +81,6 @@ def test_an_engine_that_loads_kv_is_refused(role, tiny_llama_dir, monkeypatch) -
     """A consumer's loaded prompts were computed elsewhere: their hidden-state rows would be stale
     memory, so extract_hidden_states with a role that loads KV fails at start, naming the role;
     the producer (the control) starts."""
-    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from connector.vllm_connector import TritonKVConnector
@@ -90,17 +89,7 @@ def test_an_engine_that_loads_kv_is_refused(role, tiny_llama_dir, monkeypatch) -
     monkeypatch.setattr(facade, "hidden_group", lambda *_: {"group": 0, "block_size": 32})
 
     def build(kv_role: str):
-        config = VllmConfig(
-            model_config=ModelConfig(model=str(tiny_llama_dir), dtype="float32", seed=0),
-            cache_config=CacheConfig(block_size=32, cache_dtype="auto"),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="TritonKVConnector",
-                kv_connector_module_path="connector.vllm_connector",
-                kv_role=kv_role,
-                kv_load_failure_policy="recompute",
-            ),
-            device_config=DeviceConfig("cpu"),
-        )
+        config = tiny_vllm_config(tiny_llama_dir, kv_role, block_size=32)
         return TritonKVConnector(config, KVConnectorRole.SCHEDULER)
 
     with pytest.raises(

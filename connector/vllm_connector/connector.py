@@ -86,7 +86,8 @@ whole sequence with ``include_output_tokens``, the only case where it keeps bloc
 files, a drop-in for vLLM's ``ExampleHiddenStatesConnector`` (``hidden_states_path``,
 :mod:`.hidden_files`), and from TP rank 0's KV server (``hidden_states_transfer_id``, read with
 :func:`connector.hidden_reader.fetch_hidden_states`). The hybrid KV cache manager stays on for
-that (this class is ``SupportsHMA``); a model whose KV needs more than one cache group is refused.
+that (this class is ``SupportsHMA``); a model whose KV needs more than one cache group is refused,
+and so is a role that loads KV (a loaded prompt's hidden states are never computed there).
 """
 
 from __future__ import annotations

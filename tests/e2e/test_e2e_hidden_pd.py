@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import random
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,6 +121,7 @@ def test_the_consumer_loads_and_the_producer_takes_hidden_states(pd, tiny_llama_
         assert int(loaded["local"]) + int(loaded["tokens"]) == len(prompt) - 1, loaded
         # The producer's hidden states of the prompt: files and network agree, the model's.
         assert params["hidden_states_num_tokens"] == len(prompt)
+        assert Path(params["hidden_states_path"]).parent == storage
         from_file = read_hidden_file(params["hidden_states_path"], timeout_s=60)
         from_net = fetch_hidden_states(
             params["hidden_states_host"],

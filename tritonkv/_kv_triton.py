@@ -105,7 +105,15 @@ def _copy_heads(
 _KEY = ["num_kv_heads", "HEAD_SIZE", "HAS_V", "UNPACK", "STORE", "DIGEST", "stride_kh"]
 
 
-@triton.autotune(configs=autotune_configs(), key=_KEY, do_bench=autotune_bench)
+# restore_value: timing a config runs the kernel many times, and DIGEST's lane sums would add up
+# over those runs (the first launch of each key would give a wrong digest); the autotuner puts
+# them back after each run. (Without DIGEST the pointer is the slot mapping: put back unchanged.)
+@triton.autotune(
+    configs=autotune_configs(),
+    key=_KEY,
+    do_bench=autotune_bench,
+    restore_value=["digest_ptr"],
+)
 @triton.jit(do_not_specialize=["num_rows", "num_sel", "search_steps"])
 def _kv_copy_kernel(
     cache_ptr,  # [*] integer view of the first layer's K: base of every address

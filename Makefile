@@ -67,13 +67,18 @@ wheel: setup
 	rm -rf build tritonkv.egg-info
 	@ls dist/tritonkv-*.whl
 
-# pytest for a GPU machine that lacks it (no network there): pure-Python wheels, with the backports
-# it needs below Python 3.11, for any Python 3.9+. bench/gpu_check.sh puts .gpu_deps on PYTHONPATH
-# when it exists; carry the folder along with the working tree (about 15 MiB).
+# pytest and pytest-timeout for a GPU machine that lacks them (no network there): pure-Python
+# wheels, with the backports they need below Python 3.11, for any Python 3.9+; and safetensors
+# (the hidden-state files; it comes with vLLM), CPython 3.9+ on x86-64 Linux. bench/gpu_check.sh
+# puts .gpu_deps on PYTHONPATH when it exists; carry the folder along with the working tree (about
+# 17 MiB).
 gpu-deps:
 	$(PYTHON) -m pip install -q --disable-pip-version-check --target .gpu_deps --only-binary=:all: \
 		--python-version 3.9 --implementation py --abi none --platform any \
-		"pytest>=8" exceptiongroup tomli
+		"pytest>=8" pytest-timeout exceptiongroup tomli
+	$(PYTHON) -m pip install -q --disable-pip-version-check --target .gpu_deps --only-binary=:all: \
+		--python-version 3.9 --implementation cp --abi abi3 --platform manylinux2014_x86_64 \
+		--no-deps safetensors
 
 clean:
 	rm -rf $(VENV) .gpu_deps .bench_deps .pytest_cache .ruff_cache .hypothesis .fuzz build dist *.egg-info

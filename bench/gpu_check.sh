@@ -25,8 +25,9 @@
 #   staged in pieces vs copied whole first vs host tensors)
 #
 # Usage: bench/gpu_check.sh [--dry-run] OUTDIR
-#   Needs one NVIDIA GPU, torch and triton; no network, no vllm (matplotlib/pandas/pytest optional:
-#   without them the PNGs / tables / tests are skipped and the log says so).
+#   Needs one NVIDIA GPU, torch, triton and NumPy; no network, no vllm (matplotlib/pandas/pytest/
+#   safetensors optional: without them the PNGs / tables / tests / file-way tests are skipped and
+#   the log says so).
 #   --dry-run: run every step on the CPU with tiny sizes (checks the script, not the GPU).
 #   PYTHON=/path/to/python selects the interpreter (default: python3). Without pytest there, run
 #   `make gpu-deps` on a machine with a package index and bring .gpu_deps/ along.
@@ -71,7 +72,7 @@ import sys, torch, triton
 print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}")
 print(f"cuda available: {torch.cuda.is_available()}"
       + (f", device: {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
-for mod in ("pytest", "pandas", "matplotlib"):
+for mod in ("numpy", "pytest", "pytest_timeout", "safetensors", "pandas", "matplotlib"):
     try:
         __import__(mod)
         print(f"{mod}: yes")

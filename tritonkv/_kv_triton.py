@@ -246,6 +246,7 @@ def launch_groups(views: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list
         base = views[start][0]
         ptrs = [(k.data_ptr(), (k if v is None else v).data_ptr()) for k, v in views[start:stop]]
         offsets = [[(p - base.data_ptr()) // base.element_size() for p in pair] for pair in ptrs]
+        # a blocking copy, on purpose: any stream may launch with this table next
         table = torch.tensor(offsets, dtype=torch.int64).to(base.device)
         k_strides, v_strides = strides[start]
         aligned = all(p % 16 == 0 for pair in ptrs for p in pair)

@@ -79,11 +79,11 @@ def host_empty(nbytes: int, pinned: bool = True) -> torch.Tensor:
 
 
 def pinned_host(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (a contiguous host tensor) in page-locked memory: itself when it is there already
-    or CUDA is not, else a pinned copy. A copy to a device from pageable memory waits for the
-    device's stream to drain first (CUDA's rule for pageable transfers); from pinned memory it
-    is asynchronous."""
-    if not torch.cuda.is_available() or t.is_pinned():
+    """``t`` (a contiguous host tensor) in page-locked memory: itself when it is there already,
+    is no host tensor or CUDA is not there, else a pinned copy. A copy to a device from pageable
+    memory waits for the device's stream to drain first (CUDA's rule for pageable transfers);
+    from pinned memory it is asynchronous."""
+    if t.device.type != "cpu" or not torch.cuda.is_available() or t.is_pinned():
         return t
     out = host_empty(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
     out.copy_(t)

@@ -299,7 +299,9 @@ class Consumer:
                     continue
                 if spec.corrupt or "no_digest" in spec.debug_fault:  # test hooks: no check (the
                     packed, want = _corrupted(packed) if spec.corrupt else packed, None  # KV lands)
-                if gpu is not None and not self._device_wire:  # host-staged: ours to copy
+                # host-staged: ours to copy (an entry of a device-resident buffer in this
+                # process, e.g. kv_both's own, is read where it is)
+                if gpu is not None and not self._device_wire and not ops.is_device(packed):
                     packed = gpu.to_device(packed)
                 slots = caches.slots(spec.block_ids, first, stop, rows, offset)
                 if "wrong_slot" in spec.debug_fault:  # test hook

@@ -204,11 +204,11 @@ class HiddenFileWriter:
                 job.done.set()
 
     def _write(self, job: _Job) -> None:
-        from safetensors.torch import save_file
-
         folder, name = os.path.split(os.path.abspath(job.path))
         tmp = os.path.join(folder, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
+            from safetensors.torch import save_file  # (missing: each file fails, not the thread)
+
             if job.digests:  # what reaches the disk is what the pack made
                 check_hidden(job.digests, job.tensors, "write", f"{job.path}: ")
             save_file(job.tensors, tmp, metadata=job.digests or None)

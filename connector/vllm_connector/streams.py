@@ -79,6 +79,10 @@ class StreamOps:
         """An uninitialised tensor on this device, from the current stream's pool."""
         return torch.empty(shape, dtype=dtype, device=self.device)
 
+    def is_device(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is in this device's memory (a device-resident KV buffer's entry)."""
+        return t.device == self.device
+
 
 class HostOps:
     """The :class:`StreamOps` of a :class:`Publisher` whose jobs are host work done off vLLM's

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import sys
 import threading
 import time
 
@@ -149,6 +150,29 @@ def test_full_disk_is_that_requests_error(tmp_path, monkeypatch) -> None:
         )
         with open(bad + ".lock") as lock:  # released
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        writer.close()
+
+
+def test_without_safetensors_each_file_fails_not_the_writer(tmp_path, monkeypatch) -> None:
+    """safetensors missing (it comes with vLLM, not with tritonkv): every file gets its .error
+    and its lock released, and the writer goes on (it once died at the import, and every later
+    file waited for it)."""
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)  # import fails
+    writer = HiddenFileWriter(1 << 20)
+    paths = [str(tmp_path / f"r{i}.safetensors") for i in range(2)]
+    try:
+        for path in paths:
+            writer.submit(path, _tensors(), HiddenFileWriter.lock(path))
+        assert writer.flush(10)
+        for path in paths:
+            with pytest.raises(RuntimeError, match="ModuleNotFoundError: import of safetensors"):
+                read_hidden_file(path, timeout_s=2)
+        monkeypatch.delitem(sys.modules, "safetensors.torch")
+        good = str(tmp_path / "good.safetensors")
+        writer.submit(good, _tensors(seed=1), HiddenFileWriter.lock(good))
+        assert writer.flush(10)
+        assert torch.equal(read_hidden_file(good)["token_ids"], _tensors(seed=1)["token_ids"])
     finally:
         writer.close()
 

@@ -56,6 +56,8 @@ class _Rig:
     """A HiddenWorker on fake streams with a "device" cache, its buffer, writer and budget."""
 
     def __init__(self, way: str, *, budget_bytes: int = 1 << 20, digest: bool = True):
+        if way != "network":  # (a GPU machine's dry run may lack it: vLLM brings it)
+            pytest.importorskip("safetensors", reason="the files way needs safetensors")
         self.fake = FakeStreams()
         self.cache = self.fake.on_device(_cache())
         self.buffer = KVBuffer(1 << 22) if way != "files" else None
@@ -274,20 +276,23 @@ def test_a_flipped_bit_is_caught_on_the_gpu_path(tmp_path, digest) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_a_gpu_the_hidden_step_never_synchronises(tmp_path) -> None:
+@pytest.mark.parametrize("way", ["network", "both"])
+def test_on_a_gpu_the_hidden_step_never_synchronises(tmp_path, way) -> None:
     """The real thing: CUDA streams and events, sync-debug mode "error" around ``save`` (after
     a warm-up round: Triton compiles, tritonkv builds its layer table), which returns while
-    vLLM's stream is still busy; files and the buffer bit-exact."""
+    vLLM's stream is still busy; files and the buffer bit-exact. (Files need safetensors, which
+    comes with vLLM: a GPU machine without it runs the network way only.)"""
+    if way == "both":
+        pytest.importorskip("safetensors")
     cache = _cache().cuda()
     buffer = KVBuffer(1 << 22)
-    writer = HiddenFileWriter(1 << 22)
+    writer = HiddenFileWriter(1 << 22) if way == "both" else None
     worker = hs.HiddenWorker(cache, tp_rank=0, writer=writer, buffer=lambda: buffer)
     compute = torch.cuda.Stream()
     specs = []
     for round_no in range(2):
         step = [
-            _spec(f"r{round_no}{i}", [1 + 3 * i, 2 + 3 * i], 5 + i, tmp_path, "both")
-            for i in range(3)
+            _spec(f"r{round_no}{i}", [1 + 3 * i, 2 + 3 * i], 5 + i, tmp_path, way) for i in range(3)
         ]
         with torch.cuda.stream(compute):
             if round_no:
@@ -303,8 +308,9 @@ def test_on_a_gpu_the_hidden_step_never_synchronises(tmp_path) -> None:
     host = cache.cpu()
     for spec in specs:
         want = _expected(host, spec)
-        got = read_hidden_file(spec.path, timeout_s=10)
-        assert torch.equal(got["hidden_states"].view(torch.int32), want.view(torch.int32))
+        if writer is not None:
+            got = read_hidden_file(spec.path, timeout_s=10)
+            assert torch.equal(got["hidden_states"].view(torch.int32), want.view(torch.int32))
         tensors, meta = deliver(buffer, spec.transfer_id)
         integrity.check_hidden(meta, tensors, "receipt", "")
         assert torch.equal(tensors["hidden_states"].view(torch.int32), want.view(torch.int32))

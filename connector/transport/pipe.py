@@ -249,7 +249,7 @@ class TensorPipe:
     ) -> Message:
         """Receive the next message (header and payload) within ``timeout_s`` (default
         ``recv_timeout_s``). Tensors land on ``device`` (default: the pipe's device); a tensor named
-        in ``out`` with matching dtype and shape (contiguous) is filled in place, not allocated.
+        in ``out`` with matching dtype, shape and device kind (contiguous) is filled in place.
 
         ``idle=True`` (servers): wait for the next header without a deadline (until it arrives, the
         peer goes or the pipe closes), then give its payload ``timeout_s``.

@@ -67,23 +67,27 @@ def _read_inline_payload(
 
 
 def _target(spec: TensorSpec, dev, out) -> torch.Tensor:
-    """Where ``spec``'s tensor lands: ``out[spec.name]`` if given (checked), else a new buffer."""
+    """Where ``spec``'s tensor lands: ``out[spec.name]`` if given (checked), else a new buffer.
+    An ``out`` tensor must be on ``dev``'s kind of device: whether a payload is staged through
+    host memory (gloo carries host memory only) is decided from ``dev``."""
     if out is not None and spec.name in out:
         t = out[spec.name]
+        want = torch.device(dev).type
         if (
             not isinstance(t, torch.Tensor)
             or t.dtype != spec.dtype
             or tuple(t.shape) != spec.shape
             or not t.is_contiguous()
+            or t.device.type != want
         ):
             got = (
-                f"{t.dtype} {list(t.shape)} contiguous={t.is_contiguous()}"
+                f"{t.dtype} {list(t.shape)} contiguous={t.is_contiguous()} on {t.device}"
                 if isinstance(t, torch.Tensor)
                 else type(t).__name__
             )
             raise ValueError(
                 f"out[{spec.name!r}]: expected a contiguous {spec.dtype} tensor of shape "
-                f"{list(spec.shape)}, got {got}"
+                f"{list(spec.shape)} on {want} (recv's device), got {got}"
             )
         return t
     return _alloc(spec, dev)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import multiprocessing.connection
 
 import torch
 
@@ -272,16 +273,24 @@ def run(device: str, transport: str, port: int) -> tuple[dict, dict]:
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=producer_main, args=(device, transport, port, child), daemon=True)
     proc.start()
+    child.close()  # the producer's end only: its death is then the end of our pipe
+    # (on a GPU within gpu_check.sh's step limit of 180 s, so that a failure gets reported)
+    limit_s = 150 if device == "cuda" else 240
     try:
-        if not parent.poll(240):
-            raise TimeoutError("the producer process did not report within 240 s")
-        kind, saved = parent.recv()
+        if not multiprocessing.connection.wait([parent, proc.sentinel], limit_s):
+            raise TimeoutError(f"the producer process did not report within {limit_s} s")
+        try:
+            kind, saved = parent.recv()
+        except EOFError:
+            raise RuntimeError(
+                f"the producer process ended (exit code {proc.exitcode}) without a report"
+            ) from None
         if kind != "saved":
             raise RuntimeError(f"the producer process failed: {saved}")
-        got = consume(device, transport, port)
-        parent.send("stop")
-        return got, saved
+        return consume(device, transport, port), saved
     finally:
+        with contextlib.suppress(OSError):  # (a dead producer: nobody to stop)
+            parent.send("stop")
         proc.join(30)
         if proc.is_alive():
             proc.kill()

@@ -105,6 +105,11 @@ def test_recv_into_out_tensors():
         with pytest.raises(ValueError, match=r"out\['a'\]: expected a contiguous torch.float32"):
             server.recv(timeout_s=20, out={"a": torch.empty(5)})
         assert server.broken is not None  # a half-read message breaks the pipe
+    with pipe_pair("gloo") as (server, client):  # gloo would be handed device memory
+        client.send("k", {"a": torch.randn(300_000)})
+        elsewhere = {"a": torch.empty(300_000, device="meta")}
+        with pytest.raises(ValueError, match=r"on cpu \(recv's device\), got .* on meta"):
+            server.recv(timeout_s=20, out=elsewhere)
 
 
 @pytest.mark.timeout(60)

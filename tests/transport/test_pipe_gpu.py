@@ -100,6 +100,7 @@ def test_staging_is_ordered_after_the_callers_stream_in_both_directions(transpor
     busy = torch.cuda.Stream()
     with cuda_pair(transport) as (server, client):
         x = torch.zeros(n, device="cuda", dtype=torch.int32)
+        busy.wait_stream(torch.cuda.current_stream())  # want and x are made on that one
         with torch.cuda.stream(busy):
             torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before x is written
             x.copy_(want)
@@ -108,6 +109,7 @@ def test_staging_is_ordered_after_the_callers_stream_in_both_directions(transpor
         assert _same_bits(got, want)
         server.send("back", {"x": got})
         out = {"x": torch.zeros(n, device="cuda", dtype=torch.int32)}
+        busy.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(busy):
             torch.cuda._sleep(200_000_000)
             out["x"].fill_(-1)  # queued before the receive: must land under it

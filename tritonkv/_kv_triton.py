@@ -107,7 +107,7 @@ _KEY = ["num_kv_heads", "HEAD_SIZE", "HAS_V", "UNPACK", "STORE", "DIGEST", "stri
 
 # restore_value: timing a config runs the kernel many times, and DIGEST's lane sums would add up
 # over those runs (the first launch of each key would give a wrong digest); the autotuner puts
-# them back after each run. (Without DIGEST the pointer is the slot mapping: put back unchanged.)
+# them back after each run. (Without DIGEST the pointer is the index's cu_seqlens: put back as is.)
 @triton.autotune(
     configs=autotune_configs(),
     key=_KEY,
@@ -311,12 +311,15 @@ def copy_kv(
     if num_rows == 0:
         return
     digest = lanes is not None
-    digest_t = lanes if digest else slot_mapping  # never read without DIGEST
     ratio = width // packed.element_size()
     strides = packed.stride()
     stride_layer, stride_part = strides[0] // ratio, strides[1] // ratio
     packed_address = packed.data_ptr()
     cu_seqlens, src_start = index.addresses()
+    # digest_ptr is never read without DIGEST, but the autotuner puts it back after each
+    # timing run: then it is this call's own cu_seqlens, never the caller's slot mapping
+    # (which another stream may write, or which may be an inference-mode tensor)
+    digest_at = lanes if digest else cu_seqlens  # (a tensor or an address)
     num_sel, search_steps = index.num_sel, index.search_steps
     device = current_device() if DIRECT else None
     # What Triton specialises on in the arguments that are not fixed per group (see _launch),
@@ -330,7 +333,7 @@ def copy_kv(
         pointer_spec(slot_mapping.data_ptr()),
         pointer_spec(cu_seqlens),
         pointer_spec(src_start),
-        pointer_spec(digest_t.data_ptr()),
+        pointer_spec(lanes.data_ptr() if digest else cu_seqlens),
         int_spec(num_rows),
         int_spec(num_sel),
         int_spec(search_steps),
@@ -346,7 +349,7 @@ def copy_kv(
             # (-(-a // b): triton.cdiv is a constexpr function, costly to call from the host)
             grid = (-(-num_rows // direct.meta["BLOCK_T"]), group.stop - group.start, 1)
             _KV_COPY.kernel.best_config = direct.config
-            values = (slot_mapping, cu_seqlens, src_start, address, digest_t, packed_first)
+            values = (slot_mapping, cu_seqlens, src_start, address, digest_at, packed_first)
             values += (num_rows, num_sel, search_steps, stride_layer, stride_part)
             direct(grid, values, device)
             continue
@@ -361,7 +364,7 @@ def copy_kv(
             "cu_seqlens_ptr": index.cu_seqlens,
             "src_start_ptr": index.src_start,
             "packed_ptr": packed_int[group.start : group.stop],
-            "digest_ptr": digest_t,
+            "digest_ptr": lanes if digest else index.cu_seqlens,
             "packed_first": packed_first,
             "num_rows": num_rows,
             "num_sel": index.num_sel,

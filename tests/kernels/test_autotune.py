@@ -2,10 +2,11 @@
 every config by running the kernel again and again, gives the same packed rows, cache writes and
 digest as any later launch.
 
-On a GPU the autotuner times 13 configs (tritonkv._autotune); here, under the interpreter, which
-has one config, each copy kernel gets two, and a stand-in for ``do_bench`` runs a config three
-times as the real one runs it many: without the autotuner's ``restore_value`` the digest's lane
-sums of those runs add up (7 launches' worth instead of 1).
+On a GPU the autotuner times 13 configs (tritonkv._autotune); here each copy kernel gets two,
+and a stand-in for ``do_bench`` runs a config three times as the real one runs it many: without
+the autotuner's ``restore_value`` the digest's lane sums of those runs add up (7 launches' worth
+instead of 1). On CPU tensors under the interpreter, and on CUDA tensors (the ``gpu`` variants,
+in ``bench/gpu_check.sh``, whose tests otherwise run with one config and never tune).
 """
 
 from __future__ import annotations
@@ -13,20 +14,50 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
-from support.kv_cases import bits, like_with_sentinel, make_cache
+from support.kv_cases import bits
 
 from tritonkv import (
     _hidden_triton,
     _kv_triton,
     kv_digest,
+    layouts,
     pack_hidden,
     pack_kv,
+    pack_kv_torch,
     unpack_hidden,
     unpack_kv,
 )
 from tritonkv.digest import digest_hex, packed_digest
 
 RUNS_PER_CONFIG = 3
+SENTINEL = -7.0
+DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter: no GPU"),
+    ),
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
+def _layers(device: str, fill: float | None = None) -> list:
+    """Two flash-attention layers ``[2, 5 blocks, 4, 2 heads, 8]`` fp32: random, or ``fill``."""
+    g = torch.Generator().manual_seed(0)
+    raws = [torch.randn(2, 5, 4, 2, 8, generator=g) for _ in range(2)]
+    if fill is not None:
+        raws = [torch.full_like(r, fill) for r in raws]
+    return [layouts.flash_attn(r.to(device)) for r in raws]
 
 
 @pytest.fixture
@@ -52,17 +83,15 @@ def tuning(monkeypatch):
     return runs
 
 
-def test_the_first_kv_launch_of_a_key_gives_the_right_digest(tuning) -> None:
-    raw, layers = make_cache(
-        "flash_attn_nhd", torch.float32, head_size=8, num_blocks=5, block_size=4
-    )
-    slots = torch.tensor([3, 17, -1, 0, 19, 8, 9, 10, 11, 5], dtype=torch.int64)
-    qsl = torch.tensor([0, 4, 10], dtype=torch.int32)
+def test_the_first_kv_launch_of_a_key_gives_the_right_digest(tuning, device) -> None:
+    layers = _layers(device)
+    slots = torch.tensor([3, 17, -1, 0, 19, 8, 9, 10, 11, 5], dtype=torch.int64, device=device)
+    qsl = torch.tensor([0, 4, 10], dtype=torch.int32, device=device)
     packed, _, d_pack = pack_kv(layers, slots, qsl, digest=True)
     assert len(tuning) == 2 * RUNS_PER_CONFIG  # it did tune (else this test shows nothing)
     want = digest_hex(packed_digest(packed))
     assert digest_hex(d_pack) == want
-    dst_raw, dst_layers = like_with_sentinel(raw, "flash_attn_nhd")
+    dst_layers = _layers(device, SENTINEL)
     d_unpack = unpack_kv(packed, dst_layers, slots, qsl, digest=True)
     assert digest_hex(d_unpack) == want
     assert digest_hex(kv_digest(layers, slots, qsl)) == want
@@ -75,9 +104,9 @@ def test_the_first_kv_launch_of_a_key_gives_the_right_digest(tuning) -> None:
     assert torch.equal(bits(check), bits(packed))
 
 
-def test_the_first_hidden_launch_of_a_key_gives_the_right_digest(tuning) -> None:
-    hidden = torch.randn(11, 12, generator=torch.Generator().manual_seed(3))
-    qsl = torch.tensor([0, 4, 11], dtype=torch.int32)
+def test_the_first_hidden_launch_of_a_key_gives_the_right_digest(tuning, device) -> None:
+    hidden = torch.randn(11, 12, generator=torch.Generator().manual_seed(3)).to(device)
+    qsl = torch.tensor([0, 4, 11], dtype=torch.int32, device=device)
     packed, _, d_pack = pack_hidden(hidden, qsl, digest=True)
     assert len(tuning) == 2 * RUNS_PER_CONFIG
     want = digest_hex(packed_digest(packed))
@@ -85,3 +114,16 @@ def test_the_first_hidden_launch_of_a_key_gives_the_right_digest(tuning) -> None
     dst = torch.zeros_like(hidden)
     assert digest_hex(unpack_hidden(packed, dst, qsl, digest=True)) == want
     assert torch.equal(bits(dst), bits(hidden))
+
+
+def test_tuning_never_writes_the_callers_slot_mapping(tuning, device) -> None:
+    """Without the digest, the pointer the autotuner puts back after each timing run is the
+    call's own index, not the caller's slot mapping: vLLM's may be written by another stream
+    meanwhile, or be an inference-mode tensor, which a write outside that mode refuses."""
+    layers = _layers(device)
+    with torch.inference_mode():
+        slots = torch.tensor([3, 17, -1, 0, 19, 8, 9, 10, 11, 5], dtype=torch.int64, device=device)
+    qsl = torch.tensor([0, 4, 10], dtype=torch.int32, device=device)
+    packed, _ = pack_kv(layers, slots, qsl)
+    assert len(tuning) == 2 * RUNS_PER_CONFIG
+    assert torch.equal(bits(packed), bits(pack_kv_torch(layers, slots, qsl)[0]))

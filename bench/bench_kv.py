@@ -611,9 +611,10 @@ def main(argv: list[str] | None = None) -> int:
     for plan in plans:
         # (a failed plan's buffers and point are rebuilt by the next plan: they are keyed by plan)
         _attempt(f"{plan.op} {plan.sweep} {plan.case}", failed, runner.run, plan)
-        if combined:  # the CSV so far, in case a later step hangs until the script's timeout
+        if combined:  # the CSV and configs so far, in case a later step hangs until the timeout
             common.finish_rows(runner.rows, st)
             common.write_csv(runner.rows, outdir / "bench.csv")
+            _write_autotune(outdir / "autotune.json", st, runner)
         sys.stdout.flush()
     if combined:  # after the plans, whose first launch of each key autotuned at its largest size
         lines = _attempt("launch check", failed, launch_check, args.dry_run)
@@ -624,12 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     # cpu suite's cases, must not replace that suite's CSVs and plots
     written = [] if name == "digest" else write_results(runner.rows, outdir, st, combined)
     if combined:
-        (outdir / "autotune.json").write_text(
-            json.dumps(
-                {"device": st.device, "git_sha": st.git_sha, "configs": runner.configs}, indent=1
-            )
-        )
-        written.append(outdir / "autotune.json")
+        written.append(_write_autotune(outdir / "autotune.json", st, runner))
     kind = "cuda" if common.on_gpu() else "cpu"
     lines = common.summary(runner.rows, kind)
     print(f"\nGoals ({kind}):\n  " + "\n  ".join(lines or ["no point reached the goal sizes"]))
@@ -653,6 +649,13 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"FAILED steps ({len(failed)}): {', '.join(failed)} (tracebacks above)")
     return 1 if failed else 0
+
+
+def _write_autotune(path: Path, st, runner: Runner) -> Path:
+    """The winning launch config per op and case so far (gpu-check's autotune.json)."""
+    configs = {"device": st.device, "git_sha": st.git_sha, "configs": runner.configs}
+    path.write_text(json.dumps(configs, indent=1))
+    return path
 
 
 def _attempt(what: str, failed: list[str], fn, *args):

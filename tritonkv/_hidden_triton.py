@@ -17,11 +17,26 @@ from ._index import SeqIndex, flat_token
 __all__ = ["copy_hidden"]
 
 
+# Elements of one tile per thread above which a config spills registers: BLOCK_T * BLOCK_H (up
+# to 64 x 1024) over 32 * num_warps threads. Such configs are never the fastest, and compiling
+# one took 17 s (Triton 3.6, sm_90, the digest variant): the autotuner skips them.
+MAX_TILE_PER_THREAD = 128
+
+
+def configs_that_fit(configs: list, named_args: dict, **kwargs) -> list:
+    """The autotuner's ``early_config_prune``: the configs whose tile of ``BLOCK_T`` rows by
+    ``BLOCK_H`` columns is at most :data:`MAX_TILE_PER_THREAD` elements per thread (else the
+    one with the smallest share)."""
+    share = lambda c: c.kwargs["BLOCK_T"] * kwargs["BLOCK_H"] / (32 * c.num_warps)
+    return [c for c in configs if share(c) <= MAX_TILE_PER_THREAD] or [min(configs, key=share)]
+
+
 @triton.autotune(
     configs=autotune_configs(),
     key=["hidden_size", "BLOCK_H", "UNPACK", "DIGEST"],
     do_bench=autotune_bench,
     restore_value=["digest_ptr"],  # the lane sums, not summed over the timing runs (_kv_triton)
+    prune_configs_by={"early_config_prune": configs_that_fit},
 )
 @triton.jit(do_not_specialize=["num_rows", "num_sel", "search_steps"])
 def _hidden_copy_kernel(

@@ -127,3 +127,20 @@ def test_tuning_never_writes_the_callers_slot_mapping(tuning, device) -> None:
     packed, _ = pack_kv(layers, slots, qsl)
     assert len(tuning) == 2 * RUNS_PER_CONFIG
     assert torch.equal(bits(packed), bits(pack_kv_torch(layers, slots, qsl)[0]))
+
+
+def test_the_hidden_kernel_skips_configs_that_would_spill() -> None:
+    """Tiles over 128 elements per thread are left out of the tuning (at hidden size 4096, 64
+    tokens by 1024 columns on 4 warps is 512 a thread); where none fits, the smallest stays."""
+    configs = [
+        triton.Config({"BLOCK_T": t}, num_warps=w)
+        for t in (4, 8, 16, 32, 64)
+        for w in (2, 4, 8)
+        if not (t >= 32 and w == 2)
+    ]
+    fit = _hidden_triton.configs_that_fit(configs, {}, BLOCK_H=1024)
+    kept = {(c.kwargs["BLOCK_T"], c.num_warps) for c in fit}
+    assert kept == {(4, 2), (8, 2), (4, 4), (8, 4), (16, 4), (4, 8), (8, 8), (16, 8), (32, 8)}
+    assert _hidden_triton.configs_that_fit(configs, {}, BLOCK_H=16) == configs
+    [least] = _hidden_triton.configs_that_fit(configs[:6], {}, BLOCK_H=1 << 20)
+    assert (least.kwargs["BLOCK_T"], least.num_warps) == (4, 8)

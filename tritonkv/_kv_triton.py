@@ -233,6 +233,15 @@ class LaunchGroup:
     v_strides: tuple[int, ...]
     align: int  # every offset is a multiple of this (16-byte aligned views), else 1
     direct: dict = field(default_factory=dict)  # (op variant, argument spec) -> DirectLaunch
+    streams: set = field(default_factory=set)  # the streams (raw handles) ``offsets`` is used on
+
+    def used_on(self, stream: int, device: torch.device) -> None:
+        """Note a launch on ``stream`` (the current one): ``offsets`` was allocated on the stream
+        current when the group was made, and once its layer set goes (the caller's views freed)
+        its memory must not be handed out there again before this stream's launches read it."""
+        if stream not in self.streams:
+            self.offsets.record_stream(torch.cuda.current_stream(device))
+            self.streams.add(stream)
 
 
 def launch_groups(views: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[LaunchGroup]:
@@ -322,6 +331,8 @@ def copy_kv(
     digest_at = lanes if digest else cu_seqlens  # (a tensor or an address)
     num_sel, search_steps = index.num_sel, index.search_steps
     device = current_device() if DIRECT else None
+    on_gpu = packed.device.type == "cuda"
+    stream = triton.runtime.driver.active.get_current_stream(packed.device.index) if on_gpu else 0
     # What Triton specialises on in the arguments that are not fixed per group (see _launch),
     # flat: the key is hashed on every call.
     spec = (
@@ -341,6 +352,8 @@ def copy_kv(
         int_spec(stride_part),
     )
     for group in groups:
+        if on_gpu:
+            group.used_on(stream, packed.device)
         packed_first = group.start * stride_layer
         address = packed_address + packed_first * width
         group_spec = (*spec, pointer_spec(address), int_spec(packed_first))

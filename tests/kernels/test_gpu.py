@@ -252,6 +252,26 @@ def test_prepared_handle_on_cuda_is_the_plain_path(layout):
         assert torch.equal(got, want)
 
 
+def test_the_layer_table_is_kept_for_every_stream_that_launched_with_it():
+    """The device table of layer addresses is allocated on the stream current when it is made;
+    a launch on another stream records its use there, so that freeing it (the caller's views
+    gone) cannot hand its memory out again before that stream's launches read it."""
+    from tritonkv import prepare_kv
+
+    _, layers, out = _prepared_case()
+    slots, ids = _slots(), torch.tensor([2, 0], device="cuda")
+    handle = prepare_kv(layers)
+    side = torch.cuda.Stream()
+    pack_kv(handle, slots, QSL, ids, out=out)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # the second one direct
+            pack_kv(handle, slots, QSL, ids, out=out)
+    torch.cuda.synchronize()
+    [group] = handle.layer_set.launches(min(handle.layer_set.width, 8), handle.views)
+    assert group.streams == {torch.cuda.current_stream().cuda_stream, side.cuda_stream}
+
+
 def test_prepared_out_path_never_syncs():
     """With out= (pack) or packed (unpack) and index tensors on the GPU, a prepared call makes no
     host sync (torch's sync debug mode raises on one)."""

@@ -39,9 +39,12 @@ def request_amx(isa: str | None) -> None:
     whose first step is a single token dies with SIGILL in ``cpu_attention_with_kv_cache`` (seen
     on an AMX host: a one-token prompt in plain vLLM, and a fresh consumer's first loaded request,
     whose step computes one token). RuntimeError if refused where vLLM picked ``isa`` ``amx``."""
-    if not torch.cpu._is_amx_tile_supported():
+    # both private: a torch without the check asks where vLLM picked amx, one without
+    # _init_amx grants nothing
+    has_tiles = getattr(torch.cpu, "_is_amx_tile_supported", lambda: isa == "amx")
+    if not has_tiles():
         return
-    init = getattr(torch.cpu, "_init_amx", None)  # private: a torch without it grants nothing
+    init = getattr(torch.cpu, "_init_amx", None)
     if not (init is not None and init()) and isa == "amx":
         why = "this torch has no torch.cpu._init_amx" if init is None else "Linux refused"
         raise RuntimeError(

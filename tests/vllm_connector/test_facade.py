@@ -119,6 +119,11 @@ def test_amx_tiles_are_requested_before_the_first_step(monkeypatch):
         torch.cpu, "_init_amx", lambda: pytest.fail("asked without AMX"), raising=False
     )
     request_amx("vec")
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")  # (private: may go)
+    request_amx("vec")  # not asked: _init_amx above would fail the test
+    monkeypatch.setattr(torch.cpu, "_init_amx", lambda: asked.append(1) or True)
+    request_amx("amx")
+    assert len(asked) == 3
 
 
 @pytest.mark.parametrize(

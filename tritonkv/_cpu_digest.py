@@ -51,7 +51,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import digest as _digest
+from . import _cpu
+from ._digest_core import MASK, finalize_host, lanes_numpy
 
 __all__ = [
     "Native",
@@ -205,7 +206,7 @@ class Native:
             )
 
         _check(_on_threads(run, len(starts)))
-        return lanes.astype(np.uint64).sum(axis=0) & _digest.MASK
+        return lanes.astype(np.uint64).sum(axis=0) & MASK
 
     def copy_rows(
         self,
@@ -271,7 +272,7 @@ class Native:
                 return self._copy(*args, lanes[i].ctypes.data_as(_u32p))
 
             _check(_on_threads(run, workers, shared=True))
-        sums = lanes.astype(np.uint64).sum(axis=0) & _digest.MASK
+        sums = lanes.astype(np.uint64).sum(axis=0) & MASK
         return int(sums[0]), int(sums[1])
 
 
@@ -285,9 +286,7 @@ def _on_threads(run, count: int, *, shared: bool = False) -> list[int]:
     """
     if count < 2:
         return [run(0)] if count else []
-    from ._cpu import _executor
-
-    futures = [_executor().submit(run, i) for i in range(1, count)]
+    futures = [_cpu._executor().submit(run, i) for i in range(1, count)]
     try:
         codes = [run(0)]
     finally:  # never return (or raise) while another thread still copies
@@ -295,6 +294,14 @@ def _on_threads(run, count: int, *, shared: bool = False) -> list[int]:
             futures = [f for f in futures if not f.cancel()]
         codes += [f.result() for f in futures]
     return codes
+
+
+def _workers(num_bytes: int) -> int:
+    """Threads for a copy or digest of ``num_bytes`` bytes: one below
+    :data:`~tritonkv._cpu.PARALLEL_MIN_BYTES`, else up to the copy threads torch allows."""
+    if num_bytes < _cpu.PARALLEL_MIN_BYTES:
+        return 1
+    return min(_cpu.MAX_WORKERS, torch.get_num_threads())
 
 
 def _check(codes: list[int]) -> None:
@@ -453,7 +460,7 @@ def _open(path: Path) -> Native:
         raise _Unavailable(f"{path} does not load: {exc}") from None
     probe = np.random.default_rng(0).integers(0, 256, 1027, dtype=np.uint8)
     padded = np.concatenate([probe, np.zeros(1, np.uint8)]).view("<u4")
-    if lib_native.lanes(probe, 5) != _digest._lanes_numpy(padded, 5):
+    if lib_native.lanes(probe, 5) != lanes_numpy(padded, 5):
         raise _Unavailable(f"{path} fails the self-check (lanes differ from the reference)")
     return lib_native
 
@@ -481,10 +488,8 @@ def copy_with_digest(
     Returns:
         ``[2]`` int64 digest of ``packed`` (as written, or as read by an unpack).
     """
-    from ._cpu import MAX_WORKERS, PARALLEL_MIN_BYTES
-
     num_bytes = packed.numel() * packed.element_size()
-    workers = min(MAX_WORKERS, torch.get_num_threads()) if num_bytes >= PARALLEL_MIN_BYTES else 1
+    workers = _workers(num_bytes)
     slots_np = np.ascontiguousarray(slots.numpy(), dtype=np.int64)
     lanes = lib.copy_rows(
         table,
@@ -495,7 +500,7 @@ def copy_with_digest(
         total_bytes=num_bytes,
         workers=workers,
     )
-    return _digest.finalize_host([lanes], num_bytes)[0]
+    return finalize_host([lanes], num_bytes)[0]
 
 
 def tensor_digest(lib: Native, t: torch.Tensor) -> torch.Tensor:
@@ -511,15 +516,13 @@ def tensor_digest(lib: Native, t: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[2]`` int64 digest, as :func:`tritonkv.digest.packed_digest` of ``t.contiguous()``.
     """
-    from ._cpu import MAX_WORKERS, PARALLEL_MIN_BYTES
-
     num_bytes = t.numel() * t.element_size()
-    if num_bytes < PARALLEL_MIN_BYTES and t.is_contiguous():  # one call of the lane loop
-        return _digest.finalize_host([lib.lanes_at(t.data_ptr(), num_bytes)], num_bytes)[0]
+    if num_bytes < _cpu.PARALLEL_MIN_BYTES and t.is_contiguous():  # one call of the lane loop
+        return finalize_host([lib.lanes_at(t.data_ptr(), num_bytes)], num_bytes)[0]
     rows = _as_rows(t)
     if rows is None:
         rows = t.contiguous().view(1, -1)
-    workers = min(MAX_WORKERS, torch.get_num_threads()) if num_bytes >= PARALLEL_MIN_BYTES else 1
+    workers = _workers(num_bytes)
     slots = np.arange(rows.shape[0], dtype=np.int64)
     lanes = lib.copy_rows(
         RowTable.of_rows(rows),
@@ -530,7 +533,7 @@ def tensor_digest(lib: Native, t: torch.Tensor) -> torch.Tensor:
         total_bytes=num_bytes,
         workers=workers,
     )
-    return _digest.finalize_host([lanes], num_bytes)[0]
+    return finalize_host([lanes], num_bytes)[0]
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor | None:
@@ -560,10 +563,8 @@ def head_digests(lib: Native, packed: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[num_kv_heads, 2]`` int64.
     """
-    from ._cpu import MAX_WORKERS, PARALLEL_MIN_BYTES
-
     num_heads = packed.shape[-2]
     num_bytes = packed.numel() * packed.element_size()
-    workers = min(MAX_WORKERS, torch.get_num_threads()) if num_bytes >= PARALLEL_MIN_BYTES else 1
+    workers = _workers(num_bytes)
     lanes = lib.head_lanes(packed, num_heads, workers).tolist()
-    return _digest.finalize_host(lanes, num_bytes // max(num_heads, 1))
+    return finalize_host(lanes, num_bytes // max(num_heads, 1))

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .digest import FMIX_1, FMIX_2, KEY, SEED
+from ._digest_core import FMIX_1, FMIX_2, KEY, SEED
 
 __all__ = ["byte_lanes", "tile_lanes"]
 

@@ -35,13 +35,29 @@ shares; the Triton kernels compute the lane sums in their copy launch
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
-from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+from . import _cpu, _cpu_digest, _digest_core
+from ._digest_core import (
+    DIGEST_SIZE,
+    KEY,
+    MASK,
+    SEED,
+    count_keys,
+    finalize,
+    finalize_host,
+    fmix32_torch,
+    lanes_numpy,
+)
+from ._digest_core import (
+    fmix32 as fmix32,  # re-exported: the definition's finalizer (tests, oracles)
+)
+from ._digest_triton import byte_lanes
+from ._dispatch import use_triton
 
 __all__ = [
     "DIGEST_SIZE",
@@ -56,120 +72,22 @@ __all__ = [
     "tensor_digest",
 ]
 
-DIGEST_SIZE = 2  # lanes: a [2] int64 tensor
-MASK = 0xFFFFFFFF
-KEY = 0x9E3779B1  # position key multiplier (odd)
-SEED = 0x1B873593  # added to every position key
-FMIX_1 = 0x85EBCA6B
-FMIX_2 = 0xC2B2AE35
-COUNT_SEEDS = (0x27D4EB2F, 0x165667B1)  # lane A, lane B: fold the byte count
-CHUNK_WORDS = 1 << 15  # NumPy reference: words per chunk (its temporaries stay in cache)
 PARALLEL_MIN_WORDS = 1 << 20  # NumPy reference: from 4 MiB on, ranges go to the copy threads
 SEGMENT_CHUNK_WORDS = 1 << 21  # segment_digests: words per pass (int64 temporaries of 16 MiB;
 # about six are alive at once: ~100 MiB of scratch at most, on the rows' device)
 
 
-def fmix32(h: int) -> int:
-    """murmur3's 32-bit finalizer on a Python int (a bijection of ``[0, 2**32)``)."""
-    h ^= h >> 16
-    h = (h * FMIX_1) & MASK
-    h ^= h >> 13
-    h = (h * FMIX_2) & MASK
-    return h ^ (h >> 16)
-
-
-def _fmix32_torch(h: torch.Tensor) -> torch.Tensor:
-    """:func:`fmix32` on an int64 tensor holding values in ``[0, 2**32)`` (products stay < 2**63)."""
-    h = h ^ (h >> 16)
-    h = ((h & 0xFFFF) * FMIX_1 + (((h >> 16) * FMIX_1) & 0xFFFF) * 65536) & MASK
-    h = h ^ (h >> 13)
-    h = ((h & 0xFFFF) * FMIX_2 + (((h >> 16) * FMIX_2) & 0xFFFF) * 65536) & MASK
-    return h ^ (h >> 16)
-
-
-@functools.lru_cache(maxsize=256)
-def count_keys(num_bytes: int) -> tuple[int, int]:
-    """The values :func:`finalize` folds into lanes A and B for a tensor of ``num_bytes`` bytes."""
-    lo, hi = num_bytes & MASK, num_bytes >> 32
-    return tuple(fmix32(lo ^ fmix32(hi ^ seed)) for seed in COUNT_SEEDS)
-
-
-def finalize(lanes: torch.Tensor, num_bytes: int) -> torch.Tensor:
-    """The digest from the raw lane sums (no host synchronisation).
-
-    Args:
-        lanes: ``[2]`` int64 sums of lanes A and B (any value: only the low 32 bits count).
-        num_bytes: the packed tensor's size in bytes.
-
-    Returns:
-        ``[2]`` int64 digest, each lane in ``[0, 2**32)``, on ``lanes``' device.
-    """
-    mixed = lanes & MASK
-    for lane, key in enumerate(count_keys(num_bytes)):  # scalars: no host-to-device copy
-        mixed[lane] ^= key
-    return _fmix32_torch(mixed)
-
-
-def finalize_host(lanes: list[tuple[int, int]], num_bytes: int | Sequence[int]) -> torch.Tensor:
-    """:func:`finalize` of lane sums the host holds (Python ints, e.g. from the native library):
-    the same bits in Python arithmetic, one tensor made instead of a dozen small torch ops.
-
-    Args:
-        lanes: ``(A, B)`` sums of each digest (any value: only the low 32 bits count).
-        num_bytes: the size in bytes of each digested tensor: one for all, or one each.
-
-    Returns:
-        ``[len(lanes), 2]`` int64 digests on the CPU.
-    """
-    sizes = [num_bytes] * len(lanes) if isinstance(num_bytes, int) else list(num_bytes)
-    if len(sizes) != len(lanes):
-        raise ValueError(f"{len(sizes)} sizes for {len(lanes)} lane sums")
-    out = []
-    for (a, b), n in zip(lanes, sizes, strict=True):
-        c0, c1 = count_keys(n)
-        out.append([fmix32((a & MASK) ^ c0), fmix32((b & MASK) ^ c1)])
-    return torch.tensor(out, dtype=torch.int64).view(len(lanes), DIGEST_SIZE)
-
-
-def _lanes_numpy(words: np.ndarray, first_word: int = 0) -> tuple[int, int]:
-    """Lane sums (mod 2**32) of ``words`` (``uint32``) at positions ``first_word, ...``."""
-    a = b = 0
-    chunk = min(CHUNK_WORDS, max(words.size, 1))
-    steps = np.arange(chunk, dtype=np.uint32) * np.uint32(KEY)  # wraps: k - SEED of 0 .. chunk - 1
-    k = np.empty(chunk, np.uint32)
-    h = np.empty(chunk, np.uint32)
-    t = np.empty(chunk, np.uint32)
-    with np.errstate(over="ignore"):  # 13 ufuncs per chunk, each ~3 us for 32k words
-        for start in range(0, words.size, chunk):
-            n = min(chunk, words.size - start)
-            kk, hh, tt = k[:n], h[:n], t[:n]
-            np.add(steps[:n], np.uint32(((first_word + start) * KEY + SEED) & MASK), out=kk)
-            np.bitwise_xor(words[start : start + n], kk, out=hh)
-            for shift, factor in ((16, FMIX_1), (13, FMIX_2)):
-                np.right_shift(hh, np.uint32(shift), out=tt)
-                np.bitwise_xor(hh, tt, out=hh)
-                np.multiply(hh, np.uint32(factor), out=hh)
-            np.right_shift(hh, np.uint32(16), out=tt)
-            np.bitwise_xor(hh, tt, out=hh)
-            a += int(hh.sum(dtype=np.uint32))  # sums wrap modulo 2**32, as the lanes do
-            np.bitwise_or(kk, np.uint32(1), out=kk)
-            np.multiply(hh, kk, out=hh)
-            b += int(hh.sum(dtype=np.uint32))
-    return a & MASK, b & MASK
-
-
 def _lanes_parallel(words: np.ndarray) -> tuple[int, int]:
-    """:func:`_lanes_numpy` of ``words``, in ranges on the twins' copy threads when it is big
+    """:func:`~tritonkv._digest_core.lanes_numpy` of ``words``, in ranges on the twins' copy threads when it is big
     (NumPy releases the GIL in its loops; lane sums add, whatever the ranges)."""
-    from ._cpu import MAX_WORKERS, _executor
-
-    workers = min(MAX_WORKERS, torch.get_num_threads())
+    workers = min(_cpu.MAX_WORKERS, torch.get_num_threads())
     if words.size < PARALLEL_MIN_WORDS or workers < 2:
-        return _lanes_numpy(words)
-    step = -(-words.size // workers // CHUNK_WORDS) * CHUNK_WORDS
+        return lanes_numpy(words)
+    chunk = _digest_core.CHUNK_WORDS
+    step = -(-words.size // workers // chunk) * chunk
     starts = range(0, words.size, step)
-    futures = [_executor().submit(_lanes_numpy, words[s : s + step], s) for s in starts[1:]]
-    a, b = _lanes_numpy(words[:step])
+    futures = [_cpu._executor().submit(lanes_numpy, words[s : s + step], s) for s in starts[1:]]
+    a, b = lanes_numpy(words[:step])
     for future in futures:
         more_a, more_b = future.result()
         a, b = (a + more_a) & MASK, (b + more_b) & MASK
@@ -213,17 +131,12 @@ def tensor_digest(t: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[2]`` int64 digest on ``t``'s device.
     """
-    from . import _cpu_digest
-    from ._dispatch import use_triton
-
     if not use_triton(t.device):
         lib = _cpu_digest.native() if t.device.type == "cpu" else None
         if lib is not None:
             return _cpu_digest.tensor_digest(lib, t)
         return packed_digest(t.contiguous())
     t = t.contiguous()
-    from ._digest_triton import byte_lanes
-
     lanes = torch.zeros(2, dtype=torch.int64, device=t.device)
     byte_lanes(t, lanes)
     return finalize(lanes, t.numel() * t.element_size())
@@ -294,22 +207,19 @@ def segment_digests(rows: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
         local = torch.arange(start, stop, dtype=torch.int64, device=device) - first_row[seg]
         pos = local[:, None] * per_row + col[None, :]  # word position within its segment
         k = (_mul32(pos & MASK, key) + SEED) & MASK
-        h = _fmix32_torch((words[start:stop].to(torch.int64) & MASK) ^ k)
+        h = fmix32_torch((words[start:stop].to(torch.int64) & MASK) ^ k)
         sums = torch.stack([h.sum(1) & MASK, _mul32(h, k | 1).sum(1) & MASK], dim=1)
         lanes.index_add_(0, seg, sums)
     keys = on_device([count_keys(n * row_bytes) for n in lengths])
-    return _fmix32_torch((lanes & MASK) ^ keys)
+    return fmix32_torch((lanes & MASK) ^ keys)
 
 
 def _native_segments(rows: torch.Tensor, bounds: list[int], row_bytes: int) -> torch.Tensor:
     """:func:`segment_digests` by the native library: a segment of ``PARALLEL_MIN_BYTES`` or
     more by :func:`tensor_digest` (the copy threads share it), the others one lane-loop call
     each on this thread (a ctypes call each, not a few torch ops)."""
-    from . import _cpu_digest
-    from ._cpu import PARALLEL_MIN_BYTES
-
     ranges = list(itertools.pairwise(bounds))
-    small = [i for i, (a, b) in enumerate(ranges) if (b - a) * row_bytes < PARALLEL_MIN_BYTES]
+    small = [i for i, (a, b) in enumerate(ranges) if (b - a) * row_bytes < _cpu.PARALLEL_MIN_BYTES]
     out = torch.empty((len(ranges), DIGEST_SIZE), dtype=torch.int64)
     if small:
         lanes = _cpu_digest.native().segment_lanes(rows, [ranges[i] for i in small])
@@ -318,14 +228,12 @@ def _native_segments(rows: torch.Tensor, bounds: list[int], row_bytes: int) -> t
             return finalize_host(lanes, sizes)
         out[small] = finalize_host(lanes, sizes)
     for i, (a, b) in enumerate(ranges):
-        if (b - a) * row_bytes >= PARALLEL_MIN_BYTES:
+        if (b - a) * row_bytes >= _cpu.PARALLEL_MIN_BYTES:
             out[i] = tensor_digest(rows[a:b])
     return out
 
 
 def _native() -> bool:
-    from . import _cpu_digest
-
     return _cpu_digest.native() is not None
 
 
@@ -340,8 +248,6 @@ def head_digests(packed: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[num_kv_heads, 2]`` int64 digests on ``packed``'s device.
     """
-    from . import _cpu_digest
-
     if not isinstance(packed, torch.Tensor) or packed.dim() < 2 or not packed.is_contiguous():
         raise ValueError(
             "packed: expected a contiguous [..., num_kv_heads, head_size] tensor, got "

@@ -24,8 +24,8 @@ from support.kv_cases import LAYOUT_IDS, bits, like_with_sentinel, make_cache, s
 
 import tritonkv
 from tritonkv import _cpu_digest
+from tritonkv._digest_core import lanes_numpy
 from tritonkv.digest import (
-    _lanes_numpy,
     digest_hex,
     head_digests,
     packed_digest,
@@ -88,7 +88,7 @@ def _cpu_has(isa: str) -> bool:
 
 def _reference_lanes(data: np.ndarray, first: int) -> tuple[int, int]:
     padded = np.concatenate([data, np.zeros(-data.size % 4, np.uint8)])
-    return _lanes_numpy(padded.view("<u4"), first)
+    return lanes_numpy(padded.view("<u4"), first)
 
 
 def _random_bytes(n: int, seed: int) -> np.ndarray:

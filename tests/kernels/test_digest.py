@@ -24,6 +24,7 @@ from support.kv_cases import LAYOUT_IDS, bits, like_with_sentinel, make_cache, s
 
 from tritonkv import (
     _cpu_digest,
+    _digest_core,
     kv_digest,
     pack_hidden,
     pack_kv,
@@ -114,7 +115,7 @@ def _random(shape, dtype, seed):
 def test_reference_is_the_definition(monkeypatch, num_bytes):
     """packed_digest (NumPy, chunked; chunks of 5 words here) equals the word-by-word definition,
     partial last words included; the Triton byte kernel too."""
-    monkeypatch.setattr(digest_mod, "CHUNK_WORDS", 5)
+    monkeypatch.setattr(_digest_core, "CHUNK_WORDS", 5)
     t = _random((num_bytes,), torch.uint8, num_bytes)
     want = _definition(t)
     assert digest_hex(packed_digest(t)) == want
@@ -370,7 +371,7 @@ def test_reference_in_parallel_ranges_is_the_same(monkeypatch):
     """Split over the copy threads (ranges of whole chunks, the last one short), same digest."""
     t = _random((4 * 7 * 5 + 3,), torch.uint8, 9)
     serial = digest_hex(packed_digest(t))
-    monkeypatch.setattr(digest_mod, "CHUNK_WORDS", 7)
+    monkeypatch.setattr(_digest_core, "CHUNK_WORDS", 7)
     monkeypatch.setattr(digest_mod, "PARALLEL_MIN_WORDS", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     assert digest_hex(packed_digest(t)) == serial == _definition(t)

@@ -22,7 +22,7 @@ spec-only           vLLM's ``extract_hidden_states`` method, no connector: what 
 tritonkv-noread     TritonKVConnector serving them, files off, nobody reading them: what the
                     extraction costs the server (entries stay until their TTL)
 tritonkv-net        TritonKVConnector, files off: pulls them from the KV server (a
-                    ``connector.hidden_reader.HiddenStatesReader`` per client: kept connections)
+                    ``connector.hidden.HiddenStatesReader`` per client: kept connections)
 tritonkv-files      TritonKVConnector, files on: reads the file (``read_hidden_file``)
 tritonkv-...-       ``tritonkv-noread`` and ``tritonkv-files`` with the connector's ``digest``
 nodigest            off: what binding each request's hidden states to their digests costs (the
@@ -39,8 +39,8 @@ worker, on core 0. Every reader checks that the token ids beside the states are 
 ``[num_tokens, 2, hidden_size]``; a wrong one is counted as a failure. Figures: hidden-state
 tokens per second (prompt tokens whose states the clients hold, over the wall time of the batch),
 their median over the rounds, and the ratios of the medians to ``plain``, ``spec-only`` and
-``example``. Results (``--out`` names them): ``bench/results/cpu/hidden.csv`` (a row per batch)
-and ``hidden-summary.txt``.
+``example``. Results, in ``bench/results/<host kind>/``: ``hidden-<model>.csv`` (a row per batch)
+and ``hidden-<model>-summary.txt`` (``--out`` changes the stem), naming host, commit and date.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from pathlib import Path
 from connector.serve.launch import Cluster, free_port, free_port_run, http_json
 from connector.serve.tiny_model import build_tiny_llama
 
-from .common import REPO, RESULTS, git_sha
+from .common import REPO, git_sha, host_description, results_dir
 from .pd_link import SHAPE
 
 SETUPS = ("plain", "spec-only", "tritonkv-noread", "tritonkv-noread-nodigest", "tritonkv-net",
@@ -79,9 +79,9 @@ SPEC = {
 
 
 def _server(label: str, cluster: Cluster, model: Path, storage: Path):
-    """Start the server of setup ``label`` (``NAME[+core0][#k]``, see :func:`_setup`), not
+    """Start the server of setup ``label`` (``NAME[+core0][#k]``, see :func:`setup_label`), not
     waiting for it; returns ``(proc, reader)``: ``reader(params) -> dict`` or None."""
-    from connector.hidden_reader import HiddenStatesReader, read_hidden_file
+    from connector.hidden import HiddenStatesReader, read_hidden_file
 
     name, core0 = label.split("#")[0].removesuffix("+core0"), "+core0" in label
 
@@ -208,7 +208,7 @@ def summary(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _setup(label: str) -> str:
+def setup_label(label: str) -> str:
     """A setup's label: ``NAME``, ``NAME#k`` (another server of it: the spread between
     servers), ``NAME+core0`` (tritonkv's transfer threads left on the model's core:
     ``transfer_cpus`` unset)."""
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=256, help="tokens per prompt")
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3, help="batches per setup")
-    parser.add_argument("--setups", nargs="+", default=list(SETUPS), type=_setup,
+    parser.add_argument("--setups", nargs="+", default=list(SETUPS), type=setup_label,
                         help="setups (NAME#2: a second server of NAME, a control of the "
                         "spread between servers; tritonkv-...+core0: its transfer threads on the "
                         "model's core)")  # fmt: skip
@@ -237,21 +237,23 @@ def main(argv: list[str] | None = None) -> None:
         default="tiny",
         help="the model's shape (MODELS; pd-link: bench.pd_link.SHAPE)",
     )
-    parser.add_argument("--out", default="hidden", help="result files' stem in bench/results/cpu")
+    parser.add_argument("--out", default=None, help="result files' stem (default hidden-<model>)")
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="bench_hidden_"))
     model = build_tiny_llama(workdir / "model", **MODELS[args.model])
     rows = run(list(dict.fromkeys(args.setups)), model, args, workdir)
-    out = RESULTS / "cpu"
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"{args.out}.csv", "w") as f:
-        f.write(",".join(rows[0]) + ",commit\n")
+    out, stem = results_dir(), args.out or f"hidden-{args.model}"
+    host, sha = host_description(), git_sha()
+    date = time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())
+    with open(out / f"{stem}.csv", "w") as f:
+        f.write(",".join(rows[0]) + ",host,commit,date\n")
         for r in rows:
-            f.write(",".join(str(v) for v in r.values()) + f",{git_sha()}\n")
-    lines = [f"bench_hidden {git_sha()}: {args.rounds} rounds of {args.prompts} prompts x "
-             f"{args.tokens} tokens, {args.clients} clients, model {args.model} "
+            f.write(",".join(str(v) for v in r.values()) + f',"{host}",{sha},{date}\n')
+    lines = [f"bench_hidden | {host} | {sha} | {date}",
+             f"{args.rounds} rounds of {args.prompts} prompts x {args.tokens} tokens, "
+             f"{args.clients} clients, model {args.model} "
              f"{MODELS[args.model] or '(tiny_model defaults)'}", *summary(rows)]  # fmt: skip
-    (out / f"{args.out}-summary.txt").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}-summary.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     shutil.rmtree(workdir, ignore_errors=True)
 

@@ -15,6 +15,9 @@ Usage::
     python -m bench.bench_kv --suite gpu-check --outdir OUT [--deadline-s 170] [--dry-run]
     python -m bench.bench_kv --suite digest     # the digest's cost at 4096 tokens (digest.txt)
 
+Results go to ``bench/results/<host kind>/`` (``cpu-avx512``, ``h200``, ...:
+:func:`bench.common.host_kind`) unless ``--outdir`` is given: a CSV and a PNG per op × sweep and
+``kernels-summary.txt`` (the goals), each naming the host, commit and date.
 ``--dry-run`` shrinks every model and sweep to a few tiny points (runs anywhere in seconds).
 See bench/README.md for how to read the CSVs and plots.
 """
@@ -596,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     name = args.suite or ("gpu" if common.on_gpu() else "cpu")
     threads = common.set_threads()
     deadline = None if args.deadline_s is None else time.monotonic() + args.deadline_s
-    outdir = args.outdir or common.results_dir(None if common.on_gpu() else "cpu")
+    outdir = args.outdir or common.results_dir()
     outdir.mkdir(parents=True, exist_ok=True)
     st = common.stamp()
     load_start = "{:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
@@ -642,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{where}\n" + "\n".join(runner.digest_ratios) + "\n"
         )
     elif not combined:
-        (outdir / "summary.txt").write_text(
+        (outdir / "kernels-summary.txt").write_text(
             f"{_stamp_line(st)}\n{load}\n" + "\n".join(lines) + "\n"
         )
     print("wrote:", ", ".join(str(p) for p in written))

@@ -37,24 +37,24 @@ sweep after a 0.1 s pause (see ``PAUSE_S``):
 
 Every answer is compared token for token with the colocated server's answer to the same prompt
 (greedy); a point with a wrong answer is reported as wrong and left out of the plots and the
-summary (a point with a failed request is left out of the plots too). Results: ``bench/results/cpu/pd-lengths.csv``, ``pd-concurrency.csv``, ``pd-ttft.png``,
-``pd-concurrency.png`` and ``pd-summary.txt``.
+summary (a point with a failed request is left out of the plots too). Results, in
+``bench/results/<host kind>/`` (``--outdir``): ``pd-lengths.csv``, ``pd-concurrency.csv``,
+``pd-ttft.png``, ``pd-concurrency.png`` and ``pd-summary.txt``, naming host, commit and date.
 
 ``--link`` runs the link-limited mode instead (:mod:`bench.pd_link`: the servers in network
-namespaces joined by a rate-limited veth, load from ``vllm bench serve``'s code).
+namespaces joined by a rate-limited veth, load from ``vllm bench serve``'s code); ``--link
+--goal`` the measurement at transfer time = prefill time (:mod:`bench.pd_goal`).
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
-import json
 import os
 import re
 import secrets
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -64,10 +64,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from connector.serve.demo import make_prompt, vocabulary
-from connector.serve.launch import Cluster, Proc, free_port, free_port_run, http_json
+from connector.serve.launch import Cluster, Proc, free_port, free_port_run
 from connector.serve.tiny_model import build_tiny_llama
 
-from .common import RESULTS, git_sha
+from . import pd_goal, pd_link
+from .common import results_dir
+from .pd_common import (
+    BENCH,
+    NIXL_SITE,
+    REQUEST_TIMEOUT_S,
+    Answer,
+    completion_body,
+    ensure_nixl,
+    post,
+    run_stamp,
+    stamp_line,
+    stream,
+    write_csv,
+)
 
 SETUPS = ("colocated", "tritonkv", "nixl", "nixl-tuned", "example")
 MAX_MODEL_LEN = 4096
@@ -77,104 +91,16 @@ CONCURRENCY = (1, 4, 16)
 MIX_LENGTHS = (64, 256, 1024)  # the concurrency sweep's prompts cycle through these
 MIX_REQUESTS = 32
 MIX_TOKENS = 32
-REQUEST_TIMEOUT_S = 120.0
 # Pause before every request of the length sweep, in every setup alike: each starts from an idle
 # server. Back to back, a colocated server's threads stay hot while a producer's go idle during the
 # consumer leg between its requests, and that difference, not the connectors, swamped the legs.
 PAUSE_S = 0.1
-BENCH = Path(__file__).resolve().parent
-NIXL_SITE = BENCH.parent / ".bench_deps" / "nixl"
 EXTERNAL = re.compile(
     r'^vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"[^}]*\}\s+(\S+)', re.M
 )
 
 
 # ------------------------------------------------------------------------------------ requests
-
-
-@dataclass
-class Answer:
-    """One request's outcome: timings (seconds), generated token ids, error text if it failed."""
-
-    elapsed: float = 0.0
-    ttft: float | None = None
-    gaps: list[float] = field(default_factory=list)  # between streamed tokens after the first
-    tokens: list[int] = field(default_factory=list)
-    kv_params: dict | None = None
-    error: str | None = None
-
-
-def _body(prompt: str, max_tokens: int, **extra) -> dict:
-    return {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        **extra,
-    }
-
-
-def post(url: str, body: dict) -> Answer:
-    """A non-streamed completion; its wall time and tokens (errors are returned, not raised)."""
-    t0 = time.perf_counter()
-    try:
-        reply = http_json(url + "/v1/completions", body, timeout_s=REQUEST_TIMEOUT_S)
-    except Exception as e:
-        return Answer(time.perf_counter() - t0, error=f"{type(e).__name__}: {e}"[:300])
-    elapsed = time.perf_counter() - t0
-    choice = reply["choices"][0]
-    return Answer(
-        elapsed,
-        tokens=list(choice.get("token_ids") or []),
-        kv_params=reply.get("kv_transfer_params"),
-    )
-
-
-def stream(url: str, body: dict) -> Answer:
-    """A streamed completion: time to the first token, the gaps between later tokens, the tokens."""
-    parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=REQUEST_TIMEOUT_S)
-    answer = Answer()
-    t0 = time.perf_counter()
-    last = None
-    try:
-        conn.request(
-            "POST",
-            "/v1/completions",
-            json.dumps({**body, "stream": True}),
-            {"Content-Type": "application/json"},
-        )
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
-        for raw in resp:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            ids = chunk["choices"][0].get("token_ids") or []
-            if not ids:
-                continue
-            now = time.perf_counter()
-            if last is None:
-                answer.ttft = now - t0
-            else:
-                answer.gaps.append((now - last) / len(ids))
-            last = now
-            answer.tokens += ids
-    except Exception as e:
-        answer.error = f"{type(e).__name__}: {e}"[:300]
-    finally:
-        conn.close()
-    answer.elapsed = time.perf_counter() - t0
-    return answer
 
 
 def external_kv_tokens(url: str) -> float | None:
@@ -310,7 +236,9 @@ def run_setup(setup: Setup, prompts: Prompts, deadline: float, out: Results, pro
             return
         t0 = time.perf_counter()
         with ThreadPoolExecutor(clients) as pool:
-            answers = list(pool.map(lambda p: stream(setup.entry.url, _body(p, MIX_TOKENS)), mix))
+            answers = list(
+                pool.map(lambda p: stream(setup.entry.url, completion_body(p, MIX_TOKENS)), mix)
+            )
         out.mix[clients] = (time.perf_counter() - t0, answers)
         progress(f"  {setup.name}: {clients} clients done")
     for n, legs_prompts in prompts.legs.items():
@@ -320,21 +248,21 @@ def run_setup(setup: Setup, prompts: Prompts, deadline: float, out: Results, pro
         for prompt in legs_prompts:
             time.sleep(PAUSE_S)
             extra = {} if colocated else {"kv_transfer_params": {"do_remote_decode": True}}
-            prefill = post(setup.producer.url, _body(prompt, 1, **extra))
+            prefill = post(setup.producer.url, completion_body(prompt, 1, **extra))
             if colocated or prefill.error:
                 rows.append((prefill, None, None))
                 continue
             params = {} if prefill.kv_params is None else {"kv_transfer_params": prefill.kv_params}
             before = external_kv_tokens(setup.consumer.url)
             time.sleep(PAUSE_S)
-            decode = post(setup.consumer.url, _body(prompt, 1, **params))
+            decode = post(setup.consumer.url, completion_body(prompt, 1, **params))
             after = external_kv_tokens(setup.consumer.url)
             loaded = None if before is None or after is None else after - before
             rows.append((prefill, decode, loaded))
         ttft = out.ttft.setdefault(n, [])
         for prompt in prompts.ttft[n]:
             time.sleep(PAUSE_S)
-            ttft.append(stream(setup.entry.url, _body(prompt, TTFT_TOKENS)))
+            ttft.append(stream(setup.entry.url, completion_body(prompt, TTFT_TOKENS)))
         progress(f"  {setup.name}: {n} tokens done")
 
 
@@ -406,18 +334,6 @@ def concurrency_rows(name: str, res: Results, ref: Results) -> list[dict]:
             }
         )
     return rows
-
-
-def write_csv(path: Path, rows: list[dict], stamp: dict) -> None:
-    import csv
-
-    if not rows:
-        return
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*rows[0], *stamp])
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({**row, **stamp})
 
 
 def _clean(rows: list[dict], setup: str) -> list[dict]:
@@ -528,18 +444,7 @@ def summary(lengths: list[dict], conc: list[dict]) -> str:
 # ---------------------------------------------------------------------------------------- main
 
 
-def ensure_nixl(python: str) -> bool:
-    """NIXL in ``.bench_deps/nixl`` (installed there without its dependencies if missing)."""
-    if (NIXL_SITE / "nixl" / "_api.py").exists():
-        return True
-    cmd = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps"]
-    cmd += ["--target", str(NIXL_SITE), "nixl-cu12==1.5.1", "nixl==1.5.1"]
-    return subprocess.run(cmd, check=False).returncode == 0
-
-
 def main(argv=None) -> int:
-    from . import pd_link  # (it imports this module)
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--setups",
@@ -555,17 +460,23 @@ def main(argv=None) -> int:
         action="store_true",
         help="3 reps, 64/1024 tokens, 1/4 clients (--link: 4 prompts of 256 tokens, 1/2 clients)",
     )
-    parser.add_argument("--outdir", type=Path, default=RESULTS / "cpu")
+    parser.add_argument(
+        "--outdir", type=Path, default=None, help="default bench/results/<host kind>/"
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="model and server logs")
     pd_link.add_args(parser)
+    pd_goal.add_args(parser)
     args = parser.parse_args(argv)
+    args.outdir = args.outdir or results_dir()
 
     def progress(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.goal and not args.link:
+        parser.error("--goal: runs over the link (add --link)")
     if args.link:
-        return pd_link.run(args, progress)
+        return (pd_goal.run if args.goal else pd_link.run)(args, progress)
     if args.quick:
         args.reps, args.lengths, args.concurrency = 3, "64,1024", "1,4"
     setups = [s.strip() for s in (args.setups or ",".join(SETUPS)).split(",") if s.strip()]
@@ -606,12 +517,12 @@ def main(argv=None) -> int:
     ref = results["colocated"]
     lengths_out = [row for name, res in results.items() for row in length_rows(name, res, ref)]
     conc_out = [row for name, res in results.items() for row in concurrency_rows(name, res, ref)]
-    stamp = {"git_sha": git_sha(), "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count()}
+    stamp = run_stamp()
     args.outdir.mkdir(parents=True, exist_ok=True)
     write_csv(args.outdir / "pd-lengths.csv", lengths_out, stamp)
     write_csv(args.outdir / "pd-concurrency.csv", conc_out, stamp)
     made = plot(lengths_out, conc_out, args.outdir)
-    text = summary(lengths_out, conc_out)
+    text = stamp_line(stamp) + "\n" + summary(lengths_out, conc_out)
     (args.outdir / "pd-summary.txt").write_text(text + "\n")
     print(text)
     print("wrote:", ", ".join(str(p) for p in [args.outdir / "pd-lengths.csv", *made]))

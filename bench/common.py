@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import datetime
 import os
+import platform
 import re
 import subprocess
 import time
@@ -24,7 +25,7 @@ import triton
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 QUANTILES = (0.5, 0.2, 0.8)
-# Goals from issue #4: tokens sweep at >= GOAL_TOKENS tokens, tritonkv >= frac x copy GB/s; seqs
+# The kernels' goals: tokens sweep at >= GOAL_TOKENS tokens, tritonkv >= frac x copy GB/s; seqs
 # sweep at GOAL_SEQS sequences, tritonkv >= speedup x faster than loop.
 GOAL_TOKENS = 4096
 GOAL_SEQS = 32
@@ -44,13 +45,53 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if on_gpu() else "cpu"
 
 
-def device_dir_name() -> str:
-    """Result folder name for this device: ``cpu`` or the GPU name lower-cased (``nvidia-h200``)."""
-    return re.sub(r"[^a-z0-9]+", "-", device_name().lower()).strip("-")
+def _cpuinfo() -> tuple[str, set[str]]:
+    """This host's CPU model name and feature flags (``/proc/cpuinfo``; empty where unreadable)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return model, flags
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and value.strip():
+            model = value.strip()
+        elif key.strip() == "flags":
+            flags = set(value.split())
+        if flags and model:
+            break
+    return model, flags
+
+
+def cpu_kind() -> str:
+    """The CPU's kind as result folders name it: ``cpu-amx`` (AMX tiles), ``cpu-avx512``,
+    ``cpu-avx2``, else ``cpu-<machine>``."""
+    flags = _cpuinfo()[1]
+    for flag, kind in (("amx_tile", "amx"), ("avx512f", "avx512"), ("avx2", "avx2")):
+        if flag in flags:
+            return f"cpu-{kind}"
+    return f"cpu-{platform.machine().lower() or 'unknown'}"
+
+
+def host_kind() -> str:
+    """Result folder name for this host: the GPU's short name (``NVIDIA H200`` -> ``h200``), or
+    :func:`cpu_kind` without a GPU."""
+    if not on_gpu():
+        return cpu_kind()
+    name = re.sub(r"^nvidia\s+", "", device_name().lower())
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+
+
+def host_description() -> str:
+    """What ran the benchmark, for the files it writes: device, CPU model, its kind and core count
+    (e.g. ``cpu: AMD EPYC (cpu-avx512, 2 CPUs)``)."""
+    model = _cpuinfo()[0]
+    return f"{device_name()}: {model} ({cpu_kind()}, {os.cpu_count()} CPUs)"
 
 
 def results_dir(name: str | None = None) -> Path:
-    path = RESULTS / (name or device_dir_name())
+    """``bench/results/<name>``, by default ``<host kind>`` (:func:`host_kind`); made if missing."""
+    path = RESULTS / (name or host_kind())
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -83,7 +124,7 @@ class Stamp:
 
 def stamp() -> Stamp:
     return Stamp(
-        device=device_name(),
+        device=host_description(),
         torch=torch.__version__,
         triton=triton.__version__,
         git_sha=git_sha(),

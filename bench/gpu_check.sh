@@ -30,7 +30,8 @@
 #   the log says so).
 #   --dry-run: run every step on the CPU with tiny sizes (checks the script, not the GPU).
 #   PYTHON=/path/to/python selects the interpreter (default: python3). Without pytest there, run
-#   `make gpu-deps` on a machine with a package index and bring .gpu_deps/ along.
+#   `make gpu-deps` on a machine with a package index and bring .gpu_deps/ along. The committed
+#   results of an H200 are in bench/results/h200/ (run with that folder as OUTDIR).
 set -euo pipefail
 
 DRY=0

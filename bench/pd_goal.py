@@ -1,4 +1,4 @@
-"""The goal measurement of issue 25 Part 2: overlapped P/D at transfer time = prefill time.
+"""Overlapped P/D against its goals, at transfer time = prefill time (``bench_pd --link --goal``).
 
 ``make bench-pd GOAL=1`` or ``python -m bench.bench_pd --link --goal [--quick] [--chunk-tokens
 256] [--goal-rate MBIT] [--clients 1,2] [--setups ...]`` (root only, like the rest of
@@ -32,14 +32,14 @@ so even a perfect pipeline ends at about P + T / n_chunks + D. With 2048 / 512 =
 1.25 x max(P, T) + D, above the 1.2 x goal by construction; 2048 / 256 = 8 chunks leaves 1.125 x
 (8 blocks of 32 tokens a chunk). Smaller chunks cost more engine steps and more pulls.
 
-Results: ``bench/results/cpu/pd-goal.csv`` (a row per setup and concurrency, load averages
-before and after each point) and ``pd-goal-summary.txt``.
+Results, in ``bench/results/<host kind>/``: ``pd-goal.csv`` (a row per setup and concurrency,
+load averages before and after each point) and ``pd-goal-summary.txt``, naming host, commit and
+date.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import sys
@@ -54,8 +54,7 @@ from connector.serve.launch import Cluster, Proc
 from connector.serve.tiny_model import build_tiny_llama
 
 from . import netlink, pd_link
-from .bench_pd import ensure_nixl, write_csv
-from .common import git_sha
+from .pd_common import ensure_nixl, loadavg, run_stamp, stamp_line, write_csv
 
 SETUPS = ("colocated", "tritonkv-pag", "tritonkv-overlap", "tritonkv-overlap-tok", "nixl-tuned")
 OVERLAP = ("tritonkv-overlap", "tritonkv-overlap-tok")
@@ -67,7 +66,7 @@ BLOCK_SIZE = 32  # connector.serve.launch's --block-size
 PROBE_RATE_MBIT = 10_000  # the link while P and the KV bytes are measured (before T = P is set)
 METRICS_TIMEOUT_S = 30.0
 WARMUPS = 2  # requests through a setup before its points (the overlap proxy's first is sequential)
-#: The goals of issue 25: TTFT p50 <= GOAL_BOUND x max(P, T) + D and <= GOAL_NIXL x NIXL tuned's.
+#: The overlapped flow's goals: TTFT p50 <= GOAL_BOUND x max(P, T) + D and <= GOAL_NIXL x NIXL tuned's.
 GOAL_BOUND = 1.2
 GOAL_NIXL = 0.75
 DEFAULTS = {"clients": (1, 2), "num_prompts": 10, "output_len": 8, "check": 3, "probe_reps": 5}
@@ -296,7 +295,7 @@ def _point(
     name, url = setup.name, setup.entry.url
     prefill_server = setup.producer or setup.entry
     marks = _LogMark(setup.producer), _LogMark(setup.consumer)
-    before, tx0 = pd_link.loadavg(), link.tx_bytes("producer")
+    before, tx0 = loadavg(), link.tx_bytes("producer")
     hist0 = _prefill_now(prefill_server)
     result = pd_link.serve_bench(url, model, clients=clients, plan=plan, log=log)
     tx = link.tx_bytes("producer") - tx0
@@ -305,7 +304,7 @@ def _point(
     answers = pd_link.checked_answers(url, refs["subset"], plan)
     if name == "colocated":
         refs["load"][clients], refs["answers"] = result, answers
-    wrong, failed_checks = pd_link._wrong(answers, refs["answers"])
+    wrong, failed_checks = pd_link.count_wrong(answers, refs["answers"])
     r = pd_link.row(
         name, "-" if name == "colocated" else m["rate_mbit"], clients, result,
         checked=len(answers), wrong=wrong, failed_checks=failed_checks,
@@ -313,7 +312,7 @@ def _point(
         link_mb_per_req=round(tx / 1e6 / max(1, plan["num_prompts"]), 2),
         prefill_ms=round(p_ms, 1), prefill_in_load_ms=in_load,
         fetch_p50_ms=round(statistics.median(fetches), 1) if fetches else None,
-        **chunk_stats(saved), load_before=before, load_after=pd_link.loadavg(),
+        **chunk_stats(saved), load_before=before, load_after=loadavg(),
     )  # fmt: skip
     r["link"] = "-" if name == "colocated" else "T = P"
     return r
@@ -336,6 +335,10 @@ def run(args: argparse.Namespace, progress) -> int:
     if unknown:
         raise ValueError(f"--setups: unknown {unknown}; expected some of {SETUPS}")
     setups = ["colocated", *(s for s in SETUPS[1:] if s in setups)]
+    reason = netlink.unavailable()
+    if reason:
+        print(f"bench_pd --link --goal: cannot make network namespaces here: {reason}")
+        return 2
     if NIXL in setups and not ensure_nixl(sys.executable):
         progress("NIXL could not be installed; leaving out nixl-tuned")
         setups.remove(NIXL)
@@ -349,7 +352,6 @@ def run(args: argparse.Namespace, progress) -> int:
     rows: list[dict] = []
     refs = {"subset": subset, "load": {}, "answers": []}  # colocated's, once it ran
     m = {"chunk_tokens": chunk, "prefill_ms": None, "kv_bytes": None, "rate_mbit": args.goal_rate}
-    m["confine"] = args.confine
     log = workdir / "bench-serve.log"
     progress(f"goal mode: setups {setups}, chunk {chunk} tokens, plan {plan}; logs in {workdir}")
     with netlink.link(args.goal_rate or PROBE_RATE_MBIT) as link, netlink.entered(link.consumer_ns):
@@ -358,14 +360,13 @@ def run(args: argparse.Namespace, progress) -> int:
             try:
                 with Cluster(workdir) as cluster:
                     setup = pd_link.start_link_setup(
-                        name, cluster, model, link, producer_args, log_stats=True,
-                        confine_cores=args.confine,
-                    )  # fmt: skip
+                        name, cluster, model, link, producer_args, log_stats=True
+                    )
                     url, prefill_server = setup.entry.url, setup.producer or setup.entry
                     progress(f"{name}: healthy after {time.monotonic() - t0:.0f} s")
                     tok_s = pd_link.prefill_rate(prefill_server.url, words, plan["probe_reps"])
                     p_ms = INPUT_LEN / tok_s * 1e3
-                    progress(f"  P = {p_ms:.0f} ms ({tok_s:.0f} tok/s; load {pd_link.loadavg()})")
+                    progress(f"  P = {p_ms:.0f} ms ({tok_s:.0f} tok/s; load {loadavg()})")
                     if name != "colocated" and m["kv_bytes"] is None:
                         m["prefill_ms"] = p_ms
                         m["kv_bytes"] = _kv_bytes(setup, link, url, plan, subset[0])
@@ -398,11 +399,13 @@ def run(args: argparse.Namespace, progress) -> int:
 
 def report(rows: list[dict], m: dict, plan: dict, outdir: Path) -> int:
     """Write pd-goal.csv and pd-goal-summary.txt under ``outdir``, print the summary; the exit code."""
-    stamp = {"git_sha": git_sha(), "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count()}
-    stamp |= {k: m[k] for k in ("chunk_tokens", "prefill_ms", "kv_bytes", "rate_mbit", "confine")}
+    stamp = run_stamp()
+    # (the run's P as goal_prefill_ms: each row has its own setup's prefill_ms)
+    measured = {"chunk_tokens": m["chunk_tokens"], "goal_prefill_ms": m["prefill_ms"]}
+    measured |= {"kv_bytes": m["kv_bytes"], "rate_mbit": m["rate_mbit"]}
     outdir.mkdir(parents=True, exist_ok=True)
-    write_csv(outdir / "pd-goal.csv", rows, stamp)
-    text = summary(rows, m, plan)
+    write_csv(outdir / "pd-goal.csv", rows, {**measured, **stamp})
+    text = stamp_line(stamp) + "\n" + summary(rows, m, plan)
     (outdir / "pd-goal-summary.txt").write_text(text + "\n")
     print(text)
     print("wrote:", outdir / "pd-goal.csv", outdir / "pd-goal-summary.txt")
@@ -420,14 +423,10 @@ def summary(rows: list[dict], m: dict, plan: dict) -> str:
 
     chunk = m["chunk_tokens"]
     lines = [
-        f"goal mode (issue 25 Part 2): prompts of {INPUT_LEN} tokens, {plan['output_len']} output "
+        f"goal mode: prompts of {INPUT_LEN} tokens, {plan['output_len']} output "
         f"tokens, every prefill server with --max-num-batched-tokens {chunk} "
         f"({INPUT_LEN // chunk} chunks a prompt); model {pd_link.SHAPE}, fp32; load {plan}; "
-        + (
-            "each server confined to its core (--confine)"
-            if m["confine"]
-            else "model workers bound to their core, API servers and engine cores free"
-        )
+        "model workers bound to their core, API servers and engine cores free"
     ]
     p, kv, rate = m["prefill_ms"], m["kv_bytes"], m["rate_mbit"]
     if p is None or kv is None or rate is None:
@@ -498,7 +497,7 @@ def _met(ok: bool) -> str:
 def add_args(parser: argparse.ArgumentParser) -> None:
     """The goal mode's options on ``bench_pd``'s parser."""
     parser.add_argument(
-        "--goal", action="store_true", help="--link: the goal measurement (bench/pd_goal.py)"
+        "--goal", action="store_true", help="--link: the overlap measurement (bench/pd_goal.py)"
     )
     parser.add_argument(
         "--chunk-tokens",

@@ -22,15 +22,16 @@ tritonkv-overlap  as tritonkv-pag, the proxy with ``--overlap``: prefill and dec
 nixl-tuned        vLLM's NixlConnector with ``bench/nixl_tuned`` (UCX over TCP on the veth only)
 ================  ============================================================================
 
-``--goal`` runs issue 25's goal measurement instead (:mod:`bench.pd_goal`: these servers, the
+``--link --goal`` runs the overlap measurement instead (:mod:`bench.pd_goal`: these servers, the
 link set so that transfer time = prefill time, chunked prefill; also ``tritonkv-overlap-tok``,
 the overlapped flow with ``kv_format: tokens``).
 
 Model: :data:`SHAPE` (random weights, built locally), whose KV bytes per token over prefill
 tokens per second on one core is within 2x of Llama-3-8B bf16's on one H100 (bench/README.md
 derives it and the link rates; the run measures its prefill rate again and prints the ratio).
-Results: ``bench/results/cpu/pd-link.csv``, ``pd-link.png``, ``pd-link-summary.txt``, each row
-with the load averages (``/proc/loadavg``) before and after its point.
+Results, in ``bench/results/<host kind>/``: ``pd-link.csv``, ``pd-link.png``,
+``pd-link-summary.txt``, naming host, commit and date; each row with the load averages
+(``/proc/loadavg``) before and after its point.
 """
 
 from __future__ import annotations
@@ -50,9 +51,19 @@ from connector.serve.demo import make_prompt, vocabulary
 from connector.serve.launch import Cluster, Proc, free_port, free_port_run
 from connector.serve.tiny_model import build_tiny_llama
 
-from . import cores, netlink
-from .bench_pd import BENCH, NIXL_SITE, Answer, _body, ensure_nixl, post, write_csv
-from .common import git_sha
+from . import netlink
+from .pd_common import (
+    BENCH,
+    NIXL_SITE,
+    Answer,
+    completion_body,
+    ensure_nixl,
+    loadavg,
+    post,
+    run_stamp,
+    stamp_line,
+    write_csv,
+)
 
 SETUPS = (
     "colocated",
@@ -84,14 +95,6 @@ PREFILL_PROBE_TOKENS = 2048
 DEFAULTS = {"clients": (1, 4), "num_prompts": 16, "input_len": 1024, "output_len": 32, "check": 3}
 QUICK = {"clients": (1, 2), "num_prompts": 4, "input_len": 256, "output_len": 8, "check": 1}
 SEED = 0
-
-
-def loadavg() -> str:
-    """The 1/5/15-minute load averages, as ``/proc/loadavg`` writes them."""
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "?"
 
 
 # ------------------------------------------------------------------------------------ servers
@@ -132,15 +135,13 @@ def start_link_setup(
     link: netlink.Link,
     producer_args: list[str] = (),
     log_stats: bool = False,
-    confine_cores: bool = False,
 ) -> LinkSetup:
     """Start ``name``'s servers in their namespaces and wait until all are healthy.
 
     Called with this thread inside the consumer's namespace (:func:`netlink.entered`).
     ``producer_args``: more vLLM arguments for the producer (and the colocated server, whose
     prefill is the reference), e.g. ``--max-num-batched-tokens``; ``log_stats``: keep their
-    statistics (vLLM's Prometheus histograms at ``/metrics``); ``confine_cores``: once healthy,
-    every thread of each server onto its core (:func:`.cores.confine`; the proxy stays free).
+    statistics (vLLM's Prometheus histograms at ``/metrics``).
     """
     common = {"max_model_len": MAX_MODEL_LEN}
     base = ["--no-enable-prefix-caching"]
@@ -151,8 +152,6 @@ def start_link_setup(
             **common,
         )  # fmt: skip
         cluster.wait_ready([server])
-        if confine_cores:
-            cores.confine([(server.name, server.popen.pid, 0)])
         return LinkSetup(name, server)
     if name not in SETUPS + EXTRA_SETUPS:
         raise ValueError(f"setup: expected one of {SETUPS + EXTRA_SETUPS}, got {name!r}")
@@ -193,10 +192,6 @@ def start_link_setup(
         prefix=link.prefix("consumer"),
     )
     cluster.wait_ready([producer, consumer, proxy])
-    if confine_cores:
-        cores.confine(
-            [(producer.name, producer.popen.pid, 0), (consumer.name, consumer.popen.pid, 1)]
-        )
     return LinkSetup(name, proxy, producer, consumer)
 
 
@@ -234,14 +229,16 @@ def check_prompts(words: list[str], plan: dict) -> list[str]:
 
 def checked_answers(url: str, prompts: list[str], plan: dict) -> list[Answer]:
     """The subset's answers, one request at a time (greedy, token ids returned)."""
-    return [post(url, _body(p, plan["output_len"])) for p in prompts]
+    return [post(url, completion_body(p, plan["output_len"])) for p in prompts]
 
 
 def prefill_rate(url: str, words: list[str], reps: int = 3) -> float:
     """Prefill tokens per second of one ``PREFILL_PROBE_TOKENS`` prompt (median of ``reps``)."""
     times = []
     for i in range(reps + 1):  # the first one warms the server up
-        answer = post(url, _body(make_prompt(words, PREFILL_PROBE_TOKENS, 800_000 + i), 1))
+        answer = post(
+            url, completion_body(make_prompt(words, PREFILL_PROBE_TOKENS, 800_000 + i), 1)
+        )
         if answer.error:
             raise RuntimeError(f"prefill probe failed: {answer.error}")
         times.append(answer.elapsed)
@@ -271,7 +268,7 @@ def row(setup: str, rate, clients: int, result: dict, **extra) -> dict:
     }
 
 
-def _wrong(answers: list[Answer], want: list[Answer]) -> tuple[int, int]:
+def count_wrong(answers: list[Answer], want: list[Answer]) -> tuple[int, int]:
     """(wrong, failed) among ``answers`` against colocated's ``want``."""
     failed = sum(a.error is not None for a in answers)
     wrong = sum(
@@ -296,10 +293,6 @@ def run(args: argparse.Namespace, progress) -> int:
     if reason:
         print(f"bench_pd --link: cannot make network namespaces here: {reason}")
         return 2
-    if args.goal:
-        from . import pd_goal  # (it imports this module)
-
-        return pd_goal.run(args, progress)
     plan = dict(QUICK if args.quick else DEFAULTS)
     if args.clients:
         plan["clients"] = tuple(int(x) for x in args.clients.split(","))
@@ -331,7 +324,7 @@ def run(args: argparse.Namespace, progress) -> int:
             t0 = time.monotonic()
             try:
                 with Cluster(workdir) as cluster:
-                    setup = start_link_setup(name, cluster, model, link, confine_cores=args.confine)
+                    setup = start_link_setup(name, cluster, model, link)
                     progress(f"{name}: healthy after {time.monotonic() - t0:.0f} s")
                     if name == "colocated":
                         prefill_tok_s = prefill_rate(setup.entry.url, words)
@@ -351,7 +344,7 @@ def run(args: argparse.Namespace, progress) -> int:
                             answers = checked_answers(setup.entry.url, subset, plan)
                             if name == "colocated":
                                 ref_answers = answers
-                            wrong, failed_checks = _wrong(answers, ref_answers)
+                            wrong, failed_checks = count_wrong(answers, ref_answers)
                             rows.append(
                                 row(
                                     name,
@@ -380,11 +373,11 @@ def run(args: argparse.Namespace, progress) -> int:
                 if name == "colocated":
                     return 1
             progress(f"{name}: done in {time.monotonic() - t0:.0f} s")
-    stamp = {"git_sha": git_sha(), "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count()}
+    stamp = run_stamp()
     args.outdir.mkdir(parents=True, exist_ok=True)
     write_csv(args.outdir / "pd-link.csv", rows, {**stamp, "prefill_tok_s": prefill_tok_s})
     made = plot(rows, args.outdir)
-    text = summary(rows, prefill_tok_s, plan)
+    text = stamp_line(stamp) + "\n" + summary(rows, prefill_tok_s, plan)
     (args.outdir / "pd-link-summary.txt").write_text(text + "\n")
     print(text)
     print("wrote:", ", ".join(str(p) for p in [args.outdir / "pd-link.csv", *made]))
@@ -478,13 +471,3 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link", action="store_true", help="the link-limited mode (this module)")
     parser.add_argument("--rates", default=None, help="link rates, Mbit/s (default 250,1000)")
     parser.add_argument("--clients", default=None, help="--link: concurrencies (default 1,4)")
-    parser.add_argument(
-        "--confine",
-        action="store_true",
-        help="--link: once healthy, every thread of each server onto its core (producer and "
-        "colocated 0, consumer 1), not only its model worker (default: API server and engine "
-        "core run on either core)",
-    )
-    from . import pd_goal
-
-    pd_goal.add_args(parser)

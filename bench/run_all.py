@@ -1,8 +1,9 @@
-"""What ``make bench`` runs: the CPU suite of bench_kv, the CPU row-copy primitives (bench_rows),
-then the pipe/buffer benchmarks if present.
+"""What ``make bench`` runs: bench_kv's CPU suite, then the pipe and KV-buffer benchmark
+(``bench_pipe --quick``).
 
-On a machine with a GPU it runs bench_kv's GPU suite instead (results under
-``bench/results/<gpu name>/``). Without one it says how to get the Triton GPU figures.
+On a machine with a GPU it runs bench_kv's GPU suite instead. Results land in
+``bench/results/<host kind>/`` (:func:`bench.common.host_kind`). Without a GPU it says how to get
+the Triton GPU figures.
 """
 
 from __future__ import annotations
@@ -10,9 +11,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from . import bench_kv, bench_rows, common
+from . import bench_kv, common
 
 GPU_NOTE = (
     "Triton GPU figures need a GPU: on a machine with one NVIDIA GPU (torch + triton, no vllm\n"
@@ -24,18 +24,9 @@ GPU_NOTE = (
 def main() -> int:
     started = time.monotonic()
     rc = bench_kv.main([])
-    if not common.on_gpu():
-        print("\n== bench_rows ==", flush=True)
-        rc = rc or bench_rows.main([])
-    pipe = Path(__file__).with_name("bench_pipe.py")
-    if pipe.exists():
-        print("\n== bench_pipe --quick ==", flush=True)
-        done = subprocess.run(
-            [sys.executable, "-m", "bench.bench_pipe", "--quick"], cwd=common.REPO
-        )
-        rc = rc or done.returncode
-    else:
-        print("\n(bench/bench_pipe.py not present: pipe and buffer benchmarks skipped)")
+    print("\n== bench_pipe --quick ==", flush=True)
+    done = subprocess.run([sys.executable, "-m", "bench.bench_pipe", "--quick"], cwd=common.REPO)
+    rc = rc or done.returncode
     print(f"\nmake bench: {time.monotonic() - started:.0f} s in all")
     if not common.on_gpu():
         print(GPU_NOTE)

@@ -1,18 +1,16 @@
 """bench/bench_hidden.py without servers: the summary's medians and ratios, and no ratio from a failed row;
-bench/hidden_extract.py's dry run (its table, and its bit-exactness check, which can fail);
-bench/gil_convoy.py's modes."""
+bench/hidden_extract.py's dry run (its table, and its bit-exactness check, which can fail)."""
 
 from __future__ import annotations
 
 import argparse
 import inspect
-import os
 
 import pytest
 import torch
 
 from bench import hidden_extract
-from bench.bench_hidden import MODELS, SETUPS, _setup, summary
+from bench.bench_hidden import MODELS, SETUPS, setup_label, summary
 from connector.serve.tiny_model import build_tiny_llama
 
 
@@ -37,10 +35,10 @@ def test_summary_medians_and_ratios() -> None:
 def test_setup_labels() -> None:
     """NAME, NAME#k (another server of it), tritonkv-...+core0 (its threads on the model's core)."""
     for good in ("tritonkv-files+core0", "tritonkv-net+core0#2", "spec-only#2", "plain"):
-        assert _setup(good) == good
+        assert setup_label(good) == good
     for bad in ("plain+core0", "nope", "spec-only#a", "tritonkv-files+core1"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected one of"):
-            _setup(bad)
+            setup_label(bad)
 
 
 def test_models_are_build_arguments() -> None:
@@ -75,19 +73,3 @@ def test_hidden_extract_check_sees_wrong_rows(monkeypatch) -> None:
             hidden_extract.check(step)
     finally:
         step.close()
-
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="gil_convoy needs two cores")
-def test_gil_convoy_runs_every_mode_and_restores_the_caller() -> None:
-    """bench/gil_convoy.py, two steps a mode: every mode timed, the side threads did work (the
-    publisher's entries were delivered, else it raises), the caller's CPUs and threads back."""
-    from bench import gil_convoy
-
-    cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()
-    result = gil_convoy.run(steps=2, rounds=1, cpu_ms=0.2)
-    assert set(result["modes"]) == set(gil_convoy.MODES)
-    assert all(m["forward_ms"] > 0 for m in result["modes"].values())
-    assert result["modes"]["none"]["slowdown_ms"] == 0.0
-    for mode in ("python", "native"):
-        assert result["modes"][mode]["side_cpu_ms_per_step"] >= 0.2
-    assert os.sched_getaffinity(0) == cpus and torch.get_num_threads() == threads

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import bench_pd
-from bench.bench_pd import Answer, Results
+from bench import bench_pd, pd_common
+from bench.bench_pd import Results
+from bench.pd_common import Answer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,7 +69,7 @@ def server():
 
 
 def test_stream_times_the_first_token_and_collects_every_token(server):
-    answer = bench_pd.stream(server, bench_pd._body("hello", 4))
+    answer = pd_common.stream(server, pd_common.completion_body("hello", 4))
     assert answer.error is None
     assert answer.tokens == [5, 6, 7, 8]
     assert answer.ttft is not None and 0 < answer.ttft <= answer.elapsed
@@ -77,7 +78,7 @@ def test_stream_times_the_first_token_and_collects_every_token(server):
 
 @pytest.mark.parametrize("prompt,message", [("refuse", "HTTP 400"), ("error", "decode server")])
 def test_stream_reports_failures_as_errors(server, prompt, message):
-    answer = bench_pd.stream(server, bench_pd._body(prompt, 4))
+    answer = pd_common.stream(server, pd_common.completion_body(prompt, 4))
     assert answer.error is not None and message in answer.error
 
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from bench import netlink, pd_link
-from bench.bench_pd import Answer
+from bench.pd_common import Answer
 
 REASON = netlink.unavailable()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
@@ -112,7 +112,7 @@ def test_burst_covers_a_gso_segment_and_4_ms_of_traffic():
 def test_checked_answers_count_wrong_and_failed_against_colocated():
     want = [Answer(tokens=[1, 2]), Answer(tokens=[3, 4]), Answer(tokens=[5])]
     got = [Answer(tokens=[1, 2]), Answer(tokens=[3, 9]), Answer(error="HTTP 500")]
-    assert pd_link._wrong(got, want) == (1, 1)
+    assert pd_link.count_wrong(got, want) == (1, 1)
     assert (
         pd_link.text_diffs({"generated_texts": ["a", "b"]}, {"generated_texts": ["a", "c", "d"]})
         == 2

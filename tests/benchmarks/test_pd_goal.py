@@ -144,7 +144,6 @@ def _measured():
         "prefill_ms": 1400.0,
         "kv_bytes": 33554432,
         "rate_mbit": 191.7,
-        "confine": False,
     }
 
 
@@ -171,7 +170,7 @@ def test_report_writes_the_csv_and_the_summary_with_the_goals(tmp_path):
     assert "--max-num-batched-tokens 256 (8 chunks a prompt)" in text
     assert "T = KV x 8 / rate = 1400 ms" in text and "15.7 Gb/s real" in text
     assert "consumer fetch p50 1412 ms" in text
-    assert " 1400 " in text.splitlines()[6] and " 1500 " in text.splitlines()[6]  # P, P load
+    assert " 1400 " in text.splitlines()[7] and " 1500 " in text.splitlines()[7]  # P, P load
     bound = 1.2 * pd_goal.transfer_ms(33554432, 191.7) + 20.0  # T (1400.3 ms) > P
     assert f"= {round(1800 / bound, 3):g} (goal <= 1: NOT met)" in text
     assert f"= {round(1800 / 3000, 3):g} (goal <= 0.75: met)" in text
@@ -195,6 +194,7 @@ def test_report_fails_when_overlap_went_in_one_piece_or_an_answer_was_wrong(tmp_
 def test_goal_options_parse_and_a_bad_chunk_size_is_refused():
     parser = argparse.ArgumentParser()
     pd_link.add_args(parser)
+    pd_goal.add_args(parser)
     args = parser.parse_args(["--link", "--goal", "--chunk-tokens", "512", "--goal-rate", "200"])
     assert (args.goal, args.chunk_tokens, args.goal_rate) == (True, 512, 200.0)
     assert parser.parse_args([]).chunk_tokens == pd_goal.CHUNK_TOKENS == 256

@@ -1,7 +1,7 @@
 """Direct launches against Triton's own, without a GPU: run as a script with TRITON_INTERPRET
 unset; prints one JSON object of findings (``tests/kernels/test_direct_launch.py`` asserts on it).
 
-Kernels compile for sm_90 and launch into ``bench.host_time``'s recording stub driver, so each
+Kernels compile for sm_90 and launch into ``stub_driver``'s recording stub driver, so each
 launch's arguments (grid, stream, compiled function, metadata, every kernel argument) can be
 compared: a launch through ``JITFunction.run`` and the direct relaunch of the same call must pass
 the same ones (``launch_metadata`` aside: the launcher hands it to launch hooks alone, and none is
@@ -16,7 +16,7 @@ import os
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ["TRITONKV_AUTOTUNE"] = "0"
 
-from bench.host_time import LAUNCHES, emulate_gpu_path, install_stub_driver
+from stub_driver import LAUNCHES, emulate_gpu_path, install_stub_driver
 
 install_stub_driver()
 

@@ -40,8 +40,9 @@ bench: setup
 # NIXL (no CUDA needed) is installed into .bench_deps/nixl first, never into the venv.
 # LINK=1: the link-limited mode (bench/pd_link.py: network namespaces and a rate-limited veth, root
 # only; load from vLLM's own benchmark client); about 15 minutes.
-# GOAL=1: issue 25's goal measurement over that link (bench/pd_goal.py: T = P at 2048 tokens,
-# chunked prefill, overlapped vs sequential vs NIXL); about 15 minutes.
+# GOAL=1: the overlapped flow against its goals over that link (bench/pd_goal.py: transfer time =
+# prefill time at 2048 tokens, chunked prefill, overlapped vs sequential vs NIXL); about 15 minutes.
+# Results land in bench/results/<host kind>/ (cpu-avx512, cpu-avx2, cpu-amx, h200, ...).
 bench-pd: setup
 	$(PY) -m bench.bench_pd $(if $(or $(LINK),$(GOAL)),--link) $(if $(GOAL),--goal)
 

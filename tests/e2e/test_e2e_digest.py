@@ -4,20 +4,17 @@ check off for that load (``no_digest``), the same fault changes the answer (the 
 
 One producer/consumer pair (torch kernels, the default sync load, ``digest_write_back`` on, the
 consumer with vLLM's statistics on, so its ``/metrics`` carries the connector's counters) serves
-the module; faults come from the test hooks of ``connector.vllm_connector.integrity`` (a request's
+the module; faults come from the test hooks of ``connector.integrity`` (a request's
 ``tritonkv_debug_fault``, allowed by ``debug_allow_corrupt``). Each case uses a prompt of its own,
 so no consumer prefix-cache hit stands in for a load.
 """
 
 from __future__ import annotations
 
-import re
-import time
-import urllib.request
 import uuid
 
 import pytest
-from support.e2e import start_cluster
+from support.e2e import metric_sum, settled, start_cluster
 from support.vllm_fixtures import requires_vllm
 
 from connector.serve.demo import completion
@@ -88,22 +85,7 @@ def test_clean_transfer_passes_both_checks(pd):
 
 def _digest_failures(pd) -> float:
     """``vllm:tritonkv_digest_failures_total`` on the consumer's ``/metrics`` (all label sets)."""
-    with urllib.request.urlopen(pd.consumer.url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    values = re.findall(r"^vllm:tritonkv_digest_failures_total(?:\{[^}]*\})?\s+(\S+)", text, re.M)
-    assert values, "no vllm:tritonkv_digest_failures_total on the consumer's /metrics"
-    return sum(float(v) for v in values)
-
-
-def _settled(read, want, timeout_s: float = 20.0) -> float:
-    """``read()`` once it equals ``want`` (vLLM's stats reach /metrics a few steps late), or its
-    last value after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    got = read()
-    while got != want and time.monotonic() < deadline:
-        time.sleep(0.5)
-        got = read()
-    return got
+    return metric_sum(pd.consumer.url, "vllm:tritonkv_digest_failures_total")
 
 
 def test_a_caught_fault_is_counted_on_the_live_servers_metrics(pd):
@@ -113,8 +95,8 @@ def test_a_caught_fault_is_counted_on_the_live_servers_metrics(pd):
     prompt = pd.prompt(80, seed=70)
     text, _ = _decode(pd, prompt, _prefill(pd, prompt))
     assert text == pd.colocated(prompt)
-    assert _settled(lambda: _digest_failures(pd), before + 1, timeout_s=5) == before
+    assert settled(lambda: _digest_failures(pd), before + 1, timeout_s=5) == before
     prompt = pd.prompt(80, seed=71)
     text, _ = _decode(pd, prompt, _prefill(pd, prompt, "flip_bit"))
     assert text == pd.colocated(prompt)
-    assert _settled(lambda: _digest_failures(pd), before + 1) == before + 1
+    assert settled(lambda: _digest_failures(pd), before + 1) == before + 1

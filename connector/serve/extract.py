@@ -37,7 +37,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from ..hidden_reader import HiddenStatesReader, read_hidden_file
+from ..hidden import HiddenStatesReader, read_hidden_file
 from .launch import http_json
 
 __all__ = ["extract", "main", "read_prompts"]

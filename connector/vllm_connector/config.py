@@ -136,7 +136,7 @@ class ConnectorConfig:
     #: ``digest_failures``). Not a MAC: the secret's authentication is what stops an attacker.
     #: extract_hidden_states: each request's hidden states and token ids carry their digests
     #: (entry meta; the file's safetensors header, checked by the writer before its rename),
-    #: checked by ``connector.hidden_reader`` on receipt (:mod:`.hidden_files`).
+    #: checked by ``connector.hidden.reader`` on receipt (:mod:`connector.hidden.files`).
     #: False is **for benchmarks only** (the digest's cost): corrupted KV then goes unseen.
     digest: bool = True
     #: consumer: after the unpack (and with ``digest``), read the slots just written back once

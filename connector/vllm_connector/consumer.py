@@ -16,7 +16,7 @@ nobody here will load, and stops asking a producer that timed out for a while
 (:class:`ProducerBackoff`).
 Every failure is logged and its blocks go to the error set: vLLM recomputes them. With ``digest`` on
 (the default) the unpack's digest of what it read must equal the producer's, and with
-``digest_write_back`` the written slots are read back too (:mod:`.integrity`); a mismatch is such
+``digest_write_back`` the written slots are read back too (:mod:`connector.integrity`); a mismatch is such
 a failure, also counted in ``digest_failures``. No vLLM import.
 """
 
@@ -34,8 +34,10 @@ import torch
 
 from tritonkv import unpack_kv
 
+from .. import integrity
 from ..kvstore import KVClient, Part, chunk_key, hide_ids, short_id
 from ..logs import get_logger
+from ..streams import DeviceBudget, StreamOps, device_streams
 from ..transport.errors import (
     ClientBusyError,
     RemoteError,
@@ -43,7 +45,6 @@ from ..transport.errors import (
     error_text,
 )
 from ..transport.threads import pin_current_thread
-from . import integrity
 from .cache_views import PAGES_ONLY, RankCaches, packed_shape
 from .config import ConnectorConfig
 from .handoff import shown
@@ -51,7 +52,6 @@ from .landings import GpuLoad, Landing, Landings
 from .metadata import CHUNK_FIELDS, LoadSpec, ReleaseSpec
 from .producer_clients import ProducerBackoff, ProducerClients, release_entries
 from .stats import TransferStats
-from .streams import DeviceBudget, StreamOps, device_streams
 from .tp_mapping import HeadSource, plan_heads, rank_heads
 
 log = get_logger("connector")
@@ -85,7 +85,7 @@ class Consumer:
         connect: ``connect(host, port)`` makes the client of one producer rank (default: a
             :class:`~connector.kvstore.KVClient` with the config's transport and deadlines);
             each is made once, shared by the load threads, and closed at :meth:`shutdown`.
-        streams: the device's streams and events (:class:`~.streams.StreamOps`, made for CUDA
+        streams: the device's streams and events (:class:`~connector.streams.StreamOps`, made for CUDA
             caches; a test passes a stand-in): see :meth:`_load`.
         budget: the rank's device memory budget (default: one of this consumer's own).
     """
@@ -281,7 +281,7 @@ class Consumer:
 
         ``t0`` is when the load started. Off a GPU the load is complete when this returns
         (False). On a GPU (True, unless it failed here) the copy of host-staged KV to the device
-        (within the :class:`~.streams.DeviceBudget`) and the unpack run on the current stream
+        (within the :class:`~connector.streams.DeviceBudget`) and the unpack run on the current stream
         (vLLM's: the forward pass comes after them), the digests they computed are copied to
         the host behind them, and nothing waits: :mod:`.landings` compares the digests and lets
         the tensors go once the unpack's event completed.

@@ -1,8 +1,8 @@
-"""A consumer's loads on a GPU between their launch and their verdict (:mod:`.streams`).
+"""A consumer's loads on a GPU between their launch and their verdict (:mod:`connector.streams`).
 
 :class:`GpuLoad` gathers one load's device work while the consumer launches it on vLLM's
 stream: the copy of host-staged KV to the device (within the rank's
-:class:`~.streams.DeviceBudget`), the tensors to keep, the digests to compare, copied to the host
+:class:`~connector.streams.DeviceBudget`), the tensors to keep, the digests to compare, copied to the host
 behind the unpack. :class:`Landings` holds the launched loads and settles each once its event
 completed: digests compared (a mismatch fails the load), tensors and device memory let go.
 Nothing here waits for the GPU but :meth:`Landings.settle` with ``wait``, which polls the events
@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import integrity
 from ..kvstore import short_id
+from ..streams import DeviceBudget, Pending, wait_events
 from ..transport.buffers import host_empty, pinned_host
-from . import integrity
 from .metadata import LoadSpec
-from .streams import DeviceBudget, Pending, wait_events
 
 
 @dataclass

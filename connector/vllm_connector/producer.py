@@ -7,7 +7,7 @@ every layer with **one** :func:`tritonkv.pack_kv` call (token rows or whole page
 each entry is bound to its prompt's digest (``SaveSpec.prompt_digest``), so that the
 :class:`~connector.kvstore.KVServer` serving the buffer on ``engine_port + tp_rank`` (GET and
 DISCARD only) serves or drops it only for a request presenting that digest; and a :class:`BufferWatcher` logs the buffer's occupancy. With ``digest`` on (the default) the entry's meta also
-carries the integrity digest the pack computed (:mod:`.integrity`). No vLLM import.
+carries the integrity digest the pack computed (:mod:`connector.integrity`). No vLLM import.
 """
 
 from __future__ import annotations
@@ -22,18 +22,18 @@ import torch
 
 from tritonkv import pack_kv
 
+from ..integrity import digest_tensors, entry_meta, flip_bit, meta_from_digests
 from ..kvstore import KVBuffer, KVServer, chunk_key, hide_ids, short_id
 from ..logs import get_logger
+from ..streams import DeviceBudget, Pending, Publisher, StreamOps, device_streams
 from ..transport import addresses_of
 from ..transport.auth import MIN_SECRET_BYTES, SECRET_ENV, is_loopback
 from ..transport.errors import error_text
 from ..transport.threads import name_current_thread
 from .cache_views import RankCaches, packed_shape
 from .config import ConnectorConfig
-from .integrity import digest_tensors, entry_meta, flip_bit, meta_from_digests
 from .metadata import SaveSpec
 from .stats import TransferStats
-from .streams import DeviceBudget, Pending, Publisher, StreamOps, device_streams
 
 log = get_logger("connector")
 
@@ -52,7 +52,7 @@ class Producer:
         fingerprint: what a producer's and a consumer's caches must share (in every entry).
         secret: the shared secret of every KV connection (None: none; never logged).
         stats: where saves are counted.
-        streams: the device's streams and events (:class:`~.streams.StreamOps`, made for CUDA
+        streams: the device's streams and events (:class:`~connector.streams.StreamOps`, made for CUDA
             caches; a test passes a stand-in). With them a save is launched on the step and
             stored by the publisher thread; without (the CPU) it is stored on the step.
         budget: the rank's device memory budget (default: one of this producer's own).
@@ -90,7 +90,7 @@ class Producer:
         self.entries_on_device = cfg.entries_on_device(caches.device)
         #: the capacity of the KV buffer when its entries live on the device, else 0
         self.device_buffer_bytes = cfg.device_buffer_bytes(caches.device)
-        #: the device memory of saves in flight (:class:`~.streams.DeviceBudget`; the rank's,
+        #: the device memory of saves in flight (:class:`~connector.streams.DeviceBudget`; the rank's,
         #: shared with its consumer, when given)
         self.budget = budget or DeviceBudget(cfg.gpu_memory_bytes - self.device_buffer_bytes)
 
@@ -220,7 +220,7 @@ class Producer:
         self._store(spec, packed, meta, nbytes, 1e3 * (time.perf_counter() - t0))
 
     def _launch(self, spec: SaveSpec, views, shape, nbytes: int, meta: dict, t0: float) -> None:
-        """The pack on a GPU, launched without waiting for it (:mod:`.streams`): on our stream,
+        """The pack on a GPU, launched without waiting for it (:mod:`connector.streams`): on our stream,
         after an event of vLLM's (the forward pass wrote the KV); vLLM's stream then waits for
         the pack's event (what it runs next may overwrite these blocks). The publisher thread
         copies the entry to the host and stores it once the pack completed (:meth:`_publish`)."""
@@ -250,7 +250,7 @@ class Producer:
         self._publisher_thread().submit(_Job(spec, packed, digests, meta, nbytes, pending))
 
     def _publisher_thread(self) -> Publisher:
-        """The ``tkv-publish`` thread (:class:`~.streams.Publisher`): stores the launched
+        """The ``tkv-publish`` thread (:class:`~connector.streams.Publisher`): stores the launched
         saves once each one's pack completed (:meth:`_publish`), or fails them (recomputed)."""
         if self._publisher is None:
             failed = lambda job, exc: self._save_failed(job.spec, exc)

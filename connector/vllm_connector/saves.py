@@ -17,11 +17,12 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
+from ..integrity import faults
 from ..kvstore import short_id
 from ..logs import get_logger
+from ..steps import prompt_steps
 from .handoff import prompt_digest, proxy_transfer_id
-from .integrity import faults
-from .metadata import Chunk, SaveSpec, prompt_steps
+from .metadata import Chunk, SaveSpec
 
 log = get_logger("connector")
 

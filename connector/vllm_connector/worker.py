@@ -14,6 +14,7 @@ import torch
 from tritonkv import use_triton
 
 from ..logs import get_logger
+from ..streams import DeviceBudget, gpu_budget_line
 from ..transport.auth import load_secret
 from .cache_views import RankCaches
 from .config import ConnectorConfig
@@ -21,7 +22,6 @@ from .consumer import Consumer
 from .metadata import LoadSpec, ReleaseSpec, SaveSpec
 from .producer import Producer
 from .stats import TransferStats
-from .streams import DeviceBudget, gpu_budget_line
 
 log = get_logger("connector")
 

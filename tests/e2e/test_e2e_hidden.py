@@ -21,7 +21,7 @@ import torch
 from support.e2e import run_concurrently
 from support.vllm_fixtures import requires_vllm
 
-from connector.hidden_reader import DigestMismatch, fetch_hidden_states, read_hidden_file
+from connector.hidden import DigestMismatch, fetch_hidden_states, read_hidden_file
 from connector.serve.launch import Cluster, free_port_run, http_json
 from connector.transport.errors import KeyMissError, TransferError
 

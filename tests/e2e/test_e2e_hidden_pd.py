@@ -23,7 +23,7 @@ import torch
 from support.e2e import run_concurrently
 from support.vllm_fixtures import requires_vllm
 
-from connector.hidden_reader import fetch_hidden_states, read_hidden_file
+from connector.hidden import fetch_hidden_states, read_hidden_file
 from connector.serve.launch import Cluster, free_port, free_port_run, http_json, transfer_events
 
 pytestmark = [pytest.mark.slow, requires_vllm, pytest.mark.timeout(900)]

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from connector.hidden.files import HiddenFileWriter
+from connector.integrity import flip_bit, hidden_meta
 from connector.kvstore import KVBuffer, KVServer
 from connector.serve.extract import extract, read_prompts
-from connector.vllm_connector.hidden_files import HiddenFileWriter
-from connector.vllm_connector.integrity import flip_bit, hidden_meta
 from tritonkv.digest import digest_hex, tensor_digest
 
 SECRET = "e" * 40

@@ -1,4 +1,4 @@
-"""A stand-in for :class:`connector.vllm_connector.streams.StreamOps` on CPU tensors, and an
+"""A stand-in for :class:`connector.streams.StreamOps` on CPU tensors, and an
 audit of host reads of "device" tensors, so that the worker halves' GPU path (launch, events,
 publication after completion) runs and is checked without a GPU.
 

@@ -8,7 +8,7 @@ connector, and save what a reader gets: the reference for tritonkv's hidden stat
   ``include_outputs``, ``kv_transfer_params={"include_output_tokens": true}``; with
   ``prefix_caching``, vLLM's prefix cache on and one prompt at a time), then every request's files
   read with vLLM's ``load_hidden_states`` (and, for tritonkv, the same states pulled from the KV
-  server with :func:`connector.hidden_reader.fetch_hidden_states`), saved with ``torch.save``.
+  server with :func:`connector.hidden.fetch_hidden_states`), saved with ``torch.save``.
   Example writes a request's file one engine step after it finished, so after the batch a
   one-token prompt is run to give it that step.
 
@@ -84,7 +84,7 @@ def run(model: str, prompts: list[list[int]], out_dir: str, *, which: str, layer
 
     Scheduler._preempt_request = counting_preempt
 
-    from connector.hidden_reader import fetch_hidden_states
+    from connector.hidden import fetch_hidden_states
 
     files = Path(out_dir) / "files"
     files.mkdir(parents=True, exist_ok=True)

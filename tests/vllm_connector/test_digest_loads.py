@@ -24,16 +24,16 @@ from support.connector_halves import (
 )
 from support.kvstore import deliver
 
-from connector.kvstore import KVBuffer
-from connector.logs import short_id
-from connector.vllm_connector.config import ConnectorConfig
-from connector.vllm_connector.integrity import (
+from connector.integrity import (
     DIGEST_KEY,
     HEAD_DIGESTS_KEY,
     faults,
     flip_bit,
     shifted_slots,
 )
+from connector.kvstore import KVBuffer
+from connector.logs import short_id
+from connector.vllm_connector.config import ConnectorConfig
 from connector.vllm_connector.metadata import LoadSpec, SaveSpec
 
 SRC_BLOCKS, DST_BLOCKS, NUM_TOKENS = [5, 1, 3], [0, 4, 2], 10

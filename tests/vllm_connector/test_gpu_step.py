@@ -26,13 +26,13 @@ from support.connector_halves import (
 from support.fake_streams import FakeStreams, gpu_busy, no_host_reads
 from support.kvstore import deliver
 
+import connector.integrity as integrity_mod
 import connector.vllm_connector.consumer as consumer_mod
-import connector.vllm_connector.integrity as integrity_mod
 import connector.vllm_connector.producer as producer_mod
 from connector.kvstore import KVBuffer
+from connector.streams import DeviceBudget, DeviceBudgetExceeded, gpu_budget_line
 from connector.vllm_connector.config import ConnectorConfig
 from connector.vllm_connector.metadata import LoadSpec, SaveSpec
-from connector.vllm_connector.streams import DeviceBudget, DeviceBudgetExceeded, gpu_budget_line
 
 BLOCK_SIZE = 4
 TID = "ab" * 16

@@ -14,11 +14,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from connector.hidden_reader import DigestMismatch, fetch_hidden_states
+from connector.hidden import DigestMismatch, fetch_hidden_states
+from connector.hidden.files import HiddenFileWriter, read_hidden_file
+from connector.hidden.scheduler import HiddenSaveSpec
+from connector.hidden.worker import HiddenWorker
+from connector.integrity import HIDDEN_DIGEST_KEYS
 from connector.kvstore import KVBuffer, KVServer
-from connector.vllm_connector.hidden_files import HiddenFileWriter, read_hidden_file
-from connector.vllm_connector.hidden_states import HiddenSaveSpec, HiddenWorker
-from connector.vllm_connector.integrity import HIDDEN_DIGEST_KEYS
 
 SECRET = "d" * 40
 SHAPE = (8, 3, 4, 5)  # num_blocks, num_hidden_states, block_size, hidden_size (odd)
@@ -122,7 +123,7 @@ def test_the_header_holds_the_digests_and_readers_of_the_tensors_ignore_it(serve
 
 
 def test_a_malformed_digest_field_is_refused(tmp_path) -> None:
-    from connector.vllm_connector.integrity import check_hidden
+    from connector.integrity import check_hidden
 
     tensors = {"hidden_states": torch.zeros(2, 1, 4), "token_ids": torch.arange(2)}
     with pytest.raises(ValueError, match="hidden_states_digest is malformed"):

@@ -15,11 +15,11 @@ import time
 import pytest
 import torch
 
-from connector.hidden_reader import HiddenStatesReader, fetch_hidden_states
+from connector.hidden import HiddenStatesReader, fetch_hidden_states
+from connector.hidden import files as hidden_files
+from connector.hidden.files import HiddenFileWriter, read_hidden_file
 from connector.kvstore import KVBuffer, KVServer
 from connector.transport.errors import KeyMissError, TransferError
-from connector.vllm_connector import hidden_files
-from connector.vllm_connector.hidden_files import HiddenFileWriter, read_hidden_file
 
 SECRET = "s" * 40
 

@@ -17,13 +17,13 @@ import torch
 from support.fake_streams import FakeStreams, gpu_busy, no_host_reads
 from support.kvstore import deliver
 
+from connector import integrity
+from connector.hidden import worker as hs
+from connector.hidden.files import HiddenFileWriter, read_hidden_file
+from connector.hidden.scheduler import HiddenDrop, HiddenSaveSpec, HiddenScheduler
 from connector.kvstore import KVBuffer
-from connector.vllm_connector import hidden_states as hs
-from connector.vllm_connector import integrity
-from connector.vllm_connector.hidden_files import HiddenFileWriter, read_hidden_file
-from connector.vllm_connector.hidden_states import HiddenDrop, HiddenSaveSpec, HiddenScheduler
+from connector.streams import DeviceBudget
 from connector.vllm_connector.stats import TransferStats
-from connector.vllm_connector.streams import DeviceBudget
 
 SHAPE = (12, 2, 4, 8)  # num_blocks, num_hidden_states, block_size, hidden_size
 BLOCK_SIZE = SHAPE[2]

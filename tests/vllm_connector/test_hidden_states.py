@@ -19,12 +19,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.kvstore import deliver
 
+from connector.hidden import scheduler as hs_sched
+from connector.hidden import worker as hs
+from connector.hidden.files import HiddenFileWriter, read_hidden_file
+from connector.hidden.scheduler import HiddenSaveSpec, HiddenScheduler
+from connector.hidden.worker import HiddenWorker
 from connector.kvstore import KVBuffer
 from connector.transport.errors import KeyMissError
-from connector.vllm_connector import hidden_scheduler as hs_sched
-from connector.vllm_connector import hidden_states as hs
-from connector.vllm_connector.hidden_files import HiddenFileWriter, read_hidden_file
-from connector.vllm_connector.hidden_states import HiddenSaveSpec, HiddenScheduler, HiddenWorker
 from connector.vllm_connector.stats import TransferStats
 
 SENTINEL = -7.0  # every slot no request owns; a row of it in an output is a wrong address
@@ -298,7 +299,7 @@ def test_aborted_request_leaves_nothing(tmp_path) -> None:
         spec = HiddenSaveSpec("a", "t", [1], 3, [1, 2, 3], path)
         worker = _worker(cache, buffer, writer=writer)
         worker.save([spec])
-        worker.save([], [hs.HiddenDrop("t", path)])  # the next step: aborted meanwhile
+        worker.save([], [hs_sched.HiddenDrop("t", path)])  # the next step: aborted meanwhile
         assert writer.flush(10)
         assert len(buffer) == 0 and os.listdir(tmp_path) == []
     finally:
@@ -332,7 +333,7 @@ def test_cpu_deliveries_leave_the_step_in_order() -> None:
         t0 = time.monotonic()
         worker.save([HiddenSaveSpec("a", "t-a", [1], 3, [1, 2, 3], None)])
         worker.save([HiddenSaveSpec("b", "t-b", [2], 4, [4, 5, 6, 7], None)])
-        worker.save([], [hs.HiddenDrop("t-a", None)])  # a later step: "a" aborted meanwhile
+        worker.save([], [hs_sched.HiddenDrop("t-a", None)])  # a later step: "a" aborted meanwhile
         assert time.monotonic() - t0 < 5 and len(buffer) == 0  # nothing waited for the puts
         buffer.release.set()
         assert worker.flush(10)
@@ -462,7 +463,9 @@ def test_worker_whole_sequence_file_lock_rows_and_release(tmp_path) -> None:
     try:
         worker = _worker(cache, buffer, writer=writer)
         path, bad = str(tmp_path / "w.safetensors"), str(tmp_path / "bad.safetensors")
-        worker.save([], holds=[hs.HiddenHold("w", "t-w", path), hs.HiddenHold("b", "t-b", bad)])
+        worker.save(
+            [], holds=[hs_sched.HiddenHold("w", "t-w", path), hs_sched.HiddenHold("b", "t-b", bad)]
+        )
         assert _lock_is_held(path) and _lock_is_held(bad) and not os.path.exists(path)
         assert worker.take_released() == set()
         spec = HiddenSaveSpec("w", "t-w", [6, 2, 5], 10, list(range(10)), path, release_blocks=True)
@@ -479,7 +482,8 @@ def test_worker_whole_sequence_file_lock_rows_and_release(tmp_path) -> None:
             read_hidden_file(bad, timeout_s=10)
         other = _worker(cache, buffer, tp_rank=1, writer=None)
         other.save(
-            [dataclasses.replace(spec, transfer_id="t-1")], holds=[hs.HiddenHold("w", "t-1", path)]
+            [dataclasses.replace(spec, transfer_id="t-1")],
+            holds=[hs_sched.HiddenHold("w", "t-1", path)],
         )
         assert other.take_released() == {"w"} and "t-1" not in buffer
     finally:
@@ -495,12 +499,12 @@ def test_worker_whole_sequence_aborted_after_hold(tmp_path) -> None:
     try:
         worker = _worker(cache, buffer, writer=writer)
         path = str(tmp_path / "a.safetensors")
-        worker.save([], holds=[hs.HiddenHold("a", "t-a", path)])
+        worker.save([], holds=[hs_sched.HiddenHold("a", "t-a", path)])
         assert _lock_is_held(path)
-        worker.save([], drops=[hs.HiddenDrop("t-a", path)])
+        worker.save([], drops=[hs_sched.HiddenDrop("t-a", path)])
         assert writer.flush(10) and os.listdir(tmp_path) == []
         assert worker.take_released() == set() and "t-a" not in buffer
-        worker.save([], holds=[hs.HiddenHold("s", "t-s", str(tmp_path / "s.safetensors"))])
+        worker.save([], holds=[hs_sched.HiddenHold("s", "t-s", str(tmp_path / "s.safetensors"))])
         worker.shutdown(5.0)  # a lock still held at shutdown is released
         assert not _lock_is_held(str(tmp_path / "s.safetensors"))
     finally:

@@ -14,7 +14,7 @@ Either way you get ``{"hidden_states": [num_tokens, num_hidden_states, hidden_si
 dtype), "token_ids": [num_tokens] int64}``. Example, from a training job on another host::
 
     import json, urllib.request
-    from connector.hidden_reader import fetch_hidden_states
+    from connector.hidden import fetch_hidden_states
 
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1}
     req = urllib.request.Request(
@@ -28,7 +28,7 @@ dtype), "token_ids": [num_tokens] int64}``. Example, from a training job on anot
 
 Integrity: a producer with ``digest`` on (the default) stores each tensor's digest with the entry
 and in the file's header; both readers check them on receipt and raise
-:class:`~connector.vllm_connector.integrity.DigestMismatch` (a ValueError) naming the transfer or
+:class:`~connector.integrity.DigestMismatch` (a ValueError) naming the transfer or
 file and the check (``receipt``, ``file``) when the bytes differ from what the producer packed.
 
 The server authenticates every connection with the shared secret it was started with
@@ -42,11 +42,11 @@ import threading
 
 import torch
 
-from .kvstore import KVClient
-from .transport import auth, check_timeout
-from .transport.errors import PeerDeadError, PipeClosedError
-from .vllm_connector.hidden_files import read_hidden_file
-from .vllm_connector.integrity import DigestMismatch, check_hidden
+from ..integrity import DigestMismatch, check_hidden
+from ..kvstore import KVClient
+from ..transport import auth, check_timeout
+from ..transport.errors import PeerDeadError, PipeClosedError
+from .files import read_hidden_file
 
 __all__ = ["DigestMismatch", "HiddenStatesReader", "fetch_hidden_states", "read_hidden_file"]
 

@@ -1,4 +1,4 @@
-"""What the worker halves need of a GPU: streams and events, and a budget of device memory.
+"""What the workers' sides (KV and hidden states) need of a GPU: streams and events, and a budget of device memory.
 
 vLLM calls ``wait_for_save``, ``start_load_kv`` and ``get_finished`` on its step. On CUDA none of
 them waits for the GPU: work is ordered by events, and the tensors it uses are kept until its
@@ -15,7 +15,7 @@ event completes.
 
 Events are only ever polled (``query``), with a deadline: CUDA has no timed wait on an event.
 :class:`StreamOps` is the one place that speaks ``torch.cuda``; a test replaces it by a
-stand-in on CPU tensors (tests/vllm_connector/fake_streams.py). :class:`DeviceBudget` counts
+stand-in on CPU tensors (tests/support/fake_streams.py). :class:`DeviceBudget` counts
 the device memory tritonkv takes outside vLLM's memory budget. No vLLM import.
 """
 
@@ -30,13 +30,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..logs import get_logger
-from ..transport.buffers import host_empty
-from ..transport.threads import transfer_thread
+from .logs import get_logger
+from .transport.buffers import host_empty
+from .transport.threads import transfer_thread
 
 log = get_logger("connector")
 
 POLL_S = (0.0001, 0.001)  # first and longest sleep between two polls of an event
+
+#: a rank's device memory budget when none is given (the ``gpu_memory_bytes`` default)
+DEFAULT_BUDGET_BYTES = 1 << 30
 
 
 class StreamOps:

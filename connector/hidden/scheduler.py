@@ -18,7 +18,7 @@ the worker side). Two modes per request, as vLLM's ``ExampleHiddenStatesConnecto
 
 Either way ``request_finished`` returns ``hidden_states_path`` (a file, Example's contract) and/or
 ``hidden_states_transfer_id`` with the producer's ``hidden_states_host`` and
-``hidden_states_port`` (read with :func:`connector.hidden_reader.fetch_hidden_states`), and
+``hidden_states_port`` (read with :func:`.reader.fetch_hidden_states`), and
 ``hidden_states_num_tokens``. An aborted request gets nothing and its workers drop what they took
 (:class:`HiddenDrop`). No vLLM import.
 """
@@ -32,9 +32,9 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from ..integrity import faults
 from ..logs import get_logger
-from .integrity import faults
-from .metadata import finishing_prompts
+from ..steps import finishing_prompts
 
 log = get_logger("connector")
 

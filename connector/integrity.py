@@ -26,7 +26,7 @@ import torch
 from tritonkv import kv_digest
 from tritonkv.digest import digests_hex, head_digests, tensor_digest
 
-from ..transport.buffers import pinned_host
+from .transport.buffers import pinned_host
 
 DIGEST_KEY = "kv_digest"  # entry meta: 16 hex digits of the whole packed KV
 HEAD_DIGESTS_KEY = "kv_head_digests"  # entry meta: 16 hex digits per head, concatenated
@@ -82,7 +82,7 @@ def shifted_slots(slots: torch.Tensor, first: int, stop: int) -> torch.Tensor:
 _SEEN = {
     "read": "this consumer read",
     "write-back": "this consumer finds in its cache",
-    "receipt": "this reader received",  # hidden states over the network (hidden_reader)
+    "receipt": "this reader received",  # hidden states over the network (connector.hidden.reader)
     "write": "the file writer was given",  # hidden states, before a file's rename
     "file": "the file holds",  # hidden states, read back from a file
 }

@@ -16,7 +16,7 @@ place, so a crash never leaves a half-written file under the final name. A write
 leaves no file, only ``<path>.error`` with the reason (what :func:`read_hidden_file` raises).
 
 Integrity (the connector's ``digest`` option, on by default): the writer is given each tensor's
-digest as the pack made it (:data:`~.integrity.HIDDEN_DIGEST_KEYS`), checks the tensors it is
+digest as the pack made it (:data:`~connector.integrity.HIDDEN_DIGEST_KEYS`), checks the tensors it is
 about to write against them (a mismatch: no file, an ``.error`` naming the check ``write``) and
 stores them in the file's safetensors header (``__metadata__``). Readers of the tensors
 (safetensors' ``load_file``, vLLM's ``load_hidden_states``) ignore that header field: the keys,
@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..integrity import check_hidden
 from ..logs import get_logger
 from ..transport.threads import transfer_thread
-from .integrity import check_hidden
 
 log = get_logger("connector")
 
@@ -250,7 +250,7 @@ def read_hidden_file(path: str, timeout_s: float = 60.0) -> dict[str, torch.Tens
         TimeoutError: the file was still being written after ``timeout_s``.
         FileNotFoundError: no lock file (nothing was ever to be written there), or no file.
         RuntimeError: the write failed or was refused (the reason, from ``<path>.error``).
-        connector.vllm_connector.integrity.DigestMismatch: the file's tensors differ from what
+        connector.integrity.DigestMismatch: the file's tensors differ from what
             the producer packed (check ``file``).
     """
     from safetensors import safe_open

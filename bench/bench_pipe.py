@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from connector.kvstore import KVBuffer, KVClient
+from connector.kvstore import KVBuffer, KVClient, KVServer
 from connector.transport import PipeListener, connect_pipe
 from connector.transport.options import PipeOptions
 
@@ -193,7 +193,7 @@ def latency(counts, ops: int):
         lease_us = _median_delivery_us(buf, _local_delivery(buf), ops, "local")
         match_us = _median_us(buf.match_prefix, queries)
         assert buf.match_prefix(queries[0])[0] == 48
-        server = buf.serve()
+        server = KVServer(buf, "127.0.0.1", 0)
         try:
             with KVClient("127.0.0.1", server.port, timeout_s=30) as client:
                 client.discard("connect")  # connects: the rendezvous is not what is timed

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -162,3 +163,30 @@ def test_paired_ratio_follows_each_round_not_the_medians():
     assert common.paired_ratio(copy, mine) == 0.5
     assert sorted(copy)[2] / sorted(mine)[2] == 2.0
     assert common.paired_ratio(copy, copy) == 1.0
+
+
+def test_host_kind_names_the_widest_cpu_feature(monkeypatch):
+    """Result folders are named by host kind: AMX before AVX-512 before AVX2, else the machine."""
+    monkeypatch.setattr(common, "on_gpu", lambda: False)
+    for flags, kind in (
+        ({"avx2", "avx512f", "amx_tile"}, "cpu-amx"),
+        ({"avx2", "avx512f"}, "cpu-avx512"),
+        ({"avx2"}, "cpu-avx2"),
+    ):
+        monkeypatch.setattr(common, "_cpuinfo", lambda flags=flags: ("Some CPU", flags))
+        assert common.host_kind() == kind
+    monkeypatch.setattr(common, "_cpuinfo", lambda: ("Some CPU", set()))
+    assert common.host_kind().startswith("cpu-") and common.host_kind() != "cpu-"
+    assert common.host_description().startswith("cpu: Some CPU (cpu-")
+    monkeypatch.setattr(common, "on_gpu", lambda: True)
+    monkeypatch.setattr(common, "device_name", lambda: "NVIDIA H200")
+    assert common.host_kind() == "h200"
+
+
+def test_result_folders_are_host_kinds_and_files_name_no_run():
+    """bench/results/ holds one folder per host kind, and no file is named by a run."""
+    for folder in common.RESULTS.iterdir():
+        assert folder.is_dir(), folder
+        assert folder.name.startswith("cpu-") or folder.name.isalnum(), folder
+        for path in folder.rglob("*"):
+            assert path.is_file() and not re.search(r"-s\d+|run\d", path.name), path

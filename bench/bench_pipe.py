@@ -37,8 +37,7 @@ import time
 import torch
 
 from connector.kvstore import KVBuffer, KVClient, KVServer
-from connector.transport import PipeListener, connect_pipe
-from connector.transport.options import PipeOptions
+from connector.transport import PipeListener, PipeOptions, connect_pipe
 
 MIB = 1 << 20
 RAW_TAG = 7

@@ -190,3 +190,21 @@ def test_result_folders_are_host_kinds_and_files_name_no_run():
         assert folder.name.startswith("cpu-") or folder.name.isalnum(), folder
         for path in folder.rglob("*"):
             assert path.is_file() and not re.search(r"-s\d+|run\d", path.name), path
+
+
+def test_make_bench_keeps_the_pipe_output_stamped(tmp_path, monkeypatch, capsys):
+    """run_all: the kernel suite, then bench_pipe, whose output lands in the host kind's folder
+    under a line naming host, commit and date."""
+    import subprocess
+
+    from bench import run_all
+
+    monkeypatch.setattr(bench_kv, "main", lambda argv: 0)
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    done = subprocess.CompletedProcess([], 0, stdout="pipe/raw throughput ratio at 64 MiB: 1.2\n")
+    monkeypatch.setattr(run_all.subprocess, "run", lambda *a, **k: done)
+    assert run_all.main() == 0
+    text = (tmp_path / common.host_kind() / "pipe.txt").read_text().splitlines()
+    assert text[0].startswith("# bench_pipe | ") and common.git_sha() in text[0]
+    assert text[1] == "pipe/raw throughput ratio at 64 MiB: 1.2"
+    assert "pipe/raw" in capsys.readouterr().out

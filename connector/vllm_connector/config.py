@@ -111,8 +111,9 @@ class ConnectorConfig:
     #: the ``TRITONKV_SECRET`` environment variable; neither: no authentication. Never from
     #: ``kv_transfer_params``, never logged.
     secret_file: str = ""
-    #: producer: serve on a non-loopback ``host`` without a secret (refused at start otherwise;
-    #: warns once).
+    #: both, without a secret: a producer serves on a non-loopback ``host`` (refused at start
+    #: otherwise), a consumer loads from producers at non-loopback addresses (hand-offs naming
+    #: one are refused otherwise: nothing would prove who serves there). Warns at start.
     insecure: bool = False
     #: extract_hidden_states: write each request's prompt hidden states to a safetensors file
     #: (the files and ``.lock`` protocol of vLLM's ExampleHiddenStatesConnector).

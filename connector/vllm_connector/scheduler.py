@@ -19,6 +19,7 @@ from tritonkv import __version__
 from ..integrity import faults
 from ..kvstore import short_id
 from ..logs import get_logger
+from ..transport.auth import SECRET_ENV, is_loopback, load_secret
 from .config import ConnectorConfig
 from .handoff import (
     OVERLAP,
@@ -75,6 +76,14 @@ class SchedulerSide:
         self.tp_size, self.total_kv_heads, self.use_mla = tp_size, total_kv_heads, use_mla
         self.engine_port, self.fingerprint = engine_port, fingerprint
         self.refuse_loads = refuse_loads
+        # Without a secret nothing proves who a producer is: only this machine's may serve us.
+        self.open_to_any = is_consumer and load_secret(cfg.secret_file or None) is None
+        if self.open_to_any and cfg.insecure:
+            log.warning(
+                "tritonkv: INSECURE: this consumer has no shared secret and loads KV from any "
+                "producer a hand-off names, unauthenticated: whoever can send it a request can "
+                "have it load KV of their making (served to later prompts from its prefix cache)"
+            )
         self._saves = SavePlan(block_size, cfg.debug_allow_corrupt)  # producer
         self._local_hit: dict[str, int] = {}  # consumer: req_id -> block-aligned local hit
         self._tried: set[str] = set()  # consumer: requests whose hand-off was used or refused
@@ -104,6 +113,17 @@ class SchedulerSide:
             )
         params = completed(params, request.prompt_token_ids)
         problems = handoff_problems(params)
+        if (
+            not problems
+            and self.open_to_any
+            and not self.cfg.insecure
+            and not is_loopback(params["remote_host"])
+        ):
+            problems.append(
+                f"remote_host {params['remote_host']!r} is not a loopback address and this "
+                "consumer has no shared secret to prove who serves there (set the same secret "
+                f"on both servers: {SECRET_ENV} or secret_file; or \"insecure\": true)"
+            )
         if not problems and not self.cfg.allows_producer(params["remote_host"]):
             problems.append(
                 f"remote_host {params['remote_host']!r} is not among the producers this consumer "

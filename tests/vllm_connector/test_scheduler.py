@@ -418,8 +418,7 @@ def test_an_aborted_prefill_hands_nothing_off_and_its_kv_is_dropped(vllm_mods):
     from support.connector_halves import VLLM_CPU, caches, producer
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from connector.kvstore import KVBuffer
-    from connector.transport.errors import KeyMissError
+    from connector.kvstore import KeyMissError, KVBuffer
     from connector.vllm_connector import TritonKVConnector
 
     m = vllm_mods
@@ -762,3 +761,32 @@ def test_a_consumer_whose_engine_cannot_use_loaded_kv_refuses_every_handoff(
     seeing.add_request(m["request"]("s", params=handoff))
     out, _ = m["step"](seeing)
     assert _loads(out) == [("s", 0, len(PROMPT) - 1)]
+
+
+@pytest.mark.parametrize(
+    "secret,insecure,loads",
+    [(False, False, False), (False, True, True), (True, False, True)],
+    ids=["no-secret", "insecure", "secret"],
+)
+def test_a_consumer_without_a_secret_loads_only_from_loopback_producers(
+    vllm_mods, handoff, connector_log, monkeypatch, secret, insecure, loads
+):
+    """Without a shared secret nothing proves who serves at a hand-off's address, and any client
+    of the decode server writes hand-offs: a non-loopback producer is refused before anything
+    is dialed (and nothing released), unless ``insecure`` (warned at start) or a secret is set.
+    (A loopback producer loads without a secret: every other test here.)"""
+    m = vllm_mods
+    monkeypatch.delenv("TRITONKV_SECRET", raising=False)
+    if secret:
+        monkeypatch.setenv("TRITONKV_SECRET", "s" * 32)
+    consumer = m["scheduler"]("kv_consumer", extra={"insecure": insecure})
+    remote = {**handoff, "remote_host": "10.1.2.3"}
+    consumer.add_request(m["request"]("r", params=remote))
+    out, _ = m["step"](consumer)
+    planned = [(load.host, load.count) for load in out.kv_connector_metadata.loads]
+    assert planned == ([("10.1.2.3", len(PROMPT) - 1)] if loads else [])
+    assert _releases(out) == []
+    messages = [r.getMessage() for r in connector_log]
+    refused = [msg for msg in messages if "'10.1.2.3' is not a loopback address" in msg]
+    assert len(refused) == (0 if loads else 1)
+    assert any("INSECURE" in msg for msg in messages) == (insecure and not secret)

@@ -26,7 +26,7 @@ import torch
 from tritonkv import kv_digest
 from tritonkv.digest import digests_hex, head_digests, tensor_digest
 
-from .transport.buffers import pinned_host
+from .transport import pinned_host
 
 DIGEST_KEY = "kv_digest"  # entry meta: 16 hex digits of the whole packed KV
 HEAD_DIGESTS_KEY = "kv_head_digests"  # entry meta: 16 hex digits per head, concatenated

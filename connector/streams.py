@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .logs import get_logger
-from .transport.buffers import host_empty
-from .transport.threads import transfer_thread
+from .transport import host_empty, transfer_thread
 
 log = get_logger("connector")
 

@@ -44,7 +44,7 @@ import torch
 
 from ..integrity import check_hidden
 from ..logs import get_logger
-from ..transport.threads import transfer_thread
+from ..transport import transfer_thread
 
 log = get_logger("connector")
 

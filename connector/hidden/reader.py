@@ -44,8 +44,7 @@ import torch
 
 from ..integrity import DigestMismatch, check_hidden
 from ..kvstore import KVClient
-from ..transport import auth, check_timeout
-from ..transport.errors import PeerDeadError, PipeClosedError
+from ..transport import PeerDeadError, PipeClosedError, auth, check_timeout
 from .files import read_hidden_file
 
 __all__ = ["DigestMismatch", "HiddenStatesReader", "fetch_hidden_states", "read_hidden_file"]
@@ -172,7 +171,7 @@ def fetch_hidden_states(
 
     Raises:
         TypeError, ValueError: arguments of the wrong type or range.
-        connector.transport.errors.KeyMissError: the server does not hold it (its save
+        connector.kvstore.KeyMissError: the server does not hold it (its save
             failed, never taken, already read, expired, or its request was aborted); the reason
             says which it knows.
         DigestMismatch: what arrived differs from what the producer packed (check

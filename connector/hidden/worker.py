@@ -68,8 +68,7 @@ from ..streams import (
     Publisher,
     device_streams,
 )
-from ..transport.buffers import pinned_host
-from ..transport.errors import error_text
+from ..transport import error_text, pinned_host
 from .files import HiddenFileWriter
 from .scheduler import HiddenDrop, HiddenHold, HiddenSaveSpec
 

@@ -15,18 +15,22 @@ import time
 
 import torch
 
-from ..transport import Message, TensorPipe, auth, check_timeout, connect_pipe
-from ..transport.errors import (
-    ClientBusyError,
-    KeyMissError,
+from ..transport import (
+    Kind,
+    Message,
     PipeClosedError,
+    PipeOptions,
     ProtocolError,
     RemoteError,
+    TensorPipe,
     TransferError,
     TransferTimeout,
+    auth,
+    check_timeout,
+    connect_pipe,
+    default_transport,
 )
-from ..transport.frame import Kind
-from ..transport.options import PipeOptions, default_transport
+from .errors import ClientBusyError, KeyMissError
 from .protocol import DIGEST, EXISTED, REASON, WAIT_MS, Op, Part, check_key, op_name
 
 __all__ = ["KVClient"]

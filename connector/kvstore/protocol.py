@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..logs import hide_ids, short_id
-from ..transport.frame import APP_KIND_MIN, DEFAULT_LIMITS
+from ..transport import APP_KIND_MIN, DEFAULT_LIMITS
 
 __all__ = [
     "CHUNK_SEP",

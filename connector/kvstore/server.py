@@ -28,25 +28,23 @@ import torch
 
 from ..logs import get_logger
 from ..transport import (
+    Kind,
     Message,
+    PeerDeadError,
+    PipeClosedError,
     PipeListener,
+    PipeOptions,
+    ProtocolError,
     TensorPipe,
+    TransferError,
     auth,
     check_timeout,
     error_text,
     send_error_frame,
+    transfer_thread,
 )
-from ..transport.errors import (
-    KeyMissError,
-    PeerDeadError,
-    PipeClosedError,
-    ProtocolError,
-    TransferError,
-)
-from ..transport.frame import Kind
-from ..transport.options import PipeOptions
-from ..transport.threads import transfer_thread
 from .admission import Admission, ConnectionCaps, Refused, Slot
+from .errors import KeyMissError
 from .protocol import DIGEST, EXISTED, REASON, WAIT_MS, Op, Part, hide_ids, op_name, short_id
 from .store import KVBuffer, Lease
 
@@ -248,6 +246,9 @@ class KVServer:
 
     # -------------------------------------------------------------------------------- requests
     def _serve(self, pipe: TensorPipe) -> None:
+        # Requests (GET, DISCARD) carry no payload: a header announcing any is refused before a
+        # byte of it is allocated (on a GPU pipe, device memory), whatever the request's kind.
+        pipe.expect_payload(0)
         while not self._closed:
             msg = pipe.recv(self.io_timeout_s, idle=True)
             with self._lock:

@@ -44,19 +44,21 @@ import collections
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..logs import get_logger
-from ..transport import check_timeout
-from ..transport.errors import BufferFullError, KeyMissError, PipeClosedError
-from ..transport.frame import DEFAULT_LIMITS, FrameLimits, encode_header, spec_of
+from ..transport import (
+    DEFAULT_LIMITS,
+    FrameLimits,
+    PipeClosedError,
+    check_timeout,
+    encode_header,
+    spec_of,
+)
+from .errors import BufferFullError, KeyMissError
 from .protocol import Op, Part, check_key, group_of, short_id
 from .table import ANY, Entry, Table
-
-if TYPE_CHECKING:
-    from .server import KVServer
 
 __all__ = ["FULL_POLICIES", "KVBuffer", "Lease"]
 
@@ -472,9 +474,3 @@ class KVBuffer:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-
-    def serve(self, host: str = "127.0.0.1", port: int = 0, **kw) -> KVServer:
-        """Start a :class:`~connector.kvstore.server.KVServer` for this buffer (its arguments)."""
-        from .server import KVServer  # the server imports this module
-
-        return KVServer(self, host, port, **kw)

@@ -1,5 +1,6 @@
 """The exceptions of the transport: one family, every error a :class:`TransferError` that names
-the peer, the key and the time waited where known. Also used by the KV store and the connector."""
+the peer, the key and the time waited where known. The KV store's own errors derive from it
+(:mod:`connector.kvstore.errors`)."""
 
 from __future__ import annotations
 
@@ -57,11 +58,6 @@ class TransferTimeout(TransferError):
     """A deadline expired (the pipe that timed out is closed: a late reply cannot desync it)."""
 
 
-class ClientBusyError(TransferTimeout):
-    """A client's other requests held it past this one's deadline (nothing was sent: the peer may
-    be fine)."""
-
-
 class PeerDeadError(TransferError):
     """The peer went away: socket closed or reset without a goodbye, or its data link broke."""
 
@@ -70,24 +66,12 @@ class PipeClosedError(TransferError):
     """The pipe was closed, locally or by the peer's goodbye."""
 
 
-class KeyMissError(TransferError):
-    """The producer does not hold the key; ``reason`` says why (never put, claimed, evicted...)."""
-
-    def __init__(self, msg: str, *, reason: str = "unknown", **kw):
-        super().__init__(f"{msg} (reason: {reason})", **kw)
-        self.reason = reason
-
-
 class ProtocolError(TransferError):
     """Bytes on the wire broke the format: bad magic/version/kind, bad or oversized header."""
 
 
 class RemoteError(TransferError):
     """The peer answered with an ERROR frame (its message is included)."""
-
-
-class BufferFullError(TransferError):
-    """The KV buffer could not make room for an entry within the put deadline."""
 
 
 _DEAD_WORDS = (

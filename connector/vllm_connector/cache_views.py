@@ -15,7 +15,7 @@ import torch
 from tritonkv import KVCacheSet, layouts, prepare_kv
 
 from ..logs import get_logger
-from ..transport.buffers import pinned_host
+from ..transport import pinned_host
 
 log = get_logger("connector")
 

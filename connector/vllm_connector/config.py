@@ -11,8 +11,7 @@ import ipaddress
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..transport.options import TRANSPORTS, default_transport
-from ..transport.threads import parse_cpus
+from ..transport import TRANSPORTS, default_transport, parse_cpus
 
 FULL_POLICIES = ("evict", "wait", "error")  # the KV buffer's, in the order the docs give them
 TRANSPORT_CHOICES = ("auto", *TRANSPORTS)

@@ -115,7 +115,7 @@ from ..hidden.files import HiddenFileWriter
 from ..hidden.scheduler import HiddenDrop, HiddenHold, HiddenSaveSpec, HiddenScheduler
 from ..hidden.worker import HiddenWorker, check_hidden_cache
 from ..logs import get_logger
-from ..transport.threads import parse_cpus, set_transfer_cpus
+from ..transport import parse_cpus, set_transfer_cpus
 from . import cache_views, stats
 from .capability import loaded_kv_refusal
 from .config import ConnectorConfig

@@ -35,16 +35,15 @@ import torch
 from tritonkv import unpack_kv
 
 from .. import integrity
-from ..kvstore import KVClient, Part, chunk_key, hide_ids, short_id
+from ..kvstore import ClientBusyError, KVClient, Part, chunk_key, hide_ids, short_id
 from ..logs import get_logger
 from ..streams import DeviceBudget, StreamOps, device_streams
-from ..transport.errors import (
-    ClientBusyError,
+from ..transport import (
     RemoteError,
     TransferTimeout,
     error_text,
+    pin_current_thread,
 )
-from ..transport.threads import pin_current_thread
 from .cache_views import PAGES_ONLY, RankCaches, packed_shape
 from .config import ConnectorConfig
 from .handoff import shown

@@ -21,7 +21,7 @@ import torch
 from .. import integrity
 from ..kvstore import short_id
 from ..streams import DeviceBudget, Pending, wait_events
-from ..transport.buffers import host_empty, pinned_host
+from ..transport import host_empty, pinned_host
 from .metadata import LoadSpec
 
 

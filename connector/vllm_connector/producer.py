@@ -26,10 +26,14 @@ from ..integrity import digest_tensors, entry_meta, flip_bit, meta_from_digests
 from ..kvstore import KVBuffer, KVServer, chunk_key, hide_ids, short_id
 from ..logs import get_logger
 from ..streams import DeviceBudget, Pending, Publisher, StreamOps, device_streams
-from ..transport import addresses_of
-from ..transport.auth import MIN_SECRET_BYTES, SECRET_ENV, is_loopback
-from ..transport.errors import error_text
-from ..transport.threads import name_current_thread
+from ..transport import (
+    MIN_SECRET_BYTES,
+    SECRET_ENV,
+    addresses_of,
+    error_text,
+    is_loopback,
+    name_current_thread,
+)
 from .cache_views import RankCaches, packed_shape
 from .config import ConnectorConfig
 from .metadata import SaveSpec

@@ -11,10 +11,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
-from ..kvstore import KVClient, hide_ids, short_id
+from ..kvstore import ClientBusyError, KVClient, hide_ids, short_id
 from ..logs import get_logger
-from ..transport.errors import (
-    ClientBusyError,
+from ..transport import (
     PeerDeadError,
     PipeClosedError,
     TransferError,

@@ -19,7 +19,7 @@ from tritonkv import __version__
 from ..integrity import faults
 from ..kvstore import short_id
 from ..logs import get_logger
-from ..transport.auth import SECRET_ENV, is_loopback, load_secret
+from ..transport import SECRET_ENV, is_loopback, load_secret
 from .config import ConnectorConfig
 from .handoff import (
     OVERLAP,

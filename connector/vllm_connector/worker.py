@@ -15,7 +15,7 @@ from tritonkv import use_triton
 
 from ..logs import get_logger
 from ..streams import DeviceBudget, gpu_budget_line
-from ..transport.auth import load_secret
+from ..transport import load_secret
 from .cache_views import RankCaches
 from .config import ConnectorConfig
 from .consumer import Consumer

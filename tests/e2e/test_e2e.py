@@ -17,8 +17,8 @@ import pytest
 from support.e2e import MAX_TOKENS, assert_token_granular_load, run_concurrently, start_cluster
 from support.vllm_fixtures import requires_vllm
 
+from connector.kvstore import KeyMissError
 from connector.serve.demo import completion
-from connector.transport.errors import KeyMissError
 
 pytestmark = [pytest.mark.slow, requires_vllm, pytest.mark.timeout(900)]
 

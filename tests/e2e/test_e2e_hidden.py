@@ -22,8 +22,9 @@ from support.e2e import run_concurrently
 from support.vllm_fixtures import requires_vllm
 
 from connector.hidden import DigestMismatch, fetch_hidden_states, read_hidden_file
+from connector.kvstore import KeyMissError
 from connector.serve.launch import Cluster, free_port_run, http_json
-from connector.transport.errors import KeyMissError, TransferError
+from connector.transport import TransferError
 
 pytestmark = [pytest.mark.slow, requires_vllm, pytest.mark.timeout(900)]
 

@@ -9,9 +9,8 @@ import pytest
 import torch
 from support.kvstore import accounted, deliver, hello, raw_connection, read_frame
 
-from connector.kvstore import KVBuffer, KVClient
+from connector.kvstore import KeyMissError, KVBuffer, KVClient, KVServer
 from connector.kvstore.protocol import DIGEST, REASON, WAIT_MS, Op
-from connector.transport.errors import KeyMissError
 from connector.transport.frame import encode_header
 
 RIGHT = "a1" * 16
@@ -23,7 +22,7 @@ WRONG_IDS = ["none", "other", "shorter", "upper-case", "empty"]
 def served():
     buffer = KVBuffer(1 << 20)
     buffer.put("t", {"kv": torch.arange(8)}, {"n": 1}, digest=RIGHT)
-    server = buffer.serve()
+    server = KVServer(buffer)
     client = KVClient("127.0.0.1", server.port, transport="socket", timeout_s=10)
     try:
         yield buffer, server, client

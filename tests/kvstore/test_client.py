@@ -11,14 +11,14 @@ from support.transport import Child, waited_s
 
 from connector.kvstore import KVClient, Part
 from connector.kvstore.protocol import Op
-from connector.transport import frame as wire
-from connector.transport.errors import (
+from connector.transport import (
     PeerDeadError,
     PipeClosedError,
     ProtocolError,
     TransferError,
     TransferTimeout,
 )
+from connector.transport import frame as wire
 from connector.transport.frame import TensorSpec, encode_header
 
 

@@ -25,10 +25,18 @@ from support.transport import (
     settled_stat,
 )
 
-from connector.kvstore import ConnectionCaps, KVBuffer, KVClient, Part
+from connector.kvstore import (
+    BufferFullError,
+    ConnectionCaps,
+    KeyMissError,
+    KVBuffer,
+    KVClient,
+    KVServer,
+    Part,
+)
 from connector.kvstore.protocol import Op
+from connector.transport import RemoteError
 from connector.transport import frame as wire
-from connector.transport.errors import BufferFullError, KeyMissError, RemoteError
 from connector.transport.frame import APP_KIND_MIN, FrameLimits, Kind, TensorSpec, encode_header
 from connector.transport.options import PipeOptions
 
@@ -75,7 +83,7 @@ def test_threads_get_across_processes_and_put_in_process_concurrently(producer):
     put fresh ones into a buffer of this process and pull those back through its server."""
     child, port = producer
     local = KVBuffer(64 << 20)
-    server = local.serve()
+    server = KVServer(local)
 
     def clients(port):
         shared = KVClient("127.0.0.1", port, timeout_s=30)
@@ -158,7 +166,7 @@ def test_a_full_buffer_refuses_until_a_consumer_claims_an_entry():
     with pytest.raises(BufferFullError, match="buffer full") as ei:
         buf.put("p3", _t(300 << 10))
     assert ei.value.key == "p3"
-    srv = buf.serve()
+    srv = KVServer(buf)
     try:
         with KVClient("127.0.0.1", srv.port, timeout_s=20) as client:
             client.get("p0")
@@ -179,7 +187,7 @@ def test_entry_a_consumer_cannot_receive_is_refused_and_kept():
     buf = KVBuffer(1 << 20)
     cube = torch.arange(24.0).reshape(2, 3, 4)
     buf.put("k", {"x": cube})
-    srv = buf.serve()
+    srv = KVServer(buf)
     try:
         with KVClient(
             "127.0.0.1", srv.port, timeout_s=20, options=PipeOptions(limits=FrameLimits(max_ndim=2))
@@ -222,7 +230,7 @@ def test_server_close_shares_one_deadline_among_stalled_consumers():
     keys = [f"big{j}" for j in range(3)]
     for key in keys:
         buf.put(key, {"x": torch.zeros(32 << 20, dtype=torch.uint8)})
-    srv = buf.serve()
+    srv = KVServer(buf)
     socks = []
     try:
         for key in keys:
@@ -262,7 +270,7 @@ def test_consumer_killed_producer_keeps_serving_and_keeps_the_entry():
     buf.put("big", {"big": big_tensor(512)})
     for i in range(5):
         buf.put(f"k{i}", *make_entry(i))
-    server = buf.serve()
+    server = KVServer(buf)
     victim = Child("consumer", "--port", str(server.port), "--key", "big")
     other = KVClient("127.0.0.1", server.port, timeout_s=30)
     try:
@@ -290,7 +298,7 @@ def test_consumer_killed_producer_keeps_serving_and_keeps_the_entry():
 @pytest.mark.timeout(30)
 def test_too_many_connections_are_refused_cleanly():
     buf = KVBuffer(1 << 20)
-    srv = buf.serve(caps=ConnectionCaps(max_connections=1))
+    srv = KVServer(buf, caps=ConnectionCaps(max_connections=1))
     try:
         with KVClient("127.0.0.1", srv.port, timeout_s=5) as a:
             buf.put("k", {"x": torch.ones(1)})
@@ -312,7 +320,7 @@ def test_parts_of_an_entry_are_claimed_once_they_cover_the_dim():
     buf = KVBuffer(1 << 20)
     kv = torch.arange(2 * 3 * 4 * 2, dtype=torch.int16).view(2, 3, 4, 2)  # heads: dim 2
     buf.put("t", {"kv": kv, "cu": torch.tensor([0, 3])})
-    srv = buf.serve()
+    srv = KVServer(buf)
     try:
         with KVClient("127.0.0.1", srv.port, timeout_s=10) as client:
             with pytest.raises(RemoteError, match="has no dim 2 range"):
@@ -342,7 +350,7 @@ def test_parts_are_delivered_side_by_side():
     kv = torch.arange(4 * 64 * 1024, dtype=torch.int16).view(4, 64, 1024)  # heads: dim 0
     buf.put("t", {"kv": kv})
     lease = buf.checkout("t", part=Part("kv", 0, 0, 2))  # rank 0's part is on its way
-    srv = buf.serve()
+    srv = KVServer(buf)
     try:
         with KVClient("127.0.0.1", srv.port, timeout_s=10) as client:
             got, _ = client.get("t", part=Part("kv", 0, 2, 4))  # rank 1's, meanwhile
@@ -366,8 +374,8 @@ def test_parts_are_delivered_side_by_side():
 @pytest.fixture
 def server():
     buf = KVBuffer(64 << 20)
-    srv = buf.serve(
-        options=PipeOptions(limits=buf.limits, frame_timeout_s=0.5), connect_timeout_s=2
+    srv = KVServer(
+        buf, options=PipeOptions(limits=buf.limits, frame_timeout_s=0.5), connect_timeout_s=2
     )
     try:
         yield srv
@@ -446,6 +454,22 @@ def test_hostile_tensor_header_rejected_without_allocation(server, no_big_alloc,
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("op", [Op.GET, Op.DISCARD])
+def test_a_request_announcing_a_payload_is_refused_before_allocation(server, no_big_alloc, op):  # noqa: F811
+    """An authenticated peer's request that announces 1 MiB inline (within every frame limit):
+    requests carry no payload, so the header is refused before a byte is allocated."""
+    s = raw_connection(server)
+    hello(s)
+    spec = TensorSpec("x", 6, (1 << 20,), 1 << 20)
+    s.send_frame(encode_header(op, "bloat", {}, [spec], wire.FLAG_INLINE))
+    assert closed_by_server(s)
+    s.close()
+    assert (1 << 20) not in no_big_alloc, no_big_alloc
+    _still_serves(server)
+    assert settled_stat(server, "protocol_errors", 1) == 1
+
+
+@pytest.mark.timeout(30)
 def test_deeply_nested_meta_is_a_protocol_error(server):
     """60000 '[' in the meta made json raise RecursionError, which killed the reader thread: the
     connection then stayed open and its slot taken for good."""
@@ -476,10 +500,9 @@ def test_truncated_payload_rejected(server, no_big_alloc, then):  # noqa: F811
     _still_serves(server)
     assert "cut" not in server.buffer
     assert settled_stat(server, "open_connections", 0) == 0  # both connections were handled
-    # the allocation was the validated size, nothing more (_still_serves allocates small ones)
-    assert 4096 in no_big_alloc and max(no_big_alloc) == 4096, no_big_alloc
-    if then == "stall":
-        assert server.stats()["protocol_errors"] == 1
+    # a request carries no payload: its header was refused before the bytes were allocated
+    assert 4096 not in no_big_alloc, no_big_alloc
+    assert settled_stat(server, "protocol_errors", 1) == 1
 
 
 @pytest.mark.timeout(30)

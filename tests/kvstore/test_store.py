@@ -10,8 +10,8 @@ from support.kvstore import accounted, deliver
 from support.transport import assert_entry_equal, make_entry
 from support.vllm_fixtures import captured_log
 
-from connector.kvstore import KVBuffer, Lease, Part
-from connector.transport.errors import BufferFullError, KeyMissError, PipeClosedError
+from connector.kvstore import BufferFullError, KeyMissError, KVBuffer, Lease, Part
+from connector.transport import PipeClosedError
 
 
 def _t(nbytes: int) -> dict:

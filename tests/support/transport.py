@@ -167,7 +167,7 @@ class Child:
 # Child entry points
 # ----------------------------------------------------------------------------------------------
 def _producer(args) -> None:
-    from connector.kvstore import KVBuffer
+    from connector.kvstore import KVBuffer, KVServer
 
     class HookedBuffer(KVBuffer):
         def checkout(self, key, **kw):
@@ -182,7 +182,7 @@ def _producer(args) -> None:
         buf.put(f"k{i}", tensors, meta)
     if args.big_mib:
         buf.put("big", {"big": big_tensor(args.big_mib)}, {"mib": args.big_mib})
-    server = buf.serve("127.0.0.1", 0, transport=args.transport)
+    server = KVServer(buf, "127.0.0.1", 0, transport=args.transport)
     print(f"READY {server.port}", flush=True)
     for line in sys.stdin:
         if line.strip() == "STATS":
@@ -206,8 +206,7 @@ def _consumer(args) -> None:
 def _pipe_echo(args) -> None:
     """Connect to a PipeListener and echo every message; ``{"cmd": "big", "mib": m}`` makes it send
     a ``big_tensor(m)`` instead (printing SENDING first); ``{"cmd": "sleep"}`` stops reading."""
-    from connector.transport import connect_pipe
-    from connector.transport.errors import TransferError
+    from connector.transport import TransferError, connect_pipe
 
     if args.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(args.device))

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from connector.kvstore import KVBuffer, KVClient
+from connector.kvstore import KVBuffer, KVClient, KVServer
 from connector.transport import PipeListener, connect_pipe
 
 pytestmark = [
@@ -83,7 +83,7 @@ def test_a_kv_server_on_cuda_serves_a_cuda_client_over_gloo():
     kv = torch.randn(4, 1024, 64, device="cuda").to(torch.bfloat16)
     buf.put("t", {"kv": kv})
     with (
-        buf.serve(transport="gloo", device="cuda") as srv,
+        KVServer(buf, transport="gloo", device="cuda") as srv,
         KVClient("127.0.0.1", srv.port, transport="gloo", device="cuda") as client,
     ):
         got, _ = client.get("t")

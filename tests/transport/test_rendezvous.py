@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from connector.kvstore import KVBuffer, KVClient
+from connector.kvstore import KVBuffer, KVClient, KVServer
 from connector.transport import auth
 from connector.transport.errors import PeerDeadError, ProtocolError, TransferTimeout
 from connector.transport.frame import DEFAULT_LIMITS, Kind, encode_header
@@ -60,7 +60,7 @@ def test_a_server_and_its_gloo_pipes_open_no_port_but_gloos_pair_listeners_on_lo
     listener, bound to the connection's (loopback) address, never a wildcard, and no store."""
     before = _listening_ports()
     buf = KVBuffer(1 << 20)
-    with buf.serve(secret=SECRET) as srv:
+    with KVServer(buf, secret=SECRET) as srv:
         assert set(_listening_ports()) - set(before) == {srv.port}
         clients = [KVClient("127.0.0.1", srv.port, secret=SECRET, timeout_s=5) for _ in range(2)]
         for i, c in enumerate(clients):
@@ -188,10 +188,10 @@ _NO_ANSWER = textwrap.dedent(
         pass
     print("control", round(time.monotonic() - t0, 2), flush=True)
     import torch
-    from connector.kvstore import KVBuffer, KVClient
+    from connector.kvstore import KVBuffer, KVClient, KVServer
     buf = KVBuffer(1 << 20)
     secret = b"s" * 32
-    with buf.serve(host="127.0.0.1", secret=secret) as srv:
+    with KVServer(buf, host="127.0.0.1", secret=secret) as srv:
         for i in range(3):
             buf.put(f"k{i}", {"x": torch.arange(3)})
             t0 = time.monotonic()

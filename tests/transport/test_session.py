@@ -14,7 +14,7 @@ import torch
 from support.relay import Relay
 from support.transport import recv_exact, settled_stat
 
-from connector.kvstore import KVBuffer, KVClient
+from connector.kvstore import KVBuffer, KVClient, KVServer
 from connector.transport import PipeListener, addresses_of, auth, connect_pipe, frame
 from connector.transport.errors import ProtocolError, TransferError
 
@@ -56,7 +56,7 @@ def test_a_relay_at_another_address_is_refused_and_the_entry_stays():
     authentication names the relay's address, which the server does not know as its own."""
     buf = KVBuffer(1 << 20)
     buf.put("k", {"x": torch.arange(4)})
-    with buf.serve(secret=SECRET) as srv, Relay(("127.0.0.1", srv.port)) as relay:
+    with KVServer(buf, secret=SECRET) as srv, Relay(("127.0.0.1", srv.port)) as relay:
         client = KVClient("127.0.0.1", relay.port, secret=SECRET, timeout_s=5)
         with client, pytest.raises(auth.AuthError, match="not reached at its own address") as ei:
             client.get("k")

@@ -8,7 +8,7 @@ import threading
 import pytest
 from support.transport import assert_entry_equal, make_entry
 
-from connector.kvstore import KVBuffer, KVClient
+from connector.kvstore import KVBuffer, KVClient, KVServer
 from connector.transport.threads import (
     os_thread_name,
     parse_cpus,
@@ -73,7 +73,7 @@ def test_server_and_client_threads_run_on_the_transfer_cpus():
     buf.put("k", entry, meta)
     set_transfer_cpus([cpu])
     try:
-        server = buf.serve()
+        server = KVServer(buf)
         try:
             with KVClient("127.0.0.1", server.port, timeout_s=20) as client:
                 got, got_meta = client.get("k")

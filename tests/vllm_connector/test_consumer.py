@@ -15,14 +15,9 @@ from support.vllm_fixtures import captured_log
 
 import connector.transport.threads as threads_mod
 import connector.vllm_connector.consumer as consumer_mod
-from connector.kvstore import KVBuffer, KVClient, KVServer
+from connector.kvstore import ClientBusyError, KeyMissError, KVBuffer, KVClient, KVServer
 from connector.serve.launch import free_port_run
-from connector.transport.errors import (
-    ClientBusyError,
-    KeyMissError,
-    PipeClosedError,
-    TransferTimeout,
-)
+from connector.transport import PipeClosedError, TransferTimeout
 from connector.vllm_connector.config import ConnectorConfig
 from connector.vllm_connector.metadata import LoadSpec, ReleaseSpec
 from tritonkv import layouts, pack_kv

@@ -18,8 +18,8 @@ import torch
 from connector.hidden import HiddenStatesReader, fetch_hidden_states
 from connector.hidden import files as hidden_files
 from connector.hidden.files import HiddenFileWriter, read_hidden_file
-from connector.kvstore import KVBuffer, KVServer
-from connector.transport.errors import KeyMissError, TransferError
+from connector.kvstore import KeyMissError, KVBuffer, KVServer
+from connector.transport import TransferError
 
 SECRET = "s" * 40
 

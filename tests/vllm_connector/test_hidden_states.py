@@ -24,8 +24,7 @@ from connector.hidden import worker as hs
 from connector.hidden.files import HiddenFileWriter, read_hidden_file
 from connector.hidden.scheduler import HiddenSaveSpec, HiddenScheduler
 from connector.hidden.worker import HiddenWorker
-from connector.kvstore import KVBuffer
-from connector.transport.errors import KeyMissError
+from connector.kvstore import KeyMissError, KVBuffer
 from connector.vllm_connector.stats import TransferStats
 
 SENTINEL = -7.0  # every slot no request owns; a row of it in an output is a wrong address

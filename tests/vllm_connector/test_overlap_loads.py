@@ -22,7 +22,7 @@ from support.connector_halves import (
 )
 from support.vllm_fixtures import captured_log
 
-from connector.transport.errors import ClientBusyError
+from connector.kvstore import ClientBusyError
 from connector.vllm_connector.config import ConnectorConfig
 from connector.vllm_connector.metadata import LoadSpec, SaveSpec
 from connector.vllm_connector.producer_clients import ProducerClients

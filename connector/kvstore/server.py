@@ -72,7 +72,7 @@ class KVServer:
         secret, insecure: as for :class:`~connector.transport.PipeListener` (every connection
             authenticates first; a non-loopback address needs a secret or ``insecure=True``).
         options: the pipes' :class:`~connector.transport.options.PipeOptions` (default: the
-            defaults, with ``limits=buffer.limits``).
+            defaults, with ``limits=buffer.limits``); ``max_payload_bytes`` is always 0.
 
     Failed authentications are counted (``auth_failures``) and logged at most once per host a
     minute. A connection over a cap is told why in a short fixed text (an ERROR frame in place of
@@ -106,6 +106,9 @@ class KVServer:
         self.caps = self._admission.caps
         self.max_get_wait_s = check_timeout("max_get_wait_s", max_get_wait_s)
         options = PipeOptions(limits=buffer.limits) if options is None else options
+        # Requests (GET, DISCARD) carry no payload: a header announcing any is refused before a
+        # byte of it is allocated (on a GPU pipe, device memory), whatever the request's kind.
+        options = options.replace(max_payload_bytes=0)
         self.io_timeout_s = options.io_timeout_s
         self._handlers: dict[int, Callable[[TensorPipe, Message], None]] = {
             Op.GET: self._on_get,
@@ -246,9 +249,6 @@ class KVServer:
 
     # -------------------------------------------------------------------------------- requests
     def _serve(self, pipe: TensorPipe) -> None:
-        # Requests (GET, DISCARD) carry no payload: a header announcing any is refused before a
-        # byte of it is allocated (on a GPU pipe, device memory), whatever the request's kind.
-        pipe.expect_payload(0)
         while not self._closed:
             msg = pipe.recv(self.io_timeout_s, idle=True)
             with self._lock:

@@ -65,6 +65,9 @@ class PipeOptions:
         pack_max_bytes: Tensors up to this size travel packed in one chunk.
         max_queued_frames: Received messages held before the reader stops reading.
         max_queued_bytes: Received inline payload bytes held before the reader stops reading.
+        max_payload_bytes: The most payload bytes a received header may announce from the
+            first frame on (None: only ``limits``; 0 for a server whose requests carry none);
+            :meth:`~connector.transport.pipe.TensorPipe.expect_payload` changes it later.
     """
 
     limits: FrameLimits = DEFAULT_LIMITS
@@ -79,6 +82,7 @@ class PipeOptions:
     pack_max_bytes: int = 1 << 20
     max_queued_frames: int = 64
     max_queued_bytes: int = 64 << 20
+    max_payload_bytes: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.limits, FrameLimits):
@@ -87,6 +91,11 @@ class PipeOptions:
             value = getattr(self, f.name)
             if f.name.endswith("_s"):
                 object.__setattr__(self, f.name, check_timeout(f.name, value))
+            elif f.name == "max_payload_bytes":
+                if value is not None and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 0
+                ):
+                    raise ValueError(f"{f.name}: expected an int >= 0 or None, got {value!r}")
             elif f.name != "limits" and (
                 isinstance(value, bool) or not isinstance(value, int) or value <= 0
             ):

@@ -142,6 +142,7 @@ class TensorPipe:
         self._sock = sock
         sock.setblocking(False)
         self._state = _PipeState(peer)
+        self._state.max_payload = options.max_payload_bytes  # before the reader's first frame
         self._recv_lock = threading.Lock()
         name = f"tkv-pipe[{peer}]"
         self._sender = _Sender(self, self._state, sock, f"{name}-send")

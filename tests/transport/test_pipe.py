@@ -316,6 +316,9 @@ def test_user_errors_say_expected_and_given():
         PipeOptions(max_inflight=3)
     with pytest.raises(ValueError, match="max_inflight_bytes: expected a positive int, got 0"):
         PipeOptions(max_inflight_bytes=0)
+    with pytest.raises(ValueError, match="max_payload_bytes: expected an int >= 0 or None"):
+        PipeOptions(max_payload_bytes=-1)
+    assert PipeOptions(max_payload_bytes=0).max_payload_bytes == 0
     with pytest.raises(ValueError, match="io_timeout_s: expected a positive number of seconds"):
         PipeOptions(io_timeout_s=0)
     with pytest.raises(TypeError, match="options: expected PipeOptions, got dict"):

@@ -46,7 +46,7 @@ from bench.common import cpu_bench_interleaved, paired_ratio
 from connector.hidden.scheduler import HiddenSaveSpec
 from connector.hidden.worker import HiddenWorker
 from connector.kvstore import KVBuffer
-from connector.transport.buffers import host_empty
+from connector.transport import host_empty
 
 # (num_hidden_states, hidden_size, dtype, block_size, tokens per step)
 GPU_SETUP = (3, 4096, torch.bfloat16, 16, 4096)

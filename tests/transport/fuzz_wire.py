@@ -54,6 +54,7 @@ with atheris.instrument_imports():
         build_handoff,
         handoff_problems,
         parse_handoff,
+        prompt_digest,
     )
 
 # Small announced limits, so that anything the decoder accepts is cheap to allocate and check.
@@ -203,7 +204,7 @@ HANDOFF = build_handoff(
     host="10.0.0.1",
     engine_port=14600,
     num_tokens=3,
-    prompt_token_ids=[1, 2, 3],
+    prompt_digest=prompt_digest([1, 2, 3]),
     fingerprint="fp",
     tp_size=2,
 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,6 +17,7 @@ from connector.vllm_connector.handoff import (
     is_handoff,
     parse_handoff,
     prompt_digest,
+    request_digest,
     shown,
 )
 from connector.vllm_connector.metadata import ReleaseSpec
@@ -28,7 +31,7 @@ def _good(**changes) -> dict:
         host="prefill-0.example",
         engine_port=14600,
         num_tokens=3,
-        prompt_token_ids=[1, 2, 3],
+        prompt_digest=prompt_digest([1, 2, 3]),
         fingerprint="fp",
         tp_size=2,
     )
@@ -39,6 +42,41 @@ def test_prompt_digest_tells_prompts_apart():
     assert prompt_digest([1, 2, 3]) == prompt_digest((1, 2, 3))
     assert prompt_digest([1, 2, 3]) != prompt_digest([1, 2, 4])
     assert prompt_digest([1, 2]) != prompt_digest([1, 2, 0])
+
+
+def _request(tokens=(1, 2, 3), *, lora=None, salt=None, mm=()):
+    """What request_digest reads of a vLLM request."""
+    return SimpleNamespace(
+        prompt_token_ids=list(tokens),
+        lora_request=None if lora is None else SimpleNamespace(lora_name=lora, lora_path="/x"),
+        cache_salt=salt,
+        mm_features=[
+            SimpleNamespace(identifier=ident, mm_position=SimpleNamespace(offset=at, length=n))
+            for ident, at, n in mm
+        ],
+    )
+
+
+def test_the_request_digest_binds_what_else_decides_the_kv():
+    """Same token ids under another LoRA adapter, cache_salt or image (or the image elsewhere)
+    hold other KV: each gets its own digest; ids alone keep prompt_digest's."""
+    plain = request_digest(_request())
+    assert plain == prompt_digest([1, 2, 3])
+    variants = [
+        _request(lora="a"),
+        _request(lora="b"),
+        _request(salt="tenant-1"),
+        _request(salt="tenant-2"),
+        _request(mm=[("img-1", 0, 2)]),
+        _request(mm=[("img-2", 0, 2)]),
+        _request(mm=[("img-1", 1, 2)]),
+        _request(mm=[("img-1", 0, 2), ("img-2", 2, 1)]),
+        _request(lora="a", salt="tenant-1"),
+    ]
+    digests = [request_digest(r) for r in variants]
+    assert len(set(digests)) == len(variants) and plain not in digests
+    assert request_digest(_request(lora="a")) == digests[0]  # deterministic
+    assert request_digest(_request(salt="")) == plain  # vLLM's "no salt"
 
 
 def test_a_built_handoff_parses_back_to_where_its_entry_lives():

@@ -84,7 +84,7 @@ def vllm_mods(tiny_llama_dir):
             log_stats=False,
         )
 
-    def request(req_id, prompt=PROMPT, params=None, *, sampling=None, embeds=False):
+    def request(req_id, prompt=PROMPT, params=None, *, sampling=None, embeds=False, salt=None):
         sampling = sampling or SamplingParams(
             max_tokens=4, extra_args={"kv_transfer_params": params} if params else None
         )
@@ -96,6 +96,7 @@ def vllm_mods(tiny_llama_dir):
             pooling_params=None,
             arrival_time=0.0,
             block_hasher=hasher,
+            cache_salt=salt,
         )
 
     def step(sched, kv_output=None):
@@ -790,3 +791,25 @@ def test_a_consumer_without_a_secret_loads_only_from_loopback_producers(
     refused = [msg for msg in messages if "'10.1.2.3' is not a loopback address" in msg]
     assert len(refused) == (0 if loads else 1)
     assert any("INSECURE" in msg for msg in messages) == (insecure and not secret)
+
+
+def test_the_same_tokens_under_another_cache_salt_are_never_loaded(vllm_mods, connector_log):
+    """``cache_salt`` keeps tenants' prefix caches apart: the producer's hand-off of a salted
+    prompt binds the salt, so a consumer request with the same tokens and another salt (or none)
+    refuses it before anything is dialed; the same salt loads."""
+    m = vllm_mods
+    producer = m["scheduler"]("kv_producer")
+    producer.add_request(m["request"]("p", params={"do_remote_decode": True}, salt="tenant-a"))
+    handoffs = {}
+    for _ in range(6):
+        handoffs.update(m["step"](producer)[1])
+    consumer = m["scheduler"]("kv_consumer")
+    consumer.add_request(m["request"]("other", params=handoffs["p"], salt="tenant-b"))
+    consumer.add_request(m["request"]("none", params=handoffs["p"]))
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [] and _releases(out) == []
+    refusals = [r.getMessage() for r in connector_log if "refusing transfer" in r.getMessage()]
+    assert len(refusals) == 2 and all("cache_salt" in msg for msg in refusals)
+    consumer.add_request(m["request"]("same", params=handoffs["p"], salt="tenant-a"))
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [("same", 0, len(PROMPT) - 1)]

@@ -21,7 +21,7 @@ spec-only           vLLM's ``extract_hidden_states`` method, no connector: what 
                     floor of every other setup)
 tritonkv-noread     TritonKVConnector serving them, files off, nobody reading them: what the
                     extraction costs the server (entries stay until their TTL)
-tritonkv-net        TritonKVConnector, files off: pulls them from the KV server (a
+tritonkv-net        TritonKVConnector, files off: loads them from the KV server (a
                     ``connector.hidden.HiddenStatesReader`` per client: kept connections)
 tritonkv-files      TritonKVConnector, files on: reads the file (``read_hidden_file``)
 tritonkv-...-       ``tritonkv-noread`` and ``tritonkv-files`` with the connector's ``digest``
@@ -111,7 +111,7 @@ def _server(label: str, cluster: Cluster, model: Path, storage: Path):
             def reader(p):
                 if not hasattr(local, "reader"):
                     local.reader = HiddenStatesReader(timeout_s=60)
-                return local.reader.fetch(
+                return local.reader.load(
                     p["hidden_states_host"], p["hidden_states_port"], p["hidden_states_transfer_id"]
                 )
     elif name == "example":

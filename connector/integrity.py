@@ -3,7 +3,7 @@
 The producer's pack computes the digest of the packed KV in its copy (:mod:`tritonkv.digest`) and
 stores it in the entry's meta (:func:`entry_meta`): ``kv_digest`` for the whole entry and, for
 token rows of more than one head, ``kv_head_digests``, one per head, since a consumer of another
-TP size pulls a slice of the heads and checks each of its heads apart (:func:`expected`). The
+TP size loads a slice of the heads and checks each of its heads apart (:func:`expected`). The
 consumer's unpack computes the digest of what it read (:func:`check_read`); with
 ``digest_write_back`` the slots just written are read again through slots derived anew from the
 block table (:func:`check_write_back`). A mismatch raises :class:`DigestMismatch`, which the
@@ -109,7 +109,7 @@ def entry_meta(packed: torch.Tensor, digest: torch.Tensor, kv_format: str) -> di
 def digest_tensors(packed: torch.Tensor, digest: torch.Tensor, kv_format: str) -> torch.Tensor:
     """``[n, 2]`` int64 on ``packed``'s device, launched without a host synchronisation: the
     pack's ``digest`` of the whole entry, then, for token rows of more than one head, one digest
-    per head (a consumer may pull a slice of the heads)."""
+    per head (a consumer may load a slice of the heads)."""
     if kv_format == "tokens" and packed.shape[3] > 1:  # one pass on the CPU (head_digests)
         return torch.cat([digest.unsqueeze(0), head_digests(packed)])
     return digest.unsqueeze(0)
@@ -126,7 +126,7 @@ def meta_from_digests(digests: torch.Tensor, kv_format: str) -> dict:
 
 
 def expected(meta: dict, heads: tuple[int, int] | None) -> Expected:
-    """What a pull must match: the entry's digest (``heads`` None: the whole entry), the digests
+    """What a load must match: the entry's digest (``heads`` None: the whole entry), the digests
     of heads ``heads[0] .. heads[1] - 1`` (a slice), or None when the producer sent none.
 
     Raises:
@@ -146,7 +146,7 @@ def expected(meta: dict, heads: tuple[int, int] | None) -> Expected:
     if not all(_is_hex(v) for v in values):
         raise ValueError(f"entry's {HEAD_DIGESTS_KEY} is malformed")
     if not 0 <= heads[0] < heads[1] <= len(values):
-        raise ValueError(f"entry has {len(values)} head digests, the pull wants heads {heads}")
+        raise ValueError(f"entry has {len(values)} head digests, the load wants heads {heads}")
     return values[heads[0] : heads[1]]
 
 

@@ -24,7 +24,7 @@ def get_logger(component: str) -> logging.Logger:
 def short_id(key) -> str:
     """How a key (a transfer id) goes into a log line: its first :data:`SHORT_ID_CHARS`
     characters and ``…`` (``"0123abcd…"``), non-printable characters escaped first; ``none`` for
-    None. The whole id lets its holder load or drop a request's KV, so no log holds it."""
+    None. The whole id lets its holder load or discard a request's KV, so no log holds it."""
     if key is None:
         return "none"
     text = repr(key)[1:-1] if isinstance(key, str) else repr(key)

@@ -7,7 +7,7 @@
 - ``files.py``: the safetensors files (:class:`~.files.HiddenFileWriter`,
   :func:`~.files.read_hidden_file`);
 - ``reader.py``: reading them back from the producer's KV server
-  (:func:`~.reader.fetch_hidden_states`, :class:`~.reader.HiddenStatesReader`).
+  (:func:`~.reader.load_hidden_states`, :class:`~.reader.HiddenStatesReader`).
 
 The facade (:mod:`connector.vllm_connector.connector`) wires the scheduler and worker sides into
 vLLM; what they share with the KV path lives in leaf modules (:mod:`connector.integrity`,
@@ -16,6 +16,6 @@ vLLM; what they share with the KV path lives in leaf modules (:mod:`connector.in
 
 from ..integrity import DigestMismatch
 from .files import read_hidden_file
-from .reader import HiddenStatesReader, fetch_hidden_states
+from .reader import HiddenStatesReader, load_hidden_states
 
-__all__ = ["DigestMismatch", "HiddenStatesReader", "fetch_hidden_states", "read_hidden_file"]
+__all__ = ["DigestMismatch", "HiddenStatesReader", "load_hidden_states", "read_hidden_file"]

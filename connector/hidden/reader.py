@@ -4,24 +4,24 @@ A finished request's ``kv_transfer_params`` (in the OpenAI response of vLLM's se
 ``RequestOutput.kv_transfer_params`` offline) say where its prompt's hidden states are:
 
 - ``hidden_states_path``: a safetensors file, vLLM's ``ExampleHiddenStatesConnector`` format
-  (read with :func:`read_hidden_file`, or vLLM's own ``load_hidden_states``);
+  (read with :func:`read_hidden_file`, or the reader of vLLM's example connector);
 - ``hidden_states_transfer_id``, ``hidden_states_host``, ``hidden_states_port``: the producer's KV
-  server holds them (read with :func:`fetch_hidden_states`, or many with a
+  server holds them (read with :func:`load_hidden_states`, or many with a
   :class:`HiddenStatesReader`, which keeps its connections; no shared storage needed). The entry
-  is delivered once, then dropped; unread ones expire after the server's ``ttl_s``.
+  is delivered once, then discarded; unread ones expire after the server's ``ttl_s``.
 
 Either way you get ``{"hidden_states": [num_tokens, num_hidden_states, hidden_size] (the model's
 dtype), "token_ids": [num_tokens] int64}``. Example, from a training job on another host::
 
     import json, urllib.request
-    from connector.hidden import fetch_hidden_states
+    from connector.hidden import load_hidden_states
 
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1}
     req = urllib.request.Request(
         "http://server:8000/v1/completions", json.dumps(body).encode(),
         {"Content-Type": "application/json"})
     params = json.load(urllib.request.urlopen(req))["kv_transfer_params"]
-    states = fetch_hidden_states(
+    states = load_hidden_states(
         params["hidden_states_host"], params["hidden_states_port"],
         params["hidden_states_transfer_id"], secret=open("/etc/tritonkv.secret").read().strip())
     states["hidden_states"].shape  # torch.Size([num_tokens, num_hidden_states, hidden_size])
@@ -47,20 +47,20 @@ from ..kvstore import KVClient
 from ..transport import PeerDeadError, PipeClosedError, auth, check_timeout
 from .files import read_hidden_file
 
-__all__ = ["DigestMismatch", "HiddenStatesReader", "fetch_hidden_states", "read_hidden_file"]
+__all__ = ["DigestMismatch", "HiddenStatesReader", "load_hidden_states", "read_hidden_file"]
 
 
 class HiddenStatesReader:
-    """Pulls many requests' hidden states over connections it keeps, one per producer address.
+    """Loads many requests' hidden states over connections it keeps, one per producer address.
 
     Each connection is authenticated once, then carries one request after another, where
-    :func:`fetch_hidden_states` pays a handshake (and the server a connection) per request: use
+    :func:`load_hidden_states` pays a handshake (and the server a connection) per request: use
     this when reading a dataset's worth. One request at a time per reader (thread-safe,
     serialised); give each client thread its own. A connection the server closed while it was
     idle is made again once, transparently (no entry is claimed by a request that never reached
     the server).
 
-    Args: as :func:`fetch_hidden_states` (``secret``, ``timeout_s``, ``connect_timeout_s``,
+    Args: as :func:`load_hidden_states` (``secret``, ``timeout_s``, ``connect_timeout_s``,
     ``transport``), for every request; ``max_peers``: connections kept at most (the least
     recently used one is closed beyond that).
     """
@@ -88,10 +88,10 @@ class HiddenStatesReader:
         )
         self._lock = threading.Lock()
 
-    def fetch(
+    def load(
         self, host: str, port: int, transfer_id: str, *, wait_s: float | None = None
     ) -> dict[str, torch.Tensor]:
-        """One request's hidden states (see :func:`fetch_hidden_states` for what is returned
+        """One request's hidden states (see :func:`load_hidden_states` for what is returned
         and raised)."""
         if wait_s is None:
             wait_s = self._client_args["timeout_s"] / 2
@@ -139,7 +139,7 @@ class HiddenStatesReader:
         self.close()
 
 
-def fetch_hidden_states(
+def load_hidden_states(
     host: str,
     port: int,
     transfer_id: str,
@@ -150,14 +150,14 @@ def fetch_hidden_states(
     wait_s: float | None = None,
     transport: str = "socket",
 ) -> dict[str, torch.Tensor]:
-    """Pull one request's hidden states from the producer's KV server, over a connection of its
+    """Load one request's hidden states from the producer's KV server, over a connection of its
     own (many requests: :class:`HiddenStatesReader` keeps its connections).
 
     Args:
         host, port: ``hidden_states_host`` and ``hidden_states_port`` of its params.
         transfer_id: its ``hidden_states_transfer_id``.
         secret: the server's shared secret (None: a server started without one).
-        timeout_s: the deadline of the whole pull (connect and transfer).
+        timeout_s: the deadline of the whole load (connect and transfer).
         connect_timeout_s: the deadline of the connection's handshake.
         wait_s: how long the server may wait for the entry to appear (below ``timeout_s``;
             default half of it). The producer delivers a request's hidden states off its step,
@@ -175,11 +175,11 @@ def fetch_hidden_states(
             failed, never taken, already read, expired, or its request was aborted); the reason
             says which it knows.
         DigestMismatch: what arrived differs from what the producer packed (check
-            ``receipt``); the entry was delivered (and dropped) all the same.
-        connector.transport.errors.TransferTimeout, PeerDeadError, ...: the pull failed in time.
+            ``receipt``); the entry was delivered (and discarded) all the same.
+        connector.transport.TransferTimeout, PeerDeadError, ...: the load failed in time.
     """
     reader = HiddenStatesReader(
         secret=secret, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, transport=transport
     )
     with reader:
-        return reader.fetch(host, port, transfer_id, wait_s=wait_s)
+        return reader.load(host, port, transfer_id, wait_s=wait_s)

@@ -18,9 +18,9 @@ the worker side). Two modes per request, as vLLM's ``ExampleHiddenStatesConnecto
 
 Either way ``request_finished`` returns ``hidden_states_path`` (a file, Example's contract) and/or
 ``hidden_states_transfer_id`` with the producer's ``hidden_states_host`` and
-``hidden_states_port`` (read with :func:`.reader.fetch_hidden_states`), and
-``hidden_states_num_tokens``. An aborted request gets nothing and its workers drop what they took
-(:class:`HiddenDrop`). No vLLM import.
+``hidden_states_port`` (read with :func:`.reader.load_hidden_states`), and
+``hidden_states_num_tokens``. An aborted request gets nothing and its workers discard what they took
+(:class:`HiddenDiscard`). No vLLM import.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from ..steps import finishing_prompts
 
 log = get_logger("connector")
 
-__all__ = ["PARAM_KEYS", "HiddenDrop", "HiddenHold", "HiddenSaveSpec", "HiddenScheduler"]
+__all__ = ["PARAM_KEYS", "HiddenDiscard", "HiddenHold", "HiddenSaveSpec", "HiddenScheduler"]
 
 #: the ``kv_transfer_params`` keys a finished request's hidden states are announced under
 PARAM_KEYS = (
@@ -95,8 +95,8 @@ class HiddenHold:
 
 
 @dataclass
-class HiddenDrop:
-    """Worker: an aborted request's hidden states: drop ``transfer_id``, delete ``path``."""
+class HiddenDiscard:
+    """Worker: an aborted request's hidden states: discard ``transfer_id``, delete ``path``."""
 
     transfer_id: str
     path: str | None
@@ -136,7 +136,7 @@ class HiddenScheduler:
         self._whole: set[str] = set()  # req_ids of whole-sequence requests
         self._taken: dict[str, HiddenSaveSpec] = {}  # req_id -> what the workers took or hold
         self._finished: list[HiddenSaveSpec] = []  # whole sequences, for the next step
-        self._drops: list[HiddenDrop] = []
+        self._discards: list[HiddenDiscard] = []
 
     def watch(self, request) -> None:
         """Take ``request``'s hidden states (called when vLLM allocates it blocks)."""
@@ -178,9 +178,9 @@ class HiddenScheduler:
         return os.path.join(self.storage_path, f"{file_stem(request.request_id)}.safetensors")
 
     def build_meta(self, scheduler_output) -> dict[str, list]:
-        """``{"hidden_saves", "hidden_holds", "hidden_drops"}`` for this step's metadata."""
+        """``{"hidden_saves", "hidden_holds", "hidden_discards"}`` for this step's metadata."""
         saves, self._finished = self._finished, []
-        drops, self._drops = self._drops, []
+        discards, self._discards = self._discards, []
         holds: list[HiddenHold] = []
         for req_id, request, groups in finishing_prompts(
             scheduler_output, self._watched, self._taken
@@ -204,14 +204,14 @@ class HiddenScheduler:
                 saves.append(spec)
             elif spec.path is not None:
                 holds.append(HiddenHold(req_id, spec.transfer_id, spec.path))
-        return {"hidden_saves": saves, "hidden_holds": holds, "hidden_drops": drops}
+        return {"hidden_saves": saves, "hidden_holds": holds, "hidden_discards": discards}
 
     def request_finished(
         self, request, aborted: bool, block_ids: tuple[list[int], ...] = ()
     ) -> tuple[bool, dict | None]:
         """``(delay_free_blocks, kv_transfer_params keys)`` for ``request`` (``block_ids``: its
         blocks per cache group, as vLLM gives them). No keys if none were taken or it was
-        aborted (then its workers drop what they took in the next step); a delay for a whole
+        aborted (then its workers discard what they took in the next step); a delay for a whole
         sequence, which the next step takes from those blocks."""
         req_id = request.request_id
         self._watched.pop(req_id, None)
@@ -221,7 +221,7 @@ class HiddenScheduler:
         if spec is None:
             return False, None
         if aborted:
-            self._drops.append(HiddenDrop(spec.transfer_id, spec.path))
+            self._discards.append(HiddenDiscard(spec.transfer_id, spec.path))
             return False, None
         if whole:
             token_ids = list(request.all_token_ids)[:-1]  # the last was never fed to the model

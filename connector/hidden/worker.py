@@ -21,7 +21,7 @@ its rows (no per-request copy), with its token ids beside it, handed to the file
 A finished sequence's request is reported in ``finished_sending`` by every rank in that step
 (:meth:`HiddenWorker.take_released`): the pack has read its blocks (on a GPU: vLLM's stream waits
 for it), so vLLM may free them. Only the pack is on the step: the digests and deliveries are a
-:class:`~connector.streams.Publisher` thread's (on the ``transfer_cpus``), in order, drops of aborted
+:class:`~connector.streams.Publisher` thread's (on the ``transfer_cpus``), in order, discards of aborted
 requests included; past :data:`HOST_QUEUE_BYTES` of packed rows waiting for it, a step delivers
 its own. So an entry may appear just after the response naming it: readers wait for it
 (``wait_s``), and a request whose save failed has its transfer id sealed, which ends such a wait
@@ -70,7 +70,7 @@ from ..streams import (
 )
 from ..transport import error_text, pinned_host
 from .files import HiddenFileWriter
-from .scheduler import HiddenDrop, HiddenHold, HiddenSaveSpec
+from .scheduler import HiddenDiscard, HiddenHold, HiddenSaveSpec
 
 log = get_logger("connector")
 
@@ -83,7 +83,7 @@ HOST_QUEUE_BYTES = 256 << 20
 
 def check_hidden_cache(cache: torch.Tensor, names: list[str], block_size: int) -> None:
     """ValueError unless ``names`` is one cache-only layer whose cache is ``[num_blocks,
-    num_hidden_states, block_size, hidden_size]`` (checked before any half starts)."""
+    num_hidden_states, block_size, hidden_size]`` (checked before any side starts)."""
     if len(names) != 1 or cache.dim() != 4 or cache.shape[2] != block_size:
         raise ValueError(
             f"tritonkv: extract_hidden_states: expected one cache-only layer of block size "
@@ -113,7 +113,7 @@ def token_slots(spec: HiddenSaveSpec, num_blocks: int, block_size: int) -> torch
 @dataclass
 class _Batch:
     """One pack of a step's finishing prompts, from its launch to its delivery (and, on a GPU,
-    the step's drops, done in order on the publisher thread)."""
+    the step's discards, done in order on the publisher thread)."""
 
     specs: list[HiddenSaveSpec]
     locks: list[int | None]  # each one's file lock (None: no file for it)
@@ -121,13 +121,13 @@ class _Batch:
     bounds: list[int] = field(default_factory=list)  # spec i: packed rows bounds[i]:bounds[i+1]
     rows: torch.Tensor | None = None  # [total, num_hidden_states, hidden_size]: the pack's output
     pending: Pending = field(default_factory=lambda: Pending(None))  # GPU: the pack's event
-    drops: list[HiddenDrop] = field(default_factory=list)
+    discards: list[HiddenDiscard] = field(default_factory=list)
     t0: float = field(default_factory=time.perf_counter)
 
 
 class HiddenOutlets:
     """Where rank 0's hidden states go: the file writer and the KV buffer, the files' locks (the
-    ones held for whole sequences by transfer id), drops, and each request's one count.
+    ones held for whole sequences by transfer id), discards, and each request's one count.
 
     Args: see :class:`HiddenWorker` (``num_hidden_states`` and ``hidden_size`` go in the
     buffer entries' meta).
@@ -143,12 +143,12 @@ class HiddenOutlets:
     def buffer(self):
         return self._buffer() if self._buffer is not None else None
 
-    def hold(self, holds: list[HiddenHold], drops: list[HiddenDrop]) -> None:
-        """Lock ``holds``' files; release those of ``drops`` (their files are deleted later)."""
+    def hold(self, holds: list[HiddenHold], discards: list[HiddenDiscard]) -> None:
+        """Lock ``holds``' files; release those of ``discards`` (their files are deleted later)."""
         for hold in holds:
             self._held[hold.transfer_id] = self.lock(hold)
-        for drop in drops:
-            if (fd := self._held.pop(drop.transfer_id, None)) is not None:
+        for spec in discards:
+            if (fd := self._held.pop(spec.transfer_id, None)) is not None:
                 os.close(fd)
 
     def take_lock(self, spec: HiddenSaveSpec) -> int | None:
@@ -217,22 +217,22 @@ class HiddenOutlets:
         )
 
     def unserve(self, spec: HiddenSaveSpec) -> None:
-        """No entry will come for ``spec``: its transfer id sealed (see :meth:`drop`)."""
-        self.drop(HiddenDrop(spec.transfer_id, None))
+        """No entry will come for ``spec``: its transfer id sealed (see :meth:`discard`)."""
+        self.discard(HiddenDiscard(spec.transfer_id, None))
 
-    def drop(self, drop: HiddenDrop) -> None:
-        """Drop ``drop``'s entry and seal its transfer id (a later put is refused, and a reader
+    def discard(self, spec: HiddenDiscard) -> None:
+        """Discard ``spec``'s entry and seal its transfer id (a later put is refused, and a reader
         waiting for it, its delivery being off the step, gets a MISS at once); delete its file."""
         try:
             buffer = self.buffer
             if buffer is not None:
-                buffer.drop(drop.transfer_id, seal=True)
-            if drop.path is not None and self.writer is not None:
-                self.writer.delete(drop.path)
-        except Exception as exc:  # its TTL drops the entry later
+                buffer.discard_any(spec.transfer_id, seal=True)
+            if spec.path is not None and self.writer is not None:
+                self.writer.delete(spec.path)
+        except Exception as exc:  # its TTL discards the entry later
             log.error(
-                "tritonkv: could not drop hidden states %s (%s)",
-                short_id(drop.transfer_id),
+                "tritonkv: could not discard hidden states %s (%s)",
+                short_id(spec.transfer_id),
                 error_text(exc),
             )
 
@@ -299,17 +299,17 @@ class HiddenWorker:
     def save(
         self,
         saves: list[HiddenSaveSpec],
-        drops: list[HiddenDrop] = (),
+        discards: list[HiddenDiscard] = (),
         holds: list[HiddenHold] = (),
     ) -> None:
-        """Lock ``holds``' files, drop ``drops`` and take ``saves`` (one pack for all). Never
+        """Lock ``holds``' files, discard ``discards`` and take ``saves`` (one pack for all). Never
         raises."""
         self._released.update(spec.req_id for spec in saves if spec.release_blocks)
         if self.tp_rank != 0:
             return
-        self.out.hold(holds, drops)  # on the step: before vLLM can tell anyone the path
-        if drops:  # after the saves launched before them
-            self._publisher_thread().submit(_Batch([], [], [], drops=list(drops)))
+        self.out.hold(holds, discards)  # on the step: before vLLM can tell anyone the path
+        if discards:  # after the saves launched before them
+            self._publisher_thread().submit(_Batch([], [], [], discards=list(discards)))
         good, slots, locks = [], [], []
         for spec in saves:
             fd = self.out.take_lock(spec)  # on the step: before vLLM can tell anyone the path
@@ -425,8 +425,8 @@ class HiddenWorker:
     def _publish(self, batch: _Batch, deadline: float) -> None:
         """On the publisher thread, once ``batch``'s pack completed: digest each request's rows
         (on a GPU: there, then rows and digests copied to pinned host memory), deliver them."""
-        for drop in batch.drops:
-            self.out.drop(drop)
+        for spec in batch.discards:
+            self.out.discard(spec)
         if not batch.specs:
             return
         rows, digests, publisher = batch.rows, None, self._publisher_thread()

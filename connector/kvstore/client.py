@@ -1,4 +1,4 @@
-"""The consumer's KV client: pulls entries from a :class:`~connector.kvstore.server.KVServer`.
+"""The consumer's KV client: loads entries from a :class:`~connector.kvstore.server.KVServer`.
 
 One request at a time per client (thread-safe, serialised), one pipe per client, connected
 lazily and again after a broken connection. Deadlines: ``timeout_s`` (30 s) per request,
@@ -39,7 +39,7 @@ _COUNTERS = ("requests", "hits", "misses", "timeouts", "errors", "connects", "by
 
 
 class KVClient:
-    """Consumer side: pulls entries from a :class:`~connector.kvstore.server.KVServer`.
+    """Consumer side: loads entries from a :class:`~connector.kvstore.server.KVServer`.
 
     Args:
         host, port: the server.
@@ -182,10 +182,10 @@ class KVClient:
         digest: str | None = None,
         max_bytes: int | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict]:
-        """Pull entry ``key``: ``(tensors on self.device, meta)``.
+        """Load entry ``key``: ``(tensors on self.device, meta)``.
 
         ``part``: only that slice of one tensor (the others whole); the entry is claimed once the
-        parts pulled, by any consumers, cover the whole dim (:class:`Part`). ``digest``: the one
+        parts loaded, by any consumers, cover the whole dim (:class:`Part`). ``digest``: the one
         the entry was put with (any other gets the MISS of a key never put).
 
         ``max_bytes``: the most payload bytes the caller expects (None: only the pipe's limits).
@@ -231,7 +231,7 @@ class KVClient:
     def discard(
         self, key: str, timeout_s: float | None = None, *, digest: str | None = None
     ) -> bool:
-        """Ask the server to drop ``key`` (put with ``digest``); True if it held it (for that
+        """Ask the server to discard ``key`` (put with ``digest``); True if it held it (for that
         digest)."""
         key = check_key(key)
         reply, _ = self._request(

@@ -11,10 +11,10 @@ Request / reply protocol (one pipe per client, one request at a time)::
                                                           | ERROR key {"error": e}
 
 An entry put with a digest (the connector binds each to its prompt's digest) is served, and
-dropped, only for a request that presents the same digest (compared in constant time); for any
+discarded, only for a request that presents the same digest (compared in constant time); for any
 other request it does not exist: MISS with the reason an unknown key gets, ``existed`` False.
-A DISCARD drops every key of the key's group (:func:`group_of`: the chunks of one transfer) and
-seals it: parts of it put later are refused (a transfer released while its producer still
+A DISCARD discards every key of the key's group (:func:`group_of`: the chunks of one transfer) and
+seals it: parts of it put later are refused (a transfer discarded while its producer still
 computes it). Any other kind is answered with ERROR and the connection is closed. Codes 37 and 38 were PUT and
 MATCH (removed before 0.1.0); they are not reused while the frame version is 2.
 """
@@ -126,7 +126,7 @@ class Part:
     """One slice of one tensor of an entry: ``tensor.narrow(dim, start, stop - start)``.
 
     A GET may ask for a part (a consumer rank that holds some of the producer rank's KV heads
-    pulls only those). The server sends that slice and every other tensor of the entry whole; the
+    loads only those). The server sends that slice and every other tensor of the entry whole; the
     entry counts as delivered once its parts cover the whole dim. Example: an entry whose ``"kv"``
     is ``[2, 3, 4, 2]`` with heads on dim 2 is claimed after ``Part("kv", 2, 0, 2)`` and
     ``Part("kv", 2, 2, 4)`` were both delivered, by one consumer or two.

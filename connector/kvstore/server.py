@@ -2,9 +2,9 @@
 
 One accept thread; per connection one handler thread (authentication and handshake, then
 request / reply, :mod:`connector.kvstore.protocol`), so one consumer dying or misbehaving only
-loses its own connection. Least privilege: consumers pull and drop entries by transfer id; nothing
+loses its own connection. Least privilege: consumers load and discard entries by transfer id; nothing
 on the wire can put, list or probe entries, and an entry bound to a digest (the connector binds
-each to its prompt) is served or dropped only for the same digest: to anyone else it does not
+each to its prompt) is served or discarded only for the same digest: to anyone else it does not
 exist (MISS with an unknown key's reason; DISCARD: ``existed`` False). A GET delivers through a :class:`~.store.Lease`: the
 entry is pinned while its payload is sent, claimed when the send completed, kept for a retry
 when it failed. Deadlines: ``max_get_wait_s`` (60 s) caps how long a GET may wait for a key to be

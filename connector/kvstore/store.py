@@ -1,10 +1,10 @@
-"""The producer's dict-keyed KV buffer: entries parked under a transfer id until a consumer pulls them.
+"""The producer's dict-keyed KV buffer: entries parked under a transfer id until a consumer loads them.
 
 Why a buffer: prefill and decode handle requests in different orders and at different times, so
 the producer parks each request's entry (named tensors: the connector stores its packed KV as ``kv``;
-plus small metadata) under the transfer id both sides receive explicitly, until the consumer pulls it.
+plus small metadata) under the transfer id both sides receive explicitly, until the consumer loads it.
 
-:class:`KVBuffer` (thread-safe, in process): ``put`` / ``discard`` / ``drop`` / ``stats`` / ``close``,
+:class:`KVBuffer` (thread-safe, in process): ``put`` / ``discard`` / ``discard`` / ``stats`` / ``close``,
 ``len`` / ``in``, ``match_prefix`` (the longest stored prefix of a token list,
 :mod:`connector.kvstore.prefix`), and the lease API a server delivers through: ``checkout`` a
 :class:`Lease`, send its tensors, ``checkin`` the lease. Lookup is a dict (O(1)).
@@ -20,10 +20,10 @@ discarded, evicted, expired) and remembered for a while, so a later checkout's m
 nothing vanishes silently, and ``puts == entries + claimed + discards + evictions + expirations``
 always holds.
 
-Only its owner drops an entry whatever its digest (``drop``: a producer aborting its own save).
+Only its owner discards an entry whatever its digest (``discard``: a producer aborting its own save).
 A transfer may be stored in parts under keys of one group (``<transfer id>#<index>``, the
-overlapped flow's chunks): ``discard`` / ``drop`` with ``seal`` drop the whole group and refuse
-its later parts, so a transfer released while its producer still computes it leaves nothing.
+overlapped flow's chunks): ``discard`` / ``discard`` with ``seal`` discard the whole group and refuse
+its later parts, so a transfer discarded while its producer still computes it leaves nothing.
 
 Full buffer (``capacity_bytes`` of tensor payload), by ``full_policy``:
 
@@ -417,19 +417,19 @@ class KVBuffer:
             return True
 
     def discard(self, key: str, digest: str | None = None, *, seal: bool = False) -> bool:
-        """Drop ``key`` (abort) if it was put with ``digest``. True if it was held (for that
-        digest). A lease of it keeps its tensors. ``seal``: drop every key of its group put
+        """Discard ``key`` (abort) if it was put with ``digest``. True if it was held (for that
+        digest). A lease of it keeps its tensors. ``seal``: discard every key of its group put
         with ``digest`` and refuse later puts of the group with it (``sealed_puts``); checkouts
         waiting for them end: a transfer nobody will load, parts of it maybe still to come."""
         return self._discard(check_key(key), _check_digest(digest), any_digest=False, seal=seal)
 
-    def drop(self, key: str, *, seal: bool = False) -> bool:
+    def discard_any(self, key: str, *, seal: bool = False) -> bool:
         """The owner's :meth:`discard` (a producer aborting its own entry; never on behalf of a
         request): whatever digest it was put with (``seal``: for every digest)."""
         return self._discard(check_key(key), None, any_digest=True, seal=seal)
 
     def _discard(self, key: str, digest: str | None, *, any_digest: bool, seal: bool) -> bool:
-        with self._cond:  # the owner's drop finds the entry whatever its digest
+        with self._cond:  # the owner's discard finds the entry whatever its digest
             held = self._table.held(key, ANY if any_digest else digest, group=seal)
             for e in held:
                 self._remove_locked(e, "discarded", "discards")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from .prefix import PrefixIndex
 from .protocol import Part, group_of, same_digest
 
-ANY = object()  # a group sealed for every digest (the owner's drop)
+ANY = object()  # a group sealed for every digest (the owner's discard)
 _NOT_SEALED = object()
 
 
@@ -125,7 +125,7 @@ class Table:
         if tomb is not None and same_digest(tomb[1], digest):
             return tomb[0]
         if self.sealed(key, digest):
-            return "discarded: its transfer was released or aborted before this part was put"
+            return "discarded: its transfer was discarded or aborted before this part was put"
         return f"not put within wait_s={wait_s:g} s" if wait_s > 0 else "never put (or forgotten)"
 
     def pin(self, e: Entry, part) -> None:

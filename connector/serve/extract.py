@@ -90,7 +90,7 @@ def _one(url: str, model: str, pid: str, fields: dict, out: Path, via: str, read
             raise RuntimeError(
                 f"the server does not serve hidden states (params: {sorted(params)})"
             )
-        tensors = readers.get().fetch(
+        tensors = readers.get().load(
             params["hidden_states_host"],
             params["hidden_states_port"],
             params["hidden_states_transfer_id"],

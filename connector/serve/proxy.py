@@ -100,7 +100,7 @@ from fastapi.responses import Response
 from ..logs import get_logger
 from .bodies import CHAT_COMPLETIONS, COMPLETIONS
 from .guards import InFlightLimit
-from .router import PDProxy, ProxyConfig
+from .router import PDRouter, ProxyConfig
 
 logger = get_logger("proxy")
 
@@ -114,7 +114,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
     Returns:
         The app; its lifespan opens and closes the outbound HTTP session.
     """
-    proxy = PDProxy(config)
+    proxy = PDRouter(config)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -112,7 +112,7 @@ def _strip(url: str) -> str:
     return url.rstrip("/")
 
 
-class PDProxy:
+class PDRouter:
     """The router: owns the outbound HTTP session and the round-robin cursors.
 
     Args:
@@ -150,7 +150,7 @@ class PDProxy:
             RuntimeError: :meth:`start` was not called.
         """
         if self._session is None:
-            raise RuntimeError("PDProxy.start() was not called")
+            raise RuntimeError("PDRouter.start() was not called")
         return self._session
 
     def _timeout(self, total_s: float) -> aiohttp.ClientTimeout:
@@ -423,7 +423,7 @@ def _decode_request(
     ex: Exchange, prefill_raw: bytes, body: dict[str, Any]
 ) -> tuple[dict[str, Any] | None, bytes]:
     """The prefill answer's hand-off and the decode request made of it (see
-    :meth:`PDProxy._handoff`); Failure (502, logged) when it cannot be passed on."""
+    :meth:`PDRouter._handoff`); Failure (502, logged) when it cannot be passed on."""
     try:
         kv = handoff_params(prefill_raw)
         return kv, encode(decode_body(body, kv))

@@ -180,7 +180,7 @@ class Soak:
                 self.ports[name],
                 role="kv_producer" if name == "producer" else "kv_consumer",
                 kv_port=self.kv_port,
-                extra_config={"ttl_s": TTL_S, "fetch_timeout_s": 10.0},
+                extra_config={"ttl_s": TTL_S, "load_timeout_s": 10.0},
                 cpu="0" if name == "producer" else "1",
                 env={"TRITONKV_SECRET": self.secret},
                 args=["--chat-template", str(template)],

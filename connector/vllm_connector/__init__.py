@@ -2,7 +2,7 @@
 
 ``"kv_connector_module_path": "connector.vllm_connector"`` (``tritonkv_connector.vllm_connector``
 when installed) names this package; vLLM then reads :class:`TritonKVConnector` from it. Only
-:mod:`.connector` imports vLLM, and only when that attribute is first read: the halves, the plugin
+:mod:`.connector` imports vLLM, and only when that attribute is first read: the sides, the plugin
 and the tests import their modules here without vLLM.
 """
 

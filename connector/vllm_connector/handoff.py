@@ -25,7 +25,7 @@ import numpy as np
 
 from tritonkv import __version__
 
-from .metadata import ReleaseSpec
+from .metadata import DiscardSpec
 
 # The hand-off's and the entry's format and meaning; a consumer refuses (recomputes) a hand-off
 # of another one, naming both. History:
@@ -47,7 +47,7 @@ TRANSFER_ID = re.compile(r"[0-9a-f]{32}")
 #: The key that marks a hand-off the proxy wrote before the prefill finished (module docstring).
 OVERLAP = "overlap"
 #: The largest producer TP size a hand-off may name (its ports run up to ``remote_port +
-#: tp_size - 1``, and a consumer rank may ask each of them to release an entry).
+#: tp_size - 1``, and a consumer rank may ask each of them to discard an entry).
 MAX_TP_SIZE = 256
 MAX_FINGERPRINT_CHARS = 1024
 _DIGEST = re.compile(r"[0-9a-f]{32}")
@@ -59,7 +59,7 @@ _HOSTNAME = re.compile(
 
 def prompt_digest(token_ids) -> str:
     """Short digest of a prompt's token ids (as little-endian int64): the consumer only loads KV
-    of the very same prompt, and the producer's KV server serves (or drops) an entry only to a
+    of the very same prompt, and the producer's KV server serves (or discards) an entry only to a
     request presenting its prompt's digest."""
     return _digest(token_ids, [])
 
@@ -223,13 +223,13 @@ def is_handoff(params) -> bool:
     )
 
 
-def parse_handoff(params) -> ReleaseSpec | None:
+def parse_handoff(params) -> DiscardSpec | None:
     """Where the entry of a well-formed hand-off of this :data:`PROTOCOL` lives; None for
     anything else (another protocol, any of :func:`handoff_problems`): a consumer dials, and asks
-    to release, only what it could have been handed by a producer."""
+    to discard, only what it could have been handed by a producer."""
     if not is_handoff(params) or params["protocol"] != PROTOCOL or handoff_problems(params):
         return None
-    return ReleaseSpec(
+    return DiscardSpec(
         params["transfer_id"],
         params["remote_host"],
         params["remote_port"],

@@ -133,7 +133,7 @@ class Landings:
                 continue
             try:
                 if landing.stuck:
-                    raise TimeoutError("its unpack did not complete within fetch_timeout_s")
+                    raise TimeoutError("its unpack did not complete within load_timeout_s")
                 for want, row, check in landing.checks:
                     integrity.compare(check, want, landing.digests, row)
             except Exception as exc:

@@ -3,7 +3,7 @@
 The facade wraps a step's lists in its ``TritonKVMetadata`` (vLLM's ``KVConnectorMetadata``
 type); these are the items. Each names its entry by transfer id and by ``prompt_digest``
 (:func:`.handoff.prompt_digest` of the prompt): the producer binds the entry to it, and its KV
-server serves or drops the entry only for a request presenting it. No vLLM import.
+server serves or discards the entry only for a request presenting it. No vLLM import.
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ class SaveSpec:
 
 @dataclass
 class LoadSpec:
-    """Consumer worker: pull ``transfer_id`` (presenting the hand-off's ``prompt_digest``) and
+    """Consumer worker: load ``transfer_id`` (presenting the hand-off's ``prompt_digest``) and
     write its rows ``[start, start + count)``. ``wait_s`` > 0 (an overlapped hand-off): the
     producer's server may wait that long for the entry to be stored, and the load is async.
-    ``chunked``: the producer publishes the prompt in chunks (:class:`Chunk`), pulled one after
+    ``chunked``: the producer publishes the prompt in chunks (:class:`Chunk`), loaded one after
     the other, each waiting up to ``wait_s``. ``fingerprint``: the hand-off's, which the entry's
     own must equal (None: not checked)."""
 
@@ -79,8 +79,8 @@ class LoadSpec:
 
 
 @dataclass
-class ReleaseSpec:
-    """Consumer worker: tell ``host:port + tp_rank`` to drop ``transfer_id`` (presenting the
+class DiscardSpec:
+    """Consumer worker: tell ``host:port + tp_rank`` to discard ``transfer_id`` (presenting the
     hand-off's ``prompt_digest``), which no request here will load."""
 
     transfer_id: str

@@ -1,4 +1,4 @@
-"""The producer half of a worker: this rank's KV buffer, its server, and the saves into it.
+"""The producer side of a worker: this rank's KV buffer, its server, and the saves into it.
 
 After a step's forward pass, :meth:`Producer.wait_for_save` packs each finished prompt's KV for
 every layer with **one** :func:`tritonkv.pack_kv` call (token rows or whole pages: the
@@ -6,7 +6,7 @@ every layer with **one** :func:`tritonkv.pack_kv` call (token rows or whole page
 (in the overlapped flow, each chunk the step completed, under ``<transfer_id>#<index>``);
 each entry is bound to its prompt's digest (``SaveSpec.prompt_digest``), so that the
 :class:`~connector.kvstore.KVServer` serving the buffer on ``engine_port + tp_rank`` (GET and
-DISCARD only) serves or drops it only for a request presenting that digest; and a :class:`BufferWatcher` logs the buffer's occupancy. With ``digest`` on (the default) the entry's meta also
+DISCARD only) serves or discards it only for a request presenting that digest; and a :class:`BufferWatcher` logs the buffer's occupancy. With ``digest`` on (the default) the entry's meta also
 carries the integrity digest the pack computed (:mod:`connector.integrity`). No vLLM import.
 """
 
@@ -164,7 +164,7 @@ class Producer:
         self._watcher = BufferWatcher(self)
 
     def wait_for_save(self, saves: list[SaveSpec], discards: list[str] = (), refusals=()) -> None:
-        """Drop the entries of ``discards`` (aborted requests), seal the ``(transfer id, prompt
+        """Discard the entries of ``discards`` (aborted requests), seal the ``(transfer id, prompt
         digest)`` of ``refusals`` (chosen ids refused: their decode side stops waiting), and
         pack and store ``saves``, after the forward pass. Never raises: a save that fails (an
         entry that can never fit the buffer or the wire, no memory to pack it, a full buffer)
@@ -172,7 +172,7 @@ class Producer:
         recomputes the prompt."""
         if self._buffer is None:
             return
-        drop_transfers(self._buffer, discards, refusals)
+        discard_transfers(self._buffer, discards, refusals)
         for spec in saves:
             try:
                 self._save(spec)
@@ -296,7 +296,7 @@ class Producer:
         log_saved(spec, stored, nbytes, pack_ms, self.kv_format)
 
     def _save_failed(self, spec: SaveSpec, exc: BaseException) -> None:
-        """Count and log a failed save; a chunked transfer's other chunks are dropped and the
+        """Count and log a failed save; a chunked transfer's other chunks are discarded and the
         rest refused (its consumer, waiting for the next one, then stops waiting at once)."""
         self.stats.record_save_failure()
         log.error(
@@ -308,7 +308,7 @@ class Producer:
             hide_ids(error_text(exc)),
         )
         if spec.chunk is not None and self._buffer is not None:
-            self._buffer.drop(spec.transfer_id, seal=True)
+            self._buffer.discard_any(spec.transfer_id, seal=True)
 
     def count_auth_failures(self) -> None:
         """Add the failed authentications on this rank's KV server since the last call to the
@@ -320,7 +320,7 @@ class Producer:
 
     def shutdown(self) -> None:
         # The watcher is joined, not left to wake after the interpreter began to exit: a daemon
-        # thread that drops the last reference to this object then frees its cache tensors
+        # thread that discards the last reference to this object then frees its cache tensors
         # without the GIL and aborts the process ("terminate called without an active exception").
         if self._watcher is not None:
             self._watcher.stop()
@@ -334,17 +334,17 @@ class Producer:
             self._buffer = None
 
 
-def drop_transfers(buffer: KVBuffer, discards, refusals) -> None:
-    """Drop every entry of each of ``discards`` (its own: any digest) and of each ``(transfer
+def discard_transfers(buffer: KVBuffer, discards, refusals) -> None:
+    """Discard every entry of each of ``discards`` (its own: any digest) and of each ``(transfer
     id, digest)`` of ``refusals`` (for that digest only), and seal them: parts stored later are
-    refused, and a consumer waiting for one stops at once. A failure is logged (the TTL drops
+    refused, and a consumer waiting for one stops at once. A failure is logged (the TTL discards
     the entries later)."""
-    drops = [(t, None, "its request was aborted") for t in discards]
-    drops += [(t, d, "a prompt of this digest was refused its id") for t, d in refusals]
-    for transfer_id, digest, why in drops:
+    targets = [(t, None, "its request was aborted") for t in discards]
+    targets += [(t, d, "a prompt of this digest was refused its id") for t, d in refusals]
+    for transfer_id, digest, why in targets:
         try:
             if digest is None:
-                held = buffer.drop(transfer_id, seal=True)
+                held = buffer.discard_any(transfer_id, seal=True)
             else:
                 held = buffer.discard(transfer_id, digest, seal=True)
             if held:
@@ -368,12 +368,12 @@ def entry_rows(spec: SaveSpec, kv_format: str, block_size: int) -> tuple[int, in
 
 
 def log_saved(spec: SaveSpec, stored: bool, nbytes: int, pack_ms: float, kv_format: str) -> None:
-    """The log line of a save (``stored`` False: refused, its transfer released or aborted)."""
+    """The log line of a save (``stored`` False: refused, its transfer discarded or aborted)."""
     chunk = spec.chunk
     what = "" if chunk is None else f" chunk {chunk.index} (positions {chunk.start}..)"
     if not stored:
         log.info(
-            "tritonkv: not storing transfer %s%s for %s: it was released or aborted",
+            "tritonkv: not storing transfer %s%s for %s: it was discarded or aborted",
             *(short_id(spec.transfer_id), what, spec.req_id),
         )
         return
@@ -400,7 +400,7 @@ class BufferWatcher:
     """Logs a producer's buffer occupancy when it changes (at most every ``interval_s``), also
     while no step runs: what an operator, or ``connector.serve.soak``, reads to see KV left over.
 
-    Its thread holds the producer only by a weak reference between looks: a watcher that dropped
+    Its thread holds the producer only by a weak reference between looks: a watcher that discarded
     the last reference to it at interpreter exit would free its caches there, and that aborts the
     process. :meth:`stop` ends the thread and joins it.
     """
@@ -439,7 +439,7 @@ class BufferWatcher:
                 last = now
                 log.info(
                     "tritonkv: rank %d KV buffer holds %d entries, %d bytes (claimed %d, "
-                    "released %d, expired %d, evicted %d)",
+                    "discarded %d, expired %d, evicted %d)",
                     producer.tp_rank,
                     s["entries"],
                     s["bytes"],

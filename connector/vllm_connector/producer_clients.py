@@ -1,7 +1,7 @@
-"""The producers a consumer pulls from: one client per producer rank, plus a few leased out
-one pull at a time for pulls that wait for their entry (:class:`ProducerClients`), the hosts that
-timed out, not asked again for a while (:class:`ProducerBackoff`), and the requests to drop
-entries no one will load (:func:`release_entries`). No vLLM import."""
+"""The producers a consumer loads from: one client per producer rank, plus a few leased out
+one load at a time for loads that wait for their entry (:class:`ProducerClients`), the hosts that
+timed out, not asked again for a while (:class:`ProducerBackoff`), and the requests to discard
+entries no one will load (:func:`discard_entries`). No vLLM import."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ Addr = tuple[str, int]
 class ProducerBackoff:
     """Producer hosts that did not connect or answer in time, not asked again for ``hold_s``.
 
-    Sync loads stall the whole decode batch: after one pull from a host timed out, further pulls
+    Sync loads stall the whole decode batch: after one load from a host timed out, further loads
     from it fail at once (and are recomputed) until ``hold_s`` has passed. By host, not by port:
     hand-offs that name one unresponsive address with ever other ports (a tarpit) stall the
     batch once per ``hold_s``, not once per port. At most ``max_hosts`` are remembered (the
@@ -68,11 +68,11 @@ class ProducerClients:
     still running on it fails, and its load is recomputed), so hand-offs naming ever new
     addresses cannot pile up connections.
 
-    A pull that may wait for its entry (an overlapped load) must not hold the shared client for
+    A load that may wait for its entry (an overlapped load) must not hold the shared client for
     the whole wait: it takes a client of its own with :meth:`lease`, at most ``max_leased`` per
     producer rank at once (each one connection the producer's server holds open; its cap is 16
-    per consumer host), kept for the next lease when its pull succeeded. :meth:`pull` gives a
-    pull its client: the shared one, or a leased one that :meth:`end` closes when the pull's
+    per consumer host), kept for the next lease when its load succeeded. :meth:`load` gives a
+    load its client: the shared one, or a leased one that :meth:`end` closes when the load's
     request ends meanwhile.
     """
 
@@ -90,12 +90,12 @@ class ProducerClients:
         self._closed = False
         self._lock = threading.Lock()
         self._returned = threading.Condition(self._lock)
-        self._waiting: dict[str, set[KVClient]] = {}  # request id -> its pulls' leased clients
+        self._waiting: dict[str, set[KVClient]] = {}  # request id -> its loads' leased clients
         self._ended: OrderedDict[str, None] = OrderedDict()  # the last 4096 requests ended
 
     def get(self, host: str, port: int) -> KVClient:
         with self._lock:
-            if self._closed:  # a release or async fetch still running after shutdown
+            if self._closed:  # a discard or async load still running after shutdown
                 raise PipeClosedError("connector shut down", peer=f"{host}:{port}")
             client = self._clients.get((host, port))
             if client is not None:
@@ -114,7 +114,7 @@ class ProducerClients:
         """A client of ``host:port`` for this caller alone until the block ends: an idle one, or
         one made anew while fewer than ``max_leased`` are out; else wait up to ``timeout_s`` for
         one to come back (ClientBusyError naming the wait). One whose block raised is closed,
-        never given to another caller (another thread may close it to end its pull at once)."""
+        never given to another caller (another thread may close it to end its load at once)."""
         addr = (host, port)
         deadline = time.monotonic() + timeout_s
         with self._returned:
@@ -151,10 +151,12 @@ class ProducerClients:
                 client.close()
 
     @contextlib.contextmanager
-    def pull(self, req_id: str, addr: Addr, wait_s: float, timeout_s: float) -> Iterator[KVClient]:
-        """The client of one pull of request ``req_id`` from ``addr``: the shared one (:meth:`get`)
+    def loading(
+        self, req_id: str, addr: Addr, wait_s: float, timeout_s: float
+    ) -> Iterator[KVClient]:
+        """The client of one load of request ``req_id`` from ``addr``: the shared one (:meth:`get`)
         unless it may wait for its entry (``wait_s`` > 0); then a leased one (:meth:`lease`,
-        within ``timeout_s``), closed when :meth:`end` names that request (the pull then raises
+        within ``timeout_s``), closed when :meth:`end` names that request (the load then raises
         PipeClosedError saying so)."""
         if wait_s <= 0:
             yield self.get(*addr)
@@ -172,7 +174,7 @@ class ProducerClients:
                 if req_id not in self._ended:
                     raise
                 raise PipeClosedError(
-                    "its request ended while the pull waited for the entry",
+                    "its request ended while the load waited for the entry",
                     peer=f"{host}:{port}",
                     key=exc.key,
                 ) from exc
@@ -183,7 +185,7 @@ class ProducerClients:
                         del self._waiting[req_id]
 
     def end(self, req_ids: set[str]) -> None:
-        """These requests ended while loading: close the clients of their waiting pulls (and of
+        """These requests ended while loading: close the clients of their waiting loads (and of
         those still to start), so that each fails at once (request ids are never reused)."""
         with self._lock:
             for req_id in req_ids:
@@ -198,7 +200,7 @@ class ProducerClients:
         return len(self._clients)
 
     def close(self) -> None:
-        with self._lock:  # load and release threads may still be adding clients
+        with self._lock:  # load and discard threads may still be adding clients
             self._closed = True
             clients = list(self._clients.values())
             for group in (*self._idle.values(), *self._leased.values()):
@@ -209,34 +211,34 @@ class ProducerClients:
             client.close()
 
 
-def release_entries(
-    releases: list,
+def discard_entries(
+    remote_discards: list,
     tp_rank: int,
     tp_size: int,
     backoff: ProducerBackoff,
     clients: ProducerClients,
     timeout_s: float,
 ) -> None:
-    """Ask each producer rank of ``releases`` (ReleaseSpec) that TP rank ``tp_rank`` of
-    ``tp_size`` asks to drop the entry, through ``clients``, within ``timeout_s`` each; failures
-    are logged (the entry's TTL drops it later)."""
+    """Ask each producer rank of ``discards`` (DiscardSpec) that TP rank ``tp_rank`` of
+    ``tp_size`` asks to discard the entry, through ``clients``, within ``timeout_s`` each; failures
+    are logged (the entry's TTL discards it later)."""
     targets = [  # each producer rank is asked by one rank here
         (spec, spec.port + rank)
-        for spec in releases
+        for spec in remote_discards
         for rank in range(tp_rank, spec.producer_tp, tp_size)
     ]
     for spec, port in targets:
         try:
             backoff.check((spec.host, port), spec.transfer_id)
             client = clients.get(spec.host, port)
-            dropped = client.discard(
+            held = client.discard(
                 spec.transfer_id,
                 timeout_s=timeout_s,
                 digest=spec.prompt_digest,
             )
-        except Exception as exc:  # whatever it is, the entry's TTL drops it later
+        except Exception as exc:  # whatever it is, the entry's TTL discards it later
             log.info(
-                "tritonkv: could not release transfer %s on %s:%d (%s: %s); its TTL will",
+                "tritonkv: could not discard transfer %s on %s:%d (%s: %s); its TTL will",
                 short_id(spec.transfer_id),
                 spec.host,
                 port,
@@ -245,9 +247,9 @@ def release_entries(
             )
             continue
         log.info(
-            "tritonkv: released unused transfer %s on %s:%d (%s)",
+            "tritonkv: discarded unused transfer %s on %s:%d (%s)",
             short_id(spec.transfer_id),
             spec.host,
             port,
-            "dropped" if dropped else "already gone",
+            "it was held" if held else "already gone",
         )

@@ -1,5 +1,5 @@
 """The producer's plan of saves: which prompts to save in which step, under which transfer id,
-and which saved transfers to drop.
+and which saved transfers to discard.
 
 A request sent with ``do_remote_decode`` is watched (:meth:`SavePlan.watch`) and saved whole in
 the step that computes its last prompt token, under a fresh ``uuid4().hex``. A request whose
@@ -8,7 +8,7 @@ published as it is computed instead: in every step, the whole blocks that step c
 :class:`~.metadata.Chunk` (the last one up to the prompt's end), stored under
 ``"<transfer_id>#<index>"``. A chosen id that is malformed or already issued is refused and
 nothing is saved. An aborted request's saved transfer (or a chunked one that ended unfinished) is
-dropped in the next step. Plain Python, no vLLM import.
+discarded in the next step. Plain Python, no vLLM import.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class SavePlan:
         self._watched[request.request_id] = request
 
     def step(self, scheduler_output) -> tuple[list[SaveSpec], list[str]]:
-        """This step's saves, and the transfers to drop (each said once; the refusals of chosen
+        """This step's saves, and the transfers to discard (each said once; the refusals of chosen
         ids: :meth:`take_refusals`)."""
         saves = []
         done = self._saved.keys() - self._published.keys()
@@ -70,14 +70,14 @@ class SavePlan:
 
     def take_refusals(self) -> list[tuple[str, str]]:
         """``(transfer id, prompt digest)`` of the chosen ids refused since the last call: the
-        worker seals each for that digest (its decode side's pulls end at once)."""
+        worker seals each for that digest (its decode side's loads end at once)."""
         refusals, self._refusals = self._refusals, []
         return refusals
 
     def finished(self, req_id: str, aborted: bool) -> str | None:
         """The transfer id of a finished request's saved prompt, for its hand-off; None when
         none was saved, or when it was aborted or ended before its last chunk (then its entries
-        are dropped in the next step rather than when their TTL runs out)."""
+        are discarded in the next step rather than when their TTL runs out)."""
         self._watched.pop(req_id, None)
         transfer_id = self._saved.pop(req_id, None)
         unfinished = self._published.pop(req_id, None) is not None

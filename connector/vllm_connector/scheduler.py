@@ -3,9 +3,9 @@
 A producer watches requests sent with ``do_remote_decode``, tells its workers what to save in
 each step (:mod:`.saves`: the whole prompt once computed, or, for the overlapped flow, chunk by
 chunk as it is computed), and hands off where the KV is when the request finishes. A consumer
-checks each request's hand-off, reports the tokens it will load, tells its workers what to pull
-into which blocks, and has unused entries released. An overlapped hand-off (:mod:`.handoff`)
-always loads asynchronously, its pulls of the prompt's chunks each waiting up to
+checks each request's hand-off, reports the tokens it will load, tells its workers what to load
+into which blocks, and has unused entries discarded. An overlapped hand-off (:mod:`.handoff`)
+always loads asynchronously, its loads of the prompt's chunks each waiting up to
 ``prefill_wait_s`` for the producer to store it. Plain Python, no vLLM import: the facade
 (:mod:`.connector`) adapts vLLM's calls to this.
 """
@@ -32,7 +32,7 @@ from .handoff import (
     request_digest,
     shown,
 )
-from .metadata import LoadSpec, ReleaseSpec
+from .metadata import DiscardSpec, LoadSpec
 from .saves import SavePlan
 from .tp_mapping import plan_heads
 
@@ -89,11 +89,11 @@ class SchedulerSide:
         self._tried: set[str] = set()  # consumer: requests whose hand-off was used or refused
         self._refused: set[str] = set()  # consumer: requests whose hand-off was refused
         self._accepted: dict[str, dict] = {}  # consumer: req_id -> checked hand-off, unused yet
-        # consumer: transfer id -> the request that loads it or released it (recent ones)
+        # consumer: transfer id -> the request that loads it or discarded it (recent ones)
         self._handled: OrderedDict[str, str] = OrderedDict()
         self._receiving: set[str] = set()  # consumer: requests whose async load is running
         self._pending_loads: list[LoadSpec] = []
-        self._releases: list[ReleaseSpec] = []
+        self._remote_discards: list[DiscardSpec] = []
 
     def _check(self, request) -> tuple[dict | None, str]:
         """``(params, "")`` if ``request`` carries a tritonkv hand-off this consumer can load, else
@@ -122,12 +122,12 @@ class SchedulerSide:
             problems.append(
                 f"remote_host {params['remote_host']!r} is not a loopback address and this "
                 "consumer has no shared secret to prove who serves there (set the same secret "
-                f"on both servers: {SECRET_ENV} or secret_file; or \"insecure\": true)"
+                f'on both servers: {SECRET_ENV} or secret_file; or "insecure": true)'
             )
         if not problems and not self.cfg.allows_producer(params["remote_host"]):
             problems.append(
                 f"remote_host {params['remote_host']!r} is not among the producers this consumer "
-                f"may pull from (producers: {list(self.cfg.producers)})"
+                f"may load from (producers: {list(self.cfg.producers)})"
             )
         if not problems:
             try:  # the heads this side's ranks need must be on the producer's ranks
@@ -159,7 +159,7 @@ class SchedulerSide:
         """The consumer-side params of ``request`` if it carries a usable tritonkv hand-off.
 
         A hand-off it cannot use is logged once; the request is then marked tried (recomputed),
-        and its entry is never asked to be released: a refused hand-off may name any address.
+        and its entry is never asked to be discarded: a refused hand-off may name any address.
         """
         params, why = self._check(request)
         if params is None and why:
@@ -248,7 +248,7 @@ class SchedulerSide:
         )
 
     def _handle(self, transfer_id: str, req_id: str) -> None:
-        """Remember that ``req_id`` loads (or released) ``transfer_id`` (the last 64k ids)."""
+        """Remember that ``req_id`` loads (or discarded) ``transfer_id`` (the last 64k ids)."""
         self._handled[transfer_id] = req_id
         if len(self._handled) > 1 << 16:
             self._handled.popitem(last=False)
@@ -259,16 +259,16 @@ class SchedulerSide:
 
     def build_meta(self, scheduler_output) -> dict[str, list]:
         """This step's instructions to the workers: the fields of ``TritonKVMetadata``
-        (``saves``, ``loads``, ``discards``, ``releases``), each said once."""
+        (``saves``, ``loads``, ``discards``, ``remote_discards``), each said once."""
         saves, discards = self._saves.step(scheduler_output)
         meta: dict[str, list] = dict(
             saves=saves,
             loads=self._pending_loads,
             discards=discards,
             refusals=self._saves.take_refusals(),
-            releases=self._releases,
+            remote_discards=self._remote_discards,
         )
-        self._pending_loads, self._releases = [], []
+        self._pending_loads, self._remote_discards = [], []
         return meta
 
     def request_finished(self, request, aborted: bool) -> tuple[bool, dict | None]:
@@ -278,12 +278,12 @@ class SchedulerSide:
         Producer: return the hand-off for the decode server (its keys:
         :func:`.handoff.build_handoff`).
 
-        An aborted request gets no hand-off: its saved KV is dropped from the buffer in the next
+        An aborted request gets no hand-off: its saved KV is discarded from the buffer in the next
         step instead of waiting out its TTL.
 
         Consumer: a request that ends with a usable hand-off unused (aborted before it loaded,
-        its prompt all in the local prefix cache) has the producer drop the entry, in the next
-        step, rather than hold it until its TTL. A refused hand-off releases nothing: it came
+        its prompt all in the local prefix cache) has the producer discard the entry, in the next
+        step, rather than hold it until its TTL. A refused hand-off discards nothing: it came
         from a client and may name any address (its entry, if any, expires by its TTL).
         """
         req_id = request.request_id
@@ -292,16 +292,16 @@ class SchedulerSide:
         self._accepted.pop(req_id, None)
         receiving = req_id in self._receiving
         self._receiving.discard(req_id)
-        if req_id in self._refused:  # it may name any address: ask nobody to release it
+        if req_id in self._refused:  # it may name any address: ask nobody to discard it
             self._refused.discard(req_id)
         else:
             checked = self._check(request)[0]
             handoff = parse_handoff(checked) if checked is not None else None
-            # an overlapped load ended by the abort (its worker stops waiting) releases too
+            # an overlapped load ended by the abort (its worker stops waiting) discards too
             waited = receiving and checked is not None and checked.get(OVERLAP) is True
             if handoff is not None and (handoff.transfer_id not in self._handled or waited):
                 self._handle(handoff.transfer_id, req_id)
-                self._releases.append(handoff)
+                self._remote_discards.append(handoff)
         transfer_id = self._saves.finished(req_id, aborted)
         if transfer_id is None:
             return False, None

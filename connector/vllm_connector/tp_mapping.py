@@ -6,13 +6,13 @@ model's ``H`` when ``H >= tp`` (``H`` divisible by ``tp``); when ``tp > H`` each
 on ``tp / H`` consecutive ranks and rank ``r`` holds head ``r // (tp / H)``. A consumer rank
 needs exactly its own heads; each of them lives on one producer rank (or, replicated, on several:
 one is picked, spreading consumer ranks over the replicas). Heads from one producer rank that are
-consecutive on both sides form one :class:`HeadSource`: one pull of that head slice, unpacked into
+consecutive on both sides form one :class:`HeadSource`: one load of that head slice, unpacked into
 that head range. MLA's latent is replicated on every rank: one source, any producer rank.
 
 Example: ``H = 8``, producer TP 2, consumer TP 4. Consumer rank 3 holds heads 6 and 7, which are
-producer rank 1's local heads 2 and 3: one source ``HeadSource(1, (2, 4), (0, 2))``, and the pull
+producer rank 1's local heads 2 and 3: one source ``HeadSource(1, (2, 4), (0, 2))``, and the load
 carries 2 of producer rank 1's 4 heads. Consumer TP 1 instead takes ``(0, (0, 4), (0, 4))`` and
-``(1, (0, 4), (4, 8))``: two pulls, one per producer rank, each written into its half.
+``(1, (0, 4), (4, 8))``: two loads, one per producer rank, each written into its half.
 
 No vLLM import: the connector passes the sizes in.
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class HeadSource:
-    """One pull: heads ``src[0]:src[1]`` of producer rank ``rank``'s local heads, written into
+    """One load: heads ``src[0]:src[1]`` of producer rank ``rank``'s local heads, written into
     this consumer rank's local heads ``dst[0]:dst[1]`` (equally many)."""
 
     rank: int
@@ -68,7 +68,7 @@ def rank_heads(num_kv_heads: int, tp_size: int, rank: int) -> range:
 def plan_heads(
     num_kv_heads: int, producer_tp: int, consumer_tp: int, consumer_rank: int, *, mla: bool = False
 ) -> tuple[HeadSource, ...]:
-    """The pulls consumer rank ``consumer_rank`` makes (see the module docstring).
+    """The loads consumer rank ``consumer_rank`` makes (see the module docstring).
 
     Raises:
         ValueError: sizes that are not positive ints, a rank out of range, or a pairing vLLM's

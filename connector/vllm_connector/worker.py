@@ -1,4 +1,4 @@
-"""The connector's worker side: one rank's caches, and the halves that move their KV.
+"""The connector's worker side: one rank's caches, and the sides that move their KV.
 
 :class:`WorkerSide` is the one object the facade's worker role talks to. When vLLM registers the
 rank's caches it maps them to views (:class:`~.cache_views.RankCaches`) and makes a
@@ -19,13 +19,13 @@ from ..transport import load_secret
 from .cache_views import RankCaches
 from .config import ConnectorConfig
 from .consumer import Consumer
-from .metadata import LoadSpec, ReleaseSpec, SaveSpec
+from .metadata import DiscardSpec, LoadSpec, SaveSpec
 from .producer import Producer
 from .stats import TransferStats
 
 log = get_logger("connector")
 
-#: How long ``get_finished`` of a step that computes nothing may wait for an async load's fetch
+#: How long ``get_finished`` of a step that computes nothing may wait for an async load's load
 #: (it returns as soon as one completes): an engine whose requests all wait for remote KV then
 #: runs at most about 100 empty steps a second instead of spinning a core.
 IDLE_WAIT_S = 0.01
@@ -98,7 +98,7 @@ class WorkerSide:
         self.caches: RankCaches | None = None
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
-        #: the rank's device memory budget, shared by its halves (None before :meth:`register`)
+        #: the rank's device memory budget, shared by its sides (None before :meth:`register`)
         self.budget: DeviceBudget | None = None
         # The shared secret of every KV connection (never logged; see connector.transport.auth).
         self._secret = load_secret(self.cfg.secret_file or None)
@@ -125,7 +125,7 @@ class WorkerSide:
             isa=self.cpu_attn_isa,
         )
         self.caches = views
-        # One budget of device memory for the rank's halves (streams.DeviceBudget).
+        # One budget of device memory for the rank's sides (streams.DeviceBudget).
         device_buffer = self.cfg.device_buffer_bytes(views.device) if self.is_producer else 0
         budget = self.budget = DeviceBudget(self.cfg.gpu_memory_bytes - device_buffer)
         if views.device.type == "cuda":
@@ -170,17 +170,17 @@ class WorkerSide:
         if self.producer is not None:
             self.producer.serve()
 
-    def start_load_kv(self, loads: list[LoadSpec], releases: list[ReleaseSpec] = ()) -> None:
+    def start_load_kv(self, loads: list[LoadSpec], remote_discards: list[DiscardSpec] = ()) -> None:
         """See :meth:`.consumer.Consumer.start_load_kv`."""
         if self.consumer is not None:
-            self.consumer.start_load_kv(loads, releases)
+            self.consumer.start_load_kv(loads, remote_discards)
 
     def get_finished(
         self, finished_req_ids: set[str], idle: bool = False
     ) -> tuple[set[str] | None, set[str] | None]:
         """``(None, requests whose async load completed)``: see
         :meth:`.consumer.Consumer.get_finished` (``idle``: this step computed nothing, so it may
-        wait up to :data:`IDLE_WAIT_S` for a load); the pulls of ``finished_req_ids`` still
+        wait up to :data:`IDLE_WAIT_S` for a load); the loads of ``finished_req_ids`` still
         waiting for an entry are closed first (:meth:`.producer_clients.ProducerClients.end`)."""
         if self.consumer is None:
             return None, None
@@ -202,6 +202,6 @@ class WorkerSide:
         return self.stats.take()
 
     def shutdown(self) -> None:
-        for half in (self.consumer, self.producer):
-            if half is not None:
-                half.shutdown()
+        for side in (self.consumer, self.producer):
+            if side is not None:
+                side.shutdown()

@@ -22,7 +22,7 @@ from connector.serve.demo import completion
 
 pytestmark = [pytest.mark.slow, requires_vllm, pytest.mark.timeout(900)]
 
-FETCH_TIMEOUT_S = 10.0
+LOAD_TIMEOUT_S = 10.0
 
 
 SECRET = "e2e-shared-secret-0123456789abcdef"
@@ -37,7 +37,7 @@ def pd(tmp_path_factory, tiny_llama_dir):
         # The asynchronous load path here; test_e2e_triton_tp covers the synchronous default.
         extra_config={
             "debug_allow_corrupt": True,
-            "fetch_timeout_s": FETCH_TIMEOUT_S,
+            "load_timeout_s": LOAD_TIMEOUT_S,
             "async_load": True,
         },
     )
@@ -140,7 +140,7 @@ def test_unknown_transfer_id_is_recomputed(pd):
     params = {**pd.prefill_params(prompt), "transfer_id": "0" * 32}
     t0 = time.monotonic()
     text, rid = pd.decode_with(prompt, params)
-    assert time.monotonic() - t0 < FETCH_TIMEOUT_S
+    assert time.monotonic() - t0 < LOAD_TIMEOUT_S
     events = pd.events(rid)
     assert events["failed"] and not events["loaded"], events
     assert text == pd.colocated(prompt)
@@ -174,7 +174,7 @@ def test_parallel_sampling_loads_the_transfer_once(pd):
 
 def test_an_unused_transfer_is_released_on_the_producer(pd):
     """A prompt whose blocks but the last token's are already in the consumer's prefix cache loads
-    nothing; the consumer has the producer drop the entry (in its next engine step)."""
+    nothing; the consumer has the producer discard the entry (in its next engine step)."""
     prompt = pd.prompt(33, seed=25)  # one full 32-token block + 1
     pd.disaggregated(prompt)
     text, rid, _ = pd.disaggregated(prompt)
@@ -182,13 +182,13 @@ def test_an_unused_transfer_is_released_on_the_producer(pd):
     events = pd.events(rid)
     assert not events["loaded"] and not events["failed"], events
     [saved] = events["saved"]
-    released = f"released unused transfer {saved['transfer']} on "
+    released = f"discarded unused transfer {saved['transfer']} on "
     pd.disaggregated(pd.prompt(5, seed=26))  # a step on the consumer after the request ended
     deadline = time.monotonic() + 30
     while released not in pd.consumer.log_text() and time.monotonic() < deadline:
         time.sleep(0.2)
     line = next(x for x in pd.consumer.log_text().splitlines() if released in x)
-    assert line.endswith("(dropped)"), line
+    assert line.endswith("(it was held)"), line
 
 
 def test_producer_killed_before_the_fetch(pd):
@@ -199,7 +199,7 @@ def test_producer_killed_before_the_fetch(pd):
     pd.producer.stop(timeout_s=0)  # SIGKILL-equivalent for the group after SIGTERM
     t0 = time.monotonic()
     text, rid = pd.decode_with(prompt, params)
-    assert time.monotonic() - t0 < FETCH_TIMEOUT_S + 5
+    assert time.monotonic() - t0 < LOAD_TIMEOUT_S + 5
     events = pd.events(rid)
     assert events["failed"] and not events["loaded"], events
     assert text == reference

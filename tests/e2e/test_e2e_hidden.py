@@ -21,7 +21,7 @@ import torch
 from support.e2e import run_concurrently
 from support.vllm_fixtures import requires_vllm
 
-from connector.hidden import DigestMismatch, fetch_hidden_states, read_hidden_file
+from connector.hidden import DigestMismatch, load_hidden_states, read_hidden_file
 from connector.kvstore import KeyMissError
 from connector.serve.launch import Cluster, free_port_run, http_json
 from connector.transport import TransferError
@@ -68,11 +68,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
 
-def _fetch(params: dict) -> dict:
+def _load(params: dict) -> dict:
     """A request's hidden states from the server its ``kv_transfer_params`` name."""
     host, port = params["hidden_states_host"], params["hidden_states_port"]
     tid = params["hidden_states_transfer_id"]
-    return fetch_hidden_states(host, port, tid, secret=SECRET, timeout_s=60)
+    return load_hidden_states(host, port, tid, secret=SECRET, timeout_s=60)
 
 
 def _ask(url: str, prompt: list[int], max_tokens: int) -> dict:
@@ -96,7 +96,7 @@ def test_every_request_over_files_and_network(server, tiny_llama_dir) -> None:
         assert os.path.dirname(params["hidden_states_path"]) == str(storage)
         assert params["hidden_states_port"] == kv_port  # TP rank 0's server holds them
         from_file = read_hidden_file(params["hidden_states_path"], timeout_s=60)
-        from_net = _fetch(params)
+        from_net = _load(params)
         assert torch.equal(_bits(from_net["hidden_states"]), _bits(from_file["hidden_states"]))
         assert torch.equal(from_net["token_ids"], from_file["token_ids"])
         assert from_file["token_ids"].tolist() == prompt
@@ -111,11 +111,11 @@ def test_every_request_over_files_and_network(server, tiny_llama_dir) -> None:
         assert not torch.allclose(from_file["hidden_states"][:, 0], ref[1][0], atol=1e-2)
         tid = params["hidden_states_transfer_id"]
         with pytest.raises(KeyMissError):
-            fetch_hidden_states("127.0.0.1", kv_port, tid, secret=SECRET, timeout_s=30)
+            load_hidden_states("127.0.0.1", kv_port, tid, secret=SECRET, timeout_s=30)
     with pytest.raises(KeyMissError):
-        fetch_hidden_states("127.0.0.1", kv_port + 1, "0" * 32, secret=SECRET, timeout_s=30)
+        load_hidden_states("127.0.0.1", kv_port + 1, "0" * 32, secret=SECRET, timeout_s=30)
     with pytest.raises(TransferError):
-        fetch_hidden_states("127.0.0.1", kv_port, "0" * 32, secret="x" * 40, timeout_s=30)
+        load_hidden_states("127.0.0.1", kv_port, "0" * 32, secret="x" * 40, timeout_s=30)
     # One file and one lock per request, nothing else (rank 1 wrote none, no temporary file).
     names = sorted(os.listdir(storage))
     assert len(names) == 2 * len(prompts), names
@@ -136,7 +136,7 @@ def test_a_bit_flipped_after_the_digest_is_caught_both_ways(server) -> None:
         read_hidden_file(path, timeout_s=60)
     assert not os.path.exists(path) and os.path.exists(path + ".error")
     with pytest.raises(DigestMismatch, match="digest check 'receipt' failed"):
-        _fetch(params)
+        _load(params)
 
 
 def test_include_output_tokens_over_the_server(server, tiny_llama_dir) -> None:
@@ -163,7 +163,7 @@ def test_include_output_tokens_over_the_server(server, tiny_llama_dir) -> None:
         fed = prompt + outputs[:-1]
         assert len(outputs) == 5 and params["hidden_states_num_tokens"] == len(fed)
         from_file = read_hidden_file(params["hidden_states_path"], timeout_s=60)
-        from_net = _fetch(params)
+        from_net = _load(params)
         assert from_file["token_ids"].tolist() == fed
         assert torch.equal(_bits(from_net["hidden_states"]), _bits(from_file["hidden_states"]))
         with torch.no_grad():

@@ -23,7 +23,7 @@ import torch
 from support.e2e import run_concurrently
 from support.vllm_fixtures import requires_vllm
 
-from connector.hidden import fetch_hidden_states, read_hidden_file
+from connector.hidden import load_hidden_states, read_hidden_file
 from connector.serve.launch import Cluster, free_port, free_port_run, http_json, transfer_events
 
 pytestmark = [pytest.mark.slow, requires_vllm, pytest.mark.timeout(900)]
@@ -123,7 +123,7 @@ def test_the_consumer_loads_and_the_producer_takes_hidden_states(pd, tiny_llama_
         assert params["hidden_states_num_tokens"] == len(prompt)
         assert Path(params["hidden_states_path"]).parent == storage
         from_file = read_hidden_file(params["hidden_states_path"], timeout_s=60)
-        from_net = fetch_hidden_states(
+        from_net = load_hidden_states(
             params["hidden_states_host"],
             params["hidden_states_port"],
             params["hidden_states_transfer_id"],

@@ -23,7 +23,7 @@ from support.vllm_fixtures import requires_vllm
 pytestmark = [pytest.mark.slow, requires_vllm, pytest.mark.timeout(900)]
 
 BUFFER_BYTES = 64 << 10
-FETCH_TIMEOUT_S = 10.0
+LOAD_TIMEOUT_S = 10.0
 SECRET = "e2e-hostile-secret-0123456789abcdef"
 
 # Values a producer never writes, each alone in an otherwise real hand-off.
@@ -51,7 +51,7 @@ def pd(tmp_path_factory, tiny_llama_dir):
     cluster, trio = start_cluster(
         tmp_path_factory.mktemp("e2e-hostile"),
         tiny_llama_dir,
-        extra_config={"buffer_bytes": BUFFER_BYTES, "fetch_timeout_s": FETCH_TIMEOUT_S},
+        extra_config={"buffer_bytes": BUFFER_BYTES, "load_timeout_s": LOAD_TIMEOUT_S},
         env={"TRITONKV_SECRET": SECRET},
     )
     yield trio
@@ -85,7 +85,7 @@ def test_crafted_kv_transfer_params_neither_kill_nor_hang_the_decode_server(pd, 
     params = {**pd.prefill_params(prompt), **changes}
     t0 = time.monotonic()
     text, rid = pd.decode_with(prompt, params)  # straight to the decode server, as a client can
-    assert time.monotonic() - t0 < FETCH_TIMEOUT_S
+    assert time.monotonic() - t0 < LOAD_TIMEOUT_S
     assert text == pd.colocated(prompt)
     assert not pd.events(rid)["loaded"]
     _healthy(pd.consumer)

@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow, requires_vllm, pytest.mark.timeout(900)]
 SECRET = "e2e-overlap-secret-0123456789abcdef"
 PREFILL_WAIT_S = 20.0
 TTL_S = 8.0
-_BUFFER = re.compile(r"KV buffer holds (\d+) entries, \d+ bytes \(claimed (\d+), released (\d+), "
+_BUFFER = re.compile(r"KV buffer holds (\d+) entries, \d+ bytes \(claimed (\d+), discarded (\d+), "
                      r"expired (\d+)")  # fmt: skip
 
 
@@ -42,7 +42,7 @@ def pd(tmp_path_factory, tiny_llama_dir):
         env={"TRITONKV_SECRET": SECRET},
         extra_config={
             "debug_allow_corrupt": True,
-            "fetch_timeout_s": 10.0,
+            "load_timeout_s": 10.0,
             "prefill_wait_s": PREFILL_WAIT_S,
             "ttl_s": TTL_S,
         },
@@ -71,7 +71,7 @@ def _decode_in_thread(pd, prompt: str, params: dict, out: dict) -> threading.Thr
 
 
 def _buffer(pd) -> tuple[int, int, int, int]:
-    """The producer's last logged buffer state: (entries, claimed, released, expired)."""
+    """The producer's last logged buffer state: (entries, claimed, discarded, expired)."""
     states = _BUFFER.findall(pd.producer.log_text())
     return tuple(map(int, states[-1])) if states else (0, 0, 0, 0)
 
@@ -170,8 +170,8 @@ def test_a_stream_aborted_by_its_client_leaves_the_producers_buffer_empty(pd):
 
 
 def test_a_decode_request_aborted_while_it_waits_stops_waiting_and_its_late_kv_is_refused(pd):
-    """Aborted while its load waits: the consumer stops waiting at once (its pull is closed,
-    the blocks freed) and asks the producer to drop the transfer, which seals it. Its prefill,
+    """Aborted while its load waits: the consumer stops waiting at once (its load is closed,
+    the blocks freed) and asks the producer to discard the transfer, which seals it. Its prefill,
     running only afterwards, stores nothing: every chunk is refused at once (no entry waits for
     its TTL), and the buffer stays empty."""
     prompt, tid = pd.prompt(45, seed=70), uuid.uuid4().hex
@@ -188,10 +188,10 @@ def test_a_decode_request_aborted_while_it_waits_stops_waiting_and_its_late_kv_i
     conn.close()
     _wait("the load's end", lambda: pd.events(rid)["failed"], wait_s=PREFILL_WAIT_S)
     assert time.monotonic() - aborted < PREFILL_WAIT_S, "it waited out prefill_wait_s"
-    assert "its request ended while the pull waited" in pd.consumer.log_text()
-    # the release went out in the engine step that ended the request: before the entry existed
-    released = f"released unused transfer {tid[:8]}… on "
-    _wait("the release", lambda: released in pd.consumer.log_text())
+    assert "its request ended while the load waited" in pd.consumer.log_text()
+    # the discard went out in the engine step that ended the request: before the entry existed
+    released = f"discarded unused transfer {tid[:8]}… on "
+    _wait("the discard", lambda: released in pd.consumer.log_text())
     [line] = [x for x in pd.consumer.log_text().splitlines() if released in x]
     assert line.endswith("(already gone)"), line
     expired_before = _buffer(pd)[3]
@@ -204,7 +204,7 @@ def test_a_decode_request_aborted_while_it_waits_stops_waiting_and_its_late_kv_i
 
 def test_producer_killed_while_the_consumer_waits_for_its_prefill(pd):
     """Runs last: the producer dies before it stored the entry a decode request waits for (its
-    prefill never finishes); the consumer's pull breaks, it recomputes, and answers as
+    prefill never finishes); the consumer's load breaks, it recomputes, and answers as
     colocated would, well within prefill_wait_s."""
     prompt, tid = pd.prompt(80, seed=80), uuid.uuid4().hex
     reference = pd.colocated(prompt)

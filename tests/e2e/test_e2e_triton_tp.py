@@ -46,7 +46,7 @@ def test_flow_with_triton_kernels(tmp_path_factory, tiny_llama_dir):
 
 
 def test_tensor_parallel_2(tmp_path_factory, tiny_llama_dir):
-    """TP=2 on both sides: each rank moves its own KV heads, rank r pulls from rank r, over
+    """TP=2 on both sides: each rank moves its own KV heads, rank r loads from rank r, over
     connections authenticated by a secret read from ``secret_file``.
 
     A connector that mixed ranks up would still report full loads; only the tokens catch it.

@@ -295,11 +295,11 @@ def test_producer_consumer_by_plugin_name_through_tritonkv_proxy(
         assert line is not None, consumer.log_tail()
         assert "'tritonkv-0' (tritonkv version not given)" in line
         assert f"this consumer '{PROTOCOL}' (tritonkv {tritonkv.__version__})" in line
-        # A refused hand-off releases nothing (it may name any address): after the consumer's
-        # next steps, no release of it was even tried; the entry expires by its TTL.
+        # A refused hand-off discards nothing (it may name any address): after the consumer's
+        # next steps, no discard of it was even tried; the entry expires by its TTL.
         pd.disaggregated(pd.prompt(5, seed=4))
         time.sleep(2)
         short = short_id(params["transfer_id"])
-        assert f"release transfer {short}" not in consumer.log_text()
-        assert f"released unused transfer {short}" not in consumer.log_text()
+        assert f"discard transfer {short}" not in consumer.log_text()
+        assert f"discarded unused transfer {short}" not in consumer.log_text()
         assert params["transfer_id"] not in consumer.log_text()  # never logged in full

@@ -118,7 +118,7 @@ def _pull(srv, key: str, **kw) -> torch.Tensor:
 @pytest.mark.timeout(60)
 def test_strangers_on_17_addresses_holding_pending_handshakes_do_not_lock_a_consumer_out(served):
     """17 addresses with 4 stalled handshakes each (68: more than the 64 places a server once
-    shared between pending and open connections) leave an authenticated consumer free to pull."""
+    shared between pending and open connections) leave an authenticated consumer free to load."""
     _, srv = served
     strangers = [_stall(srv.port, f"127.0.0.{i}") for i in range(2, 19) for _ in range(4)]
     try:

@@ -1,5 +1,5 @@
 """Entries bound to a digest: a GET or DISCARD presenting another digest (or none) is answered as
-for a key never put, over the wire and in process; only the owner drops an entry whatever its
+for a key never put, over the wire and in process; only the owner discards an entry whatever its
 digest."""
 
 import threading
@@ -98,7 +98,7 @@ def test_in_process_a_bound_entry_is_found_only_with_its_digest_and_dropped_by_i
     with pytest.raises(KeyMissError, match=r"never put \(or forgotten\)"):
         deliver(buf, "free", digest=RIGHT)
     assert torch.equal(deliver(buf, "free")[0]["kv"], torch.zeros(4))
-    assert buf.drop("t") and not buf.drop("t")  # the producer aborting its own entry
+    assert buf.discard_any("t") and not buf.discard_any("t")  # the producer aborting its own entry
     with pytest.raises(KeyMissError, match="discarded"):
         deliver(buf, "t", digest=RIGHT)
     with pytest.raises(TypeError, match="digest: expected str or None, got int"):

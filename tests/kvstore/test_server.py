@@ -51,7 +51,7 @@ N_ENTRIES = 1000
 
 @pytest.fixture(scope="module")
 def producer():
-    # k0 .. k999 for the fetches, k1000 for the check that a connection survives misses
+    # k0 .. k999 for the loads, k1000 for the check that a connection survives misses
     child = Child("producer", "--n", str(N_ENTRIES + 1))
     try:
         yield child, child.ready_port(60)
@@ -79,8 +79,8 @@ def test_many_keys_fetched_out_of_order_bit_exact(producer):
 
 @pytest.mark.timeout(120)
 def test_threads_get_across_processes_and_put_in_process_concurrently(producer):
-    """Threads, two sharing a client and two with their own, pull the child's entries while they
-    put fresh ones into a buffer of this process and pull those back through its server."""
+    """Threads, two sharing a client and two with their own, load the child's entries while they
+    put fresh ones into a buffer of this process and load those back through its server."""
     child, port = producer
     local = KVBuffer(64 << 20)
     server = KVServer(local)
@@ -158,7 +158,7 @@ def test_entry_of_256_mib():
 # ---------------------------------------------------------------------------- in process
 @pytest.mark.timeout(60)
 def test_a_full_buffer_refuses_until_a_consumer_claims_an_entry():
-    """full_policy "error": the fourth put is refused at once; a pull over the wire claims an
+    """full_policy "error": the fourth put is refused at once; a load over the wire claims an
     entry (once the server's sender is done), which makes room for it."""
     buf = KVBuffer(1 << 20, full_policy="error")
     for j in range(3):
@@ -285,7 +285,7 @@ def test_consumer_killed_producer_keeps_serving_and_keeps_the_entry():
         assert settled_stat(server, "peer_errors", 1, timeout_s=10) >= 1  # the handler's count
         s = server.stats()
         assert s["failed_deliveries"] == 1 and s["peer_errors"] >= 1, s
-        assert "big" in buf  # the failed delivery did not lose the entry: fetch it now
+        assert "big" in buf  # the failed delivery did not lose the entry: load it now
         got, _ = other.get("big", timeout_s=60)
         assert_bits_equal(got["big"], big_tensor(512), "big")
         assert accounted(buf.stats())
@@ -314,7 +314,7 @@ def test_too_many_connections_are_refused_cleanly():
 
 @pytest.mark.timeout(60)
 def test_parts_of_an_entry_are_claimed_once_they_cover_the_dim():
-    """Consumer ranks holding some of a producer rank's heads pull only those (a Part of the KV
+    """Consumer ranks holding some of a producer rank's heads load only those (a Part of the KV
     tensor's head dim); the entry goes once the parts cover every head, and a bad part is refused
     with the entry kept."""
     buf = KVBuffer(1 << 20)
@@ -344,7 +344,7 @@ def test_parts_of_an_entry_are_claimed_once_they_cover_the_dim():
 
 @pytest.mark.timeout(60)
 def test_parts_are_delivered_side_by_side():
-    """Two consumer ranks pull their halves of one entry at the same time: a part being sent
+    """Two consumer ranks load their sides of one entry at the same time: a part being sent
     does not make the entry look claimed to the other (a whole delivery would)."""
     buf = KVBuffer(1 << 24)
     kv = torch.arange(4 * 64 * 1024, dtype=torch.int16).view(4, 64, 1024)  # heads: dim 0

@@ -314,9 +314,9 @@ def test_a_closed_buffer_refuses_puts_and_still_delivers():
 @pytest.mark.timeout(30)
 def test_a_sealed_discard_drops_the_whole_group_and_refuses_its_later_parts():
     """A transfer stored in chunks (``<id>#<index>``): a sealed discard with the entries' digest
-    drops every chunk of it and no other key, refuses the chunks put afterwards (counted, nothing
+    discards every chunk of it and no other key, refuses the chunks put afterwards (counted, nothing
     stored) and ends at once a checkout waiting for one, with the reason; another digest's
-    entries of that group, and other groups, are neither dropped nor sealed."""
+    entries of that group, and other groups, are neither discarded nor sealed."""
     buf = KVBuffer(1 << 20)
     for key in ("t#0", "t#1", "u#0", "t"):
         buf.put(key, _t(10), digest="d")
@@ -348,7 +348,7 @@ def test_a_sealed_discard_drops_the_whole_group_and_refuses_its_later_parts():
 @pytest.mark.timeout(30)
 def test_an_owners_sealed_drop_seals_every_digest_and_a_plain_discard_seals_nothing():
     buf = KVBuffer(1 << 20)
-    assert buf.drop("v", seal=True) is False  # nothing held yet: sealed all the same
+    assert buf.discard_any("v", seal=True) is False  # nothing held yet: sealed all the same
     assert buf.put("v#0", _t(10), digest="a") is False
     assert buf.put("v", _t(10)) is False
     buf.put("w#0", _t(10), digest="a")

@@ -1,5 +1,5 @@
 """A stand-in for :class:`connector.streams.StreamOps` on CPU tensors, and an
-audit of host reads of "device" tensors, so that the worker halves' GPU path (launch, events,
+audit of host reads of "device" tensors, so that the worker sides' GPU path (launch, events,
 publication after completion) runs and is checked without a GPU.
 
 :class:`FakeStreams` records which stream waited for which event; its events complete when the

@@ -7,8 +7,8 @@ connector, and save what a reader gets: the reference for tritonkv's hidden stat
 - ``run``: one engine, the prompts in one batch (greedy, ``max_tokens`` each; with
   ``include_outputs``, ``kv_transfer_params={"include_output_tokens": true}``; with
   ``prefix_caching``, vLLM's prefix cache on and one prompt at a time), then every request's files
-  read with vLLM's ``load_hidden_states`` (and, for tritonkv, the same states pulled from the KV
-  server with :func:`connector.hidden.fetch_hidden_states`), saved with ``torch.save``.
+  read with vLLM's ``load_hidden_states`` (and, for tritonkv, the same states loaded from the KV
+  server with :func:`connector.hidden.load_hidden_states`), saved with ``torch.save``.
   Example writes a request's file one engine step after it finished, so after the batch a
   one-token prompt is run to give it that step.
 
@@ -84,7 +84,7 @@ def run(model: str, prompts: list[list[int]], out_dir: str, *, which: str, layer
 
     Scheduler._preempt_request = counting_preempt
 
-    from connector.hidden import fetch_hidden_states
+    from connector.hidden import load_hidden_states
 
     files = Path(out_dir) / "files"
     files.mkdir(parents=True, exist_ok=True)
@@ -155,7 +155,7 @@ def run(model: str, prompts: list[list[int]], out_dir: str, *, which: str, layer
         result["files"].append(ex.load_hidden_states(params["hidden_states_path"]))
         if which != "example":
             result["net"].append(
-                fetch_hidden_states(
+                load_hidden_states(
                     params["hidden_states_host"],
                     params["hidden_states_port"],
                     params["hidden_states_transfer_id"],

@@ -1,5 +1,5 @@
 """Shared pieces of the transport tests: deterministic entries, bit-exact comparison, and child
-processes (a producer serving a KVBuffer, a consumer pulling one key) driven over stdin/stdout.
+processes (a producer serving a KVBuffer, a consumer loading one key) driven over stdin/stdout.
 
 Run as a script it is the child: ``python tests/support/transport.py producer|consumer ...``.
 It prints ``READY <port>`` when serving, ``CHECKOUT <key>`` when a delivery starts (``--hook``),

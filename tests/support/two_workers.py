@@ -1,4 +1,4 @@
-"""Two processes driving the connector's worker halves the way vLLM's model runner does: in the
+"""Two processes driving the connector's worker sides the way vLLM's model runner does: in the
 producer, a "forward pass" writes a prompt's KV on the compute stream and the connector's
 ``wait_for_save`` follows at once; in the consumer, ``start_load_kv``, then a kernel reading the
 blocks (replayed from a CUDA graph on a GPU), then ``get_finished`` and
@@ -6,11 +6,11 @@ blocks (replayed from a CUDA graph on a GPU), then ``get_finished`` and
 ``gloo``), FlashAttention-shaped bf16 caches (``[2, num_blocks, block_size, num_kv_heads,
 head_size]``). On a GPU the connector's calls run under ``torch.cuda.set_sync_debug_mode("error")``
 (after one warm-up round: Triton compiles and tritonkv builds its layer table on a first call);
-on CPU the halves take their GPU path on :class:`~support.fake_streams.FakeStreams`.
+on CPU the sides take their GPU path on :class:`~support.fake_streams.FakeStreams`.
 
 Rounds (the same in both processes, :data:`ROUNDS`): a warm-up, two checked loads, a save whose
 allocation fails (its load finds nothing: recomputed), a load whose allocation fails (recomputed),
-and a last checked load (the halves still work).
+and a last checked load (the sides still work).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def sync_debug(device: str, on: bool):
 
 def _streams(device: str):
     if device == "cuda":
-        return None, torch.cuda.Stream()  # the halves make their StreamOps; vLLM's stream
+        return None, torch.cuda.Stream()  # the sides make their StreamOps; vLLM's stream
     from support.fake_streams import FakeStreams
 
     return FakeStreams(auto_complete=True), None
@@ -181,7 +181,7 @@ def consume(device: str, transport: str, port: int) -> dict:
     and the stats."""
     fake, compute = _streams(device)
     caches = flash_caches(device)
-    cfg = ConnectorConfig(transport=transport, fetch_timeout_s=30.0)
+    cfg = ConnectorConfig(transport=transport, load_timeout_s=30.0)
     cons = Consumer(
         cfg,
         rank_caches(caches, device),

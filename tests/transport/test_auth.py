@@ -41,8 +41,8 @@ _keys = itertools.count()
 
 
 def _get(srv, secret, **kw):
-    """Put a fresh entry into ``srv``'s buffer and pull it with ``secret`` (a delivered entry is
-    claimed, so each pull needs its own)."""
+    """Put a fresh entry into ``srv``'s buffer and load it with ``secret`` (a delivered entry is
+    claimed, so each load needs its own)."""
     key = f"k{next(_keys)}"
     srv.buffer.put(key, {"x": torch.arange(10.0)})
     with KVClient("127.0.0.1", srv.port, secret=secret, timeout_s=5, **kw) as client:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.connector_halves import HEAD_SIZE, NHD, OPAQUE, caches, consumer, producer
+from support.connector_sides import HEAD_SIZE, NHD, OPAQUE, caches, consumer, producer
 
 from connector.vllm_connector.cache_views import layer_views
 

@@ -1,7 +1,7 @@
 """The overlapped flow's chunks, from the producer's plan (:mod:`~connector.vllm_connector.saves`)
 through its worker's saves to a consumer's loads (no vLLM): bit-exact for any prefill schedule,
-local hit and wire format; each chunk pulled as soon as it is stored; a chunk whose meta lies,
-a release or an abort while chunks are still to come."""
+local hit and wire format; each chunk loaded as soon as it is stored; a chunk whose meta lies,
+a discard or an abort while chunks are still to come."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.connector_halves import (
+from support.connector_sides import (
     DIGEST,
     NHD,
     SENTINEL,
@@ -122,7 +122,7 @@ def _expected(src, src_blocks, dst_blocks, start, num_tokens, kv_format):
 def test_the_chunks_of_any_prefill_schedule_load_bit_exact(
     num_tokens, schedule, hit_blocks, kv_format, order, data
 ):
-    """Any schedule, any block-aligned local hit (chunks inside it are pulled and not written),
+    """Any schedule, any block-aligned local hit (chunks inside it are loaded and not written),
     both wire formats: the consumer's caches hold exactly the prompt's positions it loads, every
     other slot the sentinel, and every chunk was claimed."""
     needed = -(-num_tokens // BLOCK_SIZE)
@@ -212,9 +212,9 @@ def _until(what: str, done, wait_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_each_chunk_is_pulled_as_soon_as_it_is_stored(served):
+def test_each_chunk_is_loaded_as_soon_as_it_is_stored(served):
     """The transfer overlaps the prefill: while the producer has stored only its first chunks,
-    the consumer has already pulled them (claimed) and waits for the next; the load completes
+    the consumer has already loaded them (claimed) and waits for the next; the load completes
     with the last, bit-exact."""
     saves = _chunk_saves(14, [4, 4, 4], [5, 0, 3, 1])
     assert [s.chunk for s in saves] == [
@@ -229,7 +229,7 @@ def test_each_chunk_is_pulled_as_soon_as_it_is_stored(served):
         conn.start_load_kv([_load("c", served.server.port, [2, 4, 0, 1], 0, 14, wait_s=20)])
         for n, spec in enumerate(saves[:-1], start=1):
             served.worker.wait_for_save([spec])
-            _until(f"chunk {n - 1}'s pull", lambda n=n: served.buffer.stats()["claimed"] == n)
+            _until(f"chunk {n - 1}'s load", lambda n=n: served.buffer.stats()["claimed"] == n)
             assert poll_loads(conn, {"c"}, wait_s=0.05) == (set(), set())  # waiting for the next
         served.worker.wait_for_save(saves[-1:])
         assert poll_loads(conn, {"c"}) == ({"c"}, set())
@@ -241,30 +241,30 @@ def test_each_chunk_is_pulled_as_soon_as_it_is_stored(served):
 
 
 def test_a_release_while_chunks_are_to_come_drops_them_and_refuses_the_rest(served):
-    """The decode request ends after the first chunk was stored (not yet pulled by anyone): the
-    consumer's release drops it and seals the transfer, so the chunks the prefill stores later
+    """The decode request ends after the first chunk was stored (not yet loaded by anyone): the
+    consumer's discard removes it and seals the transfer, so the chunks the prefill stores later
     are refused and the producer's buffer stays empty."""
     saves = _chunk_saves(10, [4, 4], [0, 1, 2])
     served.worker.wait_for_save(saves[:1])
     conn = _consumer(caches(NHD, seed=None))
     try:
-        release = SimpleNamespace(
+        unused = SimpleNamespace(
             transfer_id=TID, host="127.0.0.1", port=served.server.port, producer_tp=1,
             prompt_digest=DIGEST,
         )  # fmt: skip
-        conn.release([release])
+        conn.discard([unused])
     finally:
         conn.shutdown()
     assert len(served.buffer) == 0
     with captured_log("vllm.tritonkv.connector", logging.INFO) as logs:
         served.worker.wait_for_save(saves[1:])
     assert len(served.buffer) == 0 and served.buffer.stats()["sealed_puts"] == 2
-    assert sum("it was released or aborted" in r.getMessage() for r in logs) == 2
+    assert sum("it was discarded or aborted" in r.getMessage() for r in logs) == 2
 
 
 def test_a_prefill_aborted_between_its_chunks_ends_the_waiting_load_at_once(served):
-    """The producer's request is aborted after its first chunk: the worker drops the transfer
-    (sealed) in the next step, and the consumer's pull of the next chunk ends at once with a
+    """The producer's request is aborted after its first chunk: the worker discards the transfer
+    (sealed) in the next step, and the consumer's load of the next chunk ends at once with a
     "discarded" miss instead of waiting out its 30 s; the blocks are recomputed, nothing is
     written, the buffer is empty."""
     saves = _chunk_saves(10, [4, 4], [0, 1, 2])
@@ -274,7 +274,7 @@ def test_a_prefill_aborted_between_its_chunks_ends_the_waiting_load_at_once(serv
         with captured_log("vllm.tritonkv.connector") as logs:
             conn.start_load_kv([_load("c", served.server.port, [3, 4, 5], 0, 10, wait_s=30)])
             served.worker.wait_for_save(saves[:1])
-            _until("chunk 0's pull", lambda: served.buffer.stats()["claimed"] == 1)
+            _until("chunk 0's load", lambda: served.buffer.stats()["claimed"] == 1)
             t0 = time.monotonic()
             served.worker.wait_for_save([], discards=[TID])
             assert poll_loads(conn, {"c"}, wait_s=15) == ({"c"}, {3, 4, 5})
@@ -289,20 +289,20 @@ def test_a_prefill_aborted_between_its_chunks_ends_the_waiting_load_at_once(serv
 
 def test_an_idle_step_waits_a_little_for_a_fetch_and_returns_as_soon_as_one_completes(served):
     """A step that computes nothing (vLLM's empty steps while requests wait for remote KV): with
-    no fetch done, ``get_finished`` waits up to its ``idle_wait_s`` instead of returning at once,
-    and returns the moment the fetch completes; a busy step (0) never waits."""
+    no load done, ``get_finished`` waits up to its ``idle_wait_s`` instead of returning at once,
+    and returns the moment the load completes; a busy step (0) never waits."""
     saves = _chunk_saves(10, [10], [0, 1, 2])
     conn = _consumer(caches(NHD, seed=None))
     try:
         conn.start_load_kv([_load("c", served.server.port, [3, 4, 5], 0, 10, wait_s=30)])
         t0 = time.monotonic()
         assert conn.get_finished(idle_wait_s=0.3) is None
-        assert time.monotonic() - t0 >= 0.29, "an idle step did not wait for the fetch"
+        assert time.monotonic() - t0 >= 0.29, "an idle step did not wait for the load"
         threading.Timer(0.5, served.worker.wait_for_save, [saves]).start()
         t0 = time.monotonic()
         assert conn.get_finished(0.0) is None
         assert conn.get_finished(idle_wait_s=30) == {"c"}
-        assert time.monotonic() - t0 < 25, "it waited past the fetch's completion"
+        assert time.monotonic() - t0 < 25, "it waited past the load's completion"
     finally:
         conn.shutdown()
     assert conn.get_finished(idle_wait_s=30) is None  # nothing in flight: nothing to wait for
@@ -312,7 +312,7 @@ def test_a_chunk_that_fails_to_save_ends_the_waiting_load_and_the_rest_are_refus
     served, monkeypatch
 ):
     """The pack of the second chunk fails on the producer (any failure of one save): the
-    transfer's stored chunks are dropped and the rest refused, so the consumer waiting for that
+    transfer's stored chunks are discarded and the rest refused, so the consumer waiting for that
     chunk stops at once (recomputes) instead of waiting out its 30 s, and nothing is left."""
     from connector.vllm_connector import producer as producer_mod
 
@@ -321,7 +321,7 @@ def test_a_chunk_that_fails_to_save_ends_the_waiting_load_and_the_rest_are_refus
     try:
         conn.start_load_kv([_load("c", served.server.port, [3, 4, 5], 0, 10, wait_s=30)])
         served.worker.wait_for_save(saves[:1])
-        _until("chunk 0's pull", lambda: served.buffer.stats()["claimed"] == 1)
+        _until("chunk 0's load", lambda: served.buffer.stats()["claimed"] == 1)
 
         def failing(*args, **kwargs):
             raise RuntimeError("injected: the pack failed")
@@ -365,7 +365,7 @@ def test_a_refused_id_is_sealed_for_that_prompt_only(served):
     assert len(served.buffer) == 0
 
 
-def test_a_chunk_holding_more_rows_than_it_says_is_refused_before_the_next_is_pulled():
+def test_a_chunk_holding_more_rows_than_it_says_is_refused_before_the_next_is_loaded():
     """The second chunk's tensor holds more rows than its positions: the load fails at that
     chunk (nothing written), and the third chunk is never asked for (still in the buffer)."""
     src, dst = caches(NHD, seed=5), caches(NHD, seed=None)
@@ -387,7 +387,7 @@ def test_a_chunk_holding_more_rows_than_it_says_is_refused_before_the_next_is_pu
 
 
 def test_a_consumer_of_another_tp_size_gathers_each_producer_ranks_chunks():
-    """TP 2 → 1: the consumer's rank pulls the chunks of both producer ranks (one KV head each),
+    """TP 2 → 1: the consumer's rank loads the chunks of both producer ranks (one KV head each),
     each as it is stored, and writes each rank's head of each chunk, bit-exact."""
     base = free_port_run(2)
     ranks = []

@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
-from connector.vllm_connector.config import ConnectorConfig, describe_keys
+from connector.vllm_connector.config import RENAMED_KEYS, ConnectorConfig, describe_keys
 
 
 def test_config_defaults_and_overrides():
-    cfg = ConnectorConfig.from_extra({"port": 15000, "fetch_timeout_s": 3, "kernels": "torch"})
-    assert (cfg.port, cfg.fetch_timeout_s, cfg.kernels) == (15000, 3.0, "torch")
+    cfg = ConnectorConfig.from_extra({"port": 15000, "load_timeout_s": 3, "kernels": "torch"})
+    assert (cfg.port, cfg.load_timeout_s, cfg.kernels) == (15000, 3.0, "torch")
     assert ConnectorConfig.from_extra(None) == ConnectorConfig()
     assert ConnectorConfig().async_load is False
 
@@ -29,7 +29,7 @@ def test_config_defaults_and_overrides():
         ({"kv_format": "blocks"}, ValueError, "kv_format: expected auto\\|tokens\\|pages"),
         ({"backend": "torch"}, ValueError, "unknown keys \\['backend'\\]"),  # now "kernels"
         ({"wire": "tokens"}, ValueError, "unknown keys \\['wire'\\]"),  # now "kv_format"
-        ({"fetch_timeout_s": 0}, ValueError, "fetch_timeout_s: expected > 0"),
+        ({"load_timeout_s": 0}, ValueError, "load_timeout_s: expected > 0"),
         ({"port": 70000}, ValueError, "out of range"),
         ({"transfer_cpus": "3-1"}, ValueError, "expected ids and ranges"),
         ({"transfer_cpus": 3}, TypeError, "expected str, got int"),
@@ -38,6 +38,21 @@ def test_config_defaults_and_overrides():
 def test_config_rejects_bad_values(extra, error, match):
     with pytest.raises(error, match=match):
         ConnectorConfig.from_extra(extra)
+
+
+def test_a_renamed_key_still_works_under_its_old_name_with_a_warning(caplog):
+    """``fetch_timeout_s`` is read as ``load_timeout_s``: a logged warning and a
+    DeprecationWarning name the new key; both names at once are refused."""
+    deprecated = pytest.warns(DeprecationWarning, match="'fetch_timeout_s' is deprecated: use ")
+    with caplog.at_level("WARNING", logger="vllm.tritonkv"), deprecated:
+        cfg = ConnectorConfig.from_extra({"fetch_timeout_s": 7})
+    assert cfg.load_timeout_s == 7.0
+    assert "use 'load_timeout_s'" in caplog.text
+    assert RENAMED_KEYS == {"fetch_timeout_s": "load_timeout_s"}
+    with pytest.raises(ValueError, match="expected 'load_timeout_s' only, got both"):
+        ConnectorConfig.from_extra({"fetch_timeout_s": 7, "load_timeout_s": 8})
+    with pytest.raises(ValueError, match="load_timeout_s: expected > 0"):
+        ConnectorConfig.from_extra({"fetch_timeout_s": 0})
 
 
 def test_every_key_is_documented_once_beside_its_field():

@@ -1,5 +1,5 @@
-"""A consumer rank's loads and releases against fake and real producers (no vLLM): which thread
-does what, back-off from a producer that timed out, releases off the worker's thread."""
+"""A consumer rank's loads and discards against fake and real producers (no vLLM): which thread
+does what, back-off from a producer that timed out, discards off the worker's thread."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from support.connector_halves import DIGEST, NHD, caches, consumer, fake_client
+from support.connector_sides import DIGEST, NHD, caches, consumer, fake_client
 from support.kvstore import deliver
 from support.vllm_fixtures import captured_log
 
@@ -19,7 +19,7 @@ from connector.kvstore import ClientBusyError, KeyMissError, KVBuffer, KVClient,
 from connector.serve.launch import free_port_run
 from connector.transport import PipeClosedError, TransferTimeout
 from connector.vllm_connector.config import ConnectorConfig
-from connector.vllm_connector.metadata import LoadSpec, ReleaseSpec
+from connector.vllm_connector.metadata import DiscardSpec, LoadSpec
 from tritonkv import layouts, pack_kv
 
 
@@ -34,9 +34,9 @@ def transfer_cpu():
 
 
 def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(monkeypatch, transfer_cpu):
-    """The load thread only fetches, on the transfer CPUs when set; the unpack (torch copies: on
+    """The load thread only loads, on the transfer CPUs when set; the unpack (torch copies: on
     CPU an OpenMP team on another thread slows every team in the process) runs in get_finished, on
-    the worker's thread. A failed fetch still reports its request, with its blocks in the same
+    the worker's thread. A failed load still reports its request, with its blocks in the same
     step's load errors."""
     block_size, num_blocks = 4, 6
     src = torch.randint(-(2**15), 2**15, (2, num_blocks, block_size, 2, 8), dtype=torch.int16)
@@ -137,7 +137,7 @@ def test_a_producer_that_timed_out_is_not_asked_again_for_a_while():
 
 
 def test_releases_drop_unused_entries_on_the_producer_off_the_worker_thread():
-    """Each rank asks ``port + rank`` to drop a released transfer, on a thread of its own; a
+    """Each rank asks ``port + rank`` to discard a discarded transfer, on a thread of its own; a
     producer that is gone is logged, never raised; shutdown closes every client."""
     base = free_port_run(2)
     buffer = KVBuffer(1 << 20)
@@ -146,32 +146,32 @@ def test_releases_drop_unused_entries_on_the_producer_off_the_worker_thread():
         buffer.put(key, {"kv": torch.zeros(4)}, digest=DIGEST)
     callers, clients = [], []
 
-    def connect(host, port):  # on the thread that releases
+    def connect(host, port):  # on the thread that discards
         callers.append(threading.current_thread())
         clients.append(KVClient(host, port, transport="gloo", connect_timeout_s=5.0))
         return clients[-1]
 
     # rank 1 of TP 2 asks producer rank 1 of TP 2
     conn = consumer(caches(NHD), 4, tp_rank=1, tp_size=2, connect=connect)
-    releases = [
-        ReleaseSpec("unused", "127.0.0.1", base, 2, prompt_digest=DIGEST),
-        ReleaseSpec(
+    remote_discards = [
+        DiscardSpec("unused", "127.0.0.1", base, 2, prompt_digest=DIGEST),
+        DiscardSpec(
             "elsewhere", "127.0.0.1", free_port_run(2), 2, prompt_digest=DIGEST
         ),  # nobody listens
     ]
     try:
-        conn.start_load_kv([], releases)
-        conn.wait_for_releases()
+        conn.start_load_kv([], remote_discards)
+        conn.wait_for_discards()
         with pytest.raises(KeyMissError, match="discarded"):
             deliver(buffer, "unused", digest=DIGEST)
         assert torch.equal(deliver(buffer, "kept", digest=DIGEST)[0]["kv"], torch.zeros(4))
         assert len(set(callers)) == 1 and callers[0] is not threading.current_thread()
         conn.shutdown()
-        conn.release(
-            [ReleaseSpec("late", "127.0.0.1", base, 2, prompt_digest=DIGEST)]
+        conn.discard(
+            [DiscardSpec("late", "127.0.0.1", base, 2, prompt_digest=DIGEST)]
         )  # e.g. a batch still running
         assert torch.equal(deliver(buffer, "late", digest=DIGEST)[0]["kv"], torch.zeros(4)), (
-            "released after shutdown"
+            "discarded after shutdown"
         )
         for client in clients:
             with pytest.raises(PipeClosedError, match="client is closed"):
@@ -200,7 +200,7 @@ def test_a_pull_presents_the_digest_and_caps_the_reply_at_what_this_rank_expects
 
 @pytest.mark.timeout(60)
 def test_an_entry_larger_than_this_rank_expects_is_refused_before_it_is_allocated(monkeypatch):
-    """A producer (or a relay) that answers a pull with more KV than the hand-off's prompt can
+    """A producer (or a relay) that answers a load with more KV than the hand-off's prompt can
     hold here: the consumer refuses the DATA header, allocates nothing for it, and recomputes."""
     buffer = KVBuffer(64 << 20)
     buffer.put("oversized", {"kv": torch.zeros(8 << 20, dtype=torch.uint8)}, digest=DIGEST)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.connector_halves import DIGEST, fake_client
+from support.connector_sides import DIGEST, fake_client
 from support.kvstore import deliver
 from support.vllm_layouts import CASES, Allocation, Case, copy_cells, layer_spec, vllm_caches
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -197,7 +197,7 @@ def transfer(prod: Producer, dst: RankCaches, src_blocks, dst_blocks, num_tokens
 
 
 @pytest.mark.parametrize("case", DEFAULT)
-def test_the_connector_halves_move_each_backend_in_the_default_layout(case):
+def test_the_connector_sides_move_each_backend_in_the_default_layout(case):
     """Producer and consumer, as the worker builds them, under vLLM's default layout (LBNHC:
     the token dim outside the heads, so a block's cells are not in token-row order): a prompt of
     2 blocks and 5 tokens past a one-block local hit lands where ``kv_format`` "auto" puts it:

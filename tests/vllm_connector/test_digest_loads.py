@@ -1,4 +1,4 @@
-"""The integrity digest end to end in the worker halves, in-process (no sockets, no vLLM): the
+"""The integrity digest end to end in the worker sides, in-process (no sockets, no vLLM): the
 producer stores the digest its pack computed, the consumer's unpack checks what it read (and,
 with ``digest_write_back``, what landed in its cache); a mismatch is a failed load, recomputed,
 warned once (transfer, producer, check) and counted. Each fault has its negative control: with the
@@ -11,7 +11,7 @@ from functools import partial
 
 import pytest
 import torch
-from support.connector_halves import (
+from support.connector_sides import (
     DIGEST,
     SENTINEL,
     VLLM_CPU,
@@ -170,7 +170,7 @@ def test_a_wrong_destination_slot_is_caught_by_the_write_back_check(monkeypatch,
 
 
 def test_unequal_tp_parts_carry_their_own_digests(warnings):
-    """A TP-1 producer of 2 heads (token rows), TP-2 consumers pulling one head each: each pull
+    """A TP-1 producer of 2 heads (token rows), TP-2 consumers loading one head each: each load
     is checked against its head's digest; a flipped bit in one rank's part fails that rank only."""
     src = caches(VLLM_CPU)
     prod = producer(src, 4, kv_format="tokens")

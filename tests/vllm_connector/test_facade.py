@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from support.connector_halves import HEAD_SIZE, VLLM_CPU
+from support.connector_sides import HEAD_SIZE, VLLM_CPU
 from support.vllm_fixtures import captured_log, requires_vllm, tiny_vllm_config
 
 pytestmark = requires_vllm

@@ -1,6 +1,6 @@
 """Nothing one request brings can kill an engine: every failure of one request's save or load
 (an entry that can never fit, no memory, a client's hostile numbers) is that request's failure,
-logged and counted, and the request is recomputed (no vLLM: the worker halves directly)."""
+logged and counted, and the request is recomputed (no vLLM: the worker sides directly)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from support.connector_halves import DIGEST, NHD, caches, consumer, fake_client, producer
+from support.connector_sides import DIGEST, NHD, caches, consumer, fake_client, producer
 from support.vllm_fixtures import captured_log
 
 import connector.vllm_connector.producer as producer_mod
@@ -149,7 +149,7 @@ def test_the_producer_client_cache_is_bounded_and_closes_what_it_drops():
 def test_slots_are_checked_on_the_host_before_any_copy():
     """On a GPU the kernels do not check slots: a block id past the cache would be an illegal
     memory access or a silent overwrite. The worker checks them when it builds them."""
-    from support.connector_halves import rank_caches
+    from support.connector_sides import rank_caches
 
     views = rank_caches(caches(NHD), BLOCK_SIZE)  # 6 blocks of 4: slots 0..23
     assert views.num_slots == 24

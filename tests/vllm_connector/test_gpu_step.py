@@ -1,10 +1,10 @@
-"""The worker halves' GPU path on CPU tensors (support.fake_streams stands in for CUDA's streams
+"""The worker sides' GPU path on CPU tensors (support.fake_streams stands in for CUDA's streams
 and events): nothing in vLLM's step reads the device or synchronises, the work is ordered by
 events, an entry is stored and a load counted only once its event completed, and device memory
 stays within ``gpu_memory_bytes`` (a transfer past it, or whose allocation fails, is that
 transfer's failure: recomputed). The ``gpu`` test at the end does a save and a load on a GPU
 under ``torch.cuda.set_sync_debug_mode("error")``, and tests/vllm_connector/test_two_workers.py
-two processes driving the halves as vLLM does."""
+two processes driving the sides as vLLM does."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from functools import partial
 
 import pytest
 import torch
-from support.connector_halves import (
+from support.connector_sides import (
     DIGEST,
     NHD,
     SENTINEL,
@@ -130,7 +130,7 @@ def test_the_step_never_reads_the_device_and_work_is_ordered_by_events(
     with no_host_reads(fake, MODULES) as violations:
         cons.start_load_kv([_load_spec()])
     if async_load:
-        cons._loading["c"][2].result(10)  # the fetch, on a load thread
+        cons._loading["c"][2].result(10)  # the load, on a load thread
     with no_host_reads(fake, MODULES) as more:
         finished = cons.get_finished()  # launched the async unpack: not finished before its event
     assert violations + more == [] and finished is None
@@ -320,7 +320,7 @@ def test_bad_memory_options_are_refused():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("buffer_memory", ["host", "device"])
 def test_on_a_gpu_the_step_never_synchronises(buffer_memory):
-    """The real thing: CUDA streams and events, sync-debug mode "error" around the halves'
+    """The real thing: CUDA streams and events, sync-debug mode "error" around the sides'
     calls (after a warm-up round: Triton compiles, tritonkv builds its layer table)."""
     cfg = ConnectorConfig(kv_format="tokens", transport="gloo", buffer_memory=buffer_memory)
     src = [c.cuda() for c in caches(NHD, seed=1)]

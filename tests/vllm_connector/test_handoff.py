@@ -20,7 +20,7 @@ from connector.vllm_connector.handoff import (
     request_digest,
     shown,
 )
-from connector.vllm_connector.metadata import ReleaseSpec
+from connector.vllm_connector.metadata import DiscardSpec
 
 TID = "0123456789abcdef" * 2
 
@@ -85,7 +85,7 @@ def test_a_built_handoff_parses_back_to_where_its_entry_lives():
     assert params["prompt_digest"] == prompt_digest([1, 2, 3]) and params["num_tokens"] == 3
     assert is_handoff(params)
     assert handoff_problems(params) == []
-    assert parse_handoff(params) == ReleaseSpec(
+    assert parse_handoff(params) == DiscardSpec(
         TID, "prefill-0.example", 14600, 2, prompt_digest=params["prompt_digest"]
     )
 
@@ -121,7 +121,7 @@ def test_a_hostile_value_in_any_field_is_refused_by_name_before_anything_is_dial
     params = _good(**{key: value})
     problems = handoff_problems(params)
     assert len(problems) == 1 and problems[0].startswith(key), problems
-    assert parse_handoff(params) is None  # nothing to dial, nothing to release
+    assert parse_handoff(params) is None  # nothing to dial, nothing to discard
     assert len(problems[0]) < 300  # a client's value is shown cut short, never in full
 
 

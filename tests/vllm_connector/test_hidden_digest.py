@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from connector.hidden import DigestMismatch, fetch_hidden_states
+from connector.hidden import DigestMismatch, load_hidden_states
 from connector.hidden.files import HiddenFileWriter, read_hidden_file
 from connector.hidden.scheduler import HiddenSaveSpec
 from connector.hidden.worker import HiddenWorker
@@ -65,7 +65,7 @@ def _ints(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("digest", [True, False], ids=["digest", "no-digest"])
 def test_a_bit_flipped_in_transit_is_caught_by_both_ways_out(served, tmp_path, digest) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-        load_hidden_states,
+        load_hidden_states as vllm_read_file,
     )
 
     make, port, writer = served
@@ -78,19 +78,19 @@ def test_a_bit_flipped_in_transit_is_caught_by_both_ways_out(served, tmp_path, d
     want = _expected(worker.cache, flipped)
     if digest:
         with pytest.raises(DigestMismatch, match=r"transfer tttttttt: digest check 'receipt'"):
-            fetch_hidden_states("127.0.0.1", port, flipped.transfer_id, secret=SECRET)
+            load_hidden_states("127.0.0.1", port, flipped.transfer_id, secret=SECRET)
         with pytest.raises(RuntimeError, match=r"digest check 'write' failed.*hidden_states"):
             read_hidden_file(path, timeout_s=5)
         assert not os.path.exists(path)  # nothing corrupted under the final name
         with pytest.raises(FileNotFoundError):
-            load_hidden_states(path)  # vLLM's own reader finds no file, not a wrong one
+            vllm_read_file(path)  # vLLM's own reader finds no file, not a wrong one
     else:
-        over_net = fetch_hidden_states("127.0.0.1", port, flipped.transfer_id, secret=SECRET)
+        over_net = load_hidden_states("127.0.0.1", port, flipped.transfer_id, secret=SECRET)
         from_file = read_hidden_file(path, timeout_s=5)
-        for got in (over_net, from_file, load_hidden_states(path)):
+        for got in (over_net, from_file, vllm_read_file(path)):
             assert (_ints(got["hidden_states"]) != _ints(want)).sum() == 1  # landed, unseen
     # the step's other request is untouched either way
-    got = fetch_hidden_states("127.0.0.1", port, clean.transfer_id, secret=SECRET)
+    got = load_hidden_states("127.0.0.1", port, clean.transfer_id, secret=SECRET)
     assert torch.equal(_ints(got["hidden_states"]), _ints(_expected(worker.cache, clean)))
     assert torch.equal(read_hidden_file(clean.path)["token_ids"], torch.tensor([9, 8, 7, 6]))
 

@@ -1,6 +1,6 @@
 """The hidden-state file writer and readers: vLLM's lock protocol (its ``load_hidden_states``
 waits for the writer), temporary name then rename, a bounded queue that refuses instead of
-waiting, a full disk as that request's error; and ``fetch_hidden_states`` over an authenticated
+waiting, a full disk as that request's error; and tritonkv's ``load_hidden_states`` over an authenticated
 KV server, with its deadline and its errors."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from connector.hidden import HiddenStatesReader, fetch_hidden_states
+from connector.hidden import HiddenStatesReader, load_hidden_states
 from connector.hidden import files as hidden_files
 from connector.hidden.files import HiddenFileWriter, read_hidden_file
 from connector.kvstore import KeyMissError, KVBuffer, KVServer
@@ -52,7 +52,7 @@ def test_lock_protocol_with_vllms_reader(tmp_path, monkeypatch) -> None:
     """vLLM's load_hidden_states blocks until the file is complete, then reads it; no
     temporary file stays."""
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-        load_hidden_states,
+        load_hidden_states as vllm_read_file,
     )
 
     writer = HiddenFileWriter(1 << 20)
@@ -60,7 +60,7 @@ def test_lock_protocol_with_vllms_reader(tmp_path, monkeypatch) -> None:
     gate, got = _Gate(monkeypatch), {}
     try:
         writer.submit(path, _tensors(), HiddenFileWriter.lock(path))
-        reader = threading.Thread(target=lambda: got.update(load_hidden_states(path)))
+        reader = threading.Thread(target=lambda: got.update(vllm_read_file(path)))
         reader.start()
         reader.join(0.3)
         assert reader.is_alive() and not os.path.exists(path)  # waiting on the lock
@@ -201,17 +201,17 @@ def server():
     buffer.close()
 
 
-def test_fetch_hidden_states(server) -> None:
+def test_load_hidden_states(server) -> None:
     buffer, srv = server
     tensors = _tensors(9)
     buffer.put("tid", tensors, {"kind": "hidden_states", "num_tokens": 9})
-    got = fetch_hidden_states("127.0.0.1", srv.port, "tid", secret=SECRET, timeout_s=10)
+    got = load_hidden_states("127.0.0.1", srv.port, "tid", secret=SECRET, timeout_s=10)
     assert torch.equal(
         got["hidden_states"].view(torch.int32), tensors["hidden_states"].view(torch.int32)
     )
     assert torch.equal(got["token_ids"], tensors["token_ids"])
     with pytest.raises(KeyMissError):  # delivered once
-        fetch_hidden_states("127.0.0.1", srv.port, "tid", secret=SECRET, timeout_s=10, wait_s=0)
+        load_hidden_states("127.0.0.1", srv.port, "tid", secret=SECRET, timeout_s=10, wait_s=0)
 
 
 def _later(delay_s: float, fn, *args) -> threading.Thread:
@@ -226,24 +226,24 @@ def test_fetch_waits_for_an_entry_put_after_the_response(server) -> None:
     buffer, srv = server
     tensors = _tensors(5)
     with pytest.raises(KeyMissError):
-        fetch_hidden_states("127.0.0.1", srv.port, "late", secret=SECRET, wait_s=0)
+        load_hidden_states("127.0.0.1", srv.port, "late", secret=SECRET, wait_s=0)
     put = _later(0.3, buffer.put, "late", tensors, {"kind": "hidden_states", "num_tokens": 5})
-    got = fetch_hidden_states("127.0.0.1", srv.port, "late", secret=SECRET, timeout_s=10)
+    got = load_hidden_states("127.0.0.1", srv.port, "late", secret=SECRET, timeout_s=10)
     assert _same(got, tensors)
     put.join(5)
     _later(0.3, buffer.put, "late2", tensors, {"kind": "hidden_states", "num_tokens": 5})
     with HiddenStatesReader(secret=SECRET, timeout_s=10) as reader:
-        assert _same(reader.fetch("127.0.0.1", srv.port, "late2"), tensors)
+        assert _same(reader.load("127.0.0.1", srv.port, "late2"), tensors)
 
 
 def test_a_sealed_transfer_ends_the_wait_at_once(server) -> None:
     """A save that failed seals its transfer id (HiddenWorker): a reader waiting for it gets
     its MISS then, not after its wait."""
     buffer, srv = server
-    _later(0.3, lambda: buffer.drop("failed", seal=True))
+    _later(0.3, lambda: buffer.discard_any("failed", seal=True))
     t0 = time.monotonic()
     with pytest.raises(KeyMissError):
-        fetch_hidden_states("127.0.0.1", srv.port, "failed", secret=SECRET, timeout_s=30)
+        load_hidden_states("127.0.0.1", srv.port, "failed", secret=SECRET, timeout_s=30)
     assert time.monotonic() - t0 < 10  # its wait was 15 s
 
 
@@ -251,13 +251,13 @@ def test_fetch_refusals(server) -> None:
     buffer, srv = server
     buffer.put("kv", {"kv": torch.zeros(2)}, {"kind": "kv"})
     with pytest.raises(ValueError, match="expected hidden states"):
-        fetch_hidden_states("127.0.0.1", srv.port, "kv", secret=SECRET, timeout_s=10)
+        load_hidden_states("127.0.0.1", srv.port, "kv", secret=SECRET, timeout_s=10)
     with pytest.raises(TransferError):  # wrong secret: refused, within the deadline
-        fetch_hidden_states("127.0.0.1", srv.port, "x", secret="w" * 40, timeout_s=5)
+        load_hidden_states("127.0.0.1", srv.port, "x", secret="w" * 40, timeout_s=5)
     with pytest.raises(TypeError, match="transfer_id"):
-        fetch_hidden_states("127.0.0.1", srv.port, "", secret=SECRET)
+        load_hidden_states("127.0.0.1", srv.port, "", secret=SECRET)
     with pytest.raises(ValueError, match="port"):
-        fetch_hidden_states("127.0.0.1", 0, "x", secret=SECRET)
+        load_hidden_states("127.0.0.1", 0, "x", secret=SECRET)
 
 
 def _same(got: dict, want: dict) -> bool:
@@ -273,11 +273,11 @@ def test_reader_pulls_many_over_one_connection(server) -> None:
         buffer.put(key, tensors, {"kind": "hidden_states"})
     with HiddenStatesReader(secret=SECRET, timeout_s=10) as reader:
         for key, tensors in want.items():
-            assert _same(reader.fetch("127.0.0.1", srv.port, key), tensors)
+            assert _same(reader.load("127.0.0.1", srv.port, key), tensors)
         with pytest.raises(KeyMissError):  # delivered once, and the connection lives on
-            reader.fetch("127.0.0.1", srv.port, "t0")
+            reader.load("127.0.0.1", srv.port, "t0")
         buffer.put("late", want["t1"], {"kind": "hidden_states"})
-        assert _same(reader.fetch("127.0.0.1", srv.port, "late"), want["t1"])
+        assert _same(reader.load("127.0.0.1", srv.port, "late"), want["t1"])
     stats = srv.stats()
     assert stats["connections"] == 1 and stats["requests"] == 7, stats
 
@@ -286,13 +286,13 @@ def test_reader_makes_a_connection_the_server_closed_again(server) -> None:
     buffer, srv = server
     with HiddenStatesReader(secret=SECRET, timeout_s=10) as reader:
         buffer.put("a", _tensors(), {"kind": "hidden_states"})
-        assert _same(reader.fetch("127.0.0.1", srv.port, "a"), _tensors())
+        assert _same(reader.load("127.0.0.1", srv.port, "a"), _tensors())
         port = srv.port
         srv.close()  # the server restarts: the kept connection is closed under the reader
         again = KVServer(buffer, "127.0.0.1", port, secret=SECRET)
         try:
             buffer.put("b", _tensors(7), {"kind": "hidden_states"})
-            assert _same(reader.fetch("127.0.0.1", port, "b"), _tensors(7))
+            assert _same(reader.load("127.0.0.1", port, "b"), _tensors(7))
             assert again.stats()["connections"] == 1
         finally:
             again.close()
@@ -305,7 +305,7 @@ def test_reader_keeps_at_most_max_peers(server) -> None:
         with HiddenStatesReader(secret=SECRET, timeout_s=10, max_peers=1) as reader:
             for key, port in (("a", srv.port), ("b", other.port), ("c", srv.port)):
                 buffer.put(key, _tensors(), {"kind": "hidden_states"})
-                assert _same(reader.fetch("127.0.0.1", port, key), _tensors())
+                assert _same(reader.load("127.0.0.1", port, key), _tensors())
                 assert list(reader._clients) == [("127.0.0.1", port)]
         assert srv.stats()["connections"] == 2 and other.stats()["connections"] == 1
     finally:
@@ -319,6 +319,6 @@ def test_reader_refuses_bad_arguments() -> None:
         HiddenStatesReader(timeout_s=-1)
     with HiddenStatesReader() as reader:
         with pytest.raises(TypeError, match="transfer_id"):
-            reader.fetch("127.0.0.1", 1, "")
+            reader.load("127.0.0.1", 1, "")
         with pytest.raises(ValueError, match="port"):
-            reader.fetch("127.0.0.1", 70000, "x")
+            reader.load("127.0.0.1", 70000, "x")

@@ -20,7 +20,7 @@ from support.kvstore import deliver
 from connector import integrity
 from connector.hidden import worker as hs
 from connector.hidden.files import HiddenFileWriter, read_hidden_file
-from connector.hidden.scheduler import HiddenDrop, HiddenSaveSpec, HiddenScheduler
+from connector.hidden.scheduler import HiddenDiscard, HiddenSaveSpec, HiddenScheduler
 from connector.kvstore import KVBuffer
 from connector.streams import DeviceBudget
 from connector.vllm_connector.stats import TransferStats
@@ -75,10 +75,10 @@ class _Rig:
             budget=self.budget,
         )
 
-    def save(self, specs, drops=()) -> list[str]:
+    def save(self, specs, discards=()) -> list[str]:
         """``worker.save`` under the audit; its violations."""
         with no_host_reads(self.fake, MODULES) as violations:
-            self.worker.save(specs, drops)
+            self.worker.save(specs, discards)
         return list(violations)
 
     def delivered(self, spec: HiddenSaveSpec, way: str) -> list[dict]:
@@ -237,12 +237,12 @@ def test_past_the_budget_or_out_of_memory_fails_that_request_only(tmp_path, way)
 
 
 def test_a_drop_waits_for_the_saves_launched_before_it(tmp_path) -> None:
-    """An aborted request dropped in the next step while its pack is in flight: once it
+    """An aborted request discarded in the next step while its pack is in flight: once it
     completed, neither its entry nor its files remain."""
     rig = _Rig("both")
     spec = _spec("gone", [2], 3, tmp_path, "both")
     assert rig.save([spec]) == []
-    assert rig.save([], [HiddenDrop(spec.transfer_id, spec.path)]) == []
+    assert rig.save([], [HiddenDiscard(spec.transfer_id, spec.path)]) == []
     rig.fake.complete_all()
     assert rig.worker.flush(10)
     assert len(rig.buffer) == 0 and os.listdir(tmp_path) == []

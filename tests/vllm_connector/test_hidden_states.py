@@ -1,4 +1,4 @@
-"""The hidden-state halves without vLLM: which step takes a prompt's hidden states (chunked
+"""The hidden-state sides without vLLM: which step takes a prompt's hidden states (chunked
 prefill), one pack for all of a step's prompts, bit-exact rows beside their token ids, TP ranks
 other than 0 taking nothing, aborted requests leaving nothing, and per-request failures (full
 buffer, bad spec) that never raise."""
@@ -120,9 +120,9 @@ def test_scheduler_aborted_and_unscheduled_requests(tmp_path) -> None:
     (spec,) = sched.build_meta(_step({"a": 3}, {"a": ([3],)}))["hidden_saves"]
     assert sched.request_finished(taken, aborted=True) == (False, None)
     assert sched.request_finished(never, aborted=True) == (False, None)
-    drops = sched.build_meta(_step({}, {}))["hidden_drops"]
-    assert [(d.transfer_id, d.path) for d in drops] == [(spec.transfer_id, spec.path)]
-    assert sched.build_meta(_step({}, {}))["hidden_drops"] == []  # said once
+    discards = sched.build_meta(_step({}, {}))["hidden_discards"]
+    assert [(d.transfer_id, d.path) for d in discards] == [(spec.transfer_id, spec.path)]
+    assert sched.build_meta(_step({}, {}))["hidden_discards"] == []  # said once
 
 
 def test_scheduler_custom_paths_and_embeddings(tmp_path) -> None:
@@ -160,8 +160,8 @@ class _FlushedWorker(HiddenWorker):
     """A HiddenWorker whose ``save`` also waits for what the step left to its publisher thread
     (digests, deliveries): these tests look at the deliveries after the step."""
 
-    def save(self, saves, drops=(), holds=()) -> None:
-        super().save(saves, drops, holds)
+    def save(self, saves, discards=(), holds=()) -> None:
+        super().save(saves, discards, holds)
         assert self.flush(10.0)
 
 
@@ -298,7 +298,7 @@ def test_aborted_request_leaves_nothing(tmp_path) -> None:
         spec = HiddenSaveSpec("a", "t", [1], 3, [1, 2, 3], path)
         worker = _worker(cache, buffer, writer=writer)
         worker.save([spec])
-        worker.save([], [hs_sched.HiddenDrop("t", path)])  # the next step: aborted meanwhile
+        worker.save([], [hs_sched.HiddenDiscard("t", path)])  # the next step: aborted meanwhile
         assert writer.flush(10)
         assert len(buffer) == 0 and os.listdir(tmp_path) == []
     finally:
@@ -332,7 +332,9 @@ def test_cpu_deliveries_leave_the_step_in_order() -> None:
         t0 = time.monotonic()
         worker.save([HiddenSaveSpec("a", "t-a", [1], 3, [1, 2, 3], None)])
         worker.save([HiddenSaveSpec("b", "t-b", [2], 4, [4, 5, 6, 7], None)])
-        worker.save([], [hs_sched.HiddenDrop("t-a", None)])  # a later step: "a" aborted meanwhile
+        worker.save(
+            [], [hs_sched.HiddenDiscard("t-a", None)]
+        )  # a later step: "a" aborted meanwhile
         assert time.monotonic() - t0 < 5 and len(buffer) == 0  # nothing waited for the puts
         buffer.release.set()
         assert worker.flush(10)
@@ -416,7 +418,7 @@ def test_scheduler_whole_sequence_holds_then_saves_at_finish(tmp_path) -> None:
 
 
 def test_scheduler_whole_sequence_abort_and_other_values(tmp_path, caplog) -> None:
-    """An aborted whole sequence keeps no blocks and is dropped; include_output_tokens other
+    """An aborted whole sequence keeps no blocks and is discarded; include_output_tokens other
     than true or false: said aloud, the prompt only; a prompt-only request keeps no blocks."""
     sched = HiddenScheduler(block_size=4, group=0, storage_path=str(tmp_path))
     req = _request("a", [1, 2], params={"include_output_tokens": True})
@@ -425,7 +427,7 @@ def test_scheduler_whole_sequence_abort_and_other_values(tmp_path, caplog) -> No
     assert sched.request_finished(_finished(req, [3, 4]), True, ([5],)) == (False, None)
     meta = sched.build_meta(_step({}, {}))
     assert meta["hidden_saves"] == []
-    assert [(d.transfer_id, d.path) for d in meta["hidden_drops"]] == [
+    assert [(d.transfer_id, d.path) for d in meta["hidden_discards"]] == [
         (hold.transfer_id, hold.path)
     ]
     odd = _request("o", [1, 2, 3], params={"include_output_tokens": "yes"})
@@ -500,7 +502,7 @@ def test_worker_whole_sequence_aborted_after_hold(tmp_path) -> None:
         path = str(tmp_path / "a.safetensors")
         worker.save([], holds=[hs_sched.HiddenHold("a", "t-a", path)])
         assert _lock_is_held(path)
-        worker.save([], drops=[hs_sched.HiddenDrop("t-a", path)])
+        worker.save([], discards=[hs_sched.HiddenDiscard("t-a", path)])
         assert writer.flush(10) and os.listdir(tmp_path) == []
         assert worker.take_released() == set() and "t-a" not in buffer
         worker.save([], holds=[hs_sched.HiddenHold("s", "t-s", str(tmp_path / "s.safetensors"))])

@@ -8,13 +8,13 @@ import logging
 import re
 
 import pytest
-from support.connector_halves import DIGEST, NHD, TRANSPORT, caches, consumer, producer
+from support.connector_sides import DIGEST, NHD, TRANSPORT, caches, consumer, producer
 from support.vllm_fixtures import captured_log
 
 from connector.kvstore import short_id
 from connector.serve.launch import free_port_run, transfer_events
 from connector.vllm_connector.config import ConnectorConfig
-from connector.vllm_connector.metadata import LoadSpec, ReleaseSpec, SaveSpec
+from connector.vllm_connector.metadata import DiscardSpec, LoadSpec, SaveSpec
 
 FULL_ID = re.compile(r"[0-9a-f]{32}")
 LOADED, RELEASED, ABORTED, UNKNOWN = (f"{i:x}" * 32 for i in (10, 11, 12, 13))
@@ -44,9 +44,9 @@ def test_no_log_line_carries_a_full_transfer_id_and_the_events_match_on_short_id
             prod.wait_for_save([], [ABORTED])  # its request was aborted
             cons.start_load_kv([load("c-loaded", LOADED), load("c-unknown", UNKNOWN)])
             assert cons.get_block_ids_with_load_errors() == {0, 4, 2}  # the unknown one's
-            cons.release(
+            cons.discard(
                 [
-                    ReleaseSpec(t, "127.0.0.1", p, prompt_digest=DIGEST)
+                    DiscardSpec(t, "127.0.0.1", p, prompt_digest=DIGEST)
                     for t, p in ((RELEASED, port), (RELEASED, port), (UNKNOWN, dead))
                 ]
             )
@@ -55,7 +55,7 @@ def test_no_log_line_carries_a_full_transfer_id_and_the_events_match_on_short_id
             prod.shutdown()
     lines = [r.getMessage() for r in records]
     text = "\n".join(lines)
-    assert text.count("released unused transfer") == 2 and "could not release" in text
+    assert text.count("discarded unused transfer") == 2 and "could not discard" in text
     assert f"discarded transfer {short_id(ABORTED)} (its request was aborted)" in text
     leaked = [line for line in lines if FULL_ID.search(line)]
     assert not leaked, leaked
@@ -65,7 +65,7 @@ def test_no_log_line_carries_a_full_transfer_id_and_the_events_match_on_short_id
     assert [e["transfer"] for e in transfer_events(text, "c-unknown")["failed"]] == [
         short_id(UNKNOWN)
     ]
-    assert f"released unused transfer {short_id(RELEASED)} on " in text
+    assert f"discarded unused transfer {short_id(RELEASED)} on " in text
 
 
 def test_short_id_keeps_eight_characters_and_shows_odd_values_safely():

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from support.connector_halves import (
+from support.connector_sides import (
     DIGEST,
     NHD,
     SENTINEL,
@@ -91,7 +91,7 @@ def _loaded_rows_match(src, dst, *dst_blocks) -> bool:
 def test_overlapped_loads_wait_for_their_entries_each_on_a_connection_of_its_own(prod):
     """Three loads wait for entries not yet stored; the last one's prefill finishes first and it
     loads while the others still wait (no wait holds its connection or its thread), then the
-    next; all bit-exact, and the producer's buffer ends empty: each entry claimed by its pull."""
+    next; all bit-exact, and the producer's buffer ends empty: each entry claimed by its load."""
     dst = caches(NHD, seed=None)
     conn = _consumer(dst)
     try:
@@ -113,7 +113,7 @@ def test_overlapped_loads_wait_for_their_entries_each_on_a_connection_of_its_own
 
 
 def test_a_leased_client_that_loaded_is_kept_for_the_next_load(prod):
-    """The connection of a pull that loaded is given back and leased again: two waiting pulls
+    """The connection of a load that loaded is given back and leased again: two waiting loads
     made two connections, the next load none."""
     conn = _consumer(caches(NHD, seed=None))
     try:
@@ -146,7 +146,7 @@ def test_a_prefill_that_never_stores_its_entry_is_recomputed_after_the_wait(prod
 
 
 def test_a_producer_killed_while_a_load_waits_fails_the_load_at_once(prod):
-    """The producer dies mid-prefill: the pull's connection breaks and the load fails (its
+    """The producer dies mid-prefill: the load's connection breaks and the load fails (its
     blocks recomputed) without waiting out its 30 s."""
     conn = _consumer(caches(NHD, seed=None))
     try:
@@ -159,7 +159,7 @@ def test_a_producer_killed_while_a_load_waits_fails_the_load_at_once(prod):
 
 
 def test_a_request_that_ends_while_its_load_waits_stops_waiting(prod):
-    """vLLM reports the request finished (aborted): its waiting pull is closed, the load fails
+    """vLLM reports the request finished (aborted): its waiting load is closed, the load fails
     at once and is reported (so vLLM frees its blocks); the closed client is not leased again
     and the next load from that producer works."""
     dst = caches(NHD, seed=None)
@@ -169,7 +169,7 @@ def test_a_request_that_ends_while_its_load_waits_stops_waiting(prod):
             conn.start_load_kv([_spec("gone", "2" * 32, prod.server.port, wait_s=30)])
             assert poll_loads(conn, {"gone"}, wait_s=0.3) == (set(), set())
             assert poll_loads(conn, {"gone"}, wait_s=15, ended={"gone"}) == ({"gone"}, set(BLOCKS))
-        assert any("its request ended while the pull waited" in r.getMessage() for r in logs)
+        assert any("its request ended while the load waited" in r.getMessage() for r in logs)
         conn.start_load_kv([_spec("next", "3" * 32, prod.server.port, wait_s=20)])
         prod.save("3" * 32)
         assert poll_loads(conn, {"next"}) == ({"next"}, set())
@@ -218,7 +218,7 @@ def test_leases_are_bounded_per_producer_and_a_failed_one_is_never_reused():
     with clients.lease("h", 1, 1.0) as again:
         assert again in (a, b)  # given back, reused
     with pytest.raises(RuntimeError), clients.lease("h", 1, 1.0) as failing:
-        raise RuntimeError("its pull failed")
+        raise RuntimeError("its load failed")
     assert failing in closed
     waiter_got = []
 

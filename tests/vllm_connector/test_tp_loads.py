@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from support.connector_halves import (
+from support.connector_sides import (
     DIGEST,
     HEAD_SIZE,
     NHD,
@@ -22,7 +22,7 @@ from support.transport import settled_stat
 
 from connector.serve.launch import free_port_run
 from connector.vllm_connector.config import ConnectorConfig
-from connector.vllm_connector.metadata import LoadSpec, ReleaseSpec, SaveSpec
+from connector.vllm_connector.metadata import DiscardSpec, LoadSpec, SaveSpec
 from connector.vllm_connector.tp_mapping import rank_heads
 
 SECRET = b"unit-test-shared-secret-01234567"
@@ -133,7 +133,7 @@ def _want(global_caches, heads, positions=range(9)):
 
 @pytest.mark.parametrize("producer_tp,consumer_tp", [(2, 1), (1, 2), (4, 2), (2, 4)])
 def test_loads_between_unequal_tensor_parallel_sizes(producer_tp, consumer_tp):
-    """Each consumer rank pulls exactly its KV heads: from one producer rank (only the heads it
+    """Each consumer rank loads exactly its KV heads: from one producer rank (only the heads it
     needs, when that rank holds more) or gathered from several (one unpack each); every rank ends
     with its heads bit-exact and nothing else written, and the producers' entries are claimed
     once all their heads went out."""
@@ -193,13 +193,13 @@ def test_a_dead_producer_rank_fails_the_whole_gather_and_writes_nothing():
 
 
 def test_an_unused_transfer_is_released_on_every_producer_rank():
-    """Consumer TP 1, producer TP 2: the one consumer rank asks both producer ranks to drop it."""
+    """Consumer TP 1, producer TP 2: the one consumer rank asks both producer ranks to discard it."""
     global_caches = caches((2, 6, 4, 2, HEAD_SIZE))
     base = free_port_run(2)
     producers = _tp_producers(global_caches, 2, base)
     try:
         cons, _, _ = _tp_consumer(global_caches, 1, 0)
-        cons.release([ReleaseSpec("t1", "127.0.0.1", base, 2, prompt_digest=DIGEST)])
+        cons.discard([DiscardSpec("t1", "127.0.0.1", base, 2, prompt_digest=DIGEST)])
         assert [p.buffer.stats()["discards"] for p in producers] == [1, 1]
         cons.shutdown()
     finally:
@@ -210,7 +210,7 @@ def test_an_unused_transfer_is_released_on_every_producer_rank():
 @pytest.mark.parametrize("producer_tp,consumer_tp", [(2, 1), (1, 2)])
 def test_overlapped_loads_between_unequal_tp_sizes(producer_tp, consumer_tp):
     """Overlapped loads (``wait_s``) started before any producer rank stored its entry: every
-    consumer rank's pulls (gathered from two ranks, or a part of one rank's heads) wait, then
+    consumer rank's loads (gathered from two ranks, or a part of one rank's heads) wait, then
     load their heads bit-exact once the saves came, and every entry is claimed."""
     global_caches = caches((2, 6, 4, 4, HEAD_SIZE))
     base = free_port_run(producer_tp)

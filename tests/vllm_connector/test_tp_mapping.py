@@ -1,4 +1,4 @@
-"""Heterogeneous tensor parallelism: which producer ranks and heads each consumer rank pulls, and
+"""Heterogeneous tensor parallelism: which producer ranks and heads each consumer rank loads, and
 a bit-exact round trip through pack/unpack for every pairing, with sentinel-filled destinations."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _rank_cache(global_kv: torch.Tensor, heads: range) -> torch.Tensor:
 @pytest.mark.parametrize("p,d,h", CASES, ids=lambda v: str(v))
 def test_round_trip_moves_exactly_each_consumer_ranks_heads(p, d, h):
     """Producer ranks pack their caches (all their heads) for a 7-token prompt; each consumer rank
-    pulls only the head slices its plan names (what the server sends), unpacks each into its own
+    loads only the head slices its plan names (what the server sends), unpacks each into its own
     head range, and ends with exactly its heads; nothing else in its cache is written."""
     gen = torch.Generator().manual_seed(p * 100 + d * 10 + h)
     shape = (NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, h, HEAD_SIZE)
@@ -91,7 +91,7 @@ def test_round_trip_moves_exactly_each_consumer_ranks_heads(p, d, h):
         ]
         moved = 0
         for s in plan_heads(h, p, d, r):
-            part = packed[s.rank][:, :, :, s.src[0] : s.src[1]].contiguous()  # the pull
+            part = packed[s.rank][:, :, :, s.src[0] : s.src[1]].contiguous()  # the load
             moved += part.nbytes
             views = [
                 tuple(t[:, s.dst[0] : s.dst[1]] for t in layouts.flash_attn(c)) for c in caches

@@ -1,6 +1,6 @@
-"""A producer and a consumer process driving the worker halves as vLLM does, through real KV
+"""A producer and a consumer process driving the worker sides as vLLM does, through real KV
 servers (support.two_workers): bit-exact loads, failures of one transfer recomputed, device
-memory let go. On CPU the halves take their GPU path on stand-in streams; the ``gpu`` variant
+memory let go. On CPU the sides take their GPU path on stand-in streams; the ``gpu`` variant
 (bench/gpu_check.sh) runs on one CUDA GPU with ``torch.cuda.set_sync_debug_mode("error")``
 around the connector's calls and a CUDA graph reading the loaded blocks."""
 

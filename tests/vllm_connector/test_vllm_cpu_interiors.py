@@ -86,7 +86,7 @@ def _vllm_write(isa, dtype, kv_dtype, head_size, slots):
     cache_dtype = torch.uint8 if kv_dtype in FP8 else dtype
     shape = (NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, 2 * head_size * cache_dtype.itemsize)
     cache = torch.full(shape, SENTINEL, dtype=torch.uint8).view(cache_dtype)
-    # vLLM's attention backend hands the kernel these two halves of each (block, head) chunk.
+    # vLLM's attention backend hands the kernel these two sides of each (block, head) chunk.
     k_cache, v_cache = cache.view(NUM_BLOCKS, NUM_KV_HEADS, 2 * BLOCK_SIZE, head_size).chunk(2, 2)
     key, value, k_stored, v_stored = _kv(dtype, kv_dtype, (len(slots), NUM_KV_HEADS, head_size))
     try:

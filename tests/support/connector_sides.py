@@ -1,4 +1,4 @@
-"""The vLLM connector's worker halves without an engine: caches, producers and consumers built
+"""The vLLM connector's worker sides without an engine: caches, producers and consumers built
 directly (at TP 1 unless told), and an in-process save-then-load (no sockets, no vLLM)."""
 
 from __future__ import annotations

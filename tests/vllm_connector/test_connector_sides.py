@@ -1,4 +1,4 @@
-"""The connector's halves and what they share import without vLLM: only
+"""The connector's sides and what they share import without vLLM: only
 ``connector/vllm_connector/connector.py`` may import it (it adapts vLLM's calls to them)."""
 
 from __future__ import annotations
@@ -12,11 +12,20 @@ from support.vllm_fixtures import REPO_ROOT
 pytestmark = pytest.mark.timeout(120)
 
 PACKAGE = REPO_ROOT / "connector" / "vllm_connector"
-# Every module of the package but the facade (the package itself imports it only lazily).
-HALVES = tuple(
-    f"connector.vllm_connector.{p.stem}" if p.stem != "__init__" else "connector.vllm_connector"
-    for p in sorted(PACKAGE.glob("*.py"))
-    if p.stem != "connector"
+HIDDEN = REPO_ROOT / "connector" / "hidden"
+# Every module of the package but the facade (the package itself imports it only lazily), the
+# hidden-state room, and the leaf modules both use.
+SIDES = (
+    tuple(
+        f"connector.vllm_connector.{p.stem}" if p.stem != "__init__" else "connector.vllm_connector"
+        for p in sorted(PACKAGE.glob("*.py"))
+        if p.stem != "connector"
+    )
+    + tuple(
+        f"connector.hidden.{p.stem}" if p.stem != "__init__" else "connector.hidden"
+        for p in sorted(HIDDEN.glob("*.py"))
+    )
+    + ("connector.integrity", "connector.streams", "connector.steps")
 )
 
 # Any ``import vllm`` (or of a submodule) fails, as where vLLM is not installed.
@@ -33,13 +42,14 @@ sys.meta_path.insert(0, NoVllm())
 """
 
 
-def test_the_halves_import_without_vllm() -> None:
-    assert {
-        f"connector.vllm_connector.{m}" for m in ("producer", "consumer", "cache_views")
-    } <= set(HALVES)
+def test_the_sides_import_without_vllm() -> None:
+    assert {f"connector.vllm_connector.{m}" for m in ("producer", "consumer", "cache_views")} | {
+        "connector.hidden.worker",
+        "connector.hidden.reader",
+    } <= set(SIDES)
     script = (
         BLOCK_VLLM
-        + f"import importlib\nfor name in {HALVES!r}:\n    importlib.import_module(name)\n"
+        + f"import importlib\nfor name in {SIDES!r}:\n    importlib.import_module(name)\n"
         + "from connector.vllm_connector.scheduler import SchedulerSide\n"
         + "from connector.vllm_connector.worker import WorkerSide\n"
         + "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules)\n"

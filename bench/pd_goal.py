@@ -17,7 +17,7 @@
 4. every setup runs ``vllm bench serve`` through the proxy (prompts of exactly 2048 tokens,
    fixed seed, :data:`DEFAULTS`' output tokens) at each concurrency; then a fixed subset is sent
    one at a time and compared token for token with colocated's (as :mod:`bench.pd_link` does);
-5. from the logs of each point: the consumer's fetch times of the sequential setup (T as the
+5. from the logs of each point: the consumer's transfer times of the sequential setup (T as the
    link really gives it) and, for the overlapped setups, how many chunks each request's KV was
    published in (:func:`saved_transfers`); a point where some request went in one piece did not
    measure overlap, and the run fails; and from the prefill server's ``/metrics``, its mean
@@ -178,7 +178,10 @@ _SAVED = re.compile(
 _PREFILL = re.compile(
     r"^vllm:request_prefill_time_seconds_(?P<what>sum|count)(?:\{[^}]*\})?\s+(?P<v>\S+)", re.M
 )
-_FETCH = re.compile(r"tritonkv: loaded transfer [0-9a-f]{8}… for .*?, fetch (?P<ms>[\d.]+) ms")
+# (a load's log line gives the time to get the entry, "fetch" or "load", then the unpack's)
+_TRANSFER = re.compile(
+    r"tritonkv: loaded transfer [0-9a-f]{8}… for .*?, (?:fetch|load) (?P<ms>[\d.]+) ms"
+)
 
 
 @dataclass
@@ -217,9 +220,9 @@ def chunk_stats(saved: dict[str, Published]) -> dict:
     }
 
 
-def fetch_ms(log_text: str) -> list[float]:
-    """The fetch times (ms) of the loads a consumer's log reports."""
-    return [float(m["ms"]) for m in _FETCH.finditer(log_text)]
+def transfer_times_ms(log_text: str) -> list[float]:
+    """How long (ms) each load a consumer's log reports took to get its entry (before unpacking)."""
+    return [float(m["ms"]) for m in _TRANSFER.finditer(log_text)]
 
 
 def prefill_histogram(metrics_text: str) -> tuple[float, float]:
@@ -300,7 +303,7 @@ def _point(
     result = pd_link.serve_bench(url, model, clients=clients, plan=plan, log=log)
     tx = link.tx_bytes("producer") - tx0
     in_load = prefill_in_load_ms(hist0, _prefill_now(prefill_server))
-    saved, fetches = saved_transfers(marks[0].since()), fetch_ms(marks[1].since())
+    saved, times = saved_transfers(marks[0].since()), transfer_times_ms(marks[1].since())
     answers = pd_link.checked_answers(url, refs["subset"], plan)
     if name == "colocated":
         refs["load"][clients], refs["answers"] = result, answers
@@ -311,7 +314,7 @@ def _point(
         load_text_diffs=pd_link.text_diffs(result, refs["load"].get(clients, {})),
         link_mb_per_req=round(tx / 1e6 / max(1, plan["num_prompts"]), 2),
         prefill_ms=round(p_ms, 1), prefill_in_load_ms=in_load,
-        fetch_p50_ms=round(statistics.median(fetches), 1) if fetches else None,
+        transfer_p50_ms=round(statistics.median(times), 1) if times else None,
         **chunk_stats(saved), load_before=before, load_after=loadavg(),
     )  # fmt: skip
     r["link"] = "-" if name == "colocated" else "T = P"
@@ -441,20 +444,22 @@ def summary(rows: list[dict], m: dict, plan: dict) -> str:
             f"link {rate:g} Mbit/s: T = KV x 8 / rate = {t_ms:.0f} ms (T/P {t_ms / p:.2f}); "
             f"stands for {real:.1f} Gb/s real ({real_link_name(real)})",
         ]
-        seq = [r["fetch_p50_ms"] for r in rows if r["setup"] == SEQUENTIAL and r["fetch_p50_ms"]]
+        seq = [
+            r["transfer_p50_ms"] for r in rows if r["setup"] == SEQUENTIAL and r["transfer_p50_ms"]
+        ]
         if seq:
             lines.append(
-                f"T measured: {SEQUENTIAL}'s consumer fetch p50 {', '.join(map(fmt, seq))} ms "
+                f"T measured: {SEQUENTIAL}'s consumer transfer p50 {', '.join(map(fmt, seq))} ms "
                 f"(clients {', '.join(str(r['clients']) for r in rows if r['setup'] == SEQUENTIAL)})"
             )
     lines.append(
         f"{'setup':<21}{'clients':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
-        f"{'P ms':>7}{'P load':>7}{'fetch':>7}{'MB/req':>8}{'chunks':>9}{'wrong':>6}{'diff':>5}{'failed':>7}"
+        f"{'P ms':>7}{'P load':>7}{'T':>7}{'MB/req':>8}{'chunks':>9}{'wrong':>6}{'diff':>5}{'failed':>7}"
         "  load before / after"
     )
     lines.append(
         "(P ms: the prefill server's 2048-token prefill alone; P load: its mean prefill time "
-        "during the point, vLLM's request_prefill_time_seconds; fetch: the consumer's fetch p50)"
+        "during the point, vLLM's request_prefill_time_seconds; T: the consumer's transfer p50)"
     )
     for r in rows:
         chunks = "-" if not r["transfers"] else f"{r['chunks_min']}-{r['chunks_max']}"
@@ -462,7 +467,7 @@ def summary(rows: list[dict], m: dict, plan: dict) -> str:
             f"{r['setup']:<21}{r['clients']:>8}{fmt(r['ttft_p50_ms']):>10}{fmt(r['ttft_p99_ms']):>10}"
             f"{fmt(r['itl_p50_ms']):>9}{fmt(r['itl_p99_ms']):>9}{fmt(r['prefill_ms']):>7}"
             f"{fmt(r['prefill_in_load_ms']):>7}"
-            f"{fmt(r['fetch_p50_ms']):>7}{fmt(r['link_mb_per_req']):>8}{chunks:>9}{r['wrong']:>6}"
+            f"{fmt(r['transfer_p50_ms']):>7}{fmt(r['link_mb_per_req']):>8}{chunks:>9}{r['wrong']:>6}"
             f"{r['load_text_diffs']:>5}{(r['failed'] or 0) + r['failed_checks']:>7}  "
             f"{r['load_before']} / {r['load_after']}"
         )

@@ -1,6 +1,6 @@
 """bench/pd_goal.py (``bench_pd --link --goal``) without servers: the link rate derived from P and
 the KV bytes, the real link it stands for, the goal ratios, the log parsing (chunks per transfer,
-fetch times) and the CSV / summary it writes."""
+transfer times) and the CSV / summary it writes."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _row(setup, clients, ttft, itl=10.0, **extra):
     return {"setup": setup, "clients": clients, "ttft_p50_ms": ttft, "ttft_p99_ms": ttft * 1.2,
             "itl_p50_ms": itl, "itl_p99_ms": itl * 2, "wrong": 0, "failed": 0, "failed_checks": 0,
             "load_text_diffs": 0, "prefill_ms": 1400.0, "prefill_in_load_ms": 1500.0,
-            "fetch_p50_ms": None,
+            "transfer_p50_ms": None,
             "link_mb_per_req": 34.1, "load_before": "1 1 1", "load_after": "2 2 2",
             **pd_goal.chunk_stats({}), **extra}  # fmt: skip
 
@@ -107,8 +107,9 @@ def test_saved_transfers_count_the_chunks_each_transfer_was_published_in():
     assert stats == {"transfers": 2, "chunks_min": 1, "chunks_p50": 2.0, "chunks_max": 3,
                      "single_chunk": 1}  # fmt: skip
     assert pd_goal.chunk_stats({})["transfers"] == 0
-    assert pd_goal.fetch_ms(CONSUMER_LOG) == [50.93, 1400.5]
-    assert pd_goal.fetch_ms(PRODUCER_LOG) == []
+    assert pd_goal.transfer_times_ms(CONSUMER_LOG) == [50.93, 1400.5]
+    assert pd_goal.transfer_times_ms(PRODUCER_LOG) == []
+    assert pd_goal.transfer_times_ms(CONSUMER_LOG.replace(", fetch ", ", load ")) == [50.93, 1400.5]
 
 
 def test_prefill_in_load_reads_vllms_histogram_between_two_reads():
@@ -151,7 +152,7 @@ def test_report_writes_the_csv_and_the_summary_with_the_goals(tmp_path):
     chunked = pd_goal.chunk_stats({"a": pd_goal.Published(8, 2048, 1)})
     rows = [
         _row("colocated", 1, 1300.0),
-        _row("tritonkv-pag", 1, 2900.0, itl=20.0, fetch_p50_ms=1412.0),
+        _row("tritonkv-pag", 1, 2900.0, itl=20.0, transfer_p50_ms=1412.0),
         _row("tritonkv-overlap", 1, 1800.0, **chunked),
         _row("nixl-tuned", 1, 3000.0),
     ]
@@ -169,7 +170,7 @@ def test_report_writes_the_csv_and_the_summary_with_the_goals(tmp_path):
     text = (tmp_path / "pd-goal-summary.txt").read_text()
     assert "--max-num-batched-tokens 256 (8 chunks a prompt)" in text
     assert "T = KV x 8 / rate = 1400 ms" in text and "15.7 Gb/s real" in text
-    assert "consumer fetch p50 1412 ms" in text
+    assert "consumer transfer p50 1412 ms" in text
     assert " 1400 " in text.splitlines()[7] and " 1500 " in text.splitlines()[7]  # P, P load
     bound = 1.2 * pd_goal.transfer_ms(33554432, 191.7) + 20.0  # T (1400.3 ms) > P
     assert f"= {round(1800 / bound, 3):g} (goal <= 1: NOT met)" in text

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # One-shot GPU check for tritonkv: the `gpu`-marked tests (kernels; CUDA tensors on every
-# transport), the connector's worker halves on one GPU (two processes, as vLLM drives them), a
+# transport), the connector's worker sides on one GPU (two processes, as vLLM drives them), a
 # reduced benchmark (do_bench + autotune) and a profiler count of kernel launches, in under 8
 # minutes, into at most 10 files in OUTDIR:
 #   gpu_check.log  everything printed (versions, nvidia-smi, test summary, tables, goal summary)
 #   pytest.log     the gpu tests' output
-#   workers.log    the worker halves' gpu tests: a producer and a consumer process on one GPU
+#   workers.log    the worker sides' gpu tests: a producer and a consumer process on one GPU
 #                  (socket and gloo, FlashAttention-shaped bf16 caches, sync-debug mode "error"
 #                  around the connector's calls, a CUDA graph reading the loaded blocks, injected
-#                  allocation failures), and both halves in one process with the KV buffer on
+#                  allocation failures), and both sides in one process with the KV buffer on
 #                  the host and on the device (tests/vllm_connector/test_two_workers.py,
 #                  test_gpu_step.py), the hidden states' path (test_hidden_gpu_step.py);
 #                  --dry-run: their CPU variants
@@ -44,7 +44,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-python3}
 TOTAL_S=470      # hard limit for the whole script (< 8 min: the device run is 10 min at most)
 TESTS_S=120      # the gpu tests (autotuning compiles most of this time)
-WORKERS_S=180    # the worker halves' gpu tests (two processes start CUDA and compile each)
+WORKERS_S=180    # the worker sides' gpu tests (two processes start CUDA and compile each)
 HOST_S=40        # host time per call (bench/host_overhead.py: the table, prepared and plain)
 STAGING_S=25     # CUDA tensors over gloo and socket (bench/bench_staging.py: 3 rounds of 256 MiB)
 HIDDEN_S=35      # hidden-state extraction in process (bench/hidden_extract.py, ~25 s timed)
@@ -122,9 +122,9 @@ pytest_step "gpu tests" pytest.log "$TESTS_S" "$((1 - DRY))" -m gpu \
     tests/kernels/test_gpu.py tests/kernels/test_autotune.py tests/transport/test_pipe_gpu.py
 
 echo
-echo "== 2/5 worker halves on one GPU (limit ${WORKERS_S} s)"
-# a dry run runs the same checks on the CPU: the halves' GPU path on stand-in streams
-pytest_step "worker halves" workers.log "$WORKERS_S" 1 -m "$([[ $DRY == 1 ]] && echo 'not gpu' || echo gpu)" \
+echo "== 2/5 worker sides on one GPU (limit ${WORKERS_S} s)"
+# a dry run runs the same checks on the CPU: the sides' GPU path on stand-in streams
+pytest_step "worker sides" workers.log "$WORKERS_S" 1 -m "$([[ $DRY == 1 ]] && echo 'not gpu' || echo gpu)" \
     tests/vllm_connector/test_two_workers.py tests/vllm_connector/test_gpu_step.py \
     tests/vllm_connector/test_hidden_gpu_step.py
 

@@ -19,7 +19,7 @@ tritonkv            one ``pack_kv`` launch over all the step's slots (by query o
                     device tensor, one copy of it to pinned host memory
 tritonkv-worker     the connector's own path (``HiddenWorker.save``, then its ``flush``): the
                     pack on its side stream, the publisher thread's per-request digests and
-                    copy, each request's entry put in a KV buffer (then dropped); no disk, no
+                    copy, each request's entry put in a KV buffer (then claimed); no disk, no
                     network
 ==================  =========================================================================
 
@@ -134,7 +134,7 @@ class Step:
         return [host[bounds[i] : bounds[i + 1]] for i in range(len(self.lengths))]
 
     def tritonkv_worker(self) -> list[torch.Tensor]:
-        """The connector's path: save, flush, take each entry (then it is dropped)."""
+        """The connector's path: save, flush, claim each entry (a checkout)."""
         self._round += 1
         specs = [
             HiddenSaveSpec(f"r{i}", f"{self._round:016x}{i:016x}", b, n, [1] * n, None)

@@ -30,7 +30,7 @@
 Why 256 tokens a chunk: the last chunk's transfer cannot overlap anything (the prefill is over),
 so even a perfect pipeline ends at about P + T / n_chunks + D. With 2048 / 512 = 4 chunks that is
 1.25 x max(P, T) + D, above the 1.2 x goal by construction; 2048 / 256 = 8 chunks leaves 1.125 x
-(8 blocks of 32 tokens a chunk). Smaller chunks cost more engine steps and more pulls.
+(8 blocks of 32 tokens a chunk). Smaller chunks cost more engine steps and more loads.
 
 Results, in ``bench/results/<host kind>/``: ``pd-goal.csv`` (a row per setup and concurrency,
 load averages before and after each point) and ``pd-goal-summary.txt``, naming host, commit and

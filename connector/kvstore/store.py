@@ -4,8 +4,8 @@ Why a buffer: prefill and decode handle requests in different orders and at diff
 the producer parks each request's entry (named tensors: the connector stores its packed KV as ``kv``;
 plus small metadata) under the transfer id both sides receive explicitly, until the consumer loads it.
 
-:class:`KVBuffer` (thread-safe, in process): ``put`` / ``discard`` / ``discard`` / ``stats`` / ``close``,
-``len`` / ``in``, ``match_prefix`` (the longest stored prefix of a token list,
+:class:`KVBuffer` (thread-safe, in process): ``put`` / ``discard`` / ``discard_any`` / ``stats``
+/ ``close``, ``len`` / ``in``, ``match_prefix`` (the longest stored prefix of a token list,
 :mod:`connector.kvstore.prefix`), and the lease API a server delivers through: ``checkout`` a
 :class:`Lease`, send its tensors, ``checkin`` the lease. Lookup is a dict (O(1)).
 
@@ -20,10 +20,10 @@ discarded, evicted, expired) and remembered for a while, so a later checkout's m
 nothing vanishes silently, and ``puts == entries + claimed + discards + evictions + expirations``
 always holds.
 
-Only its owner discards an entry whatever its digest (``discard``: a producer aborting its own save).
-A transfer may be stored in parts under keys of one group (``<transfer id>#<index>``, the
-overlapped flow's chunks): ``discard`` / ``discard`` with ``seal`` discard the whole group and refuse
-its later parts, so a transfer discarded while its producer still computes it leaves nothing.
+Only its owner discards an entry whatever its digest (``discard_any``: a producer aborting its own
+save). A transfer may be stored in parts under keys of one group (``<transfer id>#<index>``, the
+overlapped flow's chunks): ``discard`` / ``discard_any`` with ``seal`` discard the whole group and
+refuse its later parts, so a transfer discarded while its producer still computes it leaves nothing.
 
 Full buffer (``capacity_bytes`` of tensor payload), by ``full_policy``:
 

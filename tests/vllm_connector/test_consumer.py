@@ -33,7 +33,7 @@ def transfer_cpu():
     threads_mod.set_transfer_cpus(before)
 
 
-def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(monkeypatch, transfer_cpu):
+def test_async_load_receives_on_a_thread_unpacks_on_the_worker_thread(monkeypatch, transfer_cpu):
     """The load thread only loads, on the transfer CPUs when set; the unpack (torch copies: on
     CPU an OpenMP team on another thread slows every team in the process) runs in get_finished, on
     the worker's thread. A failed load still reports its request, with its blocks in the same
@@ -45,12 +45,12 @@ def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(monkeyp
     prompt_slots = torch.tensor([8, 9, 10, 11, 20, 21])  # blocks 2 and 5 of a 6-token prompt
     packed, _ = pack_kv(src_layers, prompt_slots)
 
-    threads = {"fetch": set(), "unpack": set()}
-    cpus = {"main": os.sched_getaffinity(0), "fetch": set()}
+    threads = {"receive": set(), "unpack": set()}
+    cpus = {"main": os.sched_getaffinity(0), "receive": set()}
 
     def get(transfer_id, **request):
-        threads["fetch"].add(threading.current_thread())
-        cpus["fetch"] |= os.sched_getaffinity(0)
+        threads["receive"].add(threading.current_thread())
+        cpus["receive"] |= os.sched_getaffinity(0)
         if transfer_id == "gone":
             raise ValueError("unknown transfer id")
         return {"kv": packed}, {"kv_format": "tokens"}
@@ -81,10 +81,10 @@ def test_async_load_fetches_on_a_thread_and_unpacks_on_the_worker_thread(monkeyp
         time.sleep(0.01)
     conn.shutdown()
     assert finished == {"ok", "bad"}, f"loads reported finished: {finished}"
-    assert errors == {3, 4}, f"blocks of the failed fetch: {errors}"
-    assert threading.main_thread() not in threads["fetch"]
+    assert errors == {3, 4}, f"blocks of the failed load: {errors}"
+    assert threading.main_thread() not in threads["receive"]
     assert threads["unpack"] == {threading.main_thread()}
-    assert cpus["fetch"] == {transfer_cpu} and os.sched_getaffinity(0) == cpus["main"]
+    assert cpus["receive"] == {transfer_cpu} and os.sched_getaffinity(0) == cpus["main"]
     by_slot_src, by_slot_dst = src.view(2, -1, 2, 8), dst.view(2, -1, 2, 8)  # [K/V, slot, H, D]
     want = torch.full_like(by_slot_dst, 12345)
     want[:, prompt_slots[:5]] = by_slot_src[:, prompt_slots[:5]]

@@ -5,6 +5,7 @@ Public API::
     from tritonkv import pack_kv, unpack_kv, pack_hidden, unpack_hidden, layouts
     from tritonkv import kv_digest, digest  # integrity digests (pack_kv(..., digest=True))
     from tritonkv import prepare_kv, KVCacheSet  # layers prepared once (host cost per call)
+    from tritonkv import pack_state, unpack_state, clip_to_window  # state slots, windows
 
 See :mod:`tritonkv.layouts` for the view convention every op uses.
 """
@@ -23,10 +24,19 @@ from .kv import (
     unpack_kv,
     unpack_kv_torch,
 )
+from .state import (
+    pack_state,
+    pack_state_torch,
+    state_row_bytes,
+    unpack_state,
+    unpack_state_torch,
+)
+from .window import clip_to_window
 
 __all__ = [
     "KVCacheSet",
     "__version__",
+    "clip_to_window",
     "digest",
     "kv_digest",
     "kv_digest_torch",
@@ -35,10 +45,15 @@ __all__ = [
     "pack_hidden_torch",
     "pack_kv",
     "pack_kv_torch",
+    "pack_state",
+    "pack_state_torch",
     "prepare_kv",
+    "state_row_bytes",
     "unpack_hidden",
     "unpack_hidden_torch",
     "unpack_kv",
     "unpack_kv_torch",
+    "unpack_state",
+    "unpack_state_torch",
     "use_triton",
 ]

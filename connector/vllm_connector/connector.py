@@ -184,29 +184,19 @@ class TritonKVStats(KVConnectorStats):
 
 
 class TritonKVPromMetrics(KVConnectorPromMetrics):
-    """The connector's failure counts on vLLM's Prometheus endpoint: one counter per key of
-    :data:`.stats.PROM_COUNTERS` (``vllm:tritonkv_digest_failures_total``, ...), per engine.
-
-    vLLM's stats logger (in the API server process) calls :meth:`observe` with each interval's
-    ``TritonKVStats.data`` as it arrives from the engine.
-    """
+    """The connector's figures on vLLM's Prometheus endpoint, per engine
+    (:class:`.stats.PromMetrics`): vLLM's stats logger (in the API server process) calls
+    :meth:`observe` with each interval's ``TritonKVStats.data`` as it arrives from the engine."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {}
-        for key, help_text in stats.PROM_COUNTERS.items():
-            counter = self._counter_cls(
-                name=f"vllm:tritonkv_{key}", documentation=help_text, labelnames=labelnames
-            )
-            self._counters[key] = {
-                engine: counter.labels(*values) for engine, values in per_engine_labelvalues.items()
-            }
+        self._metrics = stats.PromMetrics(
+            self._counter_cls, self._histogram_cls, self._gauge_cls, labelnames,
+            per_engine_labelvalues,
+        )  # fmt: skip
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
-        for key, per_engine in self._counters.items():
-            value = transfer_stats_data.get(key, 0)
-            if value:
-                per_engine[engine_idx].inc(value)
+        self._metrics.observe(transfer_stats_data, engine_idx)
 
 
 # ---------------------------------------------------------------------------------- connector
@@ -472,9 +462,9 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self._worker is None:  # the scheduler role moves no KV
-            return None
-        figures = TritonKVStats(data=self._worker.take_stats())
+        """The worker's transfer figures, or the scheduler side's refusals of hand-offs."""
+        side = self._worker.take_stats() if self._worker else self._sched.stats.take()
+        figures = TritonKVStats(data=side)
         return None if figures.is_empty() else figures
 
     @classmethod

@@ -50,7 +50,7 @@ from .handoff import shown
 from .landings import GpuLoad, Landing, Landings
 from .metadata import CHUNK_FIELDS, DiscardSpec, LoadSpec
 from .producer_clients import ProducerBackoff, ProducerClients, discard_entries
-from .stats import TransferStats
+from .stats import TransferStats, load_failure
 from .tp_mapping import HeadSource, plan_heads, rank_heads
 
 log = get_logger("connector")
@@ -347,9 +347,7 @@ class Consumer:
             spec.block_ids[p // block_size] for p in range(spec.start, spec.start + spec.count)
         }
         self._load_errors |= failed
-        self.stats.record_load_failure()
-        if isinstance(exc, integrity.DigestMismatch):
-            self.stats.record_digest_failure()
+        self.stats.record_load_failure(load_failure(exc))
         log.warning(
             "tritonkv: load of transfer %s for %s from %s:%d failed after %.1f ms (%s: %s); "
             "its %d blocks will be recomputed",

@@ -37,7 +37,7 @@ from ..transport import (
 from .cache_views import RankCaches, packed_shape
 from .config import ConnectorConfig
 from .metadata import SaveSpec
-from .stats import TransferStats
+from .stats import TransferStats, save_failure
 
 log = get_logger("connector")
 
@@ -87,7 +87,7 @@ class Producer:
         self._buffer: KVBuffer | None = None
         self._server: KVServer | None = None
         self._watcher: BufferWatcher | None = None
-        self._auth_failures_seen = 0
+        self._auth_failures_seen = self._expired_seen = 0
         self._streams = streams if streams is not None else device_streams(caches.device)
         self._publisher: Publisher | None = None
         #: entries kept in device memory (``buffer_memory``), else in pinned host memory
@@ -298,7 +298,7 @@ class Producer:
     def _save_failed(self, spec: SaveSpec, exc: BaseException) -> None:
         """Count and log a failed save; a chunked transfer's other chunks are discarded and the
         rest refused (its consumer, waiting for the next one, then stops waiting at once)."""
-        self.stats.record_save_failure()
+        self.stats.record_save_failure(save_failure(exc))
         log.error(
             "tritonkv: could not save transfer %s for %s (%s: %s): the decode side will "
             "recompute it",
@@ -310,13 +310,20 @@ class Producer:
         if spec.chunk is not None and self._buffer is not None:
             self._buffer.discard_any(spec.transfer_id, seal=True)
 
-    def count_auth_failures(self) -> None:
-        """Add the failed authentications on this rank's KV server since the last call to the
-        stats."""
+    def sample_stats(self) -> None:
+        """Add to the stats what this rank's KV server and buffer counted since the last call
+        (failed authentications, entries expired unclaimed) and the buffer's gauges (bytes and
+        entries held): a few counters read under their locks, cheap on vLLM's step."""
         if self._server is not None:
             failures = self._server.stats()["auth_failures"]
             self.stats.record_auth_failures(failures - self._auth_failures_seen)
             self._auth_failures_seen = failures
+        if self._buffer is not None:
+            figures = self._buffer.stats()
+            self.stats.record_expired(figures["expirations"] - self._expired_seen)
+            self._expired_seen = figures["expirations"]
+            self.stats.set_gauge("buffer_bytes", figures["bytes"])
+            self.stats.set_gauge("buffer_entries", figures["entries"])
 
     def shutdown(self) -> None:
         # The watcher is joined, not left to wake after the interpreter began to exit: a daemon

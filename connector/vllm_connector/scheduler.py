@@ -34,6 +34,7 @@ from .handoff import (
 )
 from .metadata import DiscardSpec, LoadSpec
 from .saves import SavePlan
+from .stats import TransferStats
 from .tp_mapping import plan_heads
 
 log = get_logger("connector")
@@ -76,6 +77,7 @@ class SchedulerSide:
         self.tp_size, self.total_kv_heads, self.use_mla = tp_size, total_kv_heads, use_mla
         self.engine_port, self.fingerprint = engine_port, fingerprint
         self.refuse_loads = refuse_loads
+        self.stats = TransferStats()  # consumer: hand-offs refused before any load
         # Without a secret nothing proves who a producer is: only this machine's may serve us.
         self.open_to_any = is_consumer and load_secret(cfg.secret_file or None) is None
         if self.open_to_any and cfg.insecure:
@@ -95,22 +97,24 @@ class SchedulerSide:
         self._pending_loads: list[LoadSpec] = []
         self._remote_discards: list[DiscardSpec] = []
 
-    def _check(self, request) -> tuple[dict | None, str]:
-        """``(params, "")`` if ``request`` carries a tritonkv hand-off this consumer can load, else
-        ``(None, why)`` (``why`` empty when it carries none at all). Reads only; logs nothing."""
+    def _check(self, request) -> tuple[dict | None, str, str]:
+        """``(params, "", "")`` if ``request`` carries a tritonkv hand-off this consumer can load,
+        else ``(None, why, reason)`` (``why`` empty when it carries none at all; ``reason``: one
+        of :data:`.stats.LOAD_REFUSALS`). Reads only; logs nothing."""
         params = request.kv_transfer_params
         if not self.is_consumer or not is_handoff(params):
-            return None, ""
+            return None, "", ""
         if self.refuse_loads:
-            return None, self.refuse_loads
+            return None, self.refuse_loads, "engine"
         if params["protocol"] != PROTOCOL:  # nothing else in it can be read as ours
             version = params.get("tritonkv_version")
-            return None, (
+            why = (
                 f"its producer speaks hand-off protocol {shown(params['protocol'])} (tritonkv "
                 f"{'version not given' if version is None else shown(version)}), this consumer "
                 f"{PROTOCOL!r} (tritonkv {__version__}); run one tritonkv release on producers "
                 "and consumers"
             )
+            return None, why, "handoff"
         params = completed(params, request)
         problems = handoff_problems(params)
         if (
@@ -129,6 +133,7 @@ class SchedulerSide:
                 f"remote_host {params['remote_host']!r} is not among the producers this consumer "
                 f"may load from (producers: {list(self.cfg.producers)})"
             )
+        producer_problem = bool(problems) and not handoff_problems(params)
         if not problems:
             try:  # the heads this side's ranks need must be on the producer's ranks
                 plan_heads(
@@ -153,7 +158,9 @@ class SchedulerSide:
                     "the producer's prompt differs from ours (token ids, LoRA adapter, "
                     "cache_salt or multimodal inputs)"
                 )
-        return (None, "; ".join(problems)) if problems else (params, "")
+        if not problems:
+            return params, "", ""
+        return None, "; ".join(problems), "producer" if producer_problem else "handoff"
 
     def _remote_params(self, request) -> dict | None:
         """The consumer-side params of ``request`` if it carries a usable tritonkv hand-off.
@@ -161,8 +168,9 @@ class SchedulerSide:
         A hand-off it cannot use is logged once; the request is then marked tried (recomputed),
         and its entry is never asked to be discarded: a refused hand-off may name any address.
         """
-        params, why = self._check(request)
+        params, why, reason = self._check(request)
         if params is None and why:
+            self.stats.record_load_refusal(reason)
             log.warning(
                 "tritonkv: request %s: refusing transfer %s: %s. Recomputing the prompt",
                 request.request_id,
@@ -189,6 +197,7 @@ class SchedulerSide:
                 params = self._remote_params(request)
             except Exception:  # never the engine's failure: this request recomputes
                 log.exception("tritonkv: request %s: checking its hand-off failed", req_id)
+                self.stats.record_load_refusal("handoff")
                 self._tried.add(req_id)
                 self._refused.add(req_id)
                 params = None

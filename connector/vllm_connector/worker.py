@@ -125,6 +125,7 @@ class WorkerSide:
             isa=self.cpu_attn_isa,
         )
         self.caches = views
+        self.stats.rank = tp_rank  # its gauges are this rank's
         # One budget of device memory for the rank's sides (streams.DeviceBudget).
         device_buffer = self.cfg.device_buffer_bytes(views.device) if self.is_producer else 0
         budget = self.budget = DeviceBudget(self.cfg.gpu_memory_bytes - device_buffer)
@@ -198,7 +199,7 @@ class WorkerSide:
     def take_stats(self) -> dict:
         """The figures since the last call (:func:`.stats.empty_stats`), which start anew."""
         if self.producer is not None:
-            self.producer.count_auth_failures()
+            self.producer.sample_stats()
         return self.stats.take()
 
     def shutdown(self) -> None:

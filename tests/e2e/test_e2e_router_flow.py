@@ -4,8 +4,9 @@ sidecar): their exact prefill leg, the producer's ``kv_transfer_params`` passed 
 ``kv_load_failure_policy`` (``fail``) on the consumer.
 
 Completions and chat (with ``max_completion_tokens``), the decode leg whole or streamed, each
-answer equal to the producer's own answer without a hand-off and each prompt loaded. Then the
-``fail`` policy: a load that fails (a hand-off naming a port where nothing listens, then the
+answer equal to the producer's own answer without a hand-off and each prompt loaded, and both
+servers' ``/metrics`` saying what happened (the connector's counters, histograms and gauges
+against the transfers' own log lines). Then the ``fail`` policy: a load that fails (a hand-off naming a port where nothing listens, then the
 producer killed between the legs) gives that client a clean HTTP error, the consumer lives,
 answers the next request, and holds no KV block afterwards.
 """
@@ -35,6 +36,7 @@ MAX_TOKENS = 10
 class Servers:
     def __init__(self, cluster: Cluster, producer, consumer, words: list[str]):
         self.cluster, self.producer, self.consumer, self.words = cluster, producer, consumer, words
+        self.loaded: list[dict] = []  # the routed requests' load events
 
     def body(self, path: str, num_tokens: int, seed: int, **extra) -> dict:
         prompt = make_prompt(self.words, num_tokens, seed)
@@ -70,7 +72,13 @@ def servers(tmp_path_factory, tiny_llama_dir):
     common = dict(kv_port=kv_port, args=["--chat-template", str(template)])
     try:
         producer = cluster.start_vllm(
-            "producer", tiny_llama_dir, free_port(), role="kv_producer", cpu="0", **common
+            "producer",
+            tiny_llama_dir,
+            free_port(),
+            role="kv_producer",
+            cpu="0",
+            log_stats=True,  # /metrics: the connector's figures
+            **common,
         )
         consumer = cluster.start_vllm(
             "consumer",
@@ -120,7 +128,43 @@ def test_a_router_driven_request_answers_as_plain_and_loads(servers, path, strea
     assert routed.handed_off and routed.handed_off.get("do_remote_prefill") is True
     assert routed.text and routed.text == servers.plain(path, body)
     prompt_tokens = int(routed.handed_off["num_tokens"])
-    assert_token_granular_load(servers, rid, prompt_tokens)
+    servers.loaded += assert_token_granular_load(servers, rid, prompt_tokens)["loaded"]
+
+
+def _metric(url: str, name: str, **labels) -> float:
+    return metric_sum(url, f"vllm:tritonkv_{name}", **labels)
+
+
+def test_metrics_answer_what_happened(servers):
+    """After the routed requests above: loads, tokens and bytes as the consumer's log lines
+    say, one network and one unpack time each, every save on the producer, nothing left in its
+    buffer; then a hand-off of another prompt is refused, counted by its reason."""
+    consumer, producer = servers.consumer.url, servers.producer.url
+    loads = len(servers.loaded)
+    assert loads == 4
+    assert settled(lambda: _metric(consumer, "loads_total", outcome="ok"), loads) == loads
+    tokens = sum(int(ld["tokens"]) for ld in servers.loaded)
+    assert _metric(consumer, "tokens_loaded_total") == tokens
+    assert _metric(consumer, "bytes_loaded_total") == sum(int(ld["bytes"]) for ld in servers.loaded)
+    assert _metric(consumer, "load_network_seconds_count") == loads
+    assert _metric(consumer, "load_unpack_seconds_count") == loads
+    assert _metric(consumer, "loads_total", outcome="failed") == 0
+    assert settled(lambda: _metric(producer, "saves_total", outcome="ok"), loads) == loads
+    assert _metric(producer, "save_pack_seconds_count") == loads
+    assert settled(lambda: _metric(producer, "buffer_entries"), 0.0) == 0.0
+    body = servers.body(COMPLETIONS, 40, seed=21)
+    other = _post(
+        servers.producer.url + COMPLETIONS, prefill_body(servers.body(COMPLETIONS, 40, 22))
+    )
+    reply = _post(
+        consumer + COMPLETIONS, {**body, "kv_transfer_params": other.json()["kv_transfer_params"]}
+    )
+    assert reply.status_code == 200  # refused, recomputed: the answer is the plain one
+    assert reply.json()["choices"][0]["text"] == servers.plain(COMPLETIONS, body)
+    refused = dict(outcome="refused", reason="handoff")
+    assert settled(lambda: _metric(consumer, "loads_total", **refused), 1.0) == 1.0
+    # the refused prompt's entry waits for its TTL on the producer: held, as the gauge says
+    assert settled(lambda: _metric(producer, "buffer_entries"), 1.0) == 1.0
 
 
 def _usage(servers) -> float:
@@ -144,6 +188,8 @@ def test_under_the_fail_policy_a_failed_load_is_a_clean_error_and_the_engine_liv
     dead = {**prefill.json()["kv_transfer_params"], "remote_port": free_port()}
     reply = _post(servers.consumer.url + COMPLETIONS, {**body, "kv_transfer_params": dead})
     assert reply.status_code >= 400 and "error" in reply.json(), reply.text
+    failed = dict(outcome="failed", reason="peer_dead")
+    assert settled(lambda: _metric(servers.consumer.url, "loads_total", **failed), 1.0) == 1.0
     _assert_lives_and_holds_nothing(servers)
 
 

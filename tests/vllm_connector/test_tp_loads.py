@@ -67,7 +67,7 @@ def test_loads_over_authenticated_connections_and_a_wrong_secret_recomputes():
             )
             assert cons.get_block_ids_with_load_errors() == errors
             cons.shutdown()
-        prod.count_auth_failures()
+        prod.sample_stats()
         stats = prod.stats.take()
         assert stats["auth_failures"] == 1 and stats["saves"] == 2
         assert not torch.equal(bits(dst), torch.full_like(bits(dst), SENTINEL))  # t2 landed

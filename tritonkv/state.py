@@ -149,7 +149,7 @@ def _run(states, slots, packed, *, unpack, force_torch, digest):
                 if _row_bytes(t)
             )
             chunks = _state_triton.chunk_table(layout, width, device)
-            base = as_int(next(t for t in states if _row_bytes(t)), width)
+            base = _rows(next(t for t in states if _row_bytes(t)), width)
             _state_triton.copy_state(
                 base, chunks, slots, packed_int, unpack=unpack, lanes=lanes if fused else None
             )

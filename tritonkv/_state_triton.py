@@ -24,14 +24,15 @@ __all__ = ["ChunkTable", "chunk_table", "copy_state"]
 MAX_BLOCK_W = 1024  # words per program at most (8 KiB of 8-byte words)
 
 
-@triton.jit(do_not_specialize=["total_words"])
+@triton.jit(do_not_specialize=["row_units"])
 def _state_copy_kernel(
     base_ptr,  # [*] integer view of the first state tensor: base of every address
     chunks_ptr,  # [num_chunks, 5] int64 (offset, slot stride, column, packed column, words)
     slots_ptr,  # [num_seqs] int32/int64 state slot of each packed row (-1: skipped)
     packed_ptr,  # [num_seqs, total_words] integer view, contiguous
     digest_ptr,  # [2] int64 lane sums (DIGEST only)
-    total_words,
+    row_units,  # total_words // ALIGN: a packed row's words, in units of ALIGN words
+    ALIGN: tl.constexpr,
     UNPACK: tl.constexpr,
     DIGEST: tl.constexpr,
     WORDS: tl.constexpr,
@@ -41,21 +42,24 @@ def _state_copy_kernel(
 
     Skipped sequences (slot -1) are neither read nor written; with DIGEST their packed words are
     still read, so the lane sums (``WORDS`` 32-bit words per element) cover every packed row.
+    Every table entry and a packed row's words are multiples of ``ALIGN`` words (16 bytes, when
+    the tensors allow): the compiler then moves 16-byte vectors.
     """
     chunk = tl.program_id(0).to(tl.int64)
     seq = tl.program_id(1).to(tl.int64)
-    offset = tl.load(chunks_ptr + 5 * chunk)
-    slot_stride = tl.load(chunks_ptr + 5 * chunk + 1)
-    column = tl.load(chunks_ptr + 5 * chunk + 2)
-    packed_column = tl.load(chunks_ptr + 5 * chunk + 3)
-    num_words = tl.load(chunks_ptr + 5 * chunk + 4)
+    offset = tl.multiple_of(tl.load(chunks_ptr + 5 * chunk), ALIGN)
+    slot_stride = tl.multiple_of(tl.load(chunks_ptr + 5 * chunk + 1), ALIGN)
+    column = tl.multiple_of(tl.load(chunks_ptr + 5 * chunk + 2), ALIGN)
+    packed_column = tl.multiple_of(tl.load(chunks_ptr + 5 * chunk + 3), ALIGN)
+    num_words = tl.multiple_of(tl.load(chunks_ptr + 5 * chunk + 4), ALIGN)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     cols = tl.arange(0, BLOCK_W).to(tl.int64)
     col_ok = cols < num_words
-    cached = (cols * 0 + slot) >= 0  # (a vector: the interpreter takes no scalar in a mask)
+    # (a vector: the interpreter takes no scalar in a mask)
+    cached = (tl.zeros([BLOCK_W], dtype=tl.int64) + slot) >= 0
     ok = col_ok & cached
     state_addr = base_ptr + offset + tl.maximum(slot, 0) * slot_stride + column + cols
-    elem = seq * total_words + packed_column + cols
+    elem = seq * row_units * ALIGN + packed_column + cols
     packed_addr = packed_ptr + elem
     if UNPACK:
         x = tl.load(packed_addr, mask=col_ok if DIGEST else ok, other=0)
@@ -76,6 +80,7 @@ class ChunkTable:
 
     table: torch.Tensor  # [num_chunks, 5] int64
     block_w: int
+    align: int  # every entry a multiple of this many words (16 bytes' worth if all allow)
     streams: set = field(default_factory=set)  # streams (raw handles) the table was used on
 
     def used_on(self, device: torch.device) -> None:
@@ -109,9 +114,12 @@ def chunk_table(
             n = min(block_w, words - column)
             rows.append(((address - base) // width, slot_stride // width, column, packed_column, n))
             packed_column += n
+    align = max(16 // width, 1)
+    if base % 16 or any(v % align for row in rows for v in row):
+        align = 1
     # a blocking copy, on purpose: any stream may launch with this table next
     table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 5).to(device)
-    return ChunkTable(table, block_w)
+    return ChunkTable(table, block_w, align)
 
 
 def copy_state(
@@ -142,13 +150,16 @@ def copy_state(
     if packed.device.type == "cuda":
         chunks.used_on(packed.device)
     digest = lanes is not None
+    aligned = packed.data_ptr() % 16 == 0 and total_words % chunks.align == 0
+    align = chunks.align if aligned else 1
     _state_copy_kernel[(num_chunks, num_seqs)](
         base,
         chunks.table,
         slots,
         packed,
         lanes if digest else chunks.table,  # never read without DIGEST
-        total_words,
+        total_words // align,
+        ALIGN=align,
         UNPACK=unpack,
         DIGEST=digest,
         WORDS=max(packed.element_size() // 4, 1),

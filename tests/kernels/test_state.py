@@ -3,7 +3,12 @@ row indexing of the state bytes; clip_to_window and a window-clipped pack_kv / u
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +38,7 @@ SLOTS = (4, -1, 0, 6, 2)  # out of order, one skipped
 # the state. Every case has an odd size somewhere.
 STATE_CASES = {
     "mamba2_pages_bf16_fp32": (24, [((3, 14), torch.bfloat16), ((2, 5, 7), torch.float32)]),
+    "aligned_pages_16_bytes": (16, [((4, 8), torch.bfloat16), ((2, 3, 8), torch.float32)]),
     "gdn_pages_fp16": (8, [((9, 3), torch.float16), ((3, 4, 5), torch.float16)]),
     "short_conv_fp8": (0, [((3, 11), torch.float8_e4m3fn)]),
     "int8_odd_rows": (5, [((7,), torch.int8), ((1, 3), torch.uint8), ((5,), torch.int8)]),
@@ -328,6 +334,43 @@ def test_window_clipped_kv_moves_only_the_window(kernels):
     for row, slot in enumerate(dst_slots[8:13] + dst_slots[14:19]):
         want[:, slot // block_size, slot % block_size] = packed[0, :, row]
     assert_bits_equal(dst, want, "window unpack")
+
+
+# -- the compiled kernel ------------------------------------------------------------------------
+
+COMPILE = """
+import json
+from support.compile_sm90 import compile_variant
+from tritonkv._state_triton import _state_copy_kernel
+for slots in ("*i32", "*i64"):
+    for unpack in (False, True):
+        for digest in (False, True):
+            pointers = {"base_ptr": "*i64", "chunks_ptr": "*i64", "slots_ptr": slots,
+                        "packed_ptr": "*i64", "digest_ptr": "*i64"}
+            constexprs = {"UNPACK": unpack, "DIGEST": digest, "WORDS": 2, "BLOCK_W": 1024,
+                          "ALIGN": 2}
+            result = compile_variant(_state_copy_kernel, pointers, constexprs, list(pointers))
+            print(json.dumps({"unpack": unpack, "digest": digest, **result}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_state_kernel_compiles_for_sm90_with_16_byte_accesses(tmp_path):
+    """The interpreter never runs Triton's compiler: compile every variant for an H100/H200 here
+    (no GPU needed), and check that the copy moves 16-byte vectors both ways."""
+    tests = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    env["PYTHONPATH"] = os.pathsep.join([str(tests.parent), str(tests), env.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=280
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    variants = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(variants) == 8, run.stdout
+    for v in variants:
+        assert "ld.global.v2.b64" in v["loads"] and "st.global.v2.b64" in v["stores"], v
+        assert bool(v["atomics"]) == v["digest"], v
 
 
 # -- GPU ---------------------------------------------------------------------------------------

@@ -119,7 +119,8 @@ echo
 echo "== 1/5 gpu tests (limit ${TESTS_S} s)"
 # (in a dry run every one of them is skipped: nothing must pass)
 pytest_step "gpu tests" pytest.log "$TESTS_S" "$((1 - DRY))" -m gpu \
-    tests/kernels/test_gpu.py tests/kernels/test_autotune.py tests/kernels/test_state.py tests/transport/test_pipe_gpu.py
+    tests/kernels/test_gpu.py tests/kernels/test_autotune.py tests/kernels/test_state.py \
+    tests/transport/test_pipe_gpu.py
 
 echo
 echo "== 2/5 worker sides on one GPU (limit ${WORKERS_S} s)"

@@ -291,49 +291,72 @@ def test_clip_to_window_errors(window, error, match):
         clip_to_window(torch.tensor([0, 30]), torch.arange(20), 4)
 
 
-def _paged(num_blocks, fill, seed=0):
-    """A FlashAttention cache ``[2, num_blocks, block_size 4, 2 heads, head_size 5]`` bf16."""
-    cache = torch.empty(2, num_blocks, 4, 2, 5, dtype=torch.bfloat16)
-    if fill == "sentinel":
-        cache.view(torch.uint8).fill_(SENTINEL)
-    else:
-        random_bits_(cache, torch.Generator().manual_seed(seed))
-    return cache, [layouts.flash_attn(cache)]
+# Paged caches a sliding-window layer may have: layout id -> builds the raw cache of
+# (num_blocks, block_size, num_kv_heads, head_size) and its (k, v) views.
+WINDOW_LAYOUTS = {
+    "flash_attn_nhd": lambda shape, make: layouts.flash_attn(make((2, *shape))),
+    "flashinfer_hnd": lambda shape, make: layouts.flashinfer(
+        make((shape[0], 2, shape[2], shape[1], shape[3])).transpose(2, 3)
+    ),
+}
 
 
-def test_window_clipped_kv_moves_only_the_window(kernels):
+def _paged(layout, num_blocks, fill, device="cpu", seed=0):
+    """A bf16 cache of ``layout`` (block_size 4, 2 heads, head_size 5): ``(raw, [(k, v)])``."""
+    raws = []
+
+    def make(shape):
+        raw = torch.empty(shape, dtype=torch.bfloat16, device=device)
+        if fill == "sentinel":
+            raw.view(torch.uint8).fill_(SENTINEL)
+        else:
+            random_bits_(raw, torch.Generator().manual_seed(seed))
+        raws.append(raw)
+        return raw
+
+    views = WINDOW_LAYOUTS[layout]((num_blocks, 4, 2, 5), make)
+    return raws[0], [views]
+
+
+def check_window_clipped_kv(layout, device):
     """Two prompts handed over (13 and 6 tokens, last token recomputed elsewhere), window 6: only
-    the last 5 tokens of each move. The producer's out-of-window blocks hold sentinels that must
-    not reach the packed rows; the consumer's out-of-window slots keep theirs."""
+    the last 5 tokens of each move. The producer's out-of-window slots hold sentinels that must
+    not reach the packed rows; every byte of the consumer's cache but the window's slots keeps
+    its sentinel."""
     window, block_size = 6, 4
-    src, src_layers = _paged(10, "random")
+    _, src_layers = _paged(layout, 10, "random", device)
+    (k, v), at = src_layers[0], lambda t, slot: t[slot // block_size, :, slot % block_size]
     # producer: prompt 0 in blocks 1, 2, 3, 4; prompt 1 in blocks 6, 7
     src_slots = [b * block_size + o for b in (1, 2, 3, 4) for o in range(4)][:13]
     src_slots += [b * block_size + o for b in (6, 7) for o in range(4)][:6]
     in_window = src_slots[8:13] + src_slots[14:19]
     for slot in set(src_slots) - set(in_window):  # sentinels outside the window
-        src[:, slot // block_size, slot % block_size].view(torch.uint8).fill_(SENTINEL)
-    qsl = torch.tensor([0, 13, 19])
-    clipped_qsl, clipped = clip_to_window(qsl, torch.tensor(src_slots), window)
+        for t in (k, v):
+            at(t, slot).view(torch.uint8).fill_(SENTINEL)
+    qsl = torch.tensor([0, 13, 19], device=device)
+    clipped_qsl, clipped = clip_to_window(qsl, torch.tensor(src_slots, device=device), window)
     assert clipped.tolist() == in_window
     packed, cu = pack_kv(src_layers, clipped, clipped_qsl)
     assert cu.tolist() == [0, 5, 10] and packed.shape[2] == 10
-    k, v = src_layers[0]
-    expected = torch.stack([torch.stack([t[s // 4, :, s % 4] for s in in_window]) for t in (k, v)])[
-        None
-    ]
-    assert_bits_equal(packed, expected, "window rows")
+    expected = torch.stack([torch.stack([at(t, s) for s in in_window]) for t in (k, v)])
+    assert_bits_equal(packed.cpu(), expected[None].cpu(), "window rows")
 
     # consumer: other blocks, every byte a sentinel; only the window's slots may change
-    dst, dst_layers = _paged(12, "sentinel")
+    dst, dst_layers = _paged(layout, 12, "sentinel", device)
     dst_slots = [b * block_size + o for b in (9, 0, 5, 11) for o in range(4)][:13]
     dst_slots += [b * block_size + o for b in (3, 8) for o in range(4)][:6]
-    clipped_qsl, clipped = clip_to_window(qsl, torch.tensor(dst_slots), window)
+    clipped_qsl, clipped = clip_to_window(qsl, torch.tensor(dst_slots, device=device), window)
     unpack_kv(packed, dst_layers, clipped, clipped_qsl)
-    want, _ = _paged(12, "sentinel")
+    want, want_layers = _paged(layout, 12, "sentinel", device)
     for row, slot in enumerate(dst_slots[8:13] + dst_slots[14:19]):
-        want[:, slot // block_size, slot % block_size] = packed[0, :, row]
-    assert_bits_equal(dst, want, "window unpack")
+        for part, t in enumerate(want_layers[0]):
+            at(t, slot).copy_(packed[0, part, row])
+    assert_bits_equal(dst.cpu(), want.cpu(), "window unpack")
+
+
+@pytest.mark.parametrize("layout", list(WINDOW_LAYOUTS))
+def test_window_clipped_kv_moves_only_the_window(kernels, layout):
+    check_window_clipped_kv(layout, "cpu")
 
 
 # -- the compiled kernel ------------------------------------------------------------------------
@@ -400,3 +423,13 @@ def test_gpu_state_pages_as_vllm_allocates_them(monkeypatch, conv_dtype):
     unpack_state_torch(packed, want, slots)
     for got, exp in zip(storage(dst_backing), storage(want_backing), strict=True):
         assert_bits_equal(got, exp, "gpu unpack")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", list(WINDOW_LAYOUTS))
+def test_gpu_window_clipped_kv(monkeypatch, layout):
+    """FlashAttention (NHD) and FlashInfer (HND) sliding-window pages on the GPU: only the
+    window's tokens move and land."""
+    monkeypatch.setenv("TRITONKV_KERNELS", "auto")
+    check_window_clipped_kv(layout, "cuda")

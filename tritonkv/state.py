@@ -10,6 +10,10 @@ bytes of one packed row per sequence. The copy runs in the Triton kernel
 (:mod:`tritonkv._state_triton`, one launch for every tensor) or the torch twin
 (:mod:`tritonkv._state_torch`), as :func:`tritonkv.use_triton` picks; both move integer views
 (:mod:`tritonkv._intview`), so every dtype is copied bit for bit.
+
+These ops copy whatever the slots hold: which state that is, is the caller's to get right. A
+consumer that recomputes the prompt's last token needs the state from before that token, not
+the one after it; a state one token off gives plausible but wrong tokens, never an error here.
 """
 
 from __future__ import annotations

@@ -165,8 +165,10 @@ def test_long_rows_span_several_chunks(kernels):
 
 def test_no_sequences_and_all_skipped(kernels):
     _, states = make_states("gdn_pages_fp16")
-    empty = pack_state(states, torch.zeros(0, dtype=torch.int64))
+    none = torch.zeros(0, dtype=torch.int64)
+    empty, digest = pack_state(states, none, digest=True)
     assert empty.shape == (0, state_row_bytes(states))
+    assert torch.equal(digest, pack_state_torch(states, none, digest=True)[1])
     packed = pack_state(states, torch.tensor([-1, -1]))
     assert not packed.any()
     backing, dst = make_states("gdn_pages_fp16", sentinel=True)

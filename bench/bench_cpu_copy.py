@@ -449,6 +449,7 @@ def main() -> None:
         sizes = [int(n) for n in args.sizes.split(",")]
         threaded_worker(args.worker, sizes, args.threads, args.rounds)
         return
+    load_at_start = os.getloadavg()
     lib = _cpu_digest.native()
     if lib is None:
         raise SystemExit(f"the C library is unavailable: {_cpu_digest.backend()}")
@@ -467,6 +468,10 @@ def main() -> None:
         f"# host: {_host()}; C lane loop: {lib.isa}; OpenMP team: {lib.team}",
         f"# commit: {_commit()}; date: {datetime.date.today().isoformat()}; "
         f"numba {numba.__version__}, threading layer {LAYER[0]}",
+        "# load average (1, 5, 15 min) at the start: {:.1f} {:.1f} {:.1f}, at the end: "
+        "{:.1f} {:.1f} {:.1f} (other processes share the cores)".format(
+            *load_at_start, *os.getloadavg()
+        ),
         "# medians of interleaved rounds, µs a call; ratio = numba / C (1.05: numba 5 % slower)",
         f"{'case':<8}{'bytes':>12}{'threads':>8}{'c_us':>12}{'numba_us':>12}{'ratio':>8}"
         f"{'c_GB/s':>9}{'nb_GB/s':>9}",

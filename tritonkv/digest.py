@@ -26,10 +26,11 @@ an attacker who can rewrite the data; the transport's authenticated session is w
 Positions repeat every 2**32 words (16 GiB of packed data).
 
 The digest is a ``[2]`` int64 tensor (``A``, ``B``, each in ``[0, 2**32)``) on the packed tensor's
-device; :func:`digest_hex` spells it as 16 hex digits. This module holds the definition as the
-reference (:func:`packed_digest`: NumPy, in chunks; the ``*_torch`` oracles' digest, and the
-twins' where the native library cannot be built) and the finalization that every backend
-shares; the Triton kernels compute the lane sums in their copy launch
+device; :func:`digest_hex` spells it as 16 hex digits. This module holds the reference
+(:func:`packed_digest`: NumPy, in chunks; the ``*_torch`` oracles' digest, and the twins' where
+the native library cannot be built) and the digests of slices, heads and segments; the
+definition's constants and the finalization every backend shares are in the leaf module
+:mod:`tritonkv._digest_core`. The Triton kernels compute the lane sums in their copy launch
 (:mod:`tritonkv._digest_triton`), the CPU twins in theirs (:mod:`tritonkv._cpu_digest`, C).
 """
 

@@ -58,7 +58,7 @@ def test_the_producers_kv_port_answers_only_holders_of_the_secret(pd):
     import re
 
     from connector.kvstore import KVClient
-    from connector.transport.auth import AuthError
+    from connector.transport import AuthError
 
     port = int(re.search(r"serving KV on 127\.0\.0\.1:(\d+)", pd.producer.log_text()).group(1))
     for secret, error in ((None, AuthError), ("a-wrong-secret-of-enough-bytes-00", AuthError)):

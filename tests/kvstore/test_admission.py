@@ -14,8 +14,7 @@ from support.transport import raw_authenticate, settled_stat
 
 from connector.kvstore import ConnectionCaps, KVBuffer, KVClient, KVServer
 from connector.kvstore.admission import Admission, Refused, host_of
-from connector.transport import RemoteError
-from connector.transport.frame import Kind
+from connector.transport import Kind, RemoteError
 
 SECRET = b"admission-tests-secret-012345678"
 

@@ -11,7 +11,7 @@ from support.kvstore import accounted, deliver, hello, raw_connection, read_fram
 
 from connector.kvstore import KeyMissError, KVBuffer, KVClient, KVServer
 from connector.kvstore.protocol import DIGEST, REASON, WAIT_MS, Op
-from connector.transport.frame import encode_header
+from connector.transport import encode_header
 
 RIGHT = "a1" * 16
 WRONGS = [None, "b2" * 16, RIGHT[:-1], RIGHT.upper(), ""]

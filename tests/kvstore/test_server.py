@@ -35,10 +35,9 @@ from connector.kvstore import (
     Part,
 )
 from connector.kvstore.protocol import Op
-from connector.transport import RemoteError
+from connector.transport import PipeOptions, RemoteError
 from connector.transport import frame as wire
 from connector.transport.frame import APP_KIND_MIN, FrameLimits, Kind, TensorSpec, encode_header
-from connector.transport.options import PipeOptions
 
 
 def _t(nbytes: int) -> dict:

@@ -13,9 +13,8 @@ import time
 import pytest
 import torch
 
-from connector.transport import ProtocolError
+from connector.transport import Kind, ProtocolError, encode_header
 from connector.transport import frame as wire
-from connector.transport.frame import Kind, encode_header
 from support.transport import Sealed, raw_authenticate, raw_listener_authenticate, recv_exact
 
 

@@ -16,8 +16,9 @@ Cases, each timed in interleaved rounds (C, numba, C, numba, ...; medians):
 Also measured: ``import numba``'s time in a fresh process, and the kernels' first call with an
 empty cache (JIT) and from the cache (a second process).
 
-Run: ``python -m bench.bench_cpu_copy [--quick] [--out PATH]``; the result file holds the host,
-the commit and the date.
+Run: ``python -m bench.bench_cpu_copy [--quick] [--out PATH]`` (the kept results:
+``bench/results/<host kind>/cpu-copy-digest.txt``); the result file holds the host, the load
+average, the commit and the date. The outcome, and why the C stays: :mod:`tritonkv._cpu_digest`.
 """
 
 from __future__ import annotations

@@ -33,13 +33,13 @@ the copies run on the twins' copy threads (ctypes releases the GIL), where a cal
 thread that never started is cancelled once the calling thread has taken every grain.
 
 Why C and not numba (``bench/bench_cpu_copy.py``: the same copies by a bit-exact numba version,
-interleaved; ``bench/results/cpu-avx512/cpu-copy-digest.txt``): on one thread numba is 6-43 %
-slower from 1 MiB to 256 MiB (packs 1.19-1.22x from 16 MiB on), since its auto-vectorised lane
-loop multiplies three times a word where the C's loop multiplies twice (lane B's weights are
-folded in per vector lane, which no auto-vectoriser derives); on two threads slower too. Its
-kernels also take ~9 s to compile on first use (0.4 s from numba's cache, plus 0.4 s to import
-numba) against 0.8 s to build this library and 9 ms to load it. Numba is faster only below
-~64 KiB (2.5 against 5.7 µs for a 2 KiB pack: ctypes' call), where both cost microseconds.
+interleaved; ``bench/results/cpu-avx512/cpu-copy-digest.txt``): on one thread numba is 9-44 %
+slower from 1 MiB to 256 MiB (packs 1.22-1.44x), since its auto-vectorised lane loop multiplies
+three times a word where the C's loop multiplies twice (lane B's weights are folded in per
+vector lane, which no auto-vectoriser derives); on two threads 1.5-4x slower (a loaded 2-core
+host). Its kernels also take ~10 s to compile on first use (0.45 s from numba's cache, plus
+0.35 s to import numba) against 0.8 s to build this library and 10 ms to load it. Numba is
+faster only below ~64 KiB (2.6 against 5.6 µs for a 2 KiB pack), where both cost microseconds.
 """
 
 from __future__ import annotations

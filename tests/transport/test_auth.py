@@ -157,11 +157,12 @@ def test_a_host_holds_at_most_a_few_pending_handshakes(served):
 
 def test_a_producer_server_answers_get_and_discard_only(served):
     """Nothing on the wire puts or probes entries: a request of another kind (here the code PUT
-    had before it was removed) gets an ERROR naming it, and its connection is closed."""
+    had before it was removed) gets an ERROR naming it, and its connection is closed. (Sent
+    without a payload: a request announcing one is refused at its header, before its kind.)"""
     buf, srv = served
     pipe = connect_pipe("127.0.0.1", srv.port, secret=SECRET)
     try:
-        pipe.send("planted", {"x": torch.ones(4)}, kind=APP_KIND_MIN + 5)
+        pipe.send("planted", kind=APP_KIND_MIN + 5)
         reply = pipe.recv(5)
         assert reply.kind == Kind.ERROR
         assert reply.meta["error"] == f"unexpected kind {APP_KIND_MIN + 5}"

@@ -316,7 +316,12 @@ class Cluster:
             config = {
                 "kv_connector": "TritonKVConnector",
                 "kv_role": role,
-                "kv_connector_extra_config": {"port": kv_port, **(extra_config or {})},
+                # each transfer's log line at INFO: tests and benchmarks read them
+                "kv_connector_extra_config": {
+                    "port": kv_port,
+                    "log_transfers": True,
+                    **(extra_config or {}),
+                },
             }
             if failure_policy is not None:
                 config["kv_load_failure_policy"] = failure_policy

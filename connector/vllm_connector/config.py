@@ -150,6 +150,10 @@ class ConnectorConfig:
     #: rows' (catches a wrong destination slot). Costs one more read of the loaded KV and a
     #: digest of it (``bench/bench_kv.py``), hence off by default.
     digest_write_back: bool = False
+    #: both: log each saved and loaded transfer at INFO (else at DEBUG). Failed loads and
+    #: refused hand-offs are always logged (WARNING: request, peer, reason, sizes), at most 10
+    #: lines per reason in 10 s, saying how many like it were held back.
+    log_transfers: bool = False
     #: both, **tests only**: a request whose params hold ``"tritonkv_debug_corrupt": true``
     #: gets scrambled KV (the negative control that proves the KV is used), and one holding
     #: ``"tritonkv_debug_fault"`` the faults it names (``integrity.FAULTS``: the digest's tests).

@@ -22,6 +22,7 @@ a failure, also counted in ``digest_failures``. No vLLM import.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -36,7 +37,7 @@ from tritonkv import unpack_kv
 
 from .. import integrity
 from ..kvstore import ClientBusyError, KVClient, Part, chunk_key, hide_ids, short_id
-from ..logs import get_logger
+from ..logs import Throttle, get_logger, held_note
 from ..streams import DeviceBudget, StreamOps, device_streams
 from ..transport import (
     RemoteError,
@@ -108,6 +109,8 @@ class Consumer:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.total_kv_heads, self.use_mla = total_kv_heads, use_mla
         self.stats = stats
+        self._level = logging.INFO if cfg.log_transfers else logging.DEBUG  # loaded: one line
+        self._throttle = Throttle()  # failed loads: a peer may fail them at will
         self._secret = secret
         self.backoff = ProducerBackoff(cfg.connect_timeout_s)
         #: its clients of producer ranks (the worker ends finished requests' loads: ``end``)
@@ -333,12 +336,13 @@ class Consumer:
                 gpu.release()
             self._fail(spec, t0, exc)
             return False
-        record_loaded(self.stats, spec, nbytes, 1e3 * (t2 - t1), log_args)
+        record_loaded(self.stats, self._level, spec, nbytes, 1e3 * (t2 - t1), log_args)
         return False
 
     def _settle(self, wait: bool) -> list[Landing]:
         """See :meth:`.landings.Landings.settle`."""
-        return self._landings.settle(wait, self._fail, partial(record_loaded, self.stats))
+        done = partial(record_loaded, self.stats, self._level)
+        return self._landings.settle(wait, self._fail, done)
 
     def _fail(self, spec: LoadSpec, t0: float, exc: BaseException) -> None:
         """Put ``spec``'s blocks in the error set (vLLM recomputes them), count and log it."""
@@ -347,19 +351,11 @@ class Consumer:
             spec.block_ids[p // block_size] for p in range(spec.start, spec.start + spec.count)
         }
         self._load_errors |= failed
-        self.stats.record_load_failure(load_failure(exc))
-        log.warning(
-            "tritonkv: load of transfer %s for %s from %s:%d failed after %.1f ms (%s: %s); "
-            "its %d blocks will be recomputed",
-            short_id(spec.transfer_id),
-            spec.req_id,
-            spec.host,
-            spec.port + self.tp_rank,
-            1e3 * (time.perf_counter() - t0),
-            type(exc).__name__,
-            hide_ids(error_text(exc)),
-            len(failed),
-        )
+        reason = load_failure(exc)
+        self.stats.record_load_failure(reason)
+        show, held = self._throttle.allow(reason)
+        if show:
+            log_failed(spec, self.tp_rank, t0, exc, reason, len(failed), held)
 
     def shutdown(self) -> None:
         with self._lock:
@@ -551,12 +547,35 @@ def _corrupted(packed: torch.Tensor) -> torch.Tensor:
     return (raw ^ noise.to(raw.device)).view(packed.dtype).view(packed.shape)
 
 
-def record_loaded(stats, spec: LoadSpec, nbytes: int, unpack_ms: float, log_args: tuple) -> None:
-    """Count and log a completed load (``log_args``: ``(fetch_ms, paged, parts)``)."""
+def log_failed(spec: LoadSpec, tp_rank: int, t0: float, exc, reason, blocks: int, held: int):
+    """The WARNING line of a failed load: request, peer, reason, error, sizes."""
+    log.warning(
+        "tritonkv: load of transfer %s for %s from %s:%d failed after %.1f ms (%s: %s: %s); "
+        "its %d blocks will be recomputed (%d tokens)%s",
+        short_id(spec.transfer_id),
+        spec.req_id,
+        spec.host,
+        spec.port + tp_rank,
+        1e3 * (time.perf_counter() - t0),
+        reason,
+        type(exc).__name__,
+        hide_ids(error_text(exc)),
+        blocks,
+        spec.count,
+        held_note(held),
+    )
+
+
+def record_loaded(
+    stats, level: int, spec: LoadSpec, nbytes: int, unpack_ms: float, log_args: tuple
+) -> None:
+    """Count and log (at ``level``) a completed load (``log_args``: ``(fetch_ms, paged,
+    parts)``)."""
     fetch_ms, paged, parts = log_args
     stats.record_load(nbytes=nbytes, num_tokens=spec.count, fetch_ms=fetch_ms, unpack_ms=unpack_ms)
     ranks = dict.fromkeys(f"{s.rank}[{s.src[0]}:{s.src[1]}]" for s, *_ in parts)
-    log.info(
+    log.log(
+        level,
         "tritonkv: loaded transfer %s for %s: %d tokens (positions %d..%d; %d local), %d bytes, "
         "fetch %.2f ms, unpack %.2f ms, kv_format %s, from %s:%d ranks %s%s",
         short_id(spec.transfer_id),

@@ -12,6 +12,7 @@ carries the integrity digest the pack computed (:mod:`connector.integrity`). No 
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -81,6 +82,7 @@ class Producer:
         self.cfg, self.caches, self.tp_rank = cfg, caches, tp_rank
         self.engine_port, self.fingerprint = engine_port, fingerprint
         self.stats = stats
+        self._level = logging.INFO if cfg.log_transfers else logging.DEBUG  # saved: one line
         self._secret = secret
         #: what this producer sends: ``tokens`` or ``pages``
         self.kv_format = caches.kv_format(cfg.kv_format)
@@ -293,7 +295,7 @@ class Producer:
         stored = self._buffer.put(key, {"kv": packed}, meta, digest=spec.prompt_digest)
         if stored:
             self.stats.record_save(nbytes=nbytes, num_tokens=spec.saved_tokens, pack_ms=pack_ms)
-        log_saved(spec, stored, nbytes, pack_ms, self.kv_format)
+        log_saved(spec, stored, nbytes, pack_ms, self.kv_format, self._level)
 
     def _save_failed(self, spec: SaveSpec, exc: BaseException) -> None:
         """Count and log a failed save; a chunked transfer's other chunks are discarded and the
@@ -374,8 +376,11 @@ def entry_rows(spec: SaveSpec, kv_format: str, block_size: int) -> tuple[int, in
     return offset, (spec.num_tokens if spec.chunk is None else spec.chunk.stop) - offset
 
 
-def log_saved(spec: SaveSpec, stored: bool, nbytes: int, pack_ms: float, kv_format: str) -> None:
-    """The log line of a save (``stored`` False: refused, its transfer discarded or aborted)."""
+def log_saved(
+    spec: SaveSpec, stored: bool, nbytes: int, pack_ms: float, kv_format: str, level: int
+) -> None:
+    """The log line of a save, at ``level`` (``stored`` False: refused, its transfer discarded
+    or aborted)."""
     chunk = spec.chunk
     what = "" if chunk is None else f" chunk {chunk.index} (positions {chunk.start}..)"
     if not stored:
@@ -384,7 +389,8 @@ def log_saved(spec: SaveSpec, stored: bool, nbytes: int, pack_ms: float, kv_form
             *(short_id(spec.transfer_id), what, spec.req_id),
         )
         return
-    log.info(
+    log.log(
+        level,
         "tritonkv: saved transfer %s%s for %s: %d tokens, %d bytes, pack %.2f ms, kv_format %s",
         *(short_id(spec.transfer_id), what, spec.req_id, spec.saved_tokens, nbytes, pack_ms),
         kv_format,

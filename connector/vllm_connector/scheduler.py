@@ -18,7 +18,7 @@ from tritonkv import __version__
 
 from ..integrity import faults
 from ..kvstore import short_id
-from ..logs import get_logger
+from ..logs import Throttle, get_logger, held_note
 from ..transport import SECRET_ENV, is_loopback, load_secret
 from .config import ConnectorConfig
 from .handoff import (
@@ -78,6 +78,7 @@ class SchedulerSide:
         self.engine_port, self.fingerprint = engine_port, fingerprint
         self.refuse_loads = refuse_loads
         self.stats = TransferStats()  # consumer: hand-offs refused before any load
+        self._throttle = Throttle()  # their log lines: any client may send them
         # Without a secret nothing proves who a producer is: only this machine's may serve us.
         self.open_to_any = is_consumer and load_secret(cfg.secret_file or None) is None
         if self.open_to_any and cfg.insecure:
@@ -171,12 +172,18 @@ class SchedulerSide:
         params, why, reason = self._check(request)
         if params is None and why:
             self.stats.record_load_refusal(reason)
-            log.warning(
-                "tritonkv: request %s: refusing transfer %s: %s. Recomputing the prompt",
-                request.request_id,
-                short_id(request.kv_transfer_params.get("transfer_id")),
-                why,
-            )
+            show, held = self._throttle.allow(reason)
+            if show:
+                log.warning(
+                    "tritonkv: request %s: refusing transfer %s: %s (reason %s). Recomputing its "
+                    "%d prompt tokens%s",
+                    request.request_id,
+                    short_id(request.kv_transfer_params.get("transfer_id")),
+                    why,
+                    reason,
+                    request.num_prompt_tokens,
+                    held_note(held),
+                )
             self._tried.add(request.request_id)
             self._refused.add(request.request_id)
         return params

@@ -813,3 +813,17 @@ def test_the_same_tokens_under_another_cache_salt_are_never_loaded(vllm_mods, co
     consumer.add_request(m["request"]("same", params=handoffs["p"], salt="tenant-a"))
     out, _ = m["step"](consumer)
     assert _loads(out) == [("same", 0, len(PROMPT) - 1)]
+
+
+def test_a_flood_of_refused_handoffs_logs_a_bounded_number_of_lines(vllm_mods, connector_log):
+    """Any client can send crafted hand-offs: each is refused and counted, but at most ten
+    warning lines per reason reach the log in ten seconds."""
+    m = vllm_mods
+    consumer = m["scheduler"]("kv_consumer")
+    crafted = {"do_remote_prefill": True, "protocol": "tritonkv-0", "transfer_id": "e" * 32}
+    for i in range(15):  # max_num_seqs 16: all asked in one step
+        consumer.add_request(m["request"](f"flood-{i}", params=dict(crafted)))
+    consumer.schedule()  # asks for each request's matched tokens (vLLM takes the stats later)
+    lines = [r.getMessage() for r in connector_log if "refusing transfer" in r.getMessage()]
+    assert len(lines) == 10 and all("(reason handoff)" in line for line in lines)
+    assert consumer.connector.scheduler.stats.peek()["load_refused:handoff"] == 15

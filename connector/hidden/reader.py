@@ -15,6 +15,7 @@ dtype), "token_ids": [num_tokens] int64}``. Example, from a training job on anot
 
     import json, urllib.request
     from connector.hidden import load_hidden_states
+    from connector.transport import load_secret
 
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1}
     req = urllib.request.Request(
@@ -23,7 +24,7 @@ dtype), "token_ids": [num_tokens] int64}``. Example, from a training job on anot
     params = json.load(urllib.request.urlopen(req))["kv_transfer_params"]
     states = load_hidden_states(
         params["hidden_states_host"], params["hidden_states_port"],
-        params["hidden_states_transfer_id"], secret=open("/etc/tritonkv.secret").read().strip())
+        params["hidden_states_transfer_id"], secret=load_secret("/etc/tritonkv.secret"))
     states["hidden_states"].shape  # torch.Size([num_tokens, num_hidden_states, hidden_size])
 
 Integrity: a producer with ``digest`` on (the default) stores each tensor's digest with the entry

@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from ..hidden import HiddenStatesReader, read_hidden_file
+from ..transport import load_secret
 from .launch import http_json
 
 __all__ = ["extract", "main", "read_prompts"]
@@ -144,7 +145,7 @@ def extract(
     model: str = "tiny",
     via: str = "network",
     concurrency: int = 4,
-    secret: str | None = None,
+    secret: bytes | str | None = None,
     timeout_s: float = 300.0,
     progress=None,
     max_tokens: int = 1,
@@ -226,8 +227,10 @@ def main(argv: list[str] | None = None) -> None:
         help="save the generated tokens' hidden states too (all but the last)",
     )
     args = parser.parse_args(argv)
-    secret = Path(args.secret_file).read_text().strip() if args.secret_file else None
-    secret = secret or os.environ.get("TRITONKV_SECRET") or None
+    try:  # the servers' loader and its checks (a private regular file, the size, the length)
+        secret = load_secret(args.secret_file or None)
+    except ValueError as exc:
+        parser.error(str(exc))
     prompts = read_prompts(args.prompts)
     counts = extract(
         args.url, prompts, args.out, model=args.model, via=args.via,

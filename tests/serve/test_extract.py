@@ -162,3 +162,23 @@ def test_a_corrupted_prompt_is_reported_by_its_id_and_check(stand_in, tmp_path, 
     err = capsys.readouterr().err
     assert "prompt flipped: " in err and f"digest check '{check}' failed" in err, err
     assert not (out / "flipped.safetensors").exists()
+
+
+def test_the_secret_file_passes_the_servers_checks(stand_in, tmp_path, capsys) -> None:
+    """``--secret-file`` is read as the servers read theirs (``load_secret``): a file others may
+    read is refused before anything is sent; a private one extracts."""
+    from connector.serve.extract import main
+
+    url = stand_in[0]
+    prompts = _prompts_file(tmp_path, [{"id": "p", "prompt_token_ids": [3, 4]}])
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET + "\n")
+    secret.chmod(0o644)
+    args = ["--url", url, "--prompts", str(prompts), "--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--secret-file", str(secret)])
+    assert exit_.value.code == 2 and "lets group or others access it" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    secret.chmod(0o600)
+    main([*args, "--secret-file", str(secret)])
+    assert (tmp_path / "out" / "p.safetensors").is_file()

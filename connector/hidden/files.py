@@ -35,6 +35,8 @@ import collections
 import contextlib
 import fcntl
 import os
+import stat
+import tempfile
 import threading
 import time
 import uuid
@@ -48,7 +50,30 @@ from ..transport import transfer_thread
 
 log = get_logger("connector")
 
-__all__ = ["HiddenFileWriter", "read_hidden_file"]
+__all__ = ["HiddenFileWriter", "private_folder", "read_hidden_file"]
+
+#: How the writer opens what it creates beside a file: never through a symlink planted there.
+_CREATE = os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def private_folder(path: str | None = None) -> str:
+    """The default folder of hidden-state files (``shared_storage_path`` left empty):
+    ``<temp dir>/tritonkv-hidden-<uid>``, which only its owner may enter (0700). Made if missing;
+    one that exists must be a directory (not a symlink) owned by this user that group and others
+    cannot access, else ValueError naming what it is (anyone else could read, replace or plant
+    links among the files)."""
+    path = path or os.path.join(tempfile.gettempdir(), f"tritonkv-hidden-{os.getuid()}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a directory (or a symlink)"
+        raise ValueError(
+            f"hidden-state files: {path!r} is {what} of uid {st.st_uid} with "
+            f"mode {stat.S_IMODE(st.st_mode):04o}: expected a directory of uid {os.getuid()} with "
+            "mode 0700 (remove it, or set shared_storage_path to a folder of your choosing)"
+        )
+    return path
 
 
 def _error_path(path: str) -> str:
@@ -56,8 +81,10 @@ def _error_path(path: str) -> str:
 
 
 def _write_error(path: str, why: str) -> None:
-    with contextlib.suppress(OSError), open(_error_path(path), "w") as f:  # the disk may fail
-        f.write(why + "\n")
+    with contextlib.suppress(OSError):  # the disk may fail
+        fd = os.open(_error_path(path), _CREATE, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(why + "\n")
 
 
 @dataclass
@@ -100,7 +127,7 @@ class HiddenFileWriter:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             os.remove(_error_path(path))
-        fd = os.open(path + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        fd = os.open(path + ".lock", _CREATE, 0o644)  # a symlink there: OSError (ELOOP)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError:

@@ -125,8 +125,9 @@ class ConnectorConfig:
     hidden_states_files: bool = True
     #: extract_hidden_states: the files' folder (``<request id>.safetensors``, as Example's; an
     #: id that is no plain file name, e.g. a client's ``X-Request-Id`` with ``/``, gets a
-    #: hashed one inside the folder).
-    shared_storage_path: str = "/tmp"
+    #: hashed one inside the folder). Empty: ``<temp dir>/tritonkv-hidden-<uid>``, made with
+    #: mode 0700 (an existing one of another owner or mode is refused at start).
+    shared_storage_path: str = ""
     #: extract_hidden_states: honour a request's ``kv_transfer_params["hidden_states_path"]``
     #: (lets clients write anywhere the server may: trusted clients only), as Example's.
     allow_custom_save_path: bool = False

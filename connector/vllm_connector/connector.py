@@ -111,7 +111,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 from vllm.v1.request import RequestStatus
 
-from ..hidden.files import HiddenFileWriter
+from ..hidden.files import HiddenFileWriter, private_folder
 from ..hidden.scheduler import HiddenDiscard, HiddenHold, HiddenSaveSpec, HiddenScheduler
 from ..hidden.worker import HiddenWorker, check_hidden_cache
 from ..logs import get_logger
@@ -311,7 +311,9 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
         return HiddenScheduler(
             block_size=self.hidden["block_size"],
             group=self.hidden["group"],
-            storage_path=self.cfg.shared_storage_path if self.cfg.hidden_states_files else None,
+            storage_path=(self.cfg.shared_storage_path or private_folder())
+            if self.cfg.hidden_states_files
+            else None,
             allow_custom_path=self.cfg.allow_custom_save_path,
             serve_at=(self.cfg.advertise_host or self.cfg.host, self.engine_port)
             if serve

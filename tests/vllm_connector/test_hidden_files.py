@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 import sys
 import threading
 import time
@@ -322,3 +323,45 @@ def test_reader_refuses_bad_arguments() -> None:
             reader.load("127.0.0.1", 1, "")
         with pytest.raises(ValueError, match="port"):
             reader.load("127.0.0.1", 70000, "x")
+
+
+def test_links_planted_beside_a_file_are_never_followed(tmp_path) -> None:
+    """Someone who may write in the folder plants ``<path>.lock`` and ``<path>.error`` as
+    symlinks to a file of the server's: the lock fails (the request gets no file, as for any
+    OSError) and the error goes unwritten; the target is untouched either way."""
+    from connector.hidden.files import _write_error
+
+    target = tmp_path / "precious"
+    target.write_text("keep me\n")
+    path = str(tmp_path / "req.safetensors")
+    os.symlink(target, path + ".lock")
+    with pytest.raises(OSError):
+        HiddenFileWriter.lock(path)
+    os.symlink(target, path + ".error")
+    _write_error(path, "a reason")
+    assert target.read_text() == "keep me\n"
+
+
+def test_the_default_folder_is_private_and_an_unsafe_one_is_refused(tmp_path) -> None:
+    from connector.hidden.files import private_folder
+
+    made = private_folder(str(tmp_path / "fresh"))
+    assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
+    assert private_folder(made) == made  # an existing private one is reused
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    with pytest.raises(ValueError, match="mode 0755: expected a directory of uid"):
+        private_folder(str(shared))
+    link = tmp_path / "link"
+    link.symlink_to(made)
+    with pytest.raises(ValueError, match="not a directory"):
+        private_folder(str(link))
+    if os.getuid() == 0:  # root can give it away: another owner is refused too
+        other = tmp_path / "other"
+        other.mkdir(mode=0o700)
+        os.chown(other, 65534, 65534)
+        with pytest.raises(ValueError, match="of uid 65534"):
+            private_folder(str(other))
+    default = private_folder()
+    assert default.endswith(f"tritonkv-hidden-{os.getuid()}")

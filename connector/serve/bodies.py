@@ -228,7 +228,12 @@ def sse_error(status: int, message: str, err_type: str, **extra: Any) -> bytes:
 
 
 def describe_failure(
-    exc: BaseException, stage: str, url: str, limit_s: float, connect_s: float
+    exc: BaseException,
+    stage: str,
+    url: str,
+    limit_s: float,
+    connect_s: float,
+    details: bool = True,
 ) -> tuple[int, str, str, dict[str, Any]]:
     """Classifies an outbound failure.
 
@@ -238,10 +243,22 @@ def describe_failure(
         url: The server's base URL.
         limit_s: The call's total limit in seconds.
         connect_s: The connect limit in seconds.
+        details: Whether the client may see the server's URL and the error (a loopback client,
+            or any with ``--health-details``); else only the stage and the status, the rest
+            being in the proxy's log.
 
     Returns:
         ``(status, message, error type, extra error fields)``: 504 for timeouts, 502 otherwise.
     """
+    if not details:
+        timeout = isinstance(exc, TimeoutError)
+        status, err_type = (504, "GatewayTimeout") if timeout else (502, "BadGateway")
+        msg = (
+            f"the {stage} server did not answer in time"
+            if timeout
+            else f"the {stage} server failed"
+        )
+        return status, msg + " (the proxy's log has the details)", err_type, {"stage": stage}
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         msg = f"{stage} server {url} did not accept a connection within {connect_s:g} s"
         return 504, msg, "GatewayTimeout", {"stage": stage, "server": url, "timeout_s": connect_s}

@@ -33,11 +33,19 @@ class Failure(Exception):
 
     @classmethod
     def of(
-        cls, exc: BaseException, stage: str, url: str, limit_s: float, connect_s: float
+        cls,
+        exc: BaseException,
+        stage: str,
+        url: str,
+        limit_s: float,
+        connect_s: float,
+        details: bool = True,
     ) -> Failure:
-        """The failure of an outbound call that raised ``exc`` (see ``describe_failure``)."""
-        status, msg, err_type, extra = describe_failure(exc, stage, url, limit_s, connect_s)
-        return cls(error_response(status, msg, err_type, **extra), f"{status} {msg}")
+        """The failure of an outbound call that raised ``exc`` (see ``describe_failure``; the
+        summary, for the log, always has the details)."""
+        shown = describe_failure(exc, stage, url, limit_s, connect_s, details)
+        status, msg = describe_failure(exc, stage, url, limit_s, connect_s)[:2]
+        return cls(error_response(*shown[:3], **shown[3]), f"{status} {msg}")
 
 
 def error_response(status: int, message: str, err_type: str, **extra: Any) -> JSONResponse:
@@ -58,6 +66,7 @@ class Exchange:
     decode_url: str = ""
     decode_t0: float = 0.0  # perf_counter() when the decode call started
     overlapped: bool = False  # the prefill runs beside the decode (its time is logged apart)
+    details: bool = True  # the client may see servers' URLs and errors (guards.shows_errors)
     prefill_task: asyncio.Task | None = None  # that prefill call, while it runs
 
     @property
@@ -100,11 +109,12 @@ async def _relay(
             try:
                 chunk = await resp.content.readany()
             except (TimeoutError, aiohttp.ClientError) as exc:
-                status, msg, err_type, extra = describe_failure(
-                    exc, "decode", ex.decode_url, limit_s, connect_s
-                )
+                msg = describe_failure(exc, "decode", ex.decode_url, limit_s, connect_s)[1]
                 end = f"failed: {msg}"
-                yield sse_error(status, msg, err_type, **extra)
+                status, shown, err_type, extra = describe_failure(
+                    exc, "decode", ex.decode_url, limit_s, connect_s, ex.details
+                )
+                yield sse_error(status, shown, err_type, **extra)
                 return
             if not chunk:
                 return
@@ -140,7 +150,7 @@ async def relay_whole(
         resp.close()
         raise
     except (TimeoutError, aiohttp.ClientError) as exc:
-        failure = Failure.of(exc, "decode", ex.decode_url, limit_s, connect_s)
+        failure = Failure.of(exc, "decode", ex.decode_url, limit_s, connect_s, ex.details)
         ex.log_done(failure.response.status_code, f" ({failure.summary})")
         raise failure from exc
     finally:
@@ -164,7 +174,7 @@ async def first_bytes(
         resp.close()
         if isinstance(exc, asyncio.CancelledError):
             raise
-        failure = Failure.of(exc, "decode", ex.decode_url, limit_s, connect_s)
+        failure = Failure.of(exc, "decode", ex.decode_url, limit_s, connect_s, ex.details)
         ex.log_done(failure.response.status_code, f" ({failure.summary})")
         raise failure from exc
 

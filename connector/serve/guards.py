@@ -135,6 +135,13 @@ def is_loopback(host: str | None) -> bool:
     return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
+def shows_errors(request: Request, anyone: bool) -> bool:
+    """Tells whether this client may see, in an error body, which server failed and how (its
+    URL, the error): a loopback client, or any with ``--health-details``. Others get the stage
+    and the status; the proxy's log has the rest."""
+    return anyone or is_loopback(request.client.host if request.client else None)
+
+
 def shows_details(request: Request, anyone: bool) -> bool:
     """Tells whether ``/health`` shows this client the servers' URLs and errors.
 
@@ -146,7 +153,7 @@ def shows_details(request: Request, anyone: bool) -> bool:
         True when asked for, by a client allowed to see them.
     """
     asked = request.query_params.get("details", "").lower() in ("1", "true")
-    return asked and (anyone or is_loopback(request.client.host if request.client else None))
+    return asked and shows_errors(request, anyone)
 
 
 class InFlightLimit:

@@ -19,7 +19,8 @@ the upstream vLLM servers. Endpoints:
   2xx status within ``--health-timeout-s``, else 503 ``{"status": "unhealthy"}``. Each server's
   URL and state (``servers``) only for ``/health?details=1`` from a loopback client, or from
   any client with ``--health-details`` (behind a reverse proxy on the same host, every client
-  is loopback).
+  is loopback). The same goes for error bodies: which server failed and how (its URL, the
+  error) only for those clients; others get the stage and the status, the log the rest.
 
 Bounds on what a client can make it do (:mod:`connector.serve.guards`): a body over
 ``--max-request-bytes`` (default 32 MiB) gets 413, a ``Content-Length`` over it before anything
@@ -137,8 +138,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
         return await proxy.generate(request, CHAT_COMPLETIONS)
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        return await proxy.models()
+    async def models(request: Request) -> Response:
+        return await proxy.models(request)
 
     @app.get("/health")
     async def health(request: Request) -> Response:
@@ -223,9 +224,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--health-details",
         action="store_true",
-        help="let any client see the servers' URLs and errors with /health?details=1 "
-        "(default: loopback clients only, and a reverse proxy on this host makes every client "
-        "loopback; plain /health answers only the status)",
+        help="let any client see the servers' URLs and errors, with /health?details=1 and in "
+        "error bodies (default: loopback clients only, and a reverse proxy on this host makes "
+        "every client loopback; others get the stage and the status)",
     )
     p.add_argument(
         "--overlap",

@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect
 from ..logs import get_logger, short_id
 from .bodies import InvalidBody, client_body, decode_body, encode, handoff_params, prefill_body
 from .exchange import Exchange, Failure, error_response, first_bytes, relay_stream, relay_whole
-from .guards import BodyRefused, read_body, request_id, shows_details
+from .guards import BodyRefused, read_body, request_id, shows_details, shows_errors
 from .overlap import Overlap, overlap_params
 
 logger = get_logger("proxy")
@@ -157,11 +157,16 @@ class PDRouter:
         """Returns an aiohttp timeout with the given total and the configured connect limit."""
         return aiohttp.ClientTimeout(total=total_s, connect=self.config.connect_timeout_s)
 
-    def _failure(self, exc: BaseException, stage: str, url: str, limit_s: float) -> Failure:
-        """Wraps an outbound exception into a :class:`Failure` with the client response."""
-        return Failure.of(exc, stage, url, limit_s, self.config.connect_timeout_s)
+    def _failure(
+        self, exc: BaseException, stage: str, url: str, limit_s: float, details: bool = True
+    ) -> Failure:
+        """Wraps an outbound exception into a :class:`Failure` with the client response
+        (``details``: see :func:`~connector.serve.bodies.describe_failure`)."""
+        return Failure.of(exc, stage, url, limit_s, self.config.connect_timeout_s, details)
 
-    async def _get(self, stage: str, url: str, path: str) -> tuple[int, bytes, str | None]:
+    async def _get(
+        self, stage: str, url: str, path: str, details: bool = True
+    ) -> tuple[int, bytes, str | None]:
         """GETs ``url + path`` within the health timeout.
 
         Returns:
@@ -175,7 +180,7 @@ class PDRouter:
             async with self.session.get(url + path, timeout=self._timeout(limit)) as resp:
                 return resp.status, await resp.read(), resp.headers.get("Content-Type")
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise self._failure(exc, stage, url, limit) from exc
+            raise self._failure(exc, stage, url, limit, details) from exc
 
     async def health(self, request: Request) -> JSONResponse:
         """Checks every server's ``/health``.
@@ -206,11 +211,12 @@ class PDRouter:
             body["servers"] = states
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    async def models(self) -> Response:
+    async def models(self, request: Request) -> Response:
         """Forwards ``GET /v1/models`` to the next decode server."""
         url = next(self._decode_rr)
+        details = shows_errors(request, anyone=self.config.health_details)
         try:
-            status, body, ctype = await self._get("models", url, "/v1/models")
+            status, body, ctype = await self._get("models", url, "/v1/models", details)
         except Failure as failure:
             return failure.response
         return Response(body, status_code=status, media_type=ctype)
@@ -251,6 +257,7 @@ class PDRouter:
     async def _generate(self, request: Request, path: str, req_id: str, raw: bytes) -> Response:
         """:meth:`generate`'s work once the body is read: prefill, hand-off, decode."""
         ex = Exchange(req_id, path, _upstream_headers(request, req_id))
+        ex.details = shows_errors(request, anyone=self.config.health_details)
         decode = None
         try:
             body = client_body(raw, path)
@@ -311,7 +318,7 @@ class PDRouter:
                 ctype = resp.headers.get("Content-Type")
         except (TimeoutError, aiohttp.ClientError) as exc:
             self._overlap.sites.forget(url)
-            failure = self._failure(exc, "prefill", url, limit)
+            failure = self._failure(exc, "prefill", url, limit, ex.details)
             logger.warning("req %s prefill %s: %s", ex.req_id, url, failure.summary)
             raise failure from exc
         ex.prefill_ms = (time.perf_counter() - t0) * 1e3
@@ -396,7 +403,7 @@ class PDRouter:
                 url + ex.path, data=body, headers=ex.headers, timeout=self._timeout(limit)
             )
         except (TimeoutError, aiohttp.ClientError) as exc:
-            failure = self._failure(exc, "decode", url, limit)
+            failure = self._failure(exc, "decode", url, limit, ex.details)
             logger.warning(
                 "req %s prefill %s %.1f ms transfer_id %s; decode %s: %s",
                 ex.req_id,
@@ -433,7 +440,15 @@ def _decode_request(
             "object or null kv_transfer_params that can be passed on"
         )
         logger.warning("req %s: %s", ex.req_id, msg)
-        response = error_response(502, msg, "BadGateway", stage="prefill", server=ex.prefill_url)
+        if ex.details:
+            response = error_response(
+                502, msg, "BadGateway", stage="prefill", server=ex.prefill_url
+            )
+        else:
+            shown = (
+                "the prefill server's answer cannot be passed on (the proxy's log has the details)"
+            )
+            response = error_response(502, shown, "BadGateway", stage="prefill")
         raise Failure(response, msg) from None
 
 

@@ -724,6 +724,34 @@ def test_health_details_go_to_loopback_clients_or_with_health_details(
         assert c.get("/health").json() == {"status": "ok"}  # details only when asked
 
 
+@pytest.mark.parametrize(
+    ("client", "health_details", "shown"),
+    [("203.0.113.7", False, False), ("203.0.113.7", True, True), ("127.0.0.1", False, True)],
+    ids=["remote", "remote-with-health-details", "loopback"],
+)
+def test_error_bodies_name_servers_only_to_loopback_clients_or_with_health_details(
+    stack: Stack, client: str, health_details: bool, shown: bool
+) -> None:
+    """A failed prefill (nothing listens) and a decode stream that stalls: a remote client gets
+    the stage and the status, never which server or what error (the log has them)."""
+    dead = ProxyConfig((stack.dead_url,), (stack.d0.url,), health_details=health_details)
+    with TestClient(create_app(dead), client=(client, 40000)) as c:
+        r = c.post("/v1/completions", json=_body("/v1/completions"))
+    err = r.json()["error"]
+    assert r.status_code == 502 and err["stage"] == "prefill"
+    assert ("server" in err) is shown and (stack.dead_url in r.text) is shown
+    assert ("Connect" in err["message"] or "connect" in err["message"]) is shown
+    stack.d0.mode = "stall"
+    config = ProxyConfig(
+        (stack.p0.url,), (stack.d0.url,), timeout_s=TIMEOUT_S, health_details=health_details
+    )
+    with TestClient(create_app(config), client=(client, 40000)) as c:
+        r = c.post("/v1/completions", json=_body("/v1/completions", stream=True))
+    events = _events(r.content)
+    assert events[-2]["error"]["code"] == 504 and events[-2]["error"]["stage"] == "decode"
+    assert (stack.d0.url in r.text) is shown
+
+
 def test_is_loopback() -> None:
     for host in ("127.0.0.1", "127.9.9.9", "::1", "::ffff:127.0.0.1"):
         assert is_loopback(host), host

@@ -41,8 +41,8 @@ SITE_KEYS = (
     "fingerprint",
     "tp_size",
 )
-#: Copied too when the producer gives it.
-_OPTIONAL_KEYS = ("tritonkv_version",)
+#: Copied too when the producer gives them (a site signature: a producer with a secret).
+_OPTIONAL_KEYS = ("tritonkv_version", "site_signature")
 #: What the consumer completes from its own prompt: ``connector.vllm_connector.handoff.OVERLAP``
 #: (the proxy imports no tritonkv; a test checks that both are one key).
 OVERLAP = "overlap"

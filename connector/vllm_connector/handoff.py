@@ -17,9 +17,11 @@ entry only to a request presenting the digest of the producer's own prompt.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import ipaddress
 import json
 import re
+import time
 
 import numpy as np
 
@@ -127,6 +129,65 @@ def build_handoff(
         "fingerprint": fingerprint,
         "tp_size": tp_size,
     }
+
+
+#: What a producer's signature covers (``signature``): where the entry lives and what it holds,
+#: until ``expires`` (Unix seconds).
+SIGNED_KEYS = (
+    "protocol",
+    "transfer_id",
+    "remote_host",
+    "remote_port",
+    "num_tokens",
+    "prompt_digest",
+    "fingerprint",
+    "tp_size",
+    "expires",
+)
+#: What its site signature covers (``site_signature``): the producer alone, which the overlapped
+#: flow's proxy copies into hand-offs it writes (the transfer id is then the proxy's, the prompt
+#: the consumer's own). No expiry: it only ever points at a producer that holds the secret.
+SITE_SIGNED_KEYS = ("protocol", "remote_host", "remote_port", "fingerprint", "tp_size")
+
+
+def _mac(secret: bytes, label: bytes, params: dict, keys: tuple[str, ...]) -> str:
+    """HMAC-SHA256 of ``params``' ``keys`` (as JSON, in that order) under a key of its own
+    derived from the shared secret for ``label`` (never the secret itself)."""
+    key = hmac.new(secret, b"tritonkv hand-off " + label, hashlib.sha256).digest()
+    body = json.dumps([[k, params.get(k)] for k in keys], separators=(",", ":")).encode()
+    return hmac.new(key, body, hashlib.sha256).hexdigest()
+
+
+def sign_handoff(params: dict, secret: bytes, valid_s: float, now: float | None = None) -> dict:
+    """``params`` with ``expires`` (now + ``valid_s``), ``signature`` and ``site_signature``:
+    what a consumer holding the same secret checks (:func:`signature_problem`) before it dials
+    anything."""
+    now = time.time() if now is None else now
+    signed = {**params, "expires": int(now + valid_s)}
+    signed["signature"] = _mac(secret, b"entry", signed, SIGNED_KEYS)
+    signed["site_signature"] = _mac(secret, b"site", signed, SITE_SIGNED_KEYS)
+    return signed
+
+
+def signature_problem(params: dict, secret: bytes, now: float | None = None) -> str:
+    """Why a consumer holding ``secret`` may not dial what ``params`` names (``""``: it may):
+    a hand-off needs the producer's ``signature`` over :data:`SIGNED_KEYS`, unexpired; an
+    overlapped one (the proxy wrote it) its ``site_signature`` over :data:`SITE_SIGNED_KEYS`."""
+    overlapped = params.get(OVERLAP) is True
+    name, label, keys = (
+        ("site_signature", b"site", SITE_SIGNED_KEYS)
+        if overlapped
+        else ("signature", b"entry", SIGNED_KEYS)
+    )
+    given = params.get(name)
+    if not isinstance(given, str):
+        return f"it carries no {name} (its producer has no secret, or a client wrote it)"
+    if not hmac.compare_digest(given, _mac(secret, label, params, keys)):
+        return f"its {name} is not the producer's under this consumer's secret"
+    expires = params.get("expires")
+    if not overlapped and (not _is_int(expires) or expires < (time.time() if now is None else now)):
+        return f"it expired (expires {shown(expires)})"
+    return ""
 
 
 def completed(params: dict, request) -> dict:

@@ -26,22 +26,23 @@ Addr = tuple[str, int]
 
 
 class ProducerBackoff:
-    """Producer hosts that did not connect or answer in time, not asked again for ``hold_s``.
+    """Producer ports that did not connect or answer in time, not asked again for ``hold_s``.
 
-    Sync loads stall the whole decode batch: after one load from a host timed out, further loads
-    from it fail at once (and are recomputed) until ``hold_s`` has passed. By host, not by port:
-    hand-offs that name one unresponsive address with ever other ports (a tarpit) stall the
-    batch once per ``hold_s``, not once per port. At most ``max_hosts`` are remembered (the
-    oldest forgotten first).
+    Sync loads stall the whole decode batch: after one load from a producer's port timed out,
+    further loads from it fail at once (and are recomputed) until ``hold_s`` has passed. By
+    (host, port): one stuck engine does not fail the loads of the others on its host. Only ports
+    a producer named are dialed (a consumer with a secret dials only signed hand-offs, one
+    without only loopback producers), so no client can make it walk a tarpit's ports. At most
+    ``max_addrs`` are remembered (the oldest forgotten first).
     """
 
-    def __init__(self, hold_s: float, max_hosts: int = 1024):
-        self.hold_s, self.max_hosts = hold_s, max_hosts
-        self._down: OrderedDict[str, tuple[float, str]] = OrderedDict()  # host -> (retry at, why)
+    def __init__(self, hold_s: float, max_addrs: int = 1024):
+        self.hold_s, self.max_addrs = hold_s, max_addrs
+        self._down: OrderedDict[Addr, tuple[float, str]] = OrderedDict()  # -> (retry at, why)
 
     def check(self, addr: Addr, transfer_id: str) -> None:
-        """PeerDeadError if the producer host of ``addr`` timed out less than ``hold_s`` ago."""
-        retry_at, why = self._down.get(addr[0], (0.0, ""))
+        """PeerDeadError if ``addr`` timed out less than ``hold_s`` ago."""
+        retry_at, why = self._down.get(addr, (0.0, ""))
         if time.monotonic() < retry_at:
             raise PeerDeadError(
                 f"not tried: this producer timed out ({why}) less than connect_timeout_s "
@@ -51,13 +52,13 @@ class ProducerBackoff:
             )
 
     def timed_out(self, addr: Addr, why: str) -> None:
-        self._down.pop(addr[0], None)
-        self._down[addr[0]] = (time.monotonic() + self.hold_s, why)
-        while len(self._down) > self.max_hosts:
+        self._down.pop(addr, None)
+        self._down[addr] = (time.monotonic() + self.hold_s, why)
+        while len(self._down) > self.max_addrs:
             self._down.popitem(last=False)
 
     def answered(self, addr: Addr) -> None:
-        self._down.pop(addr[0], None)
+        self._down.pop(addr, None)
 
 
 class ProducerClients:

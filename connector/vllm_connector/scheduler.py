@@ -31,6 +31,8 @@ from .handoff import (
     parse_handoff,
     request_digest,
     shown,
+    sign_handoff,
+    signature_problem,
 )
 from .metadata import DiscardSpec, LoadSpec
 from .saves import SavePlan
@@ -80,7 +82,9 @@ class SchedulerSide:
         self.stats = TransferStats()  # consumer: hand-offs refused before any load
         self._throttle = Throttle()  # their log lines: any client may send them
         # Without a secret nothing proves who a producer is: only this machine's may serve us.
-        self.open_to_any = is_consumer and load_secret(cfg.secret_file or None) is None
+        # With a secret, a producer signs its hand-offs and a consumer dials only signed ones.
+        self._secret = load_secret(cfg.secret_file or None)
+        self.open_to_any = is_consumer and self._secret is None
         if self.open_to_any and cfg.insecure:
             log.warning(
                 "tritonkv: INSECURE: this consumer has no shared secret and loads KV from any "
@@ -118,6 +122,10 @@ class SchedulerSide:
             return None, why, "handoff"
         params = completed(params, request)
         problems = handoff_problems(params)
+        if not problems and self._secret is not None:
+            why = signature_problem(params, self._secret)
+            if why:
+                problems.append(f"not signed by a producer holding this consumer's secret: {why}")
         if (
             not problems
             and self.open_to_any
@@ -321,7 +329,7 @@ class SchedulerSide:
         transfer_id = self._saves.finished(req_id, aborted)
         if transfer_id is None:
             return False, None
-        return False, build_handoff(
+        handoff = build_handoff(
             transfer_id=transfer_id,
             host=self.cfg.advertise_host or self.cfg.host,
             engine_port=self.engine_port,
@@ -330,6 +338,10 @@ class SchedulerSide:
             fingerprint=self.fingerprint,
             tp_size=self.tp_size,
         )
+        if self._secret is None:
+            return False, handoff
+        # valid while its entry may still be held (the entry's TTL starts when it is stored)
+        return False, sign_handoff(handoff, self._secret, valid_s=self.cfg.ttl_s + 60.0)
 
 
 def _embeds_prompt(request) -> bool:

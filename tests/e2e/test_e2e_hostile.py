@@ -92,14 +92,25 @@ def test_crafted_kv_transfer_params_neither_kill_nor_hang_the_decode_server(pd, 
 
 
 def test_a_relay_named_in_a_hand_off_is_refused_and_the_prompt_recomputed(pd):
-    """A forwarder holding no secret, at its own address, to the producer's KV port: the
-    consumer's authentication names the relay's address, the producer refuses it, and the
-    consumer recomputes. A fresh prompt's hand-off, unchanged, then loads (the control; the
-    relayed prompt itself now sits in the consumer's prefix cache)."""
+    """A forwarder holding no secret, at its own address, to the producer's KV port. Named in a
+    hand-off by a client, it is never dialed: the producer's signature does not cover it. Where
+    the network itself leads there (the hand-off signed as the producer would: a NAT, a DNS
+    answer), the consumer's authentication names the relay's address, the producer refuses it,
+    and the consumer recomputes. A fresh prompt's hand-off, unchanged, then loads (the
+    control; the relayed prompt itself now sits in the consumer's prefix cache)."""
+    from connector.vllm_connector.handoff import SIGNED_KEYS, sign_handoff
+
     prompt = pd.prompt(40, seed=70)
     params = pd.prefill_params(prompt)
     with Relay((params["remote_host"], params["remote_port"])) as relay:
-        text, rid = pd.decode_with(prompt, {**params, "remote_port": relay.port})
+        moved = {**params, "remote_port": relay.port}
+        text, rid = pd.decode_with(prompt, moved)
+        assert text == pd.colocated(prompt) and not pd.events(rid)["loaded"]
+        assert relay.connections == 0
+        assert "not signed by a producer holding this consumer's secret" in pd.consumer.log_text()
+        resigned = sign_handoff({k: moved[k] for k in moved if k in SIGNED_KEYS or k in
+                                 ("do_remote_prefill", "tritonkv_version")}, SECRET.encode(), 600)  # fmt: skip
+        text, rid = pd.decode_with(prompt, resigned)
     assert text == pd.colocated(prompt)
     assert not pd.events(rid)["loaded"]
     assert "not reached at its own address" in pd.consumer.log_text()

@@ -49,6 +49,7 @@ class Relay:
         self.port = self._lsock.getsockname()[1]
         self.address = f"127.0.0.1:{self.port}"
         self._socks: list[socket.socket] = []
+        self.connections = 0  # accepted so far
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -57,6 +58,7 @@ class Relay:
                 down, _ = self._lsock.accept()
             except OSError:
                 return
+            self.connections += 1
             up = socket.create_connection(self.target)
             self._socks += [down, up]
             c2s = self._frames if self.tamper is not None else self._bytes

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import tritonkv
 from connector.vllm_connector.handoff import (
     MAX_TP_SIZE,
+    OVERLAP,
     PROTOCOL,
     build_handoff,
     handoff_problems,
@@ -19,6 +20,8 @@ from connector.vllm_connector.handoff import (
     prompt_digest,
     request_digest,
     shown,
+    sign_handoff,
+    signature_problem,
 )
 from connector.vllm_connector.metadata import DiscardSpec
 
@@ -152,3 +155,42 @@ def test_any_json_a_client_sends_parses_or_is_refused_without_raising(changes):
     if spec is not None:
         assert problems == [] and 1 <= spec.port <= 65536 - spec.producer_tp
         assert 1 <= spec.producer_tp <= MAX_TP_SIZE
+
+
+SECRET = b"k" * 32
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{k: "x"} for k in ("transfer_id", "remote_host", "prompt_digest", "fingerprint")]
+    + [{"remote_port": 14601}, {"tp_size": 4}, {"num_tokens": 4}, {"protocol": "tritonkv-0"}],
+    ids=lambda c: next(iter(c)),
+)
+def test_a_signed_handoff_with_any_field_changed_is_refused(change):
+    signed = sign_handoff(_good(), SECRET, valid_s=60, now=1000.0)
+    assert signature_problem(signed, SECRET, now=1010.0) == ""
+    assert "is not the producer's" in signature_problem({**signed, **change}, SECRET, now=1010.0)
+
+
+def test_a_signature_proves_the_secret_and_expires():
+    signed = sign_handoff(_good(), SECRET, valid_s=60, now=1000.0)
+    assert "is not the producer's" in signature_problem(signed, b"z" * 32, now=1010.0)
+    assert "expired" in signature_problem(signed, SECRET, now=1061.0)
+    moved = {**signed, "expires": signed["expires"] + 3600}  # a later expiry is a change too
+    assert "is not the producer's" in signature_problem(moved, SECRET, now=1061.0)
+    unsigned = _good()
+    assert "carries no signature" in signature_problem(unsigned, SECRET)
+    assert "carries no signature" in signature_problem({**signed, "signature": 5}, SECRET)
+
+
+def test_an_overlapped_handoff_needs_its_producers_site_signature():
+    """The proxy writes it from an earlier hand-off's site (with its site signature) and a
+    transfer id of its own: the site is checked, whatever the id; another site is refused."""
+    signed = sign_handoff(_good(), SECRET, valid_s=60, now=1000.0)
+    site = {k: signed[k] for k in ("do_remote_prefill", "protocol", "remote_host",
+                                   "remote_port", "fingerprint", "tp_size", "site_signature")}  # fmt: skip
+    written = {**site, "transfer_id": "f" * 32, OVERLAP: True}
+    assert signature_problem(written, SECRET, now=9e9) == ""  # no expiry: it names a producer
+    assert "is not the producer's" in signature_problem({**written, "remote_port": 1}, SECRET)
+    no_site = {k: v for k, v in written.items() if k != "site_signature"}
+    assert "carries no site_signature" in signature_problem(no_site, SECRET)

@@ -776,12 +776,15 @@ def test_a_consumer_without_a_secret_loads_only_from_loopback_producers(
     of the decode server writes hand-offs: a non-loopback producer is refused before anything
     is dialed (and nothing discarded), unless ``insecure`` (warned at start) or a secret is set.
     (A loopback producer loads without a secret: every other test here.)"""
+    from connector.vllm_connector.handoff import sign_handoff
+
     m = vllm_mods
     monkeypatch.delenv("TRITONKV_SECRET", raising=False)
-    if secret:
-        monkeypatch.setenv("TRITONKV_SECRET", "s" * 32)
-    consumer = m["scheduler"]("kv_consumer", extra={"insecure": insecure})
     remote = {**handoff, "remote_host": "10.1.2.3"}
+    if secret:  # a producer there that holds it signs its hand-offs
+        monkeypatch.setenv("TRITONKV_SECRET", "s" * 32)
+        remote = sign_handoff(remote, b"s" * 32, valid_s=600)
+    consumer = m["scheduler"]("kv_consumer", extra={"insecure": insecure})
     consumer.add_request(m["request"]("r", params=remote))
     out, _ = m["step"](consumer)
     planned = [(load.host, load.count) for load in out.kv_connector_metadata.loads]
@@ -827,3 +830,32 @@ def test_a_flood_of_refused_handoffs_logs_a_bounded_number_of_lines(vllm_mods, c
     lines = [r.getMessage() for r in connector_log if "refusing transfer" in r.getMessage()]
     assert len(lines) == 10 and all("(reason handoff)" in line for line in lines)
     assert consumer.connector.scheduler.stats.peek()["load_refused:handoff"] == 15
+
+
+def test_with_a_secret_hand_offs_are_signed_and_only_signed_ones_are_dialed(
+    vllm_mods, connector_log, monkeypatch
+):
+    """A producer holding the secret signs its hand-off; a consumer holding it loads that one,
+    and refuses before dialing anything one a client changed (another port: no port scan, no
+    stall) or wrote itself (unsigned), counting them as refused by the producer reason."""
+    monkeypatch.setenv("TRITONKV_SECRET", "q" * 32)
+    m = vllm_mods
+    producer = m["scheduler"]("kv_producer")
+    producer.add_request(m["request"]("p", params={"do_remote_decode": True}))
+    handoffs = {}
+    for _ in range(6):
+        handoffs.update(m["step"](producer)[1])
+    signed = handoffs["p"]
+    assert signed["signature"] and signed["site_signature"] and signed["expires"]
+    consumer = m["scheduler"]("kv_consumer")
+    unsigned = {k: v for k, v in signed.items() if k not in ("signature", "site_signature")}
+    consumer.add_request(m["request"]("moved", params={**signed, "remote_port": 22}))
+    consumer.add_request(m["request"]("unsigned", params=unsigned))
+    consumer.schedule()
+    assert consumer.connector.scheduler.stats.peek()["load_refused:producer"] == 2
+    lines = [r.getMessage() for r in connector_log if "refusing transfer" in r.getMessage()]
+    assert len(lines) == 2 and all("not signed by a producer" in line for line in lines)
+    consumer = m["scheduler"]("kv_consumer")
+    consumer.add_request(m["request"]("signed", params=signed))
+    out, _ = m["step"](consumer)
+    assert _loads(out) == [("signed", 0, len(PROMPT) - 1)]

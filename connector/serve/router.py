@@ -160,13 +160,10 @@ class PDRouter:
     def _failure(
         self, exc: BaseException, stage: str, url: str, limit_s: float, details: bool = True
     ) -> Failure:
-        """Wraps an outbound exception into a :class:`Failure` with the client response
-        (``details``: see :func:`~connector.serve.bodies.describe_failure`)."""
+        """Wraps an outbound exception into a :class:`Failure` (see ``describe_failure``)."""
         return Failure.of(exc, stage, url, limit_s, self.config.connect_timeout_s, details)
 
-    async def _get(
-        self, stage: str, url: str, path: str, details: bool = True
-    ) -> tuple[int, bytes, str | None]:
+    async def _get(self, stage: str, url: str, path: str, details=True) -> tuple[int, bytes, Any]:
         """GETs ``url + path`` within the health timeout.
 
         Returns:
@@ -214,8 +211,8 @@ class PDRouter:
     async def models(self, request: Request) -> Response:
         """Forwards ``GET /v1/models`` to the next decode server."""
         url = next(self._decode_rr)
-        details = shows_errors(request, anyone=self.config.health_details)
         try:
+            details = shows_errors(request, anyone=self.config.health_details)
             status, body, ctype = await self._get("models", url, "/v1/models", details)
         except Failure as failure:
             return failure.response

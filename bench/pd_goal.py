@@ -178,9 +178,10 @@ _SAVED = re.compile(
 _PREFILL = re.compile(
     r"^vllm:request_prefill_time_seconds_(?P<what>sum|count)(?:\{[^}]*\})?\s+(?P<v>\S+)", re.M
 )
-# (a load's log line gives the time to get the entry, "fetch" or "load", then the unpack's)
+# (a load's log line gives the time to get the entry, "network" (or "fetch" or "load" in
+# older logs), then the unpack's)
 _TRANSFER = re.compile(
-    r"tritonkv: loaded transfer [0-9a-f]{8}… for .*?, (?:fetch|load) (?P<ms>[\d.]+) ms"
+    r"tritonkv: loaded transfer [0-9a-f]{8}… for .*?, (?:network|fetch|load) (?P<ms>[\d.]+) ms"
 )
 
 

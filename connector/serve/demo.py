@@ -164,7 +164,7 @@ def main(argv=None) -> int:
                 recomputed = n_prompt - int(ld["local"]) - int(ld["tokens"])
                 print(
                     f"  consumer loaded {ld['tokens']} tokens ({ld['local']} from its prefix cache, "
-                    f"{recomputed} recomputed), {ld['bytes']} bytes, fetch {ld['fetch_ms']} ms, "
+                    f"{recomputed} recomputed), {ld['bytes']} bytes, network {ld['network_ms']} ms, "
                     f"unpack {ld['unpack_ms']} ms"
                 )
             for f in events["failed"]:

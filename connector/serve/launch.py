@@ -106,7 +106,7 @@ _SAVED = re.compile(
 _LOADED = re.compile(
     rf"tritonkv: loaded transfer {_SHORT_ID} for (?P<req>\S+): (?P<tokens>\d+) tokens "
     r"\(positions \d+\.\.\d+; (?P<local>\d+) local\), (?P<bytes>\d+) bytes, "
-    r"fetch (?P<fetch_ms>[\d.]+) ms, unpack (?P<unpack_ms>[\d.]+) ms, kv_format (?P<kv_format>\w+)"
+    r"network (?P<network_ms>[\d.]+) ms, unpack (?P<unpack_ms>[\d.]+) ms, kv_format (?P<kv_format>\w+)"
 )
 _FAILED = re.compile(rf"tritonkv: load of transfer {_SHORT_ID} for (?P<req>\S+) .*failed")
 

@@ -293,7 +293,7 @@ class Consumer:
         caches, block_size, ops = self.caches, self.caches.block_size, self._streams
         gpu = GpuLoad(ops, self.budget, spec) if ops is not None else None
         try:
-            parts, paged, fetch_ms = receive()
+            parts, paged, network_ms = receive()
             t1 = time.perf_counter()
             nbytes = 0
             for source, packed, want, offset in parts:  # all arrived: now write, one unpack each
@@ -323,11 +323,11 @@ class Consumer:
                     if write_back:
                         integrity.check_write_back(packed, *where)
                 nbytes += packed.numel() * packed.element_size() * (stop - first) // max(rows, 1)
-            log_args = (fetch_ms, paged, parts)
+            log_args = (network_ms, paged, parts)
             if gpu is not None:
                 pending, checks, host = gpu.launch(t1)
                 self._landings.add(
-                    Landing(spec, t0, fetch_ms, nbytes, log_args, pending, checks, host, is_async)
+                    Landing(spec, t0, network_ms, nbytes, log_args, pending, checks, host, is_async)
                 )
                 return True
             t2 = time.perf_counter()
@@ -569,15 +569,17 @@ def log_failed(spec: LoadSpec, tp_rank: int, t0: float, exc, reason, blocks: int
 def record_loaded(
     stats, level: int, spec: LoadSpec, nbytes: int, unpack_ms: float, log_args: tuple
 ) -> None:
-    """Count and log (at ``level``) a completed load (``log_args``: ``(fetch_ms, paged,
+    """Count and log (at ``level``) a completed load (``log_args``: ``(network_ms, paged,
     parts)``)."""
-    fetch_ms, paged, parts = log_args
-    stats.record_load(nbytes=nbytes, num_tokens=spec.count, fetch_ms=fetch_ms, unpack_ms=unpack_ms)
+    network_ms, paged, parts = log_args
+    stats.record_load(
+        nbytes=nbytes, num_tokens=spec.count, network_ms=network_ms, unpack_ms=unpack_ms
+    )
     ranks = dict.fromkeys(f"{s.rank}[{s.src[0]}:{s.src[1]}]" for s, *_ in parts)
     log.log(
         level,
         "tritonkv: loaded transfer %s for %s: %d tokens (positions %d..%d; %d local), %d bytes, "
-        "fetch %.2f ms, unpack %.2f ms, kv_format %s, from %s:%d ranks %s%s",
+        "network %.2f ms, unpack %.2f ms, kv_format %s, from %s:%d ranks %s%s",
         short_id(spec.transfer_id),
         spec.req_id,
         spec.count,
@@ -585,7 +587,7 @@ def record_loaded(
         spec.start + spec.count - 1,
         spec.start,
         nbytes,
-        fetch_ms,
+        network_ms,
         unpack_ms,
         "pages" if paged else "tokens",
         spec.host,

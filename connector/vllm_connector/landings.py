@@ -32,7 +32,7 @@ class Landing:
 
     spec: LoadSpec
     t0: float
-    fetch_ms: float
+    network_ms: float
     nbytes: int
     log_args: tuple
     pending: Pending

@@ -51,7 +51,7 @@ SUMS = (
     "tokens_saved",
     "tokens_loaded",
 )
-TIMINGS = ("pack_ms", "fetch_ms", "unpack_ms")
+TIMINGS = ("pack_ms", "network_ms", "unpack_ms")
 
 #: What vLLM's ``/metrics`` shows (:class:`PromMetrics`), per engine, by name: help text and
 #: the figures' key. Counters are ``vllm:tritonkv_<name>_total``; the two outcome counters carry
@@ -75,7 +75,7 @@ PROM_OUTCOMES = {
 #: ``vllm:tritonkv_<name>_seconds``: help text and the timing's key (milliseconds recorded).
 PROM_HISTOGRAMS = {
     "save_pack": ("Time to pack a prompt's KV on the producer.", "pack_ms"),
-    "load_network": ("Time to receive an entry from its producer.", "fetch_ms"),
+    "load_network": ("Time to receive an entry from its producer.", "network_ms"),
     "load_unpack": ("Time to write a received entry into the cache.", "unpack_ms"),
 }
 #: ``vllm:tritonkv_<name>``: the sum over TP ranks of each rank's last value.
@@ -145,11 +145,11 @@ class TransferStats:
         self._data["tokens_saved"] += num_tokens
         self._data["pack_ms"].append(pack_ms)
 
-    def record_load(self, *, nbytes: int, num_tokens: int, fetch_ms: float, unpack_ms: float):
+    def record_load(self, *, nbytes: int, num_tokens: int, network_ms: float, unpack_ms: float):
         self._data["loads"] += 1
         self._data["bytes_loaded"] += nbytes
         self._data["tokens_loaded"] += num_tokens
-        self._data["fetch_ms"].append(fetch_ms)
+        self._data["network_ms"].append(network_ms)
         self._data["unpack_ms"].append(unpack_ms)
 
     def record_hidden_save(self, *, num_tokens: int) -> None:

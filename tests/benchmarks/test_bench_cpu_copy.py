@@ -15,8 +15,8 @@ import torch
 
 pytest.importorskip("numba")
 
-from bench import bench_cpu_copy as bench  # noqa: E402
-from tritonkv import _cpu_digest  # noqa: E402
+from bench import bench_cpu_copy as bench
+from tritonkv import _cpu_digest
 
 REPO = Path(__file__).resolve().parents[2]
 

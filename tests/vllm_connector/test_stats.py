@@ -15,7 +15,7 @@ from connector.vllm_connector import stats
 def test_recorded_figures_are_taken_once_and_start_anew():
     figures = stats.TransferStats()
     figures.record_save(nbytes=10, num_tokens=2, pack_ms=1.5)
-    figures.record_load(nbytes=20, num_tokens=3, fetch_ms=2.0, unpack_ms=0.5)
+    figures.record_load(nbytes=20, num_tokens=3, network_ms=2.0, unpack_ms=0.5)
     figures.record_load_failure("timeout")
     figures.record_load_failure("digest")
     figures.record_load_refusal("producer")
@@ -30,7 +30,7 @@ def test_recorded_figures_are_taken_once_and_start_anew():
     assert (data["load_failed:timeout"], data["load_failed:digest"]) == (1, 1)
     assert (data["load_refused:producer"], data["save_failed:buffer_full"]) == (1, 1)
     assert (data["auth_failures"], data["entries_expired"]) == (2, 3)
-    assert (data["pack_ms"], data["fetch_ms"], data["unpack_ms"]) == ([1.5], [2.0], [0.5])
+    assert (data["pack_ms"], data["network_ms"], data["unpack_ms"]) == ([1.5], [2.0], [0.5])
     assert figures.take() == stats.empty_stats() and stats.is_empty(stats.empty_stats())
 
 
@@ -87,11 +87,11 @@ def test_stats_aggregate_and_reduce():
     a, b = TritonKVStats(), TritonKVStats()
     assert a.is_empty()
     a.data["loads"] += 1
-    a.data["fetch_ms"].append(2.0)
+    a.data["network_ms"].append(2.0)
     b.data["loads"] += 2
-    b.data["fetch_ms"].append(4.0)
+    b.data["network_ms"].append(4.0)
     merged = a.aggregate(b).reduce()
-    assert merged["loads"] == 3 and merged["avg_fetch_ms"] == 3.0
+    assert merged["loads"] == 3 and merged["avg_network_ms"] == 3.0
     rebuilt = TritonKVConnector.build_kv_connector_stats(data=a.data)
     assert not rebuilt.is_empty()
 
@@ -123,8 +123,8 @@ def test_the_figures_reach_vllms_prometheus_endpoint():
     labels = {0: ["tiny", "0"], 1: ["tiny", "1"]}
     prom = Prom(SimpleNamespace(kv_transfer_config=transfer), ["model_name", "engine"], labels)
     rank0, rank1 = stats.TransferStats(rank=0), stats.TransferStats(rank=1)
-    rank0.record_load(nbytes=1000, num_tokens=10, fetch_ms=3.0, unpack_ms=0.2)
-    rank1.record_load(nbytes=1000, num_tokens=10, fetch_ms=30.0, unpack_ms=0.2)
+    rank0.record_load(nbytes=1000, num_tokens=10, network_ms=3.0, unpack_ms=0.2)
+    rank1.record_load(nbytes=1000, num_tokens=10, network_ms=30.0, unpack_ms=0.2)
     rank0.record_load_failure("digest")
     rank0.record_save(nbytes=500, num_tokens=5, pack_ms=1.0)
     rank0.record_save_failure("too_large")

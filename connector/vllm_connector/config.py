@@ -8,6 +8,7 @@ No vLLM import.
 from __future__ import annotations
 
 import ipaddress
+import re
 import warnings
 from dataclasses import dataclass, fields
 from typing import Any
@@ -74,9 +75,11 @@ class ConnectorConfig:
     #: wait at its own 60 s).
     prefill_wait_s: float = 30.0
     #: consumer: the producers it may load from, as IP addresses, networks (``"10.0.0.0/8"``) or
-    #: host names (compared as written, case aside); a hand-off naming another ``remote_host`` is
-    #: refused before any connection (recomputed). Empty: any producer a hand-off names. Hand-offs
-    #: come from clients (``kv_transfer_params``): on a decode server clients can reach, list them.
+    #: host names (compared as written, case aside), each optionally with a port or a port range
+    #: that must hold all the producer's TP ports (``"10.0.0.0/8:14600-14699"``,
+    #: ``"prefill-0:14600"``, ``"[fd00::/8]:14600"``); a hand-off naming another is refused
+    #: before any connection (recomputed). Empty: any producer a hand-off names (with a secret,
+    #: signed by a producer that holds it).
     producers: tuple[str, ...] = ()
     #: consumer: the deadline of connecting to a producer. A producer that did not connect or
     #: answer in time is not asked again for this long: loads from it fail at once (and are
@@ -199,18 +202,30 @@ class ConnectorConfig:
         cfg._check_choices()
         return cfg
 
-    def allows_producer(self, host: str) -> bool:
-        """Whether a hand-off may send this consumer to ``host`` (see ``producers``)."""
+    def allows_producer(self, host: str, port: int | None = None, tp_size: int = 1) -> bool:
+        """Whether a hand-off may send this consumer to ``host``, on ports ``port`` ..
+        ``port + tp_size - 1`` (None: any; see ``producers``)."""
         if not self.producers:
             return True
         try:
             addr = ipaddress.ip_address(host)
         except ValueError:
-            name = host.lower().rstrip(".")
-            return any(p.lower().rstrip(".") == name for p in self.producers if not _network(p))
-        if addr.version == 6 and addr.ipv4_mapped is not None:
-            addr = addr.ipv4_mapped
-        return any(addr in net for net in map(_network, self.producers) if net is not None)
+            addr = None
+        else:
+            if addr.version == 6 and addr.ipv4_mapped is not None:
+                addr = addr.ipv4_mapped
+        for entry in self.producers:
+            where, ports = _split_ports(entry)
+            net = _network(where)
+            if addr is None and net is None:
+                same = where.lower().rstrip(".") == host.lower().rstrip(".")
+            else:
+                same = addr is not None and net is not None and addr in net
+            if same and (
+                ports is None or port is None or ports[0] <= port <= port + tp_size - 1 <= ports[1]
+            ):
+                return True
+        return False
 
     def transport_for(self, device) -> str:
         """The transport of KV connections for caches on ``device``: ``transport``, or the
@@ -289,19 +304,38 @@ def _network(text: str):
         return None
 
 
+_WITH_PORTS = re.compile(
+    r"\[(?P<b>[^\]]+)\]:(?P<lo>\d+)(?:-(?P<hi>\d+))?|(?P<h>[^:\[\]]+):(?P<lo2>\d+)(?:-(?P<hi2>\d+))?"
+)
+
+
+def _split_ports(entry: str) -> tuple[str, tuple[int, int] | None]:
+    """A ``producers`` entry as ``(address, network or host name; (first, last port) or None)``."""
+    m = _WITH_PORTS.fullmatch(entry)
+    if m is None:
+        return entry, None
+    where, lo, hi = (m["b"], m["lo"], m["hi"]) if m["b"] else (m["h"], m["lo2"], m["hi2"])
+    return where, (int(lo), int(hi or lo))
+
+
 def _producers(value) -> tuple[str, ...]:
-    """The ``producers`` key: a list of addresses, networks or host names."""
+    """The ``producers`` key: a list of addresses, networks or host names, each with an
+    optional port or port range."""
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise TypeError(
             "kv_connector_extra_config['producers']: expected a list of strings (addresses, "
-            f"networks or host names), got {value!r}"
+            f"networks or host names, optionally with :port or :first-last), got {value!r}"
         )
     from .handoff import host_ok
 
     for entry in value:
-        if _network(entry) is None and not host_ok(entry):
+        where, ports = _split_ports(entry)
+        if (_network(where) is None and not host_ok(where)) or (
+            ports is not None and not 1 <= ports[0] <= ports[1] <= 65535
+        ):
             raise ValueError(
-                f"producers: expected IP addresses, networks (10.0.0.0/8) or host names, got "
+                "producers: expected IP addresses, networks (10.0.0.0/8) or host names, each "
+                f"optionally with :port or :first-last (ports 1..65535, first <= last), got "
                 f"{entry!r}"
             )
     return tuple(value)

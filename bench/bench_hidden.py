@@ -112,7 +112,10 @@ def _server(label: str, cluster: Cluster, model: Path, storage: Path):
                 if not hasattr(local, "reader"):
                     local.reader = HiddenStatesReader(timeout_s=60)
                 return local.reader.load(
-                    p["hidden_states_host"], p["hidden_states_port"], p["hidden_states_transfer_id"]
+                    p["hidden_states_host"],
+                    p["hidden_states_port"],
+                    p["hidden_states_transfer_id"],
+                    p["hidden_states_digest"],
                 )
     elif name == "example":
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (

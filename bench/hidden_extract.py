@@ -52,6 +52,7 @@ from connector.transport import host_empty
 GPU_SETUP = (3, 4096, torch.bfloat16, 16, 4096)
 CPU_SETUP = (2, 64, torch.float32, 16, 256)
 NUM_SEQS = (1, 8, 64, 256)  # requests finishing in the step (tokens split evenly)
+DIGEST = "0" * 32  # the prompt digest every entry is bound to (the scheduler's, in vLLM)
 
 
 def _sync(device: torch.device) -> None:
@@ -137,7 +138,9 @@ class Step:
         """The connector's path: save, flush, claim each entry (a checkout)."""
         self._round += 1
         specs = [
-            HiddenSaveSpec(f"r{i}", f"{self._round:016x}{i:016x}", b, n, [1] * n, None)
+            HiddenSaveSpec(
+                f"r{i}", f"{self._round:016x}{i:016x}", b, n, [1] * n, None, prompt_digest=DIGEST
+            )
             for i, (b, n) in enumerate(zip(self.blocks, self.lengths, strict=True))
         ]
         self.worker.save(specs)
@@ -145,7 +148,7 @@ class Step:
             raise TimeoutError("the hidden worker did not deliver within 30 s")
         out = []
         for spec in specs:
-            with self.buffer.checkout(spec.transfer_id) as lease:
+            with self.buffer.checkout(spec.transfer_id, digest=DIGEST) as lease:
                 out.append(lease.tensors["hidden_states"])
         return out
 

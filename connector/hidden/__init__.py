@@ -7,7 +7,9 @@
 - ``files.py``: the safetensors files (:class:`~.files.HiddenFileWriter`,
   :func:`~.files.read_hidden_file`);
 - ``reader.py``: reading them back from the producer's KV server
-  (:func:`~.reader.load_hidden_states`, :class:`~.reader.HiddenStatesReader`).
+  (:func:`~.reader.load_hidden_states`, :class:`~.reader.HiddenStatesReader`), presenting the
+  prompt digest the entry is bound to (``hidden_states_digest``, or :func:`~.reader.prompt_digest`
+  of the reader's own token ids).
 
 The facade (:mod:`connector.vllm_connector.connector`) wires the scheduler and worker sides into
 vLLM; what they share with the KV path lives in leaf modules (:mod:`connector.integrity`,
@@ -16,6 +18,12 @@ vLLM; what they share with the KV path lives in leaf modules (:mod:`connector.in
 
 from ..integrity import DigestMismatch
 from .files import read_hidden_file
-from .reader import HiddenStatesReader, load_hidden_states
+from .reader import HiddenStatesReader, load_hidden_states, prompt_digest
 
-__all__ = ["DigestMismatch", "HiddenStatesReader", "load_hidden_states", "read_hidden_file"]
+__all__ = [
+    "DigestMismatch",
+    "HiddenStatesReader",
+    "load_hidden_states",
+    "prompt_digest",
+    "read_hidden_file",
+]

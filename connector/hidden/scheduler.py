@@ -18,9 +18,12 @@ the worker side). Two modes per request, as vLLM's ``ExampleHiddenStatesConnecto
 
 Either way ``request_finished`` returns ``hidden_states_path`` (a file, Example's contract) and/or
 ``hidden_states_transfer_id`` with the producer's ``hidden_states_host`` and
-``hidden_states_port`` (read with :func:`.reader.load_hidden_states`), and
-``hidden_states_num_tokens``. An aborted request gets nothing and its workers discard what they took
-(:class:`HiddenDiscard`). No vLLM import.
+``hidden_states_port`` and ``hidden_states_digest`` (read with :func:`.reader.load_hidden_states`),
+and ``hidden_states_num_tokens``. The served entry is bound to ``hidden_states_digest``, the
+request's prompt digest (:func:`~connector.vllm_connector.handoff.request_digest`, as a KV entry:
+token ids, LoRA adapter, ``cache_salt``, multimodal inputs): the KV server serves it only to a
+reader presenting that digest (:mod:`.reader` says why the params carry it). An aborted request
+gets nothing and its workers discard what they took (:class:`HiddenDiscard`). No vLLM import.
 """
 
 from __future__ import annotations
@@ -30,11 +33,12 @@ import hashlib
 import os
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..integrity import faults
 from ..logs import get_logger
 from ..steps import finishing_prompts
+from ..vllm_connector.handoff import request_digest
 
 log = get_logger("connector")
 
@@ -46,6 +50,7 @@ PARAM_KEYS = (
     "hidden_states_transfer_id",
     "hidden_states_host",
     "hidden_states_port",
+    "hidden_states_digest",
     "hidden_states_num_tokens",
 )
 
@@ -73,7 +78,9 @@ class HiddenSaveSpec:
     blocks) as ``transfer_id``; write them to ``path`` too unless it is None.
     ``release_blocks``: the request finished and vLLM keeps its blocks for this save: every
     worker reports ``req_id`` in ``finished_sending`` in the step it gets the spec, whatever
-    became of the save."""
+    became of the save. ``prompt_digest``: the request's
+    :func:`~connector.vllm_connector.handoff.request_digest`; the served entry is bound to it
+    (the KV server serves it only to a reader presenting it)."""
 
     req_id: str
     transfer_id: str
@@ -83,6 +90,7 @@ class HiddenSaveSpec:
     path: str | None
     debug_fault: str = ""  # integrity.FAULTS the request names (debug_allow_corrupt only)
     release_blocks: bool = False
+    prompt_digest: str = field(kw_only=True)
 
 
 @dataclass
@@ -198,6 +206,7 @@ class HiddenScheduler:
                 token_ids=list(request.prompt_token_ids),
                 path=self._path(request),
                 debug_fault=faults(request.kv_transfer_params, self.allow_faults),
+                prompt_digest=request_digest(request),
             )
             self._taken[req_id] = spec
             if req_id not in self._whole:
@@ -243,6 +252,7 @@ class HiddenScheduler:
                 hidden_states_transfer_id=spec.transfer_id,
                 hidden_states_host=self.serve_at[0],
                 hidden_states_port=self.serve_at[1],
+                hidden_states_digest=spec.prompt_digest,
             )
         params["hidden_states_num_tokens"] = spec.num_tokens
         return whole, params

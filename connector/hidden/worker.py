@@ -17,7 +17,9 @@ computed, sequences that finished) are gathered with **one** :func:`tritonkv.pac
 the hidden-state cache, addressed by query offsets over the sequences laid end to end (sequence
 ``i`` owns packed rows ``cu_seqlens[i] : cu_seqlens[i + 1]``); each request then gets a view of
 its rows (no per-request copy), with its token ids beside it, handed to the file writer
-(:mod:`.files`) and/or put in the rank's KV buffer, which the producer's KV server serves.
+(:mod:`.files`) and/or put in the rank's KV buffer bound to the request's prompt digest
+(``HiddenSaveSpec.prompt_digest``), which the producer's KV server serves only to a reader
+presenting it.
 A finished sequence's request is reported in ``finished_sending`` by every rank in that step
 (:meth:`HiddenWorker.take_released`): the pack has read its blocks (on a GPU: vLLM's stream waits
 for it), so vLLM may free them. Only the pack is on the step: the digests and deliveries are a
@@ -174,7 +176,13 @@ class HiddenOutlets:
                 **digests,
             }
             try:
-                buffer.put(spec.transfer_id, tensors, meta, timeout_s=self.put_timeout_s)
+                buffer.put(
+                    spec.transfer_id,
+                    tensors,
+                    meta,
+                    digest=spec.prompt_digest,  # served only to a reader presenting it
+                    timeout_s=self.put_timeout_s,
+                )
             except Exception as exc:
                 ok = False
                 self.fail(spec, exc, "the KV buffer", count=False)  # counted below

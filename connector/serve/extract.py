@@ -91,10 +91,16 @@ def _one(url: str, model: str, pid: str, fields: dict, out: Path, via: str, read
             raise RuntimeError(
                 f"the server does not serve hidden states (params: {sorted(params)})"
             )
+        if "hidden_states_digest" not in params:  # what its reader must present
+            raise RuntimeError(
+                "the server's params name no hidden_states_digest, which its KV server wants "
+                f"from a reader: upgrade its tritonkv (params: {sorted(params)})"
+            )
         tensors = readers.get().load(
             params["hidden_states_host"],
             params["hidden_states_port"],
             params["hidden_states_transfer_id"],
+            params["hidden_states_digest"],
         )
         _save(tensors, target)
     else:

@@ -2,7 +2,8 @@
 parallelism 2, answers a batch of prompts; a reader gets every request's hidden states from its
 file and from the server's KV port, the same bits both ways, and they are the model's; a request
 whose hidden states a bit flip corrupts after their digest (the ``flip_bit`` hook) gets no file
-and a digest error over the network.
+and a digest error over the network. The served entries are bound to their prompt's digest: a
+reader presenting another is refused, and the entry stays for the right one.
 
 One server (TP=2, a 64-token chunked-prefill budget, a shared secret), started once for the
 module. Every prompt goes as token ids, so what the files say the tokens were can be checked.
@@ -21,7 +22,7 @@ import torch
 from support.e2e import run_concurrently
 from support.vllm_fixtures import requires_vllm
 
-from connector.hidden import DigestMismatch, load_hidden_states, read_hidden_file
+from connector.hidden import DigestMismatch, load_hidden_states, prompt_digest, read_hidden_file
 from connector.kvstore import KeyMissError
 from connector.serve.launch import Cluster, free_port_run, http_json
 from connector.transport import TransferError
@@ -71,8 +72,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _load(params: dict) -> dict:
     """A request's hidden states from the server its ``kv_transfer_params`` name."""
     host, port = params["hidden_states_host"], params["hidden_states_port"]
-    tid = params["hidden_states_transfer_id"]
-    return load_hidden_states(host, port, tid, secret=SECRET, timeout_s=60)
+    tid, digest = params["hidden_states_transfer_id"], params["hidden_states_digest"]
+    return load_hidden_states(host, port, tid, digest, secret=SECRET, timeout_s=60)
 
 
 def _ask(url: str, prompt: list[int], max_tokens: int) -> dict:
@@ -96,6 +97,14 @@ def test_every_request_over_files_and_network(server, tiny_llama_dir) -> None:
         assert os.path.dirname(params["hidden_states_path"]) == str(storage)
         assert params["hidden_states_port"] == kv_port  # TP rank 0's server holds them
         from_file = read_hidden_file(params["hidden_states_path"], timeout_s=60)
+        # The entry is bound to the prompt's digest, which a client that sent token ids can
+        # compute: another prompt's digest is refused (after its wait: by then the entry has
+        # landed) and leaves the entry to the right one.
+        assert params["hidden_states_digest"] == prompt_digest(prompt)
+        tid = params["hidden_states_transfer_id"]
+        with pytest.raises(KeyMissError, match="not their digest"):
+            load_hidden_states("127.0.0.1", kv_port, tid, prompt_digest(prompt[1:]),
+                               secret=SECRET, timeout_s=30, wait_s=2)  # fmt: skip
         from_net = _load(params)
         assert torch.equal(_bits(from_net["hidden_states"]), _bits(from_file["hidden_states"]))
         assert torch.equal(from_net["token_ids"], from_file["token_ids"])
@@ -109,13 +118,15 @@ def test_every_request_over_files_and_network(server, tiny_llama_dir) -> None:
         # Negative controls: the other layer is not it; the entry is delivered once; rank 1's
         # server holds none; a wrong secret gets nothing.
         assert not torch.allclose(from_file["hidden_states"][:, 0], ref[1][0], atol=1e-2)
-        tid = params["hidden_states_transfer_id"]
         with pytest.raises(KeyMissError):
-            load_hidden_states("127.0.0.1", kv_port, tid, secret=SECRET, timeout_s=30)
+            load_hidden_states("127.0.0.1", kv_port, tid, params["hidden_states_digest"],
+                               secret=SECRET, timeout_s=30, wait_s=0)  # fmt: skip
     with pytest.raises(KeyMissError):
-        load_hidden_states("127.0.0.1", kv_port + 1, "0" * 32, secret=SECRET, timeout_s=30)
+        load_hidden_states("127.0.0.1", kv_port + 1, "0" * 32, "0" * 32, secret=SECRET,
+                           timeout_s=30)  # fmt: skip
     with pytest.raises(TransferError):
-        load_hidden_states("127.0.0.1", kv_port, "0" * 32, secret="x" * 40, timeout_s=30)
+        load_hidden_states("127.0.0.1", kv_port, "0" * 32, "0" * 32, secret="x" * 40,
+                           timeout_s=30)  # fmt: skip
     # One file and one lock per request, nothing else (rank 1 wrote none, no temporary file).
     names = sorted(os.listdir(storage))
     assert len(names) == 2 * len(prompts), names
@@ -162,6 +173,7 @@ def test_include_output_tokens_over_the_server(server, tiny_llama_dir) -> None:
         params, outputs = reply["kv_transfer_params"], reply["choices"][0]["token_ids"]
         fed = prompt + outputs[:-1]
         assert len(outputs) == 5 and params["hidden_states_num_tokens"] == len(fed)
+        assert params["hidden_states_digest"] == prompt_digest(prompt)  # the prompt's, as ever
         from_file = read_hidden_file(params["hidden_states_path"], timeout_s=60)
         from_net = _load(params)
         assert from_file["token_ids"].tolist() == fed

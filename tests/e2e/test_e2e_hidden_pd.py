@@ -123,10 +123,13 @@ def test_the_consumer_loads_and_the_producer_takes_hidden_states(pd, tiny_llama_
         assert params["hidden_states_num_tokens"] == len(prompt)
         assert Path(params["hidden_states_path"]).parent == storage
         from_file = read_hidden_file(params["hidden_states_path"], timeout_s=60)
+        # The hidden states' entry is bound to the same prompt digest as the KV hand-off's.
+        assert params["hidden_states_digest"] == params["prompt_digest"]
         from_net = load_hidden_states(
             params["hidden_states_host"],
             params["hidden_states_port"],
             params["hidden_states_transfer_id"],
+            params["hidden_states_digest"],
             secret=SECRET,
             timeout_s=60,
         )

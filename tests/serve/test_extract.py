@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from connector.hidden import prompt_digest
 from connector.hidden.files import HiddenFileWriter
 from connector.integrity import flip_bit, hidden_meta
 from connector.kvstore import KVBuffer, KVServer
@@ -55,14 +56,18 @@ def stand_in(tmp_path):
             digests = hidden_meta(*(digest_hex(tensor_digest(t)) for t in states.values()))
             if ids == [17]:  # the prompt whose states a bit flip corrupts after their digest
                 flip_bit(states["hidden_states"][None, None])
-            buffer.put(tid, states, {"kind": "hidden_states", **digests})
+            meta = {"kind": "hidden_states", **digests}
+            buffer.put(tid, states, meta, digest=prompt_digest(ids))
             writer.submit(path, states, HiddenFileWriter.lock(path), digests)
             params = {
                 "hidden_states_path": path,
                 "hidden_states_transfer_id": tid,
                 "hidden_states_host": "127.0.0.1",
                 "hidden_states_port": kv.port,
+                "hidden_states_digest": prompt_digest(ids),
             }
+            if ids == [19]:  # the prompt of a producer that names no digest (tritonkv 0.1.0)
+                del params["hidden_states_digest"]
             data = json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": params}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
@@ -162,6 +167,18 @@ def test_a_corrupted_prompt_is_reported_by_its_id_and_check(stand_in, tmp_path, 
     err = capsys.readouterr().err
     assert "prompt flipped: " in err and f"digest check '{check}' failed" in err, err
     assert not (out / "flipped.safetensors").exists()
+
+
+def test_params_without_a_digest_fail_that_prompt_naming_it(stand_in, tmp_path, capsys) -> None:
+    """Over the network the reader presents the params' ``hidden_states_digest``: params without
+    one (an older producer's) fail that prompt, saying so; the others are extracted."""
+    url, _, _ = stand_in
+    items = [{"id": "good", "prompt_token_ids": [3, 4]}, {"id": "old", "prompt_token_ids": [19]}]
+    out = tmp_path / "dataset"
+    counts = extract(url, read_prompts(_prompts_file(tmp_path, items)), out, secret=SECRET)
+    assert counts == {"done": 1, "skipped": 0, "failed": 1, "tokens": 2}
+    err = capsys.readouterr().err
+    assert "prompt old: RuntimeError" in err and "no hidden_states_digest" in err, err
 
 
 def test_the_secret_file_passes_the_servers_checks(stand_in, tmp_path, capsys) -> None:

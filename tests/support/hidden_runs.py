@@ -159,6 +159,7 @@ def run(model: str, prompts: list[list[int]], out_dir: str, *, which: str, layer
                     params["hidden_states_host"],
                     params["hidden_states_port"],
                     params["hidden_states_transfer_id"],
+                    params["hidden_states_digest"],
                     timeout_s=30,
                 )
             )

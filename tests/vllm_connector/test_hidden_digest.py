@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from connector.hidden import DigestMismatch, load_hidden_states
+from connector.hidden import DigestMismatch, load_hidden_states, prompt_digest
 from connector.hidden.files import HiddenFileWriter, read_hidden_file
 from connector.hidden.scheduler import HiddenSaveSpec
 from connector.hidden.worker import HiddenWorker
@@ -71,26 +71,49 @@ def test_a_bit_flipped_in_transit_is_caught_by_both_ways_out(served, tmp_path, d
     make, port, writer = served
     worker = make(digest)
     path = str(tmp_path / "f.safetensors")
-    flipped = HiddenSaveSpec("req-f", "t" * 32, [5, 2], 7, list(range(7)), path, "flip_bit")
-    clean = HiddenSaveSpec("req-c", "c" * 32, [3], 4, [9, 8, 7, 6], str(tmp_path / "c.safetensors"))
+    flipped = HiddenSaveSpec(
+        "req-f",
+        "t" * 32,
+        [5, 2],
+        7,
+        list(range(7)),
+        path,
+        "flip_bit",
+        prompt_digest=prompt_digest(range(7)),
+    )
+    clean = HiddenSaveSpec(
+        "req-c",
+        "c" * 32,
+        [3],
+        4,
+        [9, 8, 7, 6],
+        str(tmp_path / "c.safetensors"),
+        prompt_digest=prompt_digest([9, 8, 7, 6]),
+    )
     worker.save([flipped, clean])
     assert worker.flush(10)  # its publisher thread, then the writer
     want = _expected(worker.cache, flipped)
     if digest:
         with pytest.raises(DigestMismatch, match=r"transfer tttttttt: digest check 'receipt'"):
-            load_hidden_states("127.0.0.1", port, flipped.transfer_id, secret=SECRET)
+            load_hidden_states(
+                "127.0.0.1", port, flipped.transfer_id, flipped.prompt_digest, secret=SECRET
+            )
         with pytest.raises(RuntimeError, match=r"digest check 'write' failed.*hidden_states"):
             read_hidden_file(path, timeout_s=5)
         assert not os.path.exists(path)  # nothing corrupted under the final name
         with pytest.raises(FileNotFoundError):
             vllm_read_file(path)  # vLLM's own reader finds no file, not a wrong one
     else:
-        over_net = load_hidden_states("127.0.0.1", port, flipped.transfer_id, secret=SECRET)
+        over_net = load_hidden_states(
+            "127.0.0.1", port, flipped.transfer_id, flipped.prompt_digest, secret=SECRET
+        )
         from_file = read_hidden_file(path, timeout_s=5)
         for got in (over_net, from_file, vllm_read_file(path)):
             assert (_ints(got["hidden_states"]) != _ints(want)).sum() == 1  # landed, unseen
     # the step's other request is untouched either way
-    got = load_hidden_states("127.0.0.1", port, clean.transfer_id, secret=SECRET)
+    got = load_hidden_states(
+        "127.0.0.1", port, clean.transfer_id, clean.prompt_digest, secret=SECRET
+    )
     assert torch.equal(_ints(got["hidden_states"]), _ints(_expected(worker.cache, clean)))
     assert torch.equal(read_hidden_file(clean.path)["token_ids"], torch.tensor([9, 8, 7, 6]))
 
@@ -102,7 +125,8 @@ def test_the_header_holds_the_digests_and_readers_of_the_tensors_ignore_it(serve
     make, _, writer = served
     worker = make(True)
     path = str(tmp_path / "h.safetensors")
-    spec = HiddenSaveSpec("req-h", "h" * 32, [1, 6], 6, list(range(40, 46)), path)
+    ids = list(range(40, 46))
+    spec = HiddenSaveSpec("req-h", "h" * 32, [1, 6], 6, ids, path, prompt_digest=prompt_digest(ids))
     worker.save([spec])
     assert worker.flush(10)  # its publisher thread, then the writer
     plain = load_file(path)

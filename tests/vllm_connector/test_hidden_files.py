@@ -16,13 +16,14 @@ import time
 import pytest
 import torch
 
-from connector.hidden import HiddenStatesReader, load_hidden_states
+from connector.hidden import HiddenStatesReader, load_hidden_states, prompt_digest
 from connector.hidden import files as hidden_files
 from connector.hidden.files import HiddenFileWriter, read_hidden_file
 from connector.kvstore import KeyMissError, KVBuffer, KVServer
 from connector.transport import TransferError
 
 SECRET = "s" * 40
+DIGEST = prompt_digest([1, 2, 3])  # the prompt digest the test entries are bound to
 
 
 def _tensors(n: int = 5, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -205,14 +206,16 @@ def server():
 def test_load_hidden_states(server) -> None:
     buffer, srv = server
     tensors = _tensors(9)
-    buffer.put("tid", tensors, {"kind": "hidden_states", "num_tokens": 9})
-    got = load_hidden_states("127.0.0.1", srv.port, "tid", secret=SECRET, timeout_s=10)
+    buffer.put("tid", tensors, {"kind": "hidden_states", "num_tokens": 9}, digest=DIGEST)
+    got = load_hidden_states("127.0.0.1", srv.port, "tid", DIGEST, secret=SECRET, timeout_s=10)
     assert torch.equal(
         got["hidden_states"].view(torch.int32), tensors["hidden_states"].view(torch.int32)
     )
     assert torch.equal(got["token_ids"], tensors["token_ids"])
     with pytest.raises(KeyMissError):  # delivered once
-        load_hidden_states("127.0.0.1", srv.port, "tid", secret=SECRET, timeout_s=10, wait_s=0)
+        load_hidden_states(
+            "127.0.0.1", srv.port, "tid", DIGEST, secret=SECRET, timeout_s=10, wait_s=0
+        )
 
 
 def _later(delay_s: float, fn, *args) -> threading.Thread:
@@ -227,14 +230,15 @@ def test_fetch_waits_for_an_entry_put_after_the_response(server) -> None:
     buffer, srv = server
     tensors = _tensors(5)
     with pytest.raises(KeyMissError):
-        load_hidden_states("127.0.0.1", srv.port, "late", secret=SECRET, wait_s=0)
-    put = _later(0.3, buffer.put, "late", tensors, {"kind": "hidden_states", "num_tokens": 5})
-    got = load_hidden_states("127.0.0.1", srv.port, "late", secret=SECRET, timeout_s=10)
+        load_hidden_states("127.0.0.1", srv.port, "late", DIGEST, secret=SECRET, wait_s=0)
+    meta = {"kind": "hidden_states", "num_tokens": 5}
+    put = _later(0.3, lambda: buffer.put("late", tensors, meta, digest=DIGEST))
+    got = load_hidden_states("127.0.0.1", srv.port, "late", DIGEST, secret=SECRET, timeout_s=10)
     assert _same(got, tensors)
     put.join(5)
-    _later(0.3, buffer.put, "late2", tensors, {"kind": "hidden_states", "num_tokens": 5})
+    _later(0.3, lambda: buffer.put("late2", tensors, meta, digest=DIGEST))
     with HiddenStatesReader(secret=SECRET, timeout_s=10) as reader:
-        assert _same(reader.load("127.0.0.1", srv.port, "late2"), tensors)
+        assert _same(reader.load("127.0.0.1", srv.port, "late2", DIGEST), tensors)
 
 
 def test_a_sealed_transfer_ends_the_wait_at_once(server) -> None:
@@ -244,21 +248,64 @@ def test_a_sealed_transfer_ends_the_wait_at_once(server) -> None:
     _later(0.3, lambda: buffer.discard_any("failed", seal=True))
     t0 = time.monotonic()
     with pytest.raises(KeyMissError):
-        load_hidden_states("127.0.0.1", srv.port, "failed", secret=SECRET, timeout_s=30)
+        load_hidden_states("127.0.0.1", srv.port, "failed", DIGEST, secret=SECRET, timeout_s=30)
     assert time.monotonic() - t0 < 10  # its wait was 15 s
 
 
 def test_fetch_refusals(server) -> None:
     buffer, srv = server
-    buffer.put("kv", {"kv": torch.zeros(2)}, {"kind": "kv"})
+    buffer.put("kv", {"kv": torch.zeros(2)}, {"kind": "kv"}, digest=DIGEST)
     with pytest.raises(ValueError, match="expected hidden states"):
-        load_hidden_states("127.0.0.1", srv.port, "kv", secret=SECRET, timeout_s=10)
+        load_hidden_states("127.0.0.1", srv.port, "kv", DIGEST, secret=SECRET, timeout_s=10)
     with pytest.raises(TransferError):  # wrong secret: refused, within the deadline
-        load_hidden_states("127.0.0.1", srv.port, "x", secret="w" * 40, timeout_s=5)
+        load_hidden_states("127.0.0.1", srv.port, "x", DIGEST, secret="w" * 40, timeout_s=5)
     with pytest.raises(TypeError, match="transfer_id"):
-        load_hidden_states("127.0.0.1", srv.port, "", secret=SECRET)
+        load_hidden_states("127.0.0.1", srv.port, "", DIGEST, secret=SECRET)
     with pytest.raises(ValueError, match="port"):
-        load_hidden_states("127.0.0.1", 0, "x", secret=SECRET)
+        load_hidden_states("127.0.0.1", 0, "x", DIGEST, secret=SECRET)
+
+
+def test_a_reader_presenting_another_digest_is_refused(server) -> None:
+    """An entry bound to its prompt's digest is served only to a reader presenting it: another
+    digest, or the digest of another prompt, gets the miss of an unknown transfer id (with a
+    message saying a wrong digest is one cause) and does not consume the entry, which the right
+    digest then reads, once."""
+    buffer, srv = server
+    tensors = _tensors(4)
+    buffer.put("bound", tensors, {"kind": "hidden_states", "num_tokens": 4}, digest=DIGEST)
+    with HiddenStatesReader(secret=SECRET, timeout_s=10) as reader:
+        for wrong in (prompt_digest([1, 2, 4]), "f" * 32):
+            with pytest.raises(KeyMissError, match="not their digest") as err:
+                reader.load("127.0.0.1", srv.port, "bound", wrong, wait_s=0)
+            assert err.value.reason == "never put (or forgotten)"
+        with pytest.raises(KeyMissError, match="not their digest"):  # the one-shot function too
+            load_hidden_states(
+                "127.0.0.1", srv.port, "bound", "0" * 32, secret=SECRET, timeout_s=10, wait_s=0
+            )
+        assert "bound" in buffer and buffer.stats()["claimed"] == 0
+        assert _same(reader.load("127.0.0.1", srv.port, "bound", DIGEST), tensors)
+        with pytest.raises(KeyMissError):  # delivered once
+            reader.load("127.0.0.1", srv.port, "bound", DIGEST, wait_s=0)
+
+
+def test_a_reader_must_present_a_digest(server) -> None:
+    """None (the params of a producer that returns no digest) or anything but 32 lowercase hex
+    digits is refused before anything is sent, naming what was expected; the entry stays."""
+    buffer, srv = server
+    buffer.put("bound", _tensors(), {"kind": "hidden_states"}, digest=DIGEST)
+    with HiddenStatesReader(secret=SECRET, timeout_s=10) as reader:
+        with pytest.raises(TypeError, match=r"hidden_states_digest.*got None"):
+            reader.load("127.0.0.1", srv.port, "bound", None)
+        with pytest.raises(TypeError, match=r"hidden_states_digest.*got bytes"):
+            reader.load("127.0.0.1", srv.port, "bound", DIGEST.encode())
+        for bad in ("", DIGEST.upper(), DIGEST[:-1], DIGEST + "0", "g" * 32):
+            with pytest.raises(ValueError, match="32 lowercase hex digits"):
+                reader.load("127.0.0.1", srv.port, "bound", bad)
+        with pytest.raises(TypeError, match="digest"):
+            reader.load("127.0.0.1", srv.port, "bound")  # missing
+        with pytest.raises(TypeError, match="digest"):
+            load_hidden_states("127.0.0.1", srv.port, "bound", secret=SECRET)  # missing
+        assert srv.stats()["requests"] == 0 and "bound" in buffer
 
 
 def _same(got: dict, want: dict) -> bool:
@@ -271,14 +318,14 @@ def test_reader_pulls_many_over_one_connection(server) -> None:
     buffer, srv = server
     want = {f"t{i}": _tensors(3 + i, seed=i) for i in range(5)}
     for key, tensors in want.items():
-        buffer.put(key, tensors, {"kind": "hidden_states"})
+        buffer.put(key, tensors, {"kind": "hidden_states"}, digest=DIGEST)
     with HiddenStatesReader(secret=SECRET, timeout_s=10) as reader:
         for key, tensors in want.items():
-            assert _same(reader.load("127.0.0.1", srv.port, key), tensors)
+            assert _same(reader.load("127.0.0.1", srv.port, key, DIGEST), tensors)
         with pytest.raises(KeyMissError):  # delivered once, and the connection lives on
-            reader.load("127.0.0.1", srv.port, "t0")
-        buffer.put("late", want["t1"], {"kind": "hidden_states"})
-        assert _same(reader.load("127.0.0.1", srv.port, "late"), want["t1"])
+            reader.load("127.0.0.1", srv.port, "t0", DIGEST)
+        buffer.put("late", want["t1"], {"kind": "hidden_states"}, digest=DIGEST)
+        assert _same(reader.load("127.0.0.1", srv.port, "late", DIGEST), want["t1"])
     stats = srv.stats()
     assert stats["connections"] == 1 and stats["requests"] == 7, stats
 
@@ -286,14 +333,14 @@ def test_reader_pulls_many_over_one_connection(server) -> None:
 def test_reader_makes_a_connection_the_server_closed_again(server) -> None:
     buffer, srv = server
     with HiddenStatesReader(secret=SECRET, timeout_s=10) as reader:
-        buffer.put("a", _tensors(), {"kind": "hidden_states"})
-        assert _same(reader.load("127.0.0.1", srv.port, "a"), _tensors())
+        buffer.put("a", _tensors(), {"kind": "hidden_states"}, digest=DIGEST)
+        assert _same(reader.load("127.0.0.1", srv.port, "a", DIGEST), _tensors())
         port = srv.port
         srv.close()  # the server restarts: the kept connection is closed under the reader
         again = KVServer(buffer, "127.0.0.1", port, secret=SECRET)
         try:
-            buffer.put("b", _tensors(7), {"kind": "hidden_states"})
-            assert _same(reader.load("127.0.0.1", port, "b"), _tensors(7))
+            buffer.put("b", _tensors(7), {"kind": "hidden_states"}, digest=DIGEST)
+            assert _same(reader.load("127.0.0.1", port, "b", DIGEST), _tensors(7))
             assert again.stats()["connections"] == 1
         finally:
             again.close()
@@ -305,8 +352,8 @@ def test_reader_keeps_at_most_max_peers(server) -> None:
     try:
         with HiddenStatesReader(secret=SECRET, timeout_s=10, max_peers=1) as reader:
             for key, port in (("a", srv.port), ("b", other.port), ("c", srv.port)):
-                buffer.put(key, _tensors(), {"kind": "hidden_states"})
-                assert _same(reader.load("127.0.0.1", port, key), _tensors())
+                buffer.put(key, _tensors(), {"kind": "hidden_states"}, digest=DIGEST)
+                assert _same(reader.load("127.0.0.1", port, key, DIGEST), _tensors())
                 assert list(reader._clients) == [("127.0.0.1", port)]
         assert srv.stats()["connections"] == 2 and other.stats()["connections"] == 1
     finally:
@@ -320,9 +367,9 @@ def test_reader_refuses_bad_arguments() -> None:
         HiddenStatesReader(timeout_s=-1)
     with HiddenStatesReader() as reader:
         with pytest.raises(TypeError, match="transfer_id"):
-            reader.load("127.0.0.1", 1, "")
+            reader.load("127.0.0.1", 1, "", DIGEST)
         with pytest.raises(ValueError, match="port"):
-            reader.load("127.0.0.1", 70000, "x")
+            reader.load("127.0.0.1", 70000, "x", DIGEST)
 
 
 def test_links_planted_beside_a_file_are_never_followed(tmp_path) -> None:

@@ -31,6 +31,7 @@ ROW_BYTES = SHAPE[1] * SHAPE[3] * 4  # one token's hidden states, fp32
 SENTINEL = -7.0  # every slot no request owns
 MODULES = (hs, integrity)
 WAYS = ["files", "network", "both"]
+DIGEST = "5" * 32  # the prompt digest the hand-made specs bind their entries to
 
 
 def _cache() -> torch.Tensor:
@@ -49,7 +50,9 @@ def _expected(cache: torch.Tensor, spec: HiddenSaveSpec) -> torch.Tensor:
 def _spec(name: str, blocks: list[int], num_tokens: int, tmp_path, way: str, fault: str = ""):
     path = str(tmp_path / f"{name}.safetensors") if way != "network" else None
     ids = [(7 * p + len(name)) % 500 for p in range(num_tokens)]
-    return HiddenSaveSpec(name, f"t-{name}", blocks, num_tokens, ids, path, debug_fault=fault)
+    return HiddenSaveSpec(
+        name, f"t-{name}", blocks, num_tokens, ids, path, debug_fault=fault, prompt_digest=DIGEST
+    )
 
 
 class _Rig:
@@ -87,7 +90,7 @@ class _Rig:
         if way != "network":
             got.append(read_hidden_file(spec.path, timeout_s=10))
         if way != "files":
-            tensors, meta = deliver(self.buffer, spec.transfer_id)
+            tensors, meta = deliver(self.buffer, spec.transfer_id, digest=spec.prompt_digest)
             integrity.check_hidden(meta, tensors, "receipt", "")
             got.append(tensors)
         return got
@@ -259,7 +262,7 @@ def test_a_flipped_bit_is_caught_on_the_gpu_path(tmp_path, digest) -> None:
     spec = _spec("f", [3, 1], 7, tmp_path, "both", fault="flip_bit")
     rig.worker.save([spec])
     assert rig.worker.flush(10)
-    tensors, meta = deliver(rig.buffer, spec.transfer_id)
+    tensors, meta = deliver(rig.buffer, spec.transfer_id, digest=spec.prompt_digest)
     want = _expected(rig.cache, spec)
     if digest:
         with pytest.raises(RuntimeError, match="digest check 'write' failed"):
@@ -311,7 +314,7 @@ def test_on_a_gpu_the_hidden_step_never_synchronises(tmp_path, way) -> None:
         if writer is not None:
             got = read_hidden_file(spec.path, timeout_s=10)
             assert torch.equal(got["hidden_states"].view(torch.int32), want.view(torch.int32))
-        tensors, meta = deliver(buffer, spec.transfer_id)
+        tensors, meta = deliver(buffer, spec.transfer_id, digest=spec.prompt_digest)
         integrity.check_hidden(meta, tensors, "receipt", "")
         assert torch.equal(tensors["hidden_states"].view(torch.int32), want.view(torch.int32))
     assert worker.budget.in_use == 0

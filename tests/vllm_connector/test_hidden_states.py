@@ -25,8 +25,10 @@ from connector.hidden.files import HiddenFileWriter, read_hidden_file
 from connector.hidden.scheduler import HiddenSaveSpec, HiddenScheduler
 from connector.hidden.worker import HiddenWorker
 from connector.kvstore import KeyMissError, KVBuffer
+from connector.vllm_connector.handoff import prompt_digest, request_digest
 from connector.vllm_connector.stats import TransferStats
 
+DIGEST = "0123456789abcdef" * 2  # the prompt digest the workers' specs bind their entries to
 SENTINEL = -7.0  # every slot no request owns; a row of it in an output is a wrong address
 CACHE_SHAPES = [  # (num_blocks, num_hidden_states, block_size, hidden_size); one odd
     (12, 2, 4, 8),
@@ -76,6 +78,7 @@ def test_scheduler_takes_a_chunked_prompt_in_its_last_step(tmp_path) -> None:
         and spec.token_ids == req.prompt_token_ids
     )
     assert spec.path == os.path.join(tmp_path, "r1.safetensors")
+    assert spec.prompt_digest == prompt_digest(list(range(10)))  # the entry is bound to it
     req.num_computed_tokens = 10
     assert sched.build_meta(_step({"r1": 1}, blocks))["hidden_saves"] == []  # taken once
     assert sched.request_finished(req, aborted=False) == (
@@ -85,9 +88,38 @@ def test_scheduler_takes_a_chunked_prompt_in_its_last_step(tmp_path) -> None:
             "hidden_states_transfer_id": spec.transfer_id,
             "hidden_states_host": "h",
             "hidden_states_port": 7,
+            "hidden_states_digest": prompt_digest(list(range(10))),
             "hidden_states_num_tokens": 10,
         },
     )
+
+
+def test_scheduler_binds_each_entry_to_its_requests_prompt_digest(tmp_path) -> None:
+    """The spec's digest, and the params' ``hidden_states_digest``, is the request's
+    ``request_digest``, as for a KV entry: the same token ids under another LoRA adapter or
+    another ``cache_salt`` give another digest; a file-only scheduler names no digest."""
+    sched = HiddenScheduler(block_size=4, group=0, storage_path=None, serve_at=("h", 7))
+    plain = _request("p", [1, 2, 3])
+    salted = _request("s", [1, 2, 3])
+    salted.cache_salt = "tenant-a"
+    adapted = _request("l", [1, 2, 3])
+    adapted.lora_request = SimpleNamespace(lora_name="sql")
+    reqs = (plain, salted, adapted)
+    for req in reqs:
+        sched.watch(req)
+    blocks = {r.request_id: ([i + 1],) for i, r in enumerate(reqs)}
+    specs = sched.build_meta(_step({r.request_id: 3 for r in reqs}, blocks))["hidden_saves"]
+    digests = {spec.req_id: spec.prompt_digest for spec in specs}
+    assert digests == {r.request_id: request_digest(r) for r in reqs}
+    assert digests["p"] == prompt_digest([1, 2, 3]) and len(set(digests.values())) == 3
+    for req in reqs:
+        params = sched.request_finished(req, aborted=False)[1]
+        assert params["hidden_states_digest"] == digests[req.request_id]
+    files = HiddenScheduler(block_size=4, group=0, storage_path=str(tmp_path))
+    files.watch(_request("f", [1, 2]))
+    files.build_meta(_step({"f": 2}, {"f": ([1],)}))
+    params = files.request_finished(_request("f", [1, 2]), aborted=False)[1]
+    assert "hidden_states_digest" not in params and "hidden_states_transfer_id" not in params
 
 
 _UNSAFE_IDS = ["../../escape", "/abs/x", "a/b", "..", ".hidden", "x" * 500, "a\x00b", "é/../..", ""]
@@ -181,7 +213,7 @@ def _specs(lengths, block_size, num_blocks, seed):
         need = -(-n // block_size)
         blocks, free = free[:need], free[need:]
         ids = torch.randint(0, 500, (n,), generator=g).tolist()
-        specs.append(HiddenSaveSpec(f"r{i}", f"t{i}", blocks, n, ids, None))
+        specs.append(HiddenSaveSpec(f"r{i}", f"t{i}", blocks, n, ids, None, prompt_digest=DIGEST))
     return specs
 
 
@@ -216,7 +248,7 @@ def test_one_pack_per_step_bit_exact(shape, hnd, data, monkeypatch) -> None:
         _worker(cache, buffer, stats=stats).save(specs)
         assert len(calls) == 1
         for spec in specs:
-            tensors, meta = deliver(buffer, spec.transfer_id)
+            tensors, meta = deliver(buffer, spec.transfer_id, digest=DIGEST)
             want = _expected(cache, spec)
             assert tensors["hidden_states"].shape == want.shape
             assert torch.equal(tensors["hidden_states"].view(torch.int32), want.view(torch.int32))
@@ -232,13 +264,13 @@ def test_unowned_slots_never_show() -> None:
     """A cache of sentinels but for the prompt's slots: no sentinel in the output, and every
     written value in it (a wrong address would read a sentinel or miss a value)."""
     cache = torch.full((6, 2, 4, 8), SENTINEL)
-    spec = HiddenSaveSpec("r", "t", [4, 2], 6, list(range(6)), None)
+    spec = HiddenSaveSpec("r", "t", [4, 2], 6, list(range(6)), None, prompt_digest=DIGEST)
     for p in range(6):
         cache[spec.block_ids[p // 4], :, p % 4] = torch.arange(16.0).reshape(2, 8) + 100 * p
     buffer = KVBuffer(1 << 20)
     try:
         _worker(cache, buffer).save([spec])
-        out = deliver(buffer, "t")[0]["hidden_states"]
+        out = deliver(buffer, "t", digest=DIGEST)[0]["hidden_states"]
         assert not (out == SENTINEL).any()
         assert torch.equal(out[:, 0, 0], torch.arange(6.0) * 100)
     finally:
@@ -251,7 +283,7 @@ def test_other_tp_ranks_take_nothing(tmp_path) -> None:
     buffer = KVBuffer(1 << 20)
     try:
         path = str(tmp_path / "r.safetensors")
-        spec = HiddenSaveSpec("r", "t", [1, 2], 5, list(range(5)), path)
+        spec = HiddenSaveSpec("r", "t", [1, 2], 5, list(range(5)), path, prompt_digest=DIGEST)
         _worker(cache, buffer, tp_rank=1, writer=writer).save([spec])
         assert writer.flush(10)
         assert len(buffer) == 0 and os.listdir(tmp_path) == []
@@ -272,9 +304,13 @@ def test_failures_are_per_request(tmp_path) -> None:
     cache = _cache((12, 2, 4, 8))
     stats = TransferStats()
     buffer = KVBuffer(600, full_policy="error")  # "ok" takes 3 * 64 + 24 bytes, "big" 1728
-    ok = HiddenSaveSpec("ok", "t-ok", [1], 3, [1, 2, 3], None)
-    bad = HiddenSaveSpec("bad", "t-bad", [99], 3, [1, 2, 3], None)  # outside the cache
-    big = HiddenSaveSpec("big", "t-big", [2, 3, 4, 5, 6, 7], 24, list(range(24)), None)
+    ok = HiddenSaveSpec("ok", "t-ok", [1], 3, [1, 2, 3], None, prompt_digest=DIGEST)
+    bad = HiddenSaveSpec(
+        "bad", "t-bad", [99], 3, [1, 2, 3], None, prompt_digest=DIGEST
+    )  # outside the cache
+    big = HiddenSaveSpec(
+        "big", "t-big", [2, 3, 4, 5, 6, 7], 24, list(range(24)), None, prompt_digest=DIGEST
+    )
     try:
         _worker(cache, buffer, stats=stats).save([bad, ok, big])
         figures = stats.take()
@@ -283,8 +319,27 @@ def test_failures_are_per_request(tmp_path) -> None:
         for key in ("t-bad", "t-big"):  # sealed: a reader waiting for them ends at once
             t0 = time.monotonic()
             with pytest.raises(KeyMissError):
-                buffer.checkout(key, wait_s=20)
+                buffer.checkout(key, wait_s=20, digest=DIGEST)
             assert time.monotonic() - t0 < 5
+    finally:
+        buffer.close()
+
+
+def test_entries_are_bound_to_their_prompt_digest() -> None:
+    """The worker puts each entry bound to its spec's prompt digest: a checkout presenting
+    another digest, or none, does not find it (the miss of a key never put) and leaves it for
+    the right one, which gets it."""
+    cache = _cache((6, 2, 4, 8))
+    buffer = KVBuffer(1 << 20)
+    try:
+        spec = HiddenSaveSpec("r", "t", [1], 3, [1, 2, 3], None, prompt_digest=DIGEST)
+        _worker(cache, buffer).save([spec])
+        for wrong in (None, "f" * 32, prompt_digest([1, 2, 3])):
+            with pytest.raises(KeyMissError, match="never put"):
+                deliver(buffer, "t", digest=wrong)
+        assert "t" in buffer
+        tensors, _ = deliver(buffer, "t", digest=DIGEST)
+        assert tensors["token_ids"].tolist() == [1, 2, 3] and "t" not in buffer
     finally:
         buffer.close()
 
@@ -295,7 +350,7 @@ def test_aborted_request_leaves_nothing(tmp_path) -> None:
     buffer = KVBuffer(1 << 20)
     try:
         path = str(tmp_path / "a.safetensors")
-        spec = HiddenSaveSpec("a", "t", [1], 3, [1, 2, 3], path)
+        spec = HiddenSaveSpec("a", "t", [1], 3, [1, 2, 3], path, prompt_digest=DIGEST)
         worker = _worker(cache, buffer, writer=writer)
         worker.save([spec])
         worker.save([], [hs_sched.HiddenDiscard("t", path)])  # the next step: aborted meanwhile
@@ -330,8 +385,8 @@ def test_cpu_deliveries_leave_the_step_in_order() -> None:
     try:
         worker = _worker(cache, buffer, flushed=False)
         t0 = time.monotonic()
-        worker.save([HiddenSaveSpec("a", "t-a", [1], 3, [1, 2, 3], None)])
-        worker.save([HiddenSaveSpec("b", "t-b", [2], 4, [4, 5, 6, 7], None)])
+        worker.save([HiddenSaveSpec("a", "t-a", [1], 3, [1, 2, 3], None, prompt_digest=DIGEST)])
+        worker.save([HiddenSaveSpec("b", "t-b", [2], 4, [4, 5, 6, 7], None, prompt_digest=DIGEST)])
         worker.save(
             [], [hs_sched.HiddenDiscard("t-a", None)]
         )  # a later step: "a" aborted meanwhile
@@ -353,15 +408,19 @@ def test_cpu_step_delivers_itself_past_the_host_queue(monkeypatch) -> None:
     buffer = _HeldBuffer(1 << 20, hold={"t-a"})
     try:
         worker = _worker(cache, buffer, flushed=False)
-        worker.save([HiddenSaveSpec("a", "t-a", [1], 3, [1, 2, 3], None)])  # queued, held
-        worker.save([HiddenSaveSpec("b", "t-b", [2], 3, [4, 5, 6], None)])  # over: on the step
+        worker.save(
+            [HiddenSaveSpec("a", "t-a", [1], 3, [1, 2, 3], None, prompt_digest=DIGEST)]
+        )  # queued, held
+        worker.save(
+            [HiddenSaveSpec("b", "t-b", [2], 3, [4, 5, 6], None, prompt_digest=DIGEST)]
+        )  # over: on the step
         me = threading.current_thread().name
         assert buffer.threads[-1] == me and "t-b" in buffer
         assert "t-a" not in buffer and worker.host_queue.in_use == 3 * 2 * 8 * 4
         buffer.release.set()
         assert worker.flush(10) and worker.host_queue.in_use == 0
         assert sorted(buffer.threads) == sorted(["tritonkv-hidden-publish", me])
-        worker.save([HiddenSaveSpec("c", "t-c", [3], 3, [7, 8, 9], None)])
+        worker.save([HiddenSaveSpec("c", "t-c", [3], 3, [7, 8, 9], None, prompt_digest=DIGEST)])
         assert worker.flush(10) and buffer.threads[-1] == "tritonkv-hidden-publish"
         assert all(key in buffer for key in ("t-a", "t-b", "t-c"))
     finally:
@@ -375,12 +434,14 @@ def test_file_round_trip_matches_buffer(tmp_path) -> None:
     buffer = KVBuffer(1 << 20)
     try:
         path = str(tmp_path / "sub" / "f.safetensors")
-        spec = HiddenSaveSpec("f", "t", [3, 1], 7, list(range(7)), path)
+        spec = HiddenSaveSpec("f", "t", [3, 1], 7, list(range(7)), path, prompt_digest=DIGEST)
         _worker(cache, buffer, writer=writer).save([spec])
         got = read_hidden_file(path, timeout_s=10)
         assert torch.equal(got["hidden_states"], _expected(cache, spec))
         assert got["token_ids"].tolist() == list(range(7))
-        assert torch.equal(deliver(buffer, "t")[0]["hidden_states"], got["hidden_states"])
+        assert torch.equal(
+            deliver(buffer, "t", digest=DIGEST)[0]["hidden_states"], got["hidden_states"]
+        )
     finally:
         writer.close()
         buffer.close()
@@ -469,8 +530,19 @@ def test_worker_whole_sequence_file_lock_rows_and_release(tmp_path) -> None:
         )
         assert _lock_is_held(path) and _lock_is_held(bad) and not os.path.exists(path)
         assert worker.take_released() == set()
-        spec = HiddenSaveSpec("w", "t-w", [6, 2, 5], 10, list(range(10)), path, release_blocks=True)
-        short = HiddenSaveSpec("b", "t-b", [1], 9, list(range(9)), bad, release_blocks=True)
+        spec = HiddenSaveSpec(
+            "w",
+            "t-w",
+            [6, 2, 5],
+            10,
+            list(range(10)),
+            path,
+            release_blocks=True,
+            prompt_digest=DIGEST,
+        )
+        short = HiddenSaveSpec(
+            "b", "t-b", [1], 9, list(range(9)), bad, release_blocks=True, prompt_digest=DIGEST
+        )
         worker.save([spec, short])
         assert worker.take_released() == {"w", "b"} and worker.take_released() == set()
         got = read_hidden_file(path, timeout_s=10)
@@ -478,7 +550,9 @@ def test_worker_whole_sequence_file_lock_rows_and_release(tmp_path) -> None:
             got["hidden_states"].view(torch.int32), _expected(cache, spec).view(torch.int32)
         )
         assert got["token_ids"].tolist() == list(range(10))
-        assert torch.equal(deliver(buffer, "t-w")[0]["hidden_states"], got["hidden_states"])
+        assert torch.equal(
+            deliver(buffer, "t-w", digest=DIGEST)[0]["hidden_states"], got["hidden_states"]
+        )
         with pytest.raises(RuntimeError, match="expected blocks holding every token"):
             read_hidden_file(bad, timeout_s=10)
         other = _worker(cache, buffer, tp_rank=1, writer=None)

@@ -9,6 +9,7 @@ from .auth import MIN_SECRET_BYTES, SECRET_ENV, AuthError, is_loopback, load_sec
 from .buffers import host_empty, pinned_host
 from .connect import addresses_of, connect_pipe
 from .errors import (
+    PayloadAuthError,
     PeerDeadError,
     PipeClosedError,
     ProtocolError,
@@ -40,6 +41,7 @@ __all__ = [
     "FrameLimits",
     "Kind",
     "Message",
+    "PayloadAuthError",
     "PeerDeadError",
     "PipeClosedError",
     "PipeListener",

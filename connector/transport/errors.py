@@ -70,6 +70,11 @@ class ProtocolError(TransferError):
     """Bytes on the wire broke the format: bad magic/version/kind, bad or oversized header."""
 
 
+class PayloadAuthError(ProtocolError):
+    """A process-group payload failed its authentication (:mod:`tritonkv.umac`): its bytes are
+    not what the peer sent (changed, reordered, cut short or another transfer's)."""
+
+
 class RemoteError(TransferError):
     """The peer answered with an ERROR frame (its message is included)."""
 

@@ -41,8 +41,9 @@ import torch
 from .errors import ProtocolError
 
 MAGIC = b"TKVT"
-VERSION = 4  # 4: process-group payload chunks travel in pieces (see pieces); 3: frames carry
-# session tags (session.py); 2: kinds from APP_KIND_MIN up are the pipe user's
+VERSION = 5  # 5: a process-group payload's umac tag follows its header's tag (session.py);
+# 4: process-group payload chunks travel in pieces (see pieces); 3: frames carry session tags
+# (session.py); 2: kinds from APP_KIND_MIN up are the pipe user's
 
 PREFIX = struct.Struct("<4sBBHI")
 PREFIX_SIZE = PREFIX.size  # 12

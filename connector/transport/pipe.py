@@ -174,14 +174,16 @@ class TensorPipe:
     def stats(self) -> dict[str, int]:
         """Counters: messages/bytes sent and received (payload bytes), in-flight bytes, what
         the reader holds ahead of ``recv`` (``queued_frames``, ``queued_bytes`` of inline payload),
-        and the device memory NCCL's communicator took (``group_device_bytes``, 0 otherwise)."""
+        process-group payloads refused by their umac tag (``payload_auth_failures``), and the
+        device memory NCCL's communicator took (``group_device_bytes``, 0 otherwise)."""
         with self._state.cond:
             out = dict(self._state.counters)
             out["inflight_bytes"] = self._sender.inflight
             out["queued_frames"] = len(self._reader.inbox)
             out["queued_bytes"] = self._reader.queued_bytes
         out["group_device_bytes"] = self.group_device_bytes
-        for k in ("msgs_sent", "msgs_received", "bytes_sent", "bytes_received"):
+        keys = ("msgs_sent", "msgs_received", "bytes_sent", "bytes_received")
+        for k in (*keys, "payload_auth_failures"):
             out.setdefault(k, 0)
         return out
 
@@ -281,7 +283,7 @@ class TensorPipe:
                 waited_s=time.monotonic() - t0,
             )
         try:
-            header, inline_tensors = self._reader.next(deadline, t0, expect_key)
+            header, inline_tensors, auth = self._reader.next(deadline, t0, expect_key)
             if idle:
                 t0 = time.monotonic()
                 deadline = t0 + timeout_s
@@ -293,6 +295,8 @@ class TensorPipe:
                     }
                 else:
                     tensors = self._receiver.receive(header, dev, out, deadline, t0, key)
+                    if auth is not None:
+                        self._receiver.authenticate(header, tensors, auth, key)
             except TransferError as e:
                 self._state.set_fatal(e)
                 raise

@@ -15,10 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
+from tritonkv import umac
+
 from ..logs import get_logger, hide_ids
 from . import staging
 from .buffers import RECV_POOL, flat_bytes, staging_buffer
 from .errors import (
+    PayloadAuthError,
     PipeClosedError,
     ProtocolError,
     TransferError,
@@ -143,6 +146,9 @@ class _Reader:
                         f"{kind_name(header.kind)} {header.key!r}: {header.payload_bytes} payload bytes "
                         "announced off the socket, but this pipe has no process group ('socket')"
                     )
+                auth = None
+                if not header.inline and header.payload_bytes:  # its umac tag follows
+                    auth = self._payload_tag(mac.counter)
                 with st.cond:
                     cap = st.max_payload
                 if cap is not None and header.payload_bytes > cap:  # before any allocation
@@ -160,7 +166,7 @@ class _Reader:
                 if header.inline:
                     tensors = _read_inline_payload(self._sock, header, mac, self._frame_timeout_s)
                 with st.cond:
-                    self.inbox.append((header, tensors))
+                    self.inbox.append((header, tensors, auth))
                     self.queued_bytes += nbytes
                     st.cond.notify_all()
         except PeerClosed as e:
@@ -189,6 +195,14 @@ class _Reader:
                     TransferError(f"reading failed: {type(e).__name__}: {e}", peer=st.peer)
                 )
 
+    def _payload_tag(self, counter: int) -> tuple[bytes, int]:
+        """The umac tag that follows a header announcing a process-group payload, with the
+        frame's counter (the tag's nonce), within ``frame_timeout_s``."""
+        tag = bytearray(TAG_BYTES)
+        deadline = time.monotonic() + self._frame_timeout_s
+        recv_into(self._sock, memoryview(tag), deadline, "payload tag")
+        return bytes(tag), counter
+
     def _full(self, nbytes: int) -> bool:
         """No room to queue one more message of ``nbytes`` inline bytes (there always is for
         one). Holds ``state.cond``."""
@@ -199,10 +213,11 @@ class _Reader:
 
     def next(
         self, deadline: float | None, t0: float, expect_key: str | None
-    ) -> tuple[Header, dict | None]:
-        """The next header and its inline tensors (None when its payload travels on the process
-        group), waiting until ``deadline`` (None: until it arrives, the peer goes or the pipe
-        closes). A timeout breaks the pipe."""
+    ) -> tuple[Header, dict | None, tuple[bytes, int] | None]:
+        """The next header, its inline tensors (None when its payload travels on the process
+        group) and the umac tag and counter of a process-group payload (else None), waiting
+        until ``deadline`` (None: until it arrives, the peer goes or the pipe closes). A timeout
+        breaks the pipe."""
         st = self._state
         with st.cond:
             while not self.inbox:
@@ -222,11 +237,11 @@ class _Reader:
                     st.counters["recv_timeouts"] += 1
                     raise err
                 st.cond.wait(left)
-            header, tensors = self.inbox.popleft()
+            header, tensors, auth = self.inbox.popleft()
             if header.inline:
                 self.queued_bytes -= header.payload_bytes
             st.cond.notify_all()
-        return header, tensors
+        return header, tensors, auth
 
     def join(self, deadline: float) -> None:
         join_until(self.thread, deadline)
@@ -293,6 +308,19 @@ class _PayloadReceiver:
                     tensors[s.name] = part.view(s.dtype).view(s.shape)
             staging.copy_all(copies, pairs, after, deadline, what)
         return tensors
+
+    def authenticate(self, header: Header, tensors: dict, auth: tuple[bytes, int], key) -> None:
+        """Check the received ``tensors`` (in header order) against the umac tag the header
+        brought (``auth``: tag and frame counter). PayloadAuthError if they differ."""
+        tag, counter = auth
+        keys = self._pipe.session.payload_keys(counter, sending=False)
+        try:
+            umac.check_payload_tag(keys, [tensors[s.name] for s in header.specs], tag)
+        except umac.TagMismatch as e:
+            st = self._state
+            with st.cond:
+                st.counters["payload_auth_failures"] += 1
+            raise PayloadAuthError(f"{e}; closing the connection", peer=st.peer, key=key) from None
 
     def _receive_chunk(self, buf: torch.Tensor, deadline: float, t0: float, key) -> None:
         """Receive one payload chunk into ``buf``, giving up early when the peer's socket closed

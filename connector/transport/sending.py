@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tritonkv import umac
+
 from ..logs import get_logger, hide_ids
 from . import staging
 from .buffers import flat_bytes, staging_buffer
@@ -220,7 +222,10 @@ class _Sender:
     def _write(self, item: _Outgoing, deadline: float) -> None:
         # the sender thread is the pipe's only writer: frames are sealed in the order they leave
         mac = self._pipe.session.sending(item.header)
-        send_all(self._sock, item.header + mac.header_tag(), deadline, f"header of {item.key!r}")
+        head = item.header + mac.header_tag()
+        if not item.inline and item.nbytes:  # a process-group payload: its umac tag follows
+            head += self._payload_tag(item, mac.counter)
+        send_all(self._sock, head, deadline, f"header of {item.key!r}")
         if item.inline:
             what = f"inline payload of {item.key!r}"
             for t in item.tensors:
@@ -251,6 +256,16 @@ class _Sender:
                     work.wait(datetime.timedelta(seconds=left))
                     if pipe.transport == "nccl":
                         torch.cuda.current_stream(piece.device).synchronize()
+
+    def _payload_tag(self, item: _Outgoing, counter: int) -> bytes:
+        """The :mod:`tritonkv.umac` tag of ``item``'s tensors (in header order) under the keys of
+        frame ``counter`` (:meth:`~.session.Session.payload_keys`): a pass over the payload on
+        its device before anything is sent (on this thread's stream, after what the caller's
+        stream had queued when the message was queued; the tag's read synchronises)."""
+        if isinstance(item.ready, torch.cuda.Event):  # staged CUDA tensors
+            torch.cuda.current_stream(item.copies.device).wait_event(item.ready)
+        keys = self._pipe.session.payload_keys(counter, sending=True)
+        return umac.payload_tag(keys, item.tensors)
 
     def _pieces(self, item: _Outgoing, src: torch.Tensor, copies, deadline: float, what: str):
         """``src`` (uint8, 1-D) as the pieces that go out: staged to the host by ``copies`` (not

@@ -14,8 +14,20 @@ The payload tag is there only when the header announces an inline payload of at 
 The receiver checks the tag before it decodes the body (the prefix is checked first: it says
 how many bytes to read, within the limits), and the payload tag before the message reaches
 anyone. A rewritten byte, a frame spliced in from another session, one dropped, replayed or
-reordered (the counter) fails the check: ProtocolError, and the connection is closed. Payload
-chunks on the process group are not covered (their sizes and order are, by the header).
+reordered (the counter) fails the check: ProtocolError, and the connection is closed.
+
+A payload on the process group is authenticated by :mod:`tritonkv.umac` (a keyed universal
+hash, UMAC-style) instead: its 16-byte tag follows the header's tag on the socket::
+
+    prefix | body | tag (16 bytes) | umac tag (16 bytes)      (payload on the process group)
+
+    keys     = tritonkv.umac.transfer_keys(key, "pg payload" | counter (u64 LE))
+    umac tag = tritonkv.umac.payload_tag(keys, the message's tensors in header order)
+
+so every frame's payload has keys of its own (the session's direction key is fresh per
+connection, the counter unique within it), and the receiver checks the tag once the payload
+arrived, before ``recv`` returns it (:class:`PayloadAuthError`, a ProtocolError: the connection
+is closed). ``docs/authentication.md`` has the construction and its forgery bound.
 """
 
 from __future__ import annotations
@@ -25,10 +37,13 @@ import hmac
 import struct
 import threading
 
+from tritonkv import umac
+
 from .errors import ProtocolError
 
 TAG_BYTES = 16
 _COUNTER = struct.Struct("<Q")
+PAYLOAD_NONCE = b"pg payload"  # the umac nonce of a frame's payload: this, then its counter
 
 
 class FrameMac:
@@ -104,6 +119,12 @@ class Session:
         """Whether ``token`` is the peer's :meth:`token` for ``label`` (constant time)."""
         expected = hmac.new(self._recv_key, label, hashlib.sha256).digest()[:TAG_BYTES]
         return hmac.compare_digest(token, expected)
+
+    def payload_keys(self, counter: int, *, sending: bool) -> umac.TransferKeys:
+        """The :mod:`tritonkv.umac` keys of the process-group payload of frame ``counter`` of
+        this end's sending (``sending=True``) or receiving direction."""
+        key = self._send_key if sending else self._recv_key
+        return umac.transfer_keys(key, PAYLOAD_NONCE + _COUNTER.pack(counter))
 
     def seal(self, header: bytes) -> bytes:
         """``header`` with its tag, for a frame without inline payload."""

@@ -22,7 +22,8 @@
 #                  (and the connector's whole path) vs ExampleHiddenStatesConnector's per-request
 #                  copies, tokens/s and ratios (bench/hidden_extract.py)
 #   (gpu_check.log also gets bench/bench_staging.py's lines: CUDA tensors over gloo and socket,
-#   staged in pieces vs copied whole first vs host tensors)
+#   staged in pieces vs copied whole first vs host tensors, and bench/bench_umac.py's: the keyed
+#   payload hash vs the keyless digest vs a plain copy of a 4096-token packed KV)
 #
 # Usage: bench/gpu_check.sh [--dry-run] OUTDIR
 #   Needs one NVIDIA GPU, torch, triton and NumPy; no network, no vllm (matplotlib/pandas/pytest/
@@ -48,7 +49,8 @@ WORKERS_S=180    # the worker sides' gpu tests (two processes start CUDA and com
 HOST_S=40        # host time per call (bench/host_overhead.py: the table, prepared and plain)
 STAGING_S=25     # CUDA tensors over gloo and socket (bench/bench_staging.py: 3 rounds of 256 MiB)
 HIDDEN_S=35      # hidden-state extraction in process (bench/hidden_extract.py, ~25 s timed)
-BENCH_S=165      # the reduced benchmark and launch count (what they had before the workers' step)
+UMAC_S=25        # the keyed payload hash vs digest vs copy (bench/bench_umac.py, 4096 tokens)
+BENCH_S=140      # the reduced benchmark and launch count (what they had before the workers' step)
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
 
@@ -120,7 +122,7 @@ echo "== 1/5 gpu tests (limit ${TESTS_S} s)"
 # (in a dry run every one of them is skipped: nothing must pass)
 pytest_step "gpu tests" pytest.log "$TESTS_S" "$((1 - DRY))" -m gpu \
     tests/kernels/test_gpu.py tests/kernels/test_autotune.py tests/kernels/test_state.py \
-    tests/transport/test_pipe_gpu.py
+    tests/kernels/test_umac.py tests/transport/test_pipe_gpu.py
 
 echo
 echo "== 2/5 worker sides on one GPU (limit ${WORKERS_S} s)"
@@ -130,7 +132,7 @@ pytest_step "worker sides" workers.log "$WORKERS_S" 1 -m "$([[ $DRY == 1 ]] && e
     tests/vllm_connector/test_hidden_gpu_step.py
 
 echo
-echo "== 3/5 host time per call (limit ${HOST_S} s), then staging (limit ${STAGING_S} s)"
+echo "== 3/5 host time per call (limit ${HOST_S} s), staging (limit ${STAGING_S} s), keyed hash (limit ${UMAC_S} s)"
 rc=0
 dry_flag=()
 [[ $DRY == 1 ]] && dry_flag=(--dry-run)
@@ -153,6 +155,17 @@ if [[ $rc != 0 ]]; then
     status=1
 fi
 rm -f "$staging_out"
+rc=0
+umac_out=$(mktemp)
+timeout -k 5 "$UMAC_S" "$PY" -m bench.bench_umac --tokens 4096 --quick \
+    ${dry_flag[@]+"${dry_flag[@]}"} >"$umac_out" 2>&1 || rc=$?
+grep -E "^bench_umac" "$umac_out" || true
+if [[ $rc != 0 ]]; then
+    tail -n 5 "$umac_out"
+    echo "umac: exit $rc$([[ $rc == 124 || $rc == 137 ]] && echo ' (timed out)')"
+    status=1
+fi
+rm -f "$umac_out"
 
 echo
 echo "== 4/5 hidden-state extraction in process (limit ${HIDDEN_S} s)"

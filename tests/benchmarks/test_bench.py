@@ -100,6 +100,7 @@ def test_gpu_check_script_dry_run(tmp_path):
     assert len(files) <= 10
     log = (tmp_path / "out dir" / "gpu_check.log").read_text()
     assert "gpu tests: passed" in log and "(exit 0)" in log
+    assert "bench_umac: tag_over_copy" in log  # the keyed payload hash's step
     assert "pack_kv" in (tmp_path / "out dir" / "host_overhead.txt").read_text()
 
 

@@ -300,3 +300,22 @@ def test_forged_tags_are_refused(backend):
     tag = umac.payload_tag(key, [data])
     for forged in (bytes(16), tag[:-1] + bytes([tag[-1] ^ 1]), tag[:8], tag + b"\0"):
         assert _refused(key, [data], forged)
+
+
+# ----------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("num_bytes", [5, CHUNK_BYTES, 3 * CHUNK_BYTES + 1, 64 << 20])
+def test_triton_on_the_gpu_is_the_reference(monkeypatch, num_bytes):
+    """The Triton kernel on CUDA tensors (bench/gpu_check.sh) against the NumPy reference and
+    the torch twin on the same device; the tag equals the CPU's."""
+    monkeypatch.delenv("TRITONKV_KERNELS", raising=False)
+    key = umac.transfer_keys(SESSION, b"gpu")
+    data = _random(num_bytes, 12)
+    on_gpu = data.cuda()
+    want = umac.nh_hash_numpy(data, key)
+    assert np.array_equal(umac.nh_hash(on_gpu, key).cpu().numpy().view(np.uint64), want)
+    assert np.array_equal(umac.nh_hash_torch(on_gpu, key).cpu().numpy().view(np.uint64), want)
+    assert umac.payload_tag(key, [on_gpu]) == umac.payload_tag(key, [data])

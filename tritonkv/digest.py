@@ -22,7 +22,8 @@ a position-weighted sum of the same terms, is a second, different check (togethe
 the lanes behave independently: a heuristic, not a proven bound). tests/kernels/test_digest.py
 checks each case of that list with hypothesis on both backends, and that a digest without the
 position key misses swaps. It is **not a MAC**: anyone can compute it, so it does nothing against
-an attacker who can rewrite the data; the transport's authenticated session is what stops those.
+an attacker who can rewrite the data; the transport's authenticated session and the keyed payload
+tags of :mod:`tritonkv.umac` are what stop those.
 Positions repeat every 2**32 words (16 GiB of packed data).
 
 The digest is a ``[2]`` int64 tensor (``A``, ``B``, each in ``[0, 2**32)``) on the packed tensor's

@@ -63,11 +63,14 @@ def check_key_nonce(session_key: bytes, nonce: bytes) -> None:
 
 def derive_keys(session_key: bytes, nonce: bytes) -> tuple[np.ndarray, bytes]:
     """The transfer's NH key (``[KEY_WORDS]`` uint32, little-endian words of 4112 derived bytes)
-    and its PRF key (32 bytes), each HKDF-Expand of ``session_key`` with its own label and the
-    length-prefixed ``nonce``: independent keys for every (session key, nonce) pair."""
+    and its PRF key (32 bytes): for each, a 32-byte HKDF-Expand of ``session_key`` with its own
+    label and the length-prefixed ``nonce`` (independent keys for every (session key, nonce)
+    pair); the NH key is that seed stretched by SHAKE256 (an XOF: one call, where HKDF-Expand
+    would take 129 HMACs, 0.35 ms)."""
     check_key_nonce(session_key, nonce)
     context = bytes([len(nonce)]) + nonce
-    nh = hkdf_expand(session_key, LABEL_NH + context, KEY_BYTES)
+    seed = hkdf_expand(session_key, LABEL_NH + context, 32)
+    nh = hashlib.shake_256(seed).digest(KEY_BYTES)
     mac = hkdf_expand(session_key, LABEL_MAC + context, MAC_KEY_BYTES)
     return np.frombuffer(nh, dtype="<u4").astype(np.uint32), mac
 

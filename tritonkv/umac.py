@@ -4,10 +4,10 @@ Construction (UMAC's, RFC 4418 and Black et al., "UMAC: Fast and Secure Message 
 CRYPTO '99; the full write-up with the bound's arithmetic: ``docs/authentication.md``):
 
 - **Keys, one set per transfer.** From a session key ``K`` (32 bytes, only the two ends hold it)
-  and the transfer's nonce ``N`` (never used twice under one ``K``): the NH key is
-  HKDF-Expand-SHA256(``K``, ``"tritonkv umac nh key v1" | len(N) | N``, 4112 bytes), read as
-  1028 little-endian 32-bit words; the PRF key HKDF-Expand-SHA256(``K``, ``"tritonkv umac mac key
-  v1" | len(N) | N``, 32 bytes) (:func:`transfer_keys`).
+  and the transfer's nonce ``N`` (never used twice under one ``K``): the NH key is SHAKE256 of
+  HKDF-Expand-SHA256(``K``, ``"tritonkv umac nh key v1" | len(N) | N``, 32 bytes), its first
+  4112 bytes read as 1028 little-endian 32-bit words; the PRF key HKDF-Expand-SHA256(``K``,
+  ``"tritonkv umac mac key v1" | len(N) | N``, 32 bytes) (:func:`transfer_keys`).
 - **NH (the universal hash).** A tensor's bytes, in memory order, are cut in blocks of 4096 bytes
   (the last zero-padded) and read as little-endian 32-bit words ``m``. For each block and each
   Toeplitz iteration ``t`` in 0, 1 (the key shifted by 4 words = 16 bytes per iteration, as RFC

@@ -159,6 +159,21 @@ def test_keys_depend_on_session_key_and_nonce():
     assert "mac" not in repr(base) and str(base.mac_key) not in repr(base)
 
 
+def test_keys_are_the_documented_derivation():
+    """NH key = SHAKE256(HKDF-Expand(K, label | len(N) | N, 32)), PRF key = HKDF-Expand(K,
+    label | len(N) | N, 32) (docs/authentication.md, Key schedule), spelled out with hashlib."""
+    import hashlib
+    import hmac
+
+    nonce = b"pg payload" + (7).to_bytes(8, "little")
+    ctx = bytes([len(nonce)]) + nonce
+    seed = hmac.new(SESSION, b"tritonkv umac nh key v1" + ctx + b"\x01", hashlib.sha256).digest()
+    mac = hmac.new(SESSION, b"tritonkv umac mac key v1" + ctx + b"\x01", hashlib.sha256).digest()
+    keys = umac.transfer_keys(SESSION, nonce)
+    assert keys.nh_key.tobytes() == hashlib.shake_256(seed).digest(4 * KEY_WORDS)
+    assert keys.mac_key == mac
+
+
 def test_hkdf_expand_matches_rfc5869_case_1():
     """HKDF-Expand against RFC 5869's test case 1 (its PRK, info and OKM)."""
     prk = bytes.fromhex("077709362c2e32df0ddc3f0dc47bba6390b6c73bb50f9c3122ec844ad7c2b3e5")

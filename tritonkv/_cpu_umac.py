@@ -2,7 +2,7 @@
 loaded with ctypes, as :mod:`tritonkv._cpu_digest` builds its library (the same compiler
 ``TRITONKV_CC``, cache folder ``TRITONKV_CACHE_DIR`` and switch ``TRITONKV_NATIVE=0``; a file
 named by the source, flags and compiler version, written under a temporary name and renamed).
-Function clones for AVX-512, AVX2 and the portable loop are picked by the CPU (ifunc). A loaded
+On x86-64, clones for AVX-512, AVX2 and the portable loop are picked by the CPU (ifunc). A loaded
 library is checked against the NumPy reference first; where none builds, NH takes the torch twin
 (after one warning). Payloads of :data:`~tritonkv._cpu.PARALLEL_MIN_BYTES` or more are split
 over the twins' copy threads (ctypes releases the GIL; blocks are independent).

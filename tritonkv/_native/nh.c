@@ -4,8 +4,8 @@
  * shifted by 4 words per iteration): the sum mod 2^64 over 8-word groups g and j in 0..3 of
  * (m[8g+j] + k[8g+j+4t] mod 2^32) * (m[8g+j+4] + k[8g+j+4+4t] mod 2^32).
  *
- * Built and loaded by tritonkv/_cpu_umac.py. Function clones for AVX-512, AVX2 and the portable
- * instruction set, picked at load time by the CPU's features (ifunc). With GCC >= 12 or clang the
+ * Built and loaded by tritonkv/_cpu_umac.py. On x86-64, function clones for AVX-512, AVX2 and the
+ * portable instruction set, picked at load time by the CPU's features (ifunc). With GCC >= 12 or clang the
  * loop is written on 64-byte vectors: four 8-word groups at a time, their low halves (words
  * j = 0..3) and high halves (j + 4) gathered into two vectors by one shuffle each, the 32 x 32 ->
  * 64-bit products of even and odd lanes apart (vpmuludq); the key is split into halves once
@@ -19,6 +19,12 @@
 #define SHIFT_WORDS 4
 #define GROUPS (CHUNK_WORDS / 8)
 
+#if defined(__x86_64__)
+#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define CLONES /* one build for the machine's baseline (e.g. Arm's NEON) */
+#endif
+
 int tkv_nh_abi(void) { return TKV_NH_ABI; }
 int tkv_nh_chunk_words(void) { return CHUNK_WORDS; }
 int tkv_nh_iterations(void) { return ITERATIONS; }
@@ -31,7 +37,7 @@ typedef uint64_t v8q __attribute__((vector_size(64)));
 
 /* words: [num_blocks * CHUNK_WORDS]; key: [CHUNK_WORDS + SHIFT_WORDS * (ITERATIONS - 1)];
  * out: [num_blocks, ITERATIONS]. */
-__attribute__((target_clones("avx512f", "avx2", "default")))
+CLONES
 void tkv_nh(const uint32_t *restrict words, int64_t num_blocks, const uint32_t *restrict key,
             uint64_t *restrict out) {
     /* the key in the order the message's halves are taken: klo[4g+j] = k[8g+j],
@@ -71,7 +77,7 @@ void tkv_nh(const uint32_t *restrict words, int64_t num_blocks, const uint32_t *
     }
 }
 #else
-__attribute__((target_clones("avx512f", "avx2", "default")))
+CLONES
 void tkv_nh(const uint32_t *restrict words, int64_t num_blocks, const uint32_t *restrict key,
             uint64_t *restrict out) {
     for (int64_t c = 0; c < num_blocks; c++) {

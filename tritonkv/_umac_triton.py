@@ -1,6 +1,6 @@
-"""The NH layer of :mod:`tritonkv.umac` in Triton: one program per 4 KiB block of a payload's
-words, every Toeplitz iteration from the same loaded words (a separate launch over the packed
-tensor, not fused into the pack/unpack copy)."""
+"""The NH layer of :mod:`tritonkv.umac` in Triton: each program takes :data:`BLOCKS` 4 KiB
+blocks of a payload's words, both Toeplitz iterations from the same loaded words and one load of
+the key (a separate launch over the packed tensor, not fused into the pack/unpack copy)."""
 
 from __future__ import annotations
 
@@ -12,31 +12,42 @@ from ._umac_core import CHUNK_WORDS, ITERATIONS, KEY_WORDS, SHIFT_WORDS
 
 __all__ = ["nh_triton"]
 
+BLOCKS = 4  # 4 KiB blocks per program (the key is loaded once for them)
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["num_blocks"])
 def _nh_kernel(
     words_ptr,  # [num_blocks * CHUNK_WORDS] int32: the payload's little-endian words
     key_ptr,  # [KEY_WORDS] int32: the transfer's NH key
-    out_ptr,  # [num_blocks, ITERATIONS] int64: NH sums (uint64 bit patterns)
+    out_ptr,  # [num_blocks, 2] int64: NH sums (uint64 bit patterns), one per iteration
+    num_blocks,
     stride_out,  # out_ptr's row stride, in elements
     CHUNK_WORDS: tl.constexpr,
     ITERATIONS: tl.constexpr,
     SHIFT_WORDS: tl.constexpr,
+    BLOCKS: tl.constexpr,
 ):
-    """Grid ``(num_blocks,)``: program ``c`` sums block ``c``'s NH for every iteration."""
-    block = tl.program_id(0).to(tl.int64)
+    """Grid ``(cdiv(num_blocks, BLOCKS),)``: program ``p`` sums the NH of blocks ``p * BLOCKS
+    ..`` for both iterations, the key loaded once. Iteration 1 is iteration 0's key shifted by
+    4 words, i.e. the pairs' partner words: three key vectors serve both."""
+    tl.static_assert(ITERATIONS == 2 and SHIFT_WORDS == 4)
     q = tl.arange(0, CHUNK_WORDS // 2)  # one pair per 8-word group and j in 0..3
     lo = (q // 4) * 8 + q % 4  # word j of its group; its partner is word j + 4
-    base = words_ptr + block * CHUNK_WORDS
-    m_lo = tl.load(base + lo).to(tl.uint32, bitcast=True)
-    m_hi = tl.load(base + lo + 4).to(tl.uint32, bitcast=True)
-    for t in tl.static_range(ITERATIONS):
-        k_lo = tl.load(key_ptr + lo + SHIFT_WORDS * t).to(tl.uint32, bitcast=True)
-        k_hi = tl.load(key_ptr + lo + 4 + SHIFT_WORDS * t).to(tl.uint32, bitcast=True)
-        a = (m_lo + k_lo).to(tl.uint64)  # 32-bit adds wrap, products are exact in 64 bits
-        b = (m_hi + k_hi).to(tl.uint64)
-        total = tl.sum(a * b, axis=0)  # modulo 2**64
-        tl.store(out_ptr + block * stride_out + t, total.to(tl.int64, bitcast=True))
+    k_a = tl.load(key_ptr + lo).to(tl.uint32, bitcast=True)  # k[8g+j]
+    k_b = tl.load(key_ptr + lo + 4).to(tl.uint32, bitcast=True)  # k[8g+j+4]
+    k_c = tl.load(key_ptr + lo + 8).to(tl.uint32, bitcast=True)  # k[8g+j+8]
+    for i in tl.static_range(BLOCKS):
+        block = tl.program_id(0).to(tl.int64) * BLOCKS + i
+        ok = (q * 0 + block) < num_blocks  # [CHUNK_WORDS // 2]: the block exists
+        base = words_ptr + block * CHUNK_WORDS
+        m_lo = tl.load(base + lo, mask=ok, other=0).to(tl.uint32, bitcast=True)
+        m_hi = tl.load(base + lo + 4, mask=ok, other=0).to(tl.uint32, bitcast=True)
+        # 32-bit adds wrap; the products are exact in 64 bits and summed modulo 2**64
+        t0 = tl.sum((m_lo + k_a).to(tl.uint64) * (m_hi + k_b).to(tl.uint64), axis=0)
+        t1 = tl.sum((m_lo + k_b).to(tl.uint64) * (m_hi + k_c).to(tl.uint64), axis=0)
+        # out has rows for whole programs (the wrapper drops those past num_blocks)
+        tl.store(out_ptr + block * stride_out, t0.to(tl.int64, bitcast=True))
+        tl.store(out_ptr + block * stride_out + 1, t1.to(tl.int64, bitcast=True))
 
 
 def nh_triton(words: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -50,17 +61,20 @@ def nh_triton(words: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         ``[n, ITERATIONS]`` int64 on ``words``' device.
     """
     n = words.numel() // CHUNK_WORDS
-    out = torch.empty((n, ITERATIONS), dtype=torch.int64, device=words.device)
+    programs = triton.cdiv(n, BLOCKS)
+    out = torch.empty((programs * BLOCKS, ITERATIONS), dtype=torch.int64, device=words.device)
     if n:
         assert key.numel() == KEY_WORDS and key.dtype == torch.int32
-        _nh_kernel[(n,)](
+        _nh_kernel[(programs,)](
             words,
             key,
             out,
+            n,
             out.stride(0),
             CHUNK_WORDS=CHUNK_WORDS,
             ITERATIONS=ITERATIONS,
             SHIFT_WORDS=SHIFT_WORDS,
+            BLOCKS=BLOCKS,
             num_warps=4,
         )
-    return out
+    return out[:n]

@@ -40,6 +40,8 @@ def test_kernels_compile_for_sm90_with_vector_accesses(tmp_path):
         if v["kernel"] not in ("digest-bytes", "digest-words"):  # the copy's 16-byte loads
             assert any(".v2.b64" in op or ".v4.b32" in op for op in v["loads"]), v
     assert all(v["cubin_bytes"] > 0 for v in index)
+    (nh,) = [v for v in variants if v["kernel"] == "umac-nh"]  # the keyed payload hash
+    assert nh["cubin_bytes"] > 0 and not nh["atomics"] and nh["loads"], nh
     for v in copies:
         assert v["cubin_bytes"] > 0
         # 16-byte vector loads and stores of the copied data (v2 of 8-byte elements).

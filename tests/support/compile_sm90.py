@@ -16,6 +16,8 @@ from tritonkv._digest_triton import _digest_bytes_kernel, _digest_words_kernel
 from tritonkv._hidden_triton import _hidden_copy_kernel
 from tritonkv._index import INDEX_BLOCK, _seq_index_kernel
 from tritonkv._kv_triton import _kv_copy_kernel
+from tritonkv._umac_core import CHUNK_WORDS, ITERATIONS, SHIFT_WORDS
+from tritonkv._umac_triton import BLOCKS, _nh_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -128,6 +130,11 @@ def main():
     pointers = {"words_ptr": "*i32", "digest_ptr": "*i64"}
     result = compile_variant(_digest_words_kernel, pointers, {"BLOCK": 1024}, list(pointers))
     print(json.dumps({"kernel": "digest-words", **result}))
+    pointers = {"words_ptr": "*i32", "key_ptr": "*i32", "out_ptr": "*i64"}
+    constexprs = {"CHUNK_WORDS": CHUNK_WORDS, "ITERATIONS": ITERATIONS}
+    constexprs |= {"SHIFT_WORDS": SHIFT_WORDS, "BLOCKS": BLOCKS}
+    result = compile_variant(_nh_kernel, pointers, constexprs, list(pointers))
+    print(json.dumps({"kernel": "umac-nh", **result}))
     for offsets in ("*i32", "*i64"):
         for has_ids in (False, True):
             for last_only in (False, True):

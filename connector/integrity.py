@@ -40,7 +40,9 @@ Expected = str | list[str] | None  # whole-entry digest, per-head digests of a s
 # wrong_slot (consumer): every loaded row is written one slot on (an off-by-one slot mapping);
 # no_digest (consumer): this load is not checked (the switch off, for the negative control).
 # alloc_fail (either): the device allocation of this transfer fails as out of memory would.
-FAULTS = ("flip_bit", "wrong_slot", "no_digest", "alloc_fail")
+# short_window (consumer): a sliding-window group's first loaded block stays unwritten (a window
+# one block short).
+FAULTS = ("flip_bit", "wrong_slot", "no_digest", "alloc_fail", "short_window")
 
 
 def faults(params, allowed: bool) -> str:

@@ -16,11 +16,12 @@ from .admission import ConnectionCaps
 from .client import KVClient
 from .errors import BufferFullError, ClientBusyError, KeyMissError
 from .prefix import MAX_PREFIX_TOKENS, block_hashes
-from .protocol import Part, chunk_key, group_of, hide_ids, short_id
+from .protocol import CHUNK_SEP, Part, chunk_key, group_of, hide_ids, short_id
 from .server import KVServer
 from .store import FULL_POLICIES, KVBuffer, Lease
 
 __all__ = [
+    "CHUNK_SEP",
     "FULL_POLICIES",
     "MAX_PREFIX_TOKENS",
     "BufferFullError",

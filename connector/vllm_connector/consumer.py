@@ -23,7 +23,6 @@ a failure, also counted in ``digest_failures``. No vLLM import.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -45,11 +44,12 @@ from ..transport import (
     error_text,
     pin_current_thread,
 )
-from .cache_views import PAGES_ONLY, RankCaches, packed_shape
+from .cache_views import RankCaches
 from .config import ConnectorConfig
-from .handoff import shown
+from .entries import check_entry, entry_span, expected_bytes
+from .groups import group_key
 from .landings import GpuLoad, Landing, Landings
-from .metadata import CHUNK_FIELDS, DiscardSpec, LoadSpec
+from .metadata import DiscardSpec, LoadSpec, group_loads
 from .producer_clients import ProducerBackoff, ProducerClients, discard_entries
 from .stats import TransferStats, load_failure
 from .tp_mapping import HeadSource, plan_heads, rank_heads
@@ -59,9 +59,11 @@ log = get_logger("connector")
 # One loaded entry (the prompt, or one chunk of it): (kv_format, packed KV, its expected digest,
 # the first prompt position of its rows)
 ReceivedPart = tuple[str, torch.Tensor, integrity.Expected, int]
-# ([(source, packed KV, its expected digest, first position)], whether they hold whole pages,
-# load ms): what one load's loads got
-Received = tuple[list[tuple[HeadSource, torch.Tensor, integrity.Expected, int]], bool, float]
+# ([(the load of one KV cache group, source, packed KV, its expected digest, first position)],
+# whether they hold whole pages, load ms): what one load's loads got
+Received = tuple[
+    list[tuple[LoadSpec, HeadSource, torch.Tensor, integrity.Expected, int]], bool, float
+]
 # How long a consumer on a GPU lets the producer's server wait for an entry not yet stored: a
 # producer on a GPU stores it once its pack and copy to the host completed (producer.Publisher).
 PUBLISH_WAIT_S = 0.5
@@ -88,6 +90,8 @@ class Consumer:
         streams: the device's streams and events (:class:`~connector.streams.StreamOps`, made for CUDA
             caches; a test passes a stand-in): see :meth:`_load`.
         budget: the rank's device memory budget (default: one of this consumer's own).
+        group_caches: the caches of each KV cache group (:mod:`.groups`; default ``[caches]``):
+            one entry each; a failed load reports its request, not blocks (:meth:`take_failed`).
     """
 
     def __init__(
@@ -104,8 +108,10 @@ class Consumer:
         connect: Callable[[str, int], KVClient] | None = None,
         streams: StreamOps | None = None,
         budget: DeviceBudget | None = None,
+        group_caches: list[RankCaches] | None = None,
     ):
-        self.cfg, self.caches = cfg, caches
+        self.cfg, self.caches, self.groups = cfg, caches, group_caches or [caches]
+        self._failed_reqs: set[str] = set()  # loads of several groups that failed
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.total_kv_heads, self.use_mla = total_kv_heads, use_mla
         self.stats = stats
@@ -146,7 +152,7 @@ class Consumer:
             self._discarding.append(self._pool("discard", 1).submit(self.discard, remote_discards))
         for spec in loads:
             t0 = time.perf_counter()
-            if not (self.cfg.async_load or spec.wait_s > 0):
+            if not (self.cfg.async_load or spec.wait_s > 0 or spec.groups):  # groups: async
                 self._load(spec, t0, partial(self._receive, spec))
                 continue
             try:
@@ -157,12 +163,9 @@ class Consumer:
             self._loading[spec.req_id] = (spec, t0, future)
 
     def get_finished(self, idle_wait_s: float = 0.0) -> set[str] | None:
-        """Async loads whose load completed: unpacked here, on the worker's own thread (or, when
-        the load failed, their blocks put in the error set).
-
-        ``idle_wait_s`` > 0 (a step that computes nothing, which vLLM runs back to back while
-        requests wait for remote KV): with no load done, wait that long at most for the first
-        one, rather than spin the cores the producer and the transfer need."""
+        """Async loads whose load completed: unpacked here, on the worker's own thread (or failed).
+        ``idle_wait_s`` > 0 (a step that computes nothing, run back to back while requests wait
+        for remote KV): wait that long at most for a first one, rather than spin the cores."""
         pending = [future for _, _, future in self._loading.values()]
         if idle_wait_s > 0 and pending and not any(f.done() for f in pending):
             wait_futures(pending, timeout=idle_wait_s, return_when=FIRST_COMPLETED)
@@ -176,10 +179,14 @@ class Consumer:
         finished |= {s.spec.req_id for s in self._settle(False) if s.is_async}
         return finished or None
 
+    def take_failed(self) -> set[str]:
+        """Requests of several KV cache groups whose load failed since the last call."""
+        failed, self._failed_reqs = self._failed_reqs, set()
+        return failed
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        # A failed async load adds its blocks in the get_finished call that reports the request,
-        # which vLLM makes before this one in the same step (its rule: no later than that step).
-        # On a GPU a sync load's digest verdict waits here for its own unpack (not the forward).
+        # A failed async load's blocks come in the get_finished call that reports it, before this
+        # one in the same step; on a GPU a sync load's digest verdict waits here for its unpack.
         self._settle(wait=True)
         failed, self._load_errors = self._load_errors, set()
         return failed
@@ -189,47 +196,44 @@ class Consumer:
         wait_futures(self._discarding, timeout=timeout_s)
 
     def discard(self, remote_discards: list[DiscardSpec]) -> None:
-        """Have the producers discard entries no request here will load, now (on the discard thread
-        when given to :meth:`start_load_kv`: a dead producer costs the connect deadline, which
-        the worker must not wait out). Failures are logged: the entry's TTL discards it later."""
-        timeout_s = self.cfg.connect_timeout_s
-        discard_entries(
-            remote_discards, self.tp_rank, self.tp_size, self.backoff, self.clients, timeout_s
-        )
+        """Have the producers discard entries no request here will load, now (on the discard
+        thread from :meth:`start_load_kv`: a dead producer costs the connect deadline). Failures
+        are logged: the entry's TTL discards it later."""
+        args = (self.tp_rank, self.tp_size, self.backoff, self.clients, self.cfg.connect_timeout_s)
+        discard_entries(remote_discards, *args)
 
     def _new_client(self, host: str, port: int) -> KVClient:
         return new_client(self.cfg, self.caches.device, self._device_wire, self._secret, host, port)
 
     def _receive(self, spec: LoadSpec) -> Received:
-        """What ``spec``'s transfer holds for this rank (:data:`Received`): one load per producer
-        rank holding heads of this rank (one, the same rank, under equal TP), made concurrently,
-        each checked against this cache (kv_format, page kind, shape, dtype).
-
-        Network only, no copies: with ``async_load`` it runs on a load thread, and a torch op
-        there would give that thread an OpenMP team, which on CPU slows every team in the process.
-        """
+        """What ``spec``'s transfer holds for this rank (:data:`Received`): one load per KV cache
+        group and producer rank holding heads of this rank, made concurrently, each checked
+        against this cache. Network only, no copies: a torch op on a load thread would give it an
+        OpenMP team, which on CPU slows every team in the process."""
         t0 = time.perf_counter()
         sources = plan_heads(
             self.total_kv_heads, spec.producer_tp, self.tp_size, self.tp_rank, mla=self.use_mla
         )
-        if len(sources) == 1:
-            got = [self._receive_part(spec, sources[0])]
+        asked = [(one, s) for one in group_loads(spec) for s in sources]
+        if len(asked) == 1:
+            got = [self._receive_part(*asked[0])]
         else:  # gather: all loads at once, each within its own deadline
             gather = self._pool("gather", 8)
-            futures = [gather.submit(self._receive_part, spec, s) for s in sources]
+            futures = [gather.submit(self._receive_part, *a) for a in asked]
             got = [f.result() for f in futures]  # the first failure fails the whole load
         paged = {entry[0] for entries in got for entry in entries} == {"pages"}
         parts = [
-            (source, *rest)
-            for source, entries in zip(sources, got, strict=True)
+            (one, source, *rest)
+            for (one, source), entries in zip(asked, got, strict=True)
             for _, *rest in entries
         ]
         return parts, paged, 1e3 * (time.perf_counter() - t0)
 
     def _receive_part(self, spec: LoadSpec, source: HeadSource) -> list[ReceivedPart]:
-        """What one producer rank, ``source.rank``, holds of ``source``'s heads: its entry, or,
-        for a chunked load, its chunks one after the other until the last (each waiting up to
-        ``spec.wait_s`` for the producer to store it)."""
+        """What one producer rank, ``source.rank``, holds of ``source``'s heads: its entry (of
+        ``spec.group``), or, for a chunked load, its chunks one after the other until the last
+        (each waiting up to ``spec.wait_s`` for the producer to store it)."""
+        caches = self.groups[spec.group]
         addr = (spec.host, spec.port + source.rank)
         self.backoff.check(addr, spec.transfer_id)
         part = None  # the whole entry, unless this rank takes only some of its heads
@@ -238,7 +242,7 @@ class Consumer:
         ):
             part = Part("kv", 3, *source.src)
         try:
-            max_bytes = expected_bytes(self.caches, self.tp_size, spec, source)
+            max_bytes = expected_bytes(caches, self.tp_size, spec, source)
             if self._streams is not None and self._device_wire:  # it lands in GPU memory
                 self.budget.check_room(max_bytes, "an entry received on the device")
             waits = _waits(spec, self.cfg.load_timeout_s, self._streams is not None)
@@ -246,7 +250,7 @@ class Consumer:
 
             def checked(span, tensors: dict, meta: dict) -> ReceivedPart:
                 entry = check_entry(
-                    self.caches, self.tp_size, spec, source, meta, tensors.get("kv"), span
+                    caches, self.tp_size, spec, source, meta, tensors.get("kv"), span
                 )
                 want = integrity.expected(meta, heads) if self.cfg.digest else None
                 return (*entry, want, span[0])
@@ -290,15 +294,18 @@ class Consumer:
         the host behind them, and nothing waits: :mod:`.landings` compares the digests and lets
         the tensors go once the unpack's event completed.
         """
-        caches, block_size, ops = self.caches, self.caches.block_size, self._streams
+        ops = self._streams
         gpu = GpuLoad(ops, self.budget, spec) if ops is not None else None
         try:
             parts, paged, network_ms = receive()
             t1 = time.perf_counter()
             nbytes = 0
-            for source, packed, want, offset in parts:  # all arrived: now write, one unpack each
+            for one, source, packed, want, offset in parts:  # all arrived: one unpack each
+                caches = self.groups[one.group]
                 rows = packed.shape[2]  # positions [offset, offset + rows)
-                views, first, stop = _written(caches, spec, paged, source, offset, rows)
+                views, first, stop = _written(caches, one, paged, source, offset, rows)
+                if "short_window" in spec.debug_fault and one.first:  # test hook
+                    first = max(first, one.first + caches.block_size)
                 if first >= stop:  # a chunk of the local hit, or of the last token only
                     continue
                 if spec.corrupt or "no_digest" in spec.debug_fault:  # test hooks: no check (the
@@ -307,13 +314,13 @@ class Consumer:
                 # process, e.g. kv_both's own, is read where it is)
                 if gpu is not None and not self._device_wire and not ops.is_device(packed):
                     packed = gpu.to_device(packed)
-                slots = caches.slots(spec.block_ids, first, stop, rows, offset)
+                slots = caches.slots(one.block_ids, first, stop, rows, offset)
                 if "wrong_slot" in spec.debug_fault:  # test hook
                     slots = integrity.shifted_slots(slots, first - offset, stop - offset)
                 layers = caches.prepared(views)
                 read = unpack_kv(packed, layers, slots, digest=isinstance(want, str))
                 write_back = want is not None and self.cfg.digest_write_back
-                where = (views, spec.block_ids, block_size, first, stop, offset)
+                where = (views, one.block_ids, caches.block_size, first, stop, offset)
                 if gpu is not None:  # compared once the unpack completed, on a host copy
                     gpu.keep += [packed, slots]
                     if want is not None:
@@ -345,12 +352,14 @@ class Consumer:
         return self._landings.settle(wait, self._fail, done)
 
     def _fail(self, spec: LoadSpec, t0: float, exc: BaseException) -> None:
-        """Put ``spec``'s blocks in the error set (vLLM recomputes them), count and log it."""
-        block_size = self.caches.block_size
-        failed = {
-            spec.block_ids[p // block_size] for p in range(spec.start, spec.start + spec.count)
-        }
-        self._load_errors |= failed
+        """Put ``spec``'s blocks in the error set (vLLM recomputes them; for several KV cache
+        groups, its request in :meth:`take_failed`'s), count and log it."""
+        size = self.caches.block_size
+        failed = {spec.block_ids[p // size] for p in range(spec.start, spec.start + spec.count)}
+        if spec.groups:
+            self._failed_reqs.add(spec.req_id)
+        else:
+            self._load_errors |= failed
         reason = load_failure(exc)
         self.stats.record_load_failure(reason)
         show, held = self._throttle.allow(reason)
@@ -389,10 +398,11 @@ def receive_entries(
     checked as it arrives, before the next is asked for: what a producer can make this rank hold
     is the prompt's KV plus one reply of at most ``max_bytes``."""
     entries, start, final = [], 0, False
+    key = group_key(spec.transfer_id, spec.group)
     while not final:
         index = len(entries)
         tensors, meta = client.get(
-            chunk_key(spec.transfer_id, index) if spec.chunked else spec.transfer_id,
+            chunk_key(key, index) if spec.chunked else key,
             part=part,
             digest=spec.prompt_digest,
             max_bytes=max_bytes,
@@ -425,118 +435,6 @@ def _waits(spec: LoadSpec, load_timeout_s: float, on_gpu: bool) -> dict:
     if spec.wait_s > 0:
         return {"wait_s": wait_s, "timeout_s": wait_s + load_timeout_s}
     return {"wait_s": wait_s} if on_gpu else {}
-
-
-def entry_span(spec: LoadSpec, meta: dict, chunk: tuple[int, int] | None) -> tuple[int, int, bool]:
-    """``(start, stop, final)``: the prompt positions a loaded entry holds, and whether it is
-    the last of ``spec``'s transfer; ``chunk``: ``(index, start)`` of the chunk loaded (its
-    predecessor ended at ``start``), None for a whole prompt. ValueError when the entry's meta
-    does not say what was asked: the chunk's index, positions from ``start`` to at most the
-    prompt's end, ``final`` there."""
-    if chunk is None:
-        return 0, spec.num_tokens, True
-    said = [meta.get(key) for key in CHUNK_FIELDS]
-    index, start = chunk
-    if (
-        any(type(x) is not int for x in said[:3])
-        or said[:2] != [index, start]
-        or not start < said[2] <= spec.num_tokens
-        or said[3] is not (said[2] == spec.num_tokens)
-    ):
-        raise ValueError(
-            f"chunk {index} says {shown(said)} ({', '.join(CHUNK_FIELDS)}), expected [{index}, "
-            f"{start}, stop, final] with {start} < stop <= {spec.num_tokens} (the prompt's "
-            "length), final at that end"
-        )
-    return start, said[2], said[3]
-
-
-def _entry_views(
-    caches: RankCaches,
-    tp_size: int,
-    spec: LoadSpec,
-    source: HeadSource,
-    kv_format,
-    span: tuple[int, int, bool] | None = None,
-) -> tuple[list, int]:
-    """``(views, rows)`` an entry of ``kv_format`` fills for ``source``'s heads, from this side's
-    own caches (``tp_size``: this side's), holding prompt positions ``span`` (:func:`entry_span`;
-    default: the whole prompt); ValueError if this cache cannot take that format."""
-    block_size = caches.block_size
-    start, stop, _ = span or (0, spec.num_tokens, True)
-    if kv_format == "pages":
-        if spec.producer_tp != tp_size:
-            raise ValueError(
-                f"the producer (TP {spec.producer_tp}) sent whole pages, which hold another "
-                f"TP size's heads than this cache's (TP {tp_size}): set \"kv_format\": "
-                '"tokens" on the producer'
-            )
-        if caches.pages is None:
-            raise ValueError(
-                f"the producer sent whole pages, which this cache (layout {caches.layout}) has "
-                'not: set "kv_format": "tokens" on the producer'
-            )
-        if start % block_size:
-            raise ValueError(f"whole pages from position {start}, not a multiple of {block_size}")
-        return caches.pages, -(-stop // block_size) * block_size - start
-    if kv_format == "tokens":
-        if caches.layout in PAGES_ONLY:
-            raise ValueError(
-                f"the producer sent token rows, which cannot be placed in this cache "
-                f'({PAGES_ONLY[caches.layout]}): set "kv_format": "pages" (or "auto") on '
-                "the producer"
-            )
-        return caches.head_views(source.dst), stop - start
-    raise ValueError(f"entry's kv_format is {kv_format!r}, expected 'tokens' or 'pages'")
-
-
-def expected_bytes(caches: RankCaches, tp_size: int, spec: LoadSpec, source: HeadSource) -> int:
-    """The most bytes a load of ``source``'s heads of ``spec`` may hold for this rank: the
-    packed KV of token rows (``num_tokens`` × the bytes of a row of those heads over every layer)
-    or of whole pages (the prompt's blocks × ``block_size`` rows × a page row's bytes), the larger
-    of those this cache can take. From this side's caches only, never from the producer; a reply
-    announcing more is refused before it is allocated."""
-    sizes = [0]
-    for kv_format in ("tokens", "pages"):
-        try:
-            views, rows = _entry_views(caches, tp_size, spec, source, kv_format)
-        except ValueError:
-            continue
-        sizes.append(math.prod(packed_shape(views, rows)) * views[0][0].element_size())
-    return max(sizes)
-
-
-def check_entry(
-    caches: RankCaches,
-    tp_size: int,
-    spec: LoadSpec,
-    source: HeadSource,
-    meta: dict,
-    packed,
-    span: tuple[int, int, bool] | None = None,
-) -> tuple[str, torch.Tensor]:
-    """``(kv_format, packed)`` if a loaded entry (its ``meta`` and ``packed`` KV, holding prompt
-    positions ``span``: :func:`entry_span`) fits ``caches`` for ``source``'s heads, else
-    ValueError saying what differs (``tp_size``: this side's)."""
-    if spec.fingerprint is not None and meta.get("fingerprint") != spec.fingerprint:
-        raise ValueError(
-            f"the entry's fingerprint {meta.get('fingerprint')!r} is not the hand-off's "
-            f"{spec.fingerprint!r}"
-        )
-    kv_format = meta.get("kv_format")
-    views, rows = _entry_views(caches, tp_size, spec, source, kv_format, span)
-    if kv_format == "pages" and meta.get("page_kind") != caches.page_kind:
-        raise ValueError(
-            f"the producer sent whole pages of kind {meta.get('page_kind')!r}, this "
-            f"cache's pages are {caches.page_kind!r} (layout {caches.layout}): set "
-            '"kv_format": "tokens" on the producer to move KV between unlike caches'
-        )
-    k0 = views[0][0]
-    want = packed_shape(views, rows)
-    if packed is None or tuple(packed.shape) != want or packed.dtype != k0.dtype:
-        got = "nothing" if packed is None else f"{tuple(packed.shape)} {packed.dtype}"
-        raise ValueError(f"entry holds {got}, expected {want} {k0.dtype}")
-    return kv_format, packed
 
 
 def _corrupted(packed: torch.Tensor) -> torch.Tensor:
@@ -575,11 +473,11 @@ def record_loaded(
     stats.record_load(
         nbytes=nbytes, num_tokens=spec.count, network_ms=network_ms, unpack_ms=unpack_ms
     )
-    ranks = dict.fromkeys(f"{s.rank}[{s.src[0]}:{s.src[1]}]" for s, *_ in parts)
+    ranks = dict.fromkeys(f"{s.rank}[{s.src[0]}:{s.src[1]}]" for _, s, *_ in parts)
     log.log(
         level,
         "tritonkv: loaded transfer %s for %s: %d tokens (positions %d..%d; %d local), %d bytes, "
-        "network %.2f ms, unpack %.2f ms, kv_format %s, from %s:%d ranks %s%s",
+        "network %.2f ms, unpack %.2f ms, kv_format %s, from %s:%d ranks %s%s%s",
         short_id(spec.transfer_id),
         spec.req_id,
         spec.count,
@@ -594,4 +492,5 @@ def record_loaded(
         spec.port,
         ",".join(ranks),
         f", {len(parts) // len(ranks)} chunks" if spec.chunked else "",
+        f", {len(spec.groups)} KV cache groups" if spec.groups else "",
     )

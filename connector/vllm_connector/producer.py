@@ -3,8 +3,8 @@
 After a step's forward pass, :meth:`Producer.wait_for_save` packs each finished prompt's KV for
 every layer with **one** :func:`tritonkv.pack_kv` call (token rows or whole pages: the
 ``kv_format`` option) into the rank's :class:`~connector.kvstore.KVBuffer` under its transfer id
-(in the overlapped flow, each chunk the step completed, under ``<transfer_id>#<index>``);
-each entry is bound to its prompt's digest (``SaveSpec.prompt_digest``), so that the
+(in the overlapped flow, each chunk the step completed, under ``<transfer_id>#<index>``; for a
+model of several KV cache groups, one entry per group: :mod:`.groups`); each entry is bound to its prompt's digest (``SaveSpec.prompt_digest``), so that the
 :class:`~connector.kvstore.KVServer` serving the buffer on ``engine_port + tp_rank`` (GET and
 DISCARD only) serves or discards it only for a request presenting that digest; and a :class:`BufferWatcher` logs the buffer's occupancy. With ``digest`` on (the default) the entry's meta also
 carries the integrity digest the pack computed (:mod:`connector.integrity`). No vLLM import.
@@ -37,7 +37,8 @@ from ..transport import (
 )
 from .cache_views import RankCaches, packed_shape
 from .config import ConnectorConfig
-from .metadata import SaveSpec
+from .groups import group_key
+from .metadata import FIRST_KEY, SaveSpec, group_saves
 from .stats import TransferStats, save_failure
 
 log = get_logger("connector")
@@ -78,14 +79,17 @@ class Producer:
         stats: TransferStats,
         streams: StreamOps | None = None,
         budget: DeviceBudget | None = None,
+        group_caches: list[RankCaches] | None = None,
     ):
         self.cfg, self.caches, self.tp_rank = cfg, caches, tp_rank
+        #: the caches of each KV cache group (:mod:`.groups`; ``[caches]`` for one group)
+        self.groups = group_caches or [caches]
         self.engine_port, self.fingerprint = engine_port, fingerprint
         self.stats = stats
         self._level = logging.INFO if cfg.log_transfers else logging.DEBUG  # saved: one line
         self._secret = secret
         #: what this producer sends: ``tokens`` or ``pages``
-        self.kv_format = caches.kv_format(cfg.kv_format)
+        self.kv_format = one_kv_format(self.groups, cfg.kv_format)
         self._buffer: KVBuffer | None = None
         self._server: KVServer | None = None
         self._watcher: BufferWatcher | None = None
@@ -176,26 +180,31 @@ class Producer:
             return
         discard_transfers(self._buffer, discards, refusals)
         for spec in saves:
-            try:
-                self._save(spec)
-            except Exception as exc:
-                self._save_failed(spec, exc)
+            for one in group_saves(spec):  # a model of several KV cache groups: one per group
+                try:
+                    self._save(one)
+                except Exception as exc:
+                    self._save_failed(one, exc)
+                    break
 
     def entry_bytes(self, spec: SaveSpec) -> int:
         """Bytes of ``spec``'s packed entry, known before packing: its rows
         (:func:`entry_rows`) × the bytes of one row over every layer, K and V."""
-        views = self.caches.pages if self.kv_format == "pages" else self.caches.layers
-        rows = entry_rows(spec, self.kv_format, self.caches.block_size)[1]
+        caches = self.groups[spec.group]
+        views = caches.pages if self.kv_format == "pages" else caches.layers
+        rows = entry_rows(spec, self.kv_format, caches.block_size)[1]
         return math.prod(packed_shape(views, rows)) * views[0][0].element_size()
 
     def _slots(self, spec: SaveSpec):
         """The slot of each row of ``spec``'s entry (:func:`entry_rows`)."""
-        offset, rows = entry_rows(spec, self.kv_format, self.caches.block_size)
-        return self.caches.slots(spec.block_ids, offset, offset + rows, rows, offset)
+        caches = self.groups[spec.group]
+        offset, rows = entry_rows(spec, self.kv_format, caches.block_size)
+        return caches.slots(spec.block_ids, offset, offset + rows, rows, offset)
 
     def _save(self, spec: SaveSpec) -> None:
         paged = self.kv_format == "pages"
-        views = self.caches.pages if paged else self.caches.layers
+        caches = self.groups[spec.group]
+        views = caches.pages if paged else caches.layers
         nbytes = self.entry_bytes(spec)
         room = min(self._buffer.capacity_bytes, self._buffer.limits.max_message_bytes)
         if nbytes > room:  # refused before packing: nothing allocated for it
@@ -205,22 +214,19 @@ class Producer:
             )
         t0 = time.perf_counter()
         # The rows are known here, on the host: the pack gets its output sized from them.
-        shape = packed_shape(views, entry_rows(spec, self.kv_format, self.caches.block_size)[1])
+        offset, rows = entry_rows(spec, self.kv_format, caches.block_size)
+        shape = packed_shape(views, rows)
         meta = {"fingerprint": self.fingerprint, "kv_format": self.kv_format}
         if paged:
-            meta["page_kind"] = self.caches.page_kind
-        if spec.chunk is not None:
-            meta.update(spec.chunk.as_meta())
+            meta["page_kind"] = caches.page_kind
+        meta.update(spec.chunk.as_meta() if spec.chunk else {FIRST_KEY: offset} if offset else {})
         if self._streams is not None:
             self._launch(spec, views, shape, nbytes, meta, t0)
             return
-        out = torch.empty(shape, dtype=views[0][0].dtype, device=self.caches.device)
-        slots = self._slots(spec)
-        if self.cfg.digest:  # computed by the pack itself (integrity.py)
-            packed, _, digest = pack_kv(self.caches.prepared(views), slots, out=out, digest=True)
+        out = torch.empty(shape, dtype=views[0][0].dtype, device=caches.device)
+        packed, digest = _pack(caches.prepared(views), self._slots(spec), out, self.cfg.digest)
+        if digest is not None:  # computed by the pack itself (integrity.py)
             meta.update(entry_meta(packed, digest, self.kv_format))
-        else:
-            packed, _ = pack_kv(self.caches.prepared(views), slots, out=out)
         if "flip_bit" in spec.debug_fault:  # test hook: after the digest was taken
             flip_bit(packed)
         self._store(spec, packed, meta, nbytes, 1e3 * (time.perf_counter() - t0))
@@ -239,14 +245,9 @@ class Producer:
             try:
                 ops.side.wait_event(ops.event(vllm_stream))
                 slots = self._slots(spec)
-                digests = None
-                if self.cfg.digest:
-                    packed, _, digest = pack_kv(
-                        self.caches.prepared(views), slots, out=out, digest=True
-                    )
-                    digests = digest_tensors(packed, digest, self.kv_format)
-                else:
-                    packed, _ = pack_kv(self.caches.prepared(views), slots, out=out)
+                prepared = self.groups[spec.group].prepared(views)
+                packed, digest = _pack(prepared, slots, out, self.cfg.digest)
+                digests = None if digest is None else digest_tensors(packed, digest, self.kv_format)
                 packed_ev = ops.event(ops.side)
             except BaseException:
                 self.budget.release(reserved)
@@ -290,12 +291,15 @@ class Producer:
 
     def _store(self, spec: SaveSpec, packed, meta: dict, nbytes: int, pack_ms: float) -> None:
         chunk = spec.chunk
-        key = spec.transfer_id if chunk is None else chunk_key(spec.transfer_id, chunk.index)
+        key = group_key(spec.transfer_id, spec.group)
+        key = key if chunk is None else chunk_key(key, chunk.index)
         meta = {**meta, "num_tokens": spec.num_tokens}
         stored = self._buffer.put(key, {"kv": packed}, meta, digest=spec.prompt_digest)
-        if stored:
-            self.stats.record_save(nbytes=nbytes, num_tokens=spec.saved_tokens, pack_ms=pack_ms)
-        log_saved(spec, stored, nbytes, pack_ms, self.kv_format, self._level)
+        if stored:  # a prompt's tokens counted once, with its first group
+            tokens = spec.saved_tokens if spec.group == 0 else 0
+            self.stats.record_save(nbytes=nbytes, num_tokens=tokens, pack_ms=pack_ms)
+        grouped = len(self.groups) > 1
+        log_saved(spec, stored, nbytes, pack_ms, self.kv_format, self._level, grouped)
 
     def _save_failed(self, spec: SaveSpec, exc: BaseException) -> None:
         """Count and log a failed save; a chunked transfer's other chunks are discarded and the
@@ -366,23 +370,52 @@ def discard_transfers(buffer: KVBuffer, discards, refusals) -> None:
             )
 
 
+def one_kv_format(groups: list[RankCaches], choice: str) -> str:
+    """What every KV cache group's caches send for the ``kv_format`` option ``choice`` (one
+    format for all); ValueError when they differ."""
+    formats = {g.kv_format(choice) for g in groups}
+    if len(formats) > 1:
+        raise ValueError(
+            "tritonkv: the KV cache groups' caches would send different kv_formats; expected "
+            f"one for all (layouts {[g.layout for g in groups]})"
+        )
+    return formats.pop()
+
+
+def _pack(prepared, slots, out, digest: bool):
+    """``(packed, its digest or None)``: :func:`tritonkv.pack_kv` of ``slots`` into ``out``."""
+    if digest:
+        packed, _, found = pack_kv(prepared, slots, out=out, digest=True)
+        return packed, found
+    return pack_kv(prepared, slots, out=out)[0], None
+
+
 def entry_rows(spec: SaveSpec, kv_format: str, block_size: int) -> tuple[int, int]:
     """``(offset, rows)``: ``spec``'s entry of ``kv_format`` holds prompt positions ``[offset,
-    offset + rows)``, known before packing. Token rows: the prompt (or its chunk); whole pages:
-    every slot of its blocks from the chunk's first one (past the prompt in the last)."""
-    offset = 0 if spec.chunk is None else spec.chunk.start
+    offset + rows)``, known before packing. Token rows: the prompt (or its chunk) from the
+    group's first position (a block boundary); whole pages: every slot of its blocks from the
+    chunk's (or the group's) first one (past the prompt in the last)."""
+    offset = spec.first if spec.chunk is None else spec.chunk.start
     if kv_format == "pages":
         return offset, len(spec.block_ids) * block_size - offset
     return offset, (spec.num_tokens if spec.chunk is None else spec.chunk.stop) - offset
 
 
 def log_saved(
-    spec: SaveSpec, stored: bool, nbytes: int, pack_ms: float, kv_format: str, level: int
+    spec: SaveSpec,
+    stored: bool,
+    nbytes: int,
+    pack_ms: float,
+    kv_format: str,
+    level: int,
+    grouped: bool = False,
 ) -> None:
     """The log line of a save, at ``level`` (``stored`` False: refused, its transfer discarded
-    or aborted)."""
+    or aborted; ``grouped``: the save of one of several KV cache groups)."""
     chunk = spec.chunk
     what = "" if chunk is None else f" chunk {chunk.index} (positions {chunk.start}..)"
+    if grouped:
+        what = f" group {spec.group} (positions {spec.first}..)"
     if not stored:
         log.info(
             "tritonkv: not storing transfer %s%s for %s: it was discarded or aborted",

@@ -8,7 +8,10 @@ published as it is computed instead: in every step, the whole blocks that step c
 :class:`~.metadata.Chunk` (the last one up to the prompt's end), stored under
 ``"<transfer_id>#<index>"``. A chosen id that is malformed or already issued is refused and
 nothing is saved. An aborted request's saved transfer (or a chunked one that ended unfinished) is
-discarded in the next step. Plain Python, no vLLM import.
+discarded in the next step. A model of several KV cache groups (:mod:`.groups`) saves one entry
+per group, each from the group's first position on (a sliding window's last blocks); such a
+model is not published chunk by chunk: a chosen id is refused (the decode side recomputes).
+Plain Python, no vLLM import.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from ..integrity import faults
 from ..kvstore import short_id
 from ..logs import get_logger
 from ..steps import prompt_steps
+from .groups import KVGroup, group_parts
 from .handoff import proxy_transfer_id, request_digest
 from .metadata import Chunk, SaveSpec
 
@@ -36,10 +40,14 @@ class SavePlan:
     Args:
         block_size: the scheduler's tokens per block.
         debug_allow_corrupt: honour the test hooks of ``kv_transfer_params`` (``integrity``).
+        groups: the model's KV cache groups when it has several (one entry each), else empty.
     """
 
-    def __init__(self, block_size: int, debug_allow_corrupt: bool = False):
+    def __init__(
+        self, block_size: int, debug_allow_corrupt: bool = False, groups: list[KVGroup] = ()
+    ):
         self.block_size = block_size
+        self.groups = list(groups) if len(groups) > 1 else []
         self._debug = debug_allow_corrupt
         self._watched: dict[str, Any] = {}  # req_id -> Request (do_remote_decode)
         self._saved: dict[str, str] = {}  # req_id -> transfer id issued
@@ -53,7 +61,15 @@ class SavePlan:
         self._refusals: list[tuple[str, str]] = []
 
     def watch(self, request) -> None:
-        """Save ``request``'s prompt (sent with ``do_remote_decode``, its prompt token ids)."""
+        """Save ``request``'s prompt (sent with ``do_remote_decode``), unless it is given as
+        embeddings (logged: the decode side recomputes it)."""
+        if embeds_prompt(request):
+            log.warning(
+                "tritonkv: request %s: its prompt is given as embeddings, which tritonkv does "
+                "not move; the decode side will recompute it",
+                request.request_id,
+            )
+            return
         self._watched[request.request_id] = request
 
     def step(self, scheduler_output) -> tuple[list[SaveSpec], list[str]]:
@@ -121,6 +137,7 @@ class SavePlan:
             prompt_len,
             prompt_digest=digest or request_digest(request),
             chunk=chunk,
+            groups=group_parts(self.groups, block_ids, prompt_len, stop),
             debug_fault=faults(request.kv_transfer_params, self._debug),
         )
 
@@ -150,6 +167,12 @@ class SavePlan:
         if chosen is not None and chosen in self._issued:
             why = f"transfer_id {short_id(chosen)} is already in use"
             self._refusals.append((chosen, request_digest(request)))
+        elif chosen is not None and self.groups:
+            why = (
+                f"the model has {len(self.groups)} KV cache groups, which are not published "
+                "chunk by chunk (the overlapped flow)"
+            )
+            self._refusals.append((chosen, request_digest(request)))
         if not why:
             return chosen
         log.warning(
@@ -159,3 +182,8 @@ class SavePlan:
             why,
         )
         return None
+
+
+def embeds_prompt(request) -> bool:
+    """Whether (part of) ``request``'s prompt is given as embeddings, not token ids."""
+    return request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None

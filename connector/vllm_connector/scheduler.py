@@ -21,6 +21,7 @@ from ..kvstore import short_id
 from ..logs import Throttle, get_logger, held_note
 from ..transport import SECRET_ENV, is_loopback, load_secret
 from .config import ConnectorConfig
+from .groups import KVGroup, group_parts
 from .handoff import (
     OVERLAP,
     PROTOCOL,
@@ -35,7 +36,7 @@ from .handoff import (
     signature_problem,
 )
 from .metadata import DiscardSpec, LoadSpec
-from .saves import SavePlan
+from .saves import SavePlan, embeds_prompt
 from .stats import TransferStats
 from .tp_mapping import plan_heads
 
@@ -57,6 +58,8 @@ class SchedulerSide:
         fingerprint: what a producer's and a consumer's caches must share.
         refuse_loads: why this engine cannot use loaded KV (:mod:`.capability`), or ``""``:
             a consumer with a reason refuses every hand-off with it.
+        kv_groups: the model's KV cache groups (:mod:`.groups`); with several, one entry each,
+            every load async, no overlapped flow, no other TP size on the producer.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class SchedulerSide:
         engine_port: int,
         fingerprint: str,
         refuse_loads: str = "",
+        kv_groups: list[KVGroup] = (),
     ):
         self.cfg = cfg
         self.is_producer, self.is_consumer = is_producer, is_consumer
@@ -79,6 +83,7 @@ class SchedulerSide:
         self.tp_size, self.total_kv_heads, self.use_mla = tp_size, total_kv_heads, use_mla
         self.engine_port, self.fingerprint = engine_port, fingerprint
         self.refuse_loads = refuse_loads
+        self.kv_groups = list(kv_groups) if len(kv_groups) > 1 else []
         self.stats = TransferStats()  # consumer: hand-offs refused before any load
         self._throttle = Throttle()  # their log lines: any client may send them
         # Without a secret nothing proves who a producer is: only this machine's may serve us.
@@ -91,7 +96,7 @@ class SchedulerSide:
                 "producer a hand-off names, unauthenticated: whoever can send it a request can "
                 "have it load KV of their making (served to later prompts from its prefix cache)"
             )
-        self._saves = SavePlan(block_size, cfg.debug_allow_corrupt)  # producer
+        self._saves = SavePlan(block_size, cfg.debug_allow_corrupt, self.kv_groups)  # producer
         self._local_hit: dict[str, int] = {}  # consumer: req_id -> block-aligned local hit
         self._tried: set[str] = set()  # consumer: requests whose hand-off was used or refused
         self._refused: set[str] = set()  # consumer: requests whose hand-off was refused
@@ -136,6 +141,8 @@ class SchedulerSide:
                 f"may load from (producers: {list(self.cfg.producers)})"
             )
         producer_problem = bool(problems) and not handoff_problems(params)
+        if not problems and self.kv_groups:
+            problems += _group_problems(params, self.tp_size, len(self.kv_groups))
         if not problems:
             try:  # the heads this side's ranks need must be on the producer's ranks
                 plan_heads(
@@ -148,7 +155,7 @@ class SchedulerSide:
                 problems.append(
                     f"fingerprint {params['fingerprint']!r} != ours {self.fingerprint!r}"
                 )
-            if _embeds_prompt(request):
+            if embeds_prompt(request):
                 problems.append("the prompt is given as embeddings, which tritonkv does not move")
             elif params["num_tokens"] != request.num_prompt_tokens:
                 problems.append(
@@ -220,20 +227,13 @@ class SchedulerSide:
         if count <= 0:
             return 0, False
         self._local_hit[req_id] = num_computed_tokens
-        return count, self.cfg.async_load or params.get(OVERLAP) is True
+        return count, _is_async(self.cfg, params, self.kv_groups)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         req_id = request.request_id
         params = request.kv_transfer_params
         if self.is_producer and isinstance(params, dict) and params.get("do_remote_decode"):
-            if _embeds_prompt(request):
-                log.warning(
-                    "tritonkv: request %s: its prompt is given as embeddings, which tritonkv does "
-                    "not move; the decode side will recompute it",
-                    req_id,
-                )
-            else:
-                self._saves.watch(request)
+            self._saves.watch(request)
         start = self._local_hit.pop(req_id, None)
         if num_external_tokens <= 0 or start is None:
             return
@@ -241,15 +241,16 @@ class SchedulerSide:
         overlapped = params.get(OVERLAP) is True
         self._tried.add(req_id)
         self._handle(params["transfer_id"], req_id)
-        if self.cfg.async_load or overlapped:
+        if _is_async(self.cfg, params, self.kv_groups):
             self._receiving.add(req_id)
+        ids = blocks.get_block_ids()  # one list per KV cache group
         self._pending_loads.append(
             LoadSpec(
                 req_id=req_id,
                 transfer_id=params["transfer_id"],
                 host=params["remote_host"],
                 port=params["remote_port"],
-                block_ids=list(blocks.get_block_ids()[0]),
+                block_ids=list(ids[0]),
                 start=start,
                 count=num_external_tokens,
                 num_tokens=params["num_tokens"],
@@ -260,6 +261,7 @@ class SchedulerSide:
                 chunked=overlapped,
                 corrupt=self.cfg.debug_allow_corrupt
                 and params.get("tritonkv_debug_corrupt") is True,
+                groups=group_parts(self.kv_groups, ids, request.num_prompt_tokens),
                 debug_fault=faults(params, self.cfg.debug_allow_corrupt),
             )
         )
@@ -337,6 +339,29 @@ class SchedulerSide:
         return False, sign_handoff(handoff, self._secret, valid_s=self.cfg.ttl_s + 60.0)
 
 
+def _is_async(cfg: ConnectorConfig, params: dict, kv_groups: list) -> bool:
+    """Whether the load of ``params`` is async: ``async_load``, an overlapped hand-off, or
+    several KV cache groups (vLLM takes their failed load only as a failed request)."""
+    return cfg.async_load or params.get(OVERLAP) is True or bool(kv_groups)
+
+
+def _group_problems(params: dict, tp_size: int, num_groups: int) -> list[str]:
+    """Why a consumer whose model has ``num_groups`` KV cache groups cannot load the hand-off
+    ``params`` (``[]`` when it can): not overlapped, and from a producer of its own TP size."""
+    problems = []
+    if params.get(OVERLAP) is True:
+        problems.append(
+            f"an overlapped hand-off, which a model of {num_groups} KV cache groups cannot "
+            "load yet (its groups are saved once the prompt is computed)"
+        )
+    if params["tp_size"] != tp_size:
+        problems.append(
+            f"the producer's TP size {params['tp_size']} differs from ours ({tp_size}), which "
+            f"a model of {num_groups} KV cache groups cannot load yet"
+        )
+    return problems
+
+
 def _unproven(host: str) -> list[str]:
     """Why a consumer without a secret may not load from ``host`` (nothing would prove who
     serves there): ``[]`` for a loopback address."""
@@ -347,8 +372,3 @@ def _unproven(host: str) -> list[str]:
         f"to prove who serves there (set the same secret on both servers: {SECRET_ENV} or "
         'secret_file; or "insecure": true)'
     ]
-
-
-def _embeds_prompt(request) -> bool:
-    """Whether (part of) ``request``'s prompt is given as embeddings, not token ids."""
-    return request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None

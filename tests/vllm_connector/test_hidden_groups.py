@@ -59,9 +59,11 @@ def test_found_by_spec_by_name_and_in_a_uniform_group() -> None:
 def test_refusals() -> None:
     from connector.vllm_connector.connector import hidden_group
 
-    full, _ = _specs()
-    with pytest.raises(ValueError, match="disable-hybrid-kv-cache-manager"):
-        hidden_group(_vllm(None), _config((ATTN[:1], full), (ATTN[1:], full)))
+    full, hidden = _specs()
+    two = ((ATTN[:1], full), (ATTN[1:], full))
+    assert hidden_group(_vllm(None), _config(*two)) == {}  # several KV groups: moved (groups.py)
+    with pytest.raises(ValueError, match="2 cache groups"):  # but not with hidden states
+        hidden_group(_vllm("extract_hidden_states"), _config(*two, ([HIDDEN], hidden)))
     with pytest.raises(ValueError, match="found 0"):
         hidden_group(_vllm("extract_hidden_states"), _config((ATTN, full)))
 

@@ -1,0 +1,97 @@
+"""A model's KV cache groups, as this connector moves them (vLLM's hybrid KV cache manager).
+
+vLLM gives each group of layers that share an attention kind its own block table: a model whose
+layers alternate sliding-window and full attention (Gemma 3, gpt-oss, ...) has two groups, and a
+request holds one list of block ids per group (``SupportsHMA``). One transfer carries every
+group: group 0's entry under the transfer id, group ``g``'s under ``"<transfer_id>#g<g>"``
+(:func:`group_key`), so that one DISCARD or seal of the transfer id reaches all of them (the KV
+store treats keys up to ``#`` as one transfer). Every entry is bound to the same prompt digest.
+
+What each group moves (:func:`first_position`):
+
+- full attention: the whole prompt;
+- sliding window of ``W`` tokens: only what the decode side's attention can still read. The
+  consumer recomputes the prompt's last token (position ``N - 1``), whose window starts at
+  ``N - W``; vLLM's sliding-window manager gives the consumer null blocks for every block before
+  the one holding ``N - W``. Moved: positions from that block's first slot on (the whole block:
+  vLLM caches it for later prefix hits, so no slot of it may stay unwritten), at most ``W - 1``
+  tokens plus one block. The producer still holds those blocks when it saves: its manager frees
+  only blocks wholly before the window of the token it computes next.
+
+State groups (Mamba, gated delta net, short convolutions) are refused at start: their state at
+the right token boundary is not carried yet. No vLLM import: the facade reads vLLM's specs into
+:class:`KVGroup` values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..kvstore import CHUNK_SEP
+from .metadata import GroupPart
+
+#: The attention kinds this connector moves.
+KINDS = ("full", "sliding")
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV cache group: ``kind`` (:data:`KINDS`), its layers' indices (in order), tokens per
+    block, and the window in tokens (sliding groups; None otherwise)."""
+
+    kind: str
+    layers: tuple[int, ...]
+    block_size: int
+    window: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"KV cache group kind: expected one of {KINDS}, got {self.kind!r}")
+        if (self.window is None) != (self.kind != "sliding") or (self.window or 1) < 1:
+            raise ValueError(
+                f"KV cache group: a sliding group has a window of at least one token and no "
+                f"other group has one; got kind {self.kind!r}, window {self.window!r}"
+            )
+        if self.block_size < 1:
+            raise ValueError(f"KV cache group block_size: expected >= 1, got {self.block_size}")
+
+    def describe(self) -> str:
+        """This group in a fingerprint: ``full/16/L1,3`` or ``sliding=32/16/L0,2``."""
+        kind = self.kind if self.window is None else f"{self.kind}={self.window}"
+        return f"{kind}/{self.block_size}/L{','.join(map(str, self.layers))}"
+
+    def first_position(self, num_tokens: int) -> int:
+        """The first prompt position of a ``num_tokens``-token prompt this group moves (module
+        docstring): 0 for full attention; for a sliding window, the first slot of the block
+        holding position ``num_tokens - window`` (the window of the last prompt token)."""
+        if self.window is None:
+            return 0
+        skipped = max(0, num_tokens - self.window)
+        return skipped // self.block_size * self.block_size
+
+
+def describe_groups(groups: list[KVGroup]) -> str:
+    """The groups in a fingerprint: ``groups=<group>;<group>`` (:meth:`KVGroup.describe`)."""
+    return "groups=" + ";".join(g.describe() for g in groups)
+
+
+def group_key(transfer_id: str, group: int) -> str:
+    """The key of group ``group``'s entry of ``transfer_id``: the id itself for group 0, else
+    ``"<transfer_id>#g<group>"`` (the same transfer for the KV store's DISCARD and seal)."""
+    return transfer_id if group == 0 else f"{transfer_id}{CHUNK_SEP}g{group}"
+
+
+def group_parts(
+    groups: list[KVGroup], block_ids, num_tokens: int, stop: int | None = None
+) -> list[GroupPart]:
+    """Each group's part of a ``num_tokens``-token prompt's save or load: its block ids (vLLM's
+    one list per group; with ``stop``, only the blocks holding positions ``[0, stop)``) and its
+    first position (:meth:`KVGroup.first_position`). ``[]`` for no groups (one cache group)."""
+    return [
+        GroupPart(
+            g,
+            list(block_ids[g] if stop is None else block_ids[g][: -(-stop // group.block_size)]),
+            group.first_position(num_tokens),
+        )
+        for g, group in enumerate(groups)
+    ]

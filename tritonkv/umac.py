@@ -58,10 +58,12 @@ __all__ = [
     "TagMismatch",
     "TransferKeys",
     "check_payload_tag",
+    "check_tag",
     "nh_hash",
     "nh_hash_numpy",
     "nh_hash_torch",
     "payload_tag",
+    "tag_of_outputs",
     "transfer_keys",
 ]
 
@@ -185,12 +187,27 @@ def payload_tag(key: TransferKeys, tensors: Sequence[torch.Tensor]) -> bytes:
     """
     if isinstance(tensors, torch.Tensor):
         raise TypeError("tensors: expected a sequence of tensors, got one tensor")
-    outputs = [nh_hash(t, key) for t in tensors]
-    host = [o.cpu() if o.device.type != "cpu" else o for o in outputs]
-    parts = []
-    for t, o in zip(tensors, host, strict=True):
-        parts.append((t.numel() * t.element_size(), o.numpy().view(np.uint64).astype("<u8")))
-    return prf_tag(key.mac_key, key.nonce, [(n, o.tobytes()) for n, o in parts])
+    parts = [(t.numel() * t.element_size(), nh_hash(t, key)) for t in tensors]
+    return tag_of_outputs(key, parts)
+
+
+def tag_of_outputs(key: TransferKeys, parts: Sequence[tuple[int, torch.Tensor]]) -> bytes:
+    """The tag from NH outputs computed already: :func:`payload_tag` of tensors whose byte
+    counts and :func:`nh_hash` outputs ``parts`` holds, in order. NH of a tensor is the
+    concatenation of NH of its slices cut at multiples of :data:`CHUNK_BYTES` (blocks are
+    independent), so a receiver may hash pieces as they land.
+
+    Args:
+        key: the transfer's keys.
+        parts: ``(num_bytes, outputs)`` per tensor, outputs ``[n, ITERATIONS]`` int64 on any
+            device (brought to the host at once).
+
+    Returns:
+        :data:`TAG_BYTES` bytes.
+    """
+    host = [o.cpu() if o.device.type != "cpu" else o for _, o in parts]
+    raw = [o.numpy().view(np.uint64).astype("<u8").tobytes() for o in host]
+    return prf_tag(key.mac_key, key.nonce, [(n, r) for (n, _), r in zip(parts, raw, strict=True)])
 
 
 def check_payload_tag(key: TransferKeys, tensors: Sequence[torch.Tensor], tag: bytes) -> None:
@@ -200,10 +217,16 @@ def check_payload_tag(key: TransferKeys, tensors: Sequence[torch.Tensor], tag: b
         TagMismatch: they differ (a changed, reordered, truncated or foreign payload).
         TypeError: ``tag`` is not bytes.
     """
+    check_tag(payload_tag(key, tensors), tag, len(tensors))
+
+
+def check_tag(got: bytes, tag: bytes, num_tensors: int) -> None:
+    """Compare a computed tag ``got`` (:func:`payload_tag`, :func:`tag_of_outputs`) with the
+    sender's ``tag`` in constant time; TagMismatch if unlike, TypeError if ``tag`` is not bytes."""
     if not isinstance(tag, (bytes, bytearray)):
         raise TypeError(f"tag: expected bytes, got {type(tag).__name__}")
-    if not hmac.compare_digest(bytes(tag), payload_tag(key, tensors)):
+    if not hmac.compare_digest(bytes(tag), got):
         raise TagMismatch(
-            f"payload authentication failed: the tag of {len(tensors)} tensor(s) differs from "
+            f"payload authentication failed: the tag of {num_tensors} tensor(s) differs from "
             "the sender's (changed, reordered, truncated or another transfer's bytes)"
         )

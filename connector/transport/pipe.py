@@ -294,7 +294,7 @@ class TensorPipe:
                         s.name: _place(s, inline_tensors[s.name], dev, out) for s in header.specs
                     }
                 else:
-                    tensors = self._receiver.receive(header, dev, out, deadline, t0, key)
+                    tensors = self._receiver.receive(header, dev, out, deadline, t0, key, auth)
                     if auth is not None:
                         self._receiver.authenticate(header, tensors, auth, key)
             except TransferError as e:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import time
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ import torch
 from tritonkv import umac
 
 from ..logs import get_logger, hide_ids
-from . import staging
+from . import frame, staging
 from .buffers import RECV_POOL, flat_bytes, staging_buffer
 from .errors import (
     PayloadAuthError,
@@ -266,30 +267,50 @@ class _PayloadReceiver:
         self._state = state
         self._dead_grace_s = pipe.dead_grace_s
         self._waitq: collections.deque[_WorkSlot] = collections.deque()
+        self._hashed: tuple[int | None, dict] = (None, {})  # frame counter, NH of landed pieces
         self.thread = None
         if pipe.process_group is not None:
             self.thread = transfer_thread(self._loop, name)
 
-    def receive(self, header: Header, dev, out, deadline, t0, key) -> dict[str, torch.Tensor]:
+    def receive(
+        self, header: Header, dev, out, deadline, t0, key, auth=None
+    ) -> dict[str, torch.Tensor]:
         """Every tensor of a header whose payload travels on the process group, by name, each
         chunk in :func:`~.frame.pieces`. Gloo carries host memory: for a device ``dev`` each
         piece lands in a pinned staging buffer and is copied to the device while the next one
         arrives, after what the caller's stream had queued when this began (:mod:`.staging`);
-        done when this returns."""
+        done when this returns.
+
+        With ``auth`` (the header's umac tag and frame counter), a host tensor received straight
+        into its place is hashed piece by piece: each piece while the next one arrives (kept for
+        :meth:`authenticate`, which hashes the rest)."""
         copies = None if self._pipe.transport == "nccl" else staging.copies_for(dev)
         after = None if copies is None else copies.ready()
         what = f"payload of {key!r}"
         tensors = {s.name: _target(s, dev, out) for s in header.specs}
+        self._hashed = (None, {})
+        piecewise = auth is not None and frame.PIECE_BYTES % umac.CHUNK_BYTES == 0
+        if piecewise:
+            self._hashed = (auth[1], {})
+            keys = self._pipe.session.payload_keys(auth[1], sending=False)
 
-        def receive(buf: torch.Tensor) -> None:
+        def receive(buf: torch.Tensor, name: str | None = None) -> None:
+            landed = None  # the last piece received, not hashed yet
             for off, n in pieces(buf.numel()):
-                self._receive_chunk(buf[off : off + n], deadline, t0, key)
+                hash_landed = None
+                if name is not None and landed is not None:
+                    hash_landed = functools.partial(self._hash_piece, name, landed, keys)
+                self._receive_chunk(buf[off : off + n], deadline, t0, key, hash_landed)
+                landed = buf[off : off + n]
+            if name is not None and landed is not None:
+                self._hash_piece(name, landed, keys)
 
         for chunk in plan_chunks(header.specs):
             if not chunk.members:
                 target = flat_bytes(tensors[header.specs[chunk.index].name])
                 if copies is None:
-                    receive(target)
+                    on_host = piecewise and target.device.type == "cpu"
+                    receive(target, header.specs[chunk.index].name if on_host else None)
                 else:
                     staging.to_device_pieces(copies, target, after, receive, deadline, what)
                 continue
@@ -309,23 +330,38 @@ class _PayloadReceiver:
             staging.copy_all(copies, pairs, after, deadline, what)
         return tensors
 
+    def _hash_piece(self, name: str, piece: torch.Tensor, keys) -> None:
+        """NH of one landed piece of tensor ``name`` (pieces start at multiples of 4 KiB)."""
+        self._hashed[1].setdefault(name, []).append(umac.nh_hash(piece, keys))
+
     def authenticate(self, header: Header, tensors: dict, auth: tuple[bytes, int], key) -> None:
         """Check the received ``tensors`` (in header order) against the umac tag the header
-        brought (``auth``: tag and frame counter). PayloadAuthError if they differ."""
+        brought (``auth``: tag and frame counter), with the NH of the pieces :meth:`receive`
+        hashed as they landed. PayloadAuthError if they differ."""
         tag, counter = auth
         keys = self._pipe.session.payload_keys(counter, sending=False)
+        hashed = self._hashed[1] if self._hashed[0] == counter else {}
+        self._hashed = (None, {})
+        parts = []
+        for s in header.specs:
+            done = hashed.get(s.name)
+            outputs = torch.cat(done) if done else umac.nh_hash(tensors[s.name], keys)
+            parts.append((s.nbytes, outputs))
         try:
-            umac.check_payload_tag(keys, [tensors[s.name] for s in header.specs], tag)
+            umac.check_tag(umac.tag_of_outputs(keys, parts), tag, len(parts))
         except umac.TagMismatch as e:
             st = self._state
             with st.cond:
                 st.counters["payload_auth_failures"] += 1
             raise PayloadAuthError(f"{e}; closing the connection", peer=st.peer, key=key) from None
 
-    def _receive_chunk(self, buf: torch.Tensor, deadline: float, t0: float, key) -> None:
+    def _receive_chunk(
+        self, buf: torch.Tensor, deadline: float, t0: float, key, meanwhile=None
+    ) -> None:
         """Receive one payload chunk into ``buf``, giving up early when the peer's socket closed
-        or the pipe closes. Before it raises, the receive is cancelled (see :meth:`_cancel`):
-        nothing lands in ``buf`` (possibly the caller's ``out``) afterwards."""
+        or the pipe closes; ``meanwhile()`` runs once the receive is posted (hashing the piece
+        before). Before it raises, the receive is cancelled (see :meth:`_cancel`): nothing
+        lands in ``buf`` (possibly the caller's ``out``) afterwards."""
         st = self._state
         pipe = self._pipe
         pg = pipe.process_group
@@ -350,7 +386,14 @@ class _PayloadReceiver:
         with st.cond:
             self._waitq.append(slot)
             st.cond.notify_all()
-            err = self._await(slot, deadline, t0, key)
+        failed = None
+        if meanwhile is not None:
+            try:
+                meanwhile()
+            except Exception as e:  # raised once the posted receive is over, as below
+                failed = TransferError(f"hashing a received piece failed: {e!r}", peer=st.peer)
+        with st.cond:
+            err = self._await(slot, deadline, t0, key) or failed
         if err is not None:
             self._cancel(slot.work)
             raise err

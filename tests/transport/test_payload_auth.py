@@ -212,3 +212,46 @@ def test_each_direction_and_frame_has_keys_of_its_own():
     assert got.mac_key == sent.mac_key  # the receiving end derives the sender's keys
     assert listener.payload_keys(3, sending=True).mac_key != sent.mac_key  # other direction
     assert connector.payload_keys(4, sending=True).mac_key != sent.mac_key  # other frame
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("at", [None, 0, 13 * BLOCK + 5, 24 * BLOCK, 40 * BLOCK - 2])
+def test_a_payload_in_many_pieces_is_hashed_as_they_land(monkeypatch, at):
+    """Pieces of 8 blocks (frame.PIECE_BYTES patched): the receiver hashes each landed piece
+    while the next one arrives; an untouched payload (at None) passes with the pieces' hashes
+    used (and the sender's whole-tensor tag matching them), a bit flipped in the first, a
+    middle or the last (short) piece is refused."""
+    from connector.transport import frame
+
+    monkeypatch.setattr(frame, "PIECE_BYTES", 8 * BLOCK)
+    hashed = []
+    original = receiving_mod._PayloadReceiver._hash_piece
+
+    def spy(self, name, piece, keys):
+        hashed.append(piece.numel())
+        return original(self, name, piece, keys)
+
+    monkeypatch.setattr(receiving_mod._PayloadReceiver, "_hash_piece", spy)
+    nbytes = 40 * BLOCK - 1  # 5 pieces, the last one a byte short (160 KiB: not inline)
+    offsets, flipped = [], []
+
+    def flip(i, piece):
+        start = sum(offsets)
+        offsets.append(piece.numel())
+        if at is not None and start <= at < start + piece.numel():
+            piece[at - start] ^= 4
+            flipped.append(at)
+        return piece
+
+    _tamper(monkeypatch, flip)
+    with pipe_pair("gloo") as (server, client):
+        sent = _payload(20, nbytes)
+        client.send("k", {"kv": sent})  # one tensor: not packed with others
+        if at is None:
+            got = server.recv(timeout_s=20).tensors
+            assert torch.equal(got["kv"], sent)
+        else:
+            with pytest.raises(PayloadAuthError):
+                server.recv(timeout_s=20)
+    assert hashed == [8 * BLOCK] * 4 + [8 * BLOCK - 1]
+    assert flipped == ([] if at is None else [at])

@@ -4,6 +4,8 @@ the key (a separate launch over the packed tensor, not fused into the pack/unpac
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -65,16 +67,24 @@ def nh_triton(words: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     out = torch.empty((programs * BLOCKS, ITERATIONS), dtype=torch.int64, device=words.device)
     if n:
         assert key.numel() == KEY_WORDS and key.dtype == torch.int32
-        _nh_kernel[(programs,)](
-            words,
-            key,
-            out,
-            n,
-            out.stride(0),
-            CHUNK_WORDS=CHUNK_WORDS,
-            ITERATIONS=ITERATIONS,
-            SHIFT_WORDS=SHIFT_WORDS,
-            BLOCKS=BLOCKS,
-            num_warps=4,
-        )
+        on_device = words.device.type == "cuda"  # a transport thread's current device may differ
+        guard = torch.cuda.device(words.device) if on_device else contextlib.nullcontext()
+        with guard:
+            _launch(words, key, out, n, programs)
     return out[:n]
+
+
+def _launch(words, key, out, n: int, programs: int) -> None:
+    """One launch of :func:`_nh_kernel` over ``n`` blocks in ``programs`` programs."""
+    _nh_kernel[(programs,)](
+        words,
+        key,
+        out,
+        n,
+        out.stride(0),
+        CHUNK_WORDS=CHUNK_WORDS,
+        ITERATIONS=ITERATIONS,
+        SHIFT_WORDS=SHIFT_WORDS,
+        BLOCKS=BLOCKS,
+        num_warps=4,
+    )

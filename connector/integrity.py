@@ -42,7 +42,9 @@ Expected = str | list[str] | None  # whole-entry digest, per-head digests of a s
 # alloc_fail (either): the device allocation of this transfer fails as out of memory would.
 # short_window (consumer): a sliding-window group's first loaded block stays unwritten (a window
 # one block short).
-FAULTS = ("flip_bit", "wrong_slot", "no_digest", "alloc_fail", "short_window")
+# state_after_last (producer): a model with state groups computes the whole prompt, so its state
+# is h(N), one token late (the boundary shifted by one).
+FAULTS = ("flip_bit", "wrong_slot", "no_digest", "alloc_fail", "short_window", "state_after_last")
 
 
 def faults(params, allowed: bool) -> str:

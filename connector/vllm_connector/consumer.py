@@ -32,7 +32,7 @@ from functools import partial
 
 import torch
 
-from tritonkv import unpack_kv
+from tritonkv import unpack_kv, unpack_state
 
 from .. import integrity
 from ..kvstore import ClientBusyError, KVClient, Part, chunk_key, hide_ids, short_id
@@ -44,7 +44,7 @@ from ..transport import (
     error_text,
     pin_current_thread,
 )
-from .cache_views import RankCaches
+from .cache_views import RankCaches, StateCaches
 from .config import ConnectorConfig
 from .entries import check_entry, entry_span, expected_bytes
 from .groups import group_key
@@ -128,8 +128,7 @@ class Consumer:
         self._discarding: list[Future] = []
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._streams = streams if streams is not None else device_streams(caches.device)
-        # nccl carries device memory: received KV lands there; else on the host, and the copy to
-        # the device is ours, on vLLM's stream, within the budget (streams.DeviceBudget)
+        # nccl: received KV lands in device memory; else on the host, ours to copy (the budget)
         self._device_wire = cfg.transport_for(caches.device) == "nccl"
         self.budget = budget or DeviceBudget(cfg.gpu_memory_bytes)
         self._landings = Landings(self.budget, cfg.load_timeout_s)  # launched on a GPU
@@ -221,7 +220,7 @@ class Consumer:
             gather = self._pool("gather", 8)
             futures = [gather.submit(self._receive_part, *a) for a in asked]
             got = [f.result() for f in futures]  # the first failure fails the whole load
-        paged = {entry[0] for entries in got for entry in entries} == {"pages"}
+        paged = {entry[0] for entries in got for entry in entries} - {"state"} == {"pages"}
         parts = [
             (one, source, *rest)
             for (one, source), entries in zip(asked, got, strict=True)
@@ -281,19 +280,17 @@ class Consumer:
     ) -> bool:
         """Unpack what ``receive()`` returns (see :meth:`_receive`) into ``spec``'s slots, on the
         worker's thread; a failure of either is logged and its blocks go to the error set.
+        Token rows fill positions ``[start, start + count)``; whole pages every block from the
+        one holding ``start`` (local hits are whole blocks) to the prompt's last allocated one
+        (the last prompt token too, which vLLM recomputes; slots past the prompt, which only
+        later tokens use); a state group's row its state blocks (:func:`unpack_state_row`).
 
-        Token rows fill positions ``[start, start + count)``. Whole pages fill every block from
-        the one holding ``start`` (a block boundary: local prefix-cache hits are whole blocks) to
-        the last allocated one of the prompt: that writes the last prompt token too, which vLLM
-        then recomputes, and slots past the prompt in its block, which only later tokens use.
-
-        ``t0`` is when the load started. Off a GPU the load is complete when this returns
-        (False). On a GPU (True, unless it failed here) the copy of host-staged KV to the device
-        (within the :class:`~connector.streams.DeviceBudget`) and the unpack run on the current stream
-        (vLLM's: the forward pass comes after them), the digests they computed are copied to
-        the host behind them, and nothing waits: :mod:`.landings` compares the digests and lets
-        the tensors go once the unpack's event completed.
-        """
+        ``t0``: when the load started. Off a GPU the load is complete when this returns (False).
+        On a GPU (True, unless it failed here) the copy of host-staged KV to the device (within
+        the :class:`~connector.streams.DeviceBudget`) and the unpack run on the current stream
+        (vLLM's: the forward pass comes after them), their digests are copied to the host
+        behind them, and nothing waits: :mod:`.landings` compares them once the unpack's event
+        completed."""
         ops = self._streams
         gpu = GpuLoad(ops, self.budget, spec) if ops is not None else None
         try:
@@ -302,6 +299,12 @@ class Consumer:
             nbytes = 0
             for one, source, packed, want, offset in parts:  # all arrived: one unpack each
                 caches = self.groups[one.group]
+                # host-staged: ours to copy (a device-resident buffer's entry is read in place)
+                if gpu is not None and not self._device_wire and not ops.is_device(packed):
+                    packed = gpu.to_device(packed)
+                if isinstance(caches, StateCaches):
+                    nbytes += unpack_state_row(caches, one, packed, want, gpu)
+                    continue
                 rows = packed.shape[2]  # positions [offset, offset + rows)
                 views, first, stop = _written(caches, one, paged, source, offset, rows)
                 if "short_window" in spec.debug_fault and one.first:  # test hook
@@ -310,10 +313,6 @@ class Consumer:
                     continue
                 if spec.corrupt or "no_digest" in spec.debug_fault:  # test hooks: no check (the
                     packed, want = _corrupted(packed) if spec.corrupt else packed, None  # KV lands)
-                # host-staged: ours to copy (an entry of a device-resident buffer in this
-                # process, e.g. kv_both's own, is read where it is)
-                if gpu is not None and not self._device_wire and not ops.is_device(packed):
-                    packed = gpu.to_device(packed)
                 slots = caches.slots(one.block_ids, first, stop, rows, offset)
                 if "wrong_slot" in spec.debug_fault:  # test hook
                     slots = integrity.shifted_slots(slots, first - offset, stop - offset)
@@ -354,12 +353,13 @@ class Consumer:
     def _fail(self, spec: LoadSpec, t0: float, exc: BaseException) -> None:
         """Put ``spec``'s blocks in the error set (vLLM recomputes them; for several KV cache
         groups, its request in :meth:`take_failed`'s), count and log it."""
-        size = self.caches.block_size
-        failed = {spec.block_ids[p // size] for p in range(spec.start, spec.start + spec.count)}
+        size, stop = self.caches.block_size, spec.start + spec.count
+        failed = (
+            set() if spec.groups else {spec.block_ids[p // size] for p in range(spec.start, stop)}
+        )
         if spec.groups:
             self._failed_reqs.add(spec.req_id)
-        else:
-            self._load_errors |= failed
+        self._load_errors |= failed
         reason = load_failure(exc)
         self.stats.record_load_failure(reason)
         show, held = self._throttle.allow(reason)
@@ -372,6 +372,24 @@ class Consumer:
         for pool in pools:
             pool.shutdown(wait=False, cancel_futures=True)
         self.clients.close()
+
+
+def unpack_state_row(caches: StateCaches, spec: LoadSpec, packed, want, gpu) -> int:
+    """Write a state group's row into the block vLLM reads the state from once the claimed
+    positions are computed, and into the request's last block (in vLLM's "align" cache mode
+    it may copy the first into the last before the step: both hold it then); its bytes."""
+    computed = spec.start + spec.count
+    slots = dict.fromkeys([caches.state_slot(spec.block_ids, computed), spec.block_ids[-1]])
+    for i, slot in enumerate(slots):
+        at = caches.slots([slot])
+        read = unpack_state(packed, caches.states, at, digest=i == 0 and isinstance(want, str))
+        if i == 0 and gpu is not None:
+            gpu.keep += [packed, at]
+            if want is not None:
+                gpu.check(want, packed, read, None)
+        elif i == 0:
+            integrity.check_read(want, packed, read)
+    return packed.numel()
 
 
 def new_client(cfg: ConnectorConfig, device, device_wire: bool, secret, host: str, port: int):

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .cache_views import PAGES_ONLY, RankCaches, packed_shape
+from .cache_views import PAGES_ONLY, RankCaches, StateCaches, packed_shape
 from .handoff import shown
 from .metadata import CHUNK_FIELDS, FIRST_KEY, LoadSpec
 from .tp_mapping import HeadSource
@@ -91,6 +91,8 @@ def expected_bytes(caches: RankCaches, tp_size: int, spec: LoadSpec, source: Hea
     or of whole pages (the prompt's blocks × ``block_size`` rows × a page row's bytes), the larger
     of those this cache can take. From this side's caches only, never from the producer; a reply
     announcing more is refused before it is allocated."""
+    if isinstance(caches, StateCaches):  # one state row
+        return caches.row_bytes
     sizes = [0]
     for kv_format in ("tokens", "pages"):
         try:
@@ -119,6 +121,17 @@ def check_entry(
             f"{spec.fingerprint!r}"
         )
     kv_format = meta.get("kv_format")
+    if isinstance(caches, StateCaches):
+        want = (1, caches.row_bytes)
+        if kv_format != "state" or packed is None or tuple(packed.shape) != want:
+            got = "nothing" if packed is None else f"{tuple(packed.shape)}"
+            raise ValueError(
+                f"a state group's entry holds {got} of kv_format {shown(kv_format)}, expected "
+                f"{want} uint8 of kv_format 'state'"
+            )
+        if packed.dtype != torch.uint8:
+            raise ValueError(f"a state group's entry holds {packed.dtype}, expected uint8")
+        return kv_format, packed
     views, rows = _entry_views(caches, tp_size, spec, source, kv_format, span)
     if kv_format == "pages" and meta.get("page_kind") != caches.page_kind:
         raise ValueError(

@@ -18,9 +18,15 @@ What each group moves (:func:`first_position`):
   tokens plus one block. The producer still holds those blocks when it saves: its manager frees
   only blocks wholly before the window of the token it computes next.
 
-State groups (Mamba, gated delta net, short convolutions) are refused at start: their state at
-the right token boundary is not carried yet. No vLLM import: the facade reads vLLM's specs into
-:class:`KVGroup` values.
+State groups (Mamba, gated delta net, short convolutions: :data:`STATE`) keep one running state
+per request, in the block of the position it was last computed at (:meth:`KVGroup.state_index`).
+The decode side recomputes the prompt's last token, so it needs the state from *before* that
+token, h(N-1), not h(N): the producer of such a model stops one token short (it computes the
+prompt's first ``N - 1`` tokens, as vLLM's NixlConnector does; :data:`BACKOFF`), and every group
+moves those ``N - 1`` positions; the consumer claims them and computes the last token from h(N-1)
+itself. The state moves as one row of bytes per request (:func:`tritonkv.pack_state`).
+
+No vLLM import: the facade reads vLLM's specs into :class:`KVGroup` values.
 """
 
 from __future__ import annotations
@@ -30,19 +36,24 @@ from dataclasses import dataclass
 from ..kvstore import CHUNK_SEP
 from .metadata import GroupPart
 
-#: The attention kinds this connector moves.
-KINDS = ("full", "sliding")
+#: The group kinds this connector moves.
+KINDS = ("full", "sliding", "state")
+STATE = "state"
+#: Prompt tokens a producer of a model with state groups leaves for the decode side to compute.
+BACKOFF = 1
 
 
 @dataclass(frozen=True)
 class KVGroup:
     """One KV cache group: ``kind`` (:data:`KINDS`), its layers' indices (in order), tokens per
-    block, and the window in tokens (sliding groups; None otherwise)."""
+    block, the window in tokens (sliding groups; None otherwise), and for a state group what its
+    state is (shapes, dtypes, cache mode: both sides must agree)."""
 
     kind: str
     layers: tuple[int, ...]
     block_size: int
     window: int | None = None
+    detail: str = ""
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -56,9 +67,16 @@ class KVGroup:
             raise ValueError(f"KV cache group block_size: expected >= 1, got {self.block_size}")
 
     def describe(self) -> str:
-        """This group in a fingerprint: ``full/16/L1,3`` or ``sliding=32/16/L0,2``."""
+        """This group in a fingerprint: ``full/16/L1,3``, ``sliding=32/16/L0,2`` or
+        ``state[<detail>]/256/L0,2``."""
         kind = self.kind if self.window is None else f"{self.kind}={self.window}"
+        kind += f"[{self.detail}]" if self.detail else ""
         return f"{kind}/{self.block_size}/L{','.join(map(str, self.layers))}"
+
+    def state_index(self, num_computed: int) -> int:
+        """A state group's index, in the request's block list, of the block holding the state
+        after ``num_computed`` positions (vLLM's: the block of the last position computed)."""
+        return max(0, num_computed - 1) // self.block_size
 
     def first_position(self, num_tokens: int) -> int:
         """The first prompt position of a ``num_tokens``-token prompt this group moves (module
@@ -68,6 +86,11 @@ class KVGroup:
             return 0
         skipped = max(0, num_tokens - self.window)
         return skipped // self.block_size * self.block_size
+
+
+def backoff(groups: list[KVGroup]) -> int:
+    """Prompt tokens a producer leaves to the decode side: :data:`BACKOFF` with state groups."""
+    return BACKOFF if any(g.kind == STATE for g in groups) else 0
 
 
 def describe_groups(groups: list[KVGroup]) -> str:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tritonkv import pack_kv
+from tritonkv import pack_kv, pack_state
 
 from ..integrity import digest_tensors, entry_meta, flip_bit, meta_from_digests
 from ..kvstore import KVBuffer, KVServer, chunk_key, hide_ids, short_id
@@ -35,7 +35,7 @@ from ..transport import (
     is_loopback,
     name_current_thread,
 )
-from .cache_views import RankCaches, packed_shape
+from .cache_views import RankCaches, StateCaches, packed_shape
 from .config import ConnectorConfig
 from .groups import group_key
 from .metadata import FIRST_KEY, SaveSpec, group_saves
@@ -171,16 +171,14 @@ class Producer:
 
     def wait_for_save(self, saves: list[SaveSpec], discards: list[str] = (), refusals=()) -> None:
         """Discard the entries of ``discards`` (aborted requests), seal the ``(transfer id, prompt
-        digest)`` of ``refusals`` (chosen ids refused: their decode side stops waiting), and
-        pack and store ``saves``, after the forward pass. Never raises: a save that fails (an
-        entry that can never fit the buffer or the wire, no memory to pack it, a full buffer)
-        is that request's failure only, logged and counted; its decode side finds no entry and
-        recomputes the prompt."""
+        digest)`` of ``refusals`` (their decode side stops waiting), and pack and store
+        ``saves`` (each KV cache group's entry), after the forward pass. Never raises: a failed
+        save (too large, no memory, a full buffer) is logged, counted, and recomputed."""
         if self._buffer is None:
             return
         discard_transfers(self._buffer, discards, refusals)
         for spec in saves:
-            for one in group_saves(spec):  # a model of several KV cache groups: one per group
+            for one in group_saves(spec):
                 try:
                     self._save(one)
                 except Exception as exc:
@@ -204,6 +202,11 @@ class Producer:
     def _save(self, spec: SaveSpec) -> None:
         paged = self.kv_format == "pages"
         caches = self.groups[spec.group]
+        if isinstance(caches, StateCaches):  # one row, packed on the step
+            t0, on_device = time.perf_counter(), self.entries_on_device
+            packed, meta = state_entry(caches, spec, self.fingerprint, self.cfg.digest, on_device)
+            self._store(spec, packed, meta, packed.numel(), 1e3 * (time.perf_counter() - t0))
+            return
         views = caches.pages if paged else caches.layers
         nbytes = self.entry_bytes(spec)
         room = min(self._buffer.capacity_bytes, self._buffer.limits.max_message_bytes)
@@ -212,8 +215,7 @@ class Producer:
                 f"its entry of {spec.num_tokens} tokens needs {nbytes} bytes, more than one "
                 f"entry may hold ({room} bytes: buffer_bytes, or the wire's message limit)"
             )
-        t0 = time.perf_counter()
-        # The rows are known here, on the host: the pack gets its output sized from them.
+        t0 = time.perf_counter()  # the rows are known on the host: the output is sized by them
         offset, rows = entry_rows(spec, self.kv_format, caches.block_size)
         shape = packed_shape(views, rows)
         meta = {"fingerprint": self.fingerprint, "kv_format": self.kv_format}
@@ -370,10 +372,25 @@ def discard_transfers(buffer: KVBuffer, discards, refusals) -> None:
             )
 
 
+def state_entry(caches: StateCaches, spec: SaveSpec, fingerprint: str, digest: bool, on_device):
+    """``(packed, meta)`` of a state group's entry: the request's running state once its
+    ``num_tokens`` positions were computed (h(N-1): :mod:`.groups`), one row of every state
+    tensor, packed on the current stream (after the forward pass); in host memory unless
+    entries live ``on_device``."""
+    slots = caches.slots([caches.state_slot(spec.block_ids, spec.num_tokens)])
+    meta = {"fingerprint": fingerprint, "kv_format": "state"}
+    if digest:
+        packed, found = pack_state(caches.states, slots, digest=True)
+        meta.update(entry_meta(packed, found, "state"))
+    else:
+        packed = pack_state(caches.states, slots)
+    return (packed if on_device else packed.cpu()), meta
+
+
 def one_kv_format(groups: list[RankCaches], choice: str) -> str:
     """What every KV cache group's caches send for the ``kv_format`` option ``choice`` (one
     format for all); ValueError when they differ."""
-    formats = {g.kv_format(choice) for g in groups}
+    formats = {g.kv_format(choice) for g in groups if isinstance(g, RankCaches)}
     if len(formats) > 1:
         raise ValueError(
             "tritonkv: the KV cache groups' caches would send different kv_formats; expected "

@@ -24,7 +24,7 @@ from ..integrity import faults
 from ..kvstore import short_id
 from ..logs import get_logger
 from ..steps import prompt_steps
-from .groups import KVGroup, group_parts
+from .groups import KVGroup, backoff, group_parts
 from .handoff import proxy_transfer_id, request_digest
 from .metadata import Chunk, SaveSpec
 
@@ -48,6 +48,9 @@ class SavePlan:
     ):
         self.block_size = block_size
         self.groups = list(groups) if len(groups) > 1 else []
+        self._backoff = backoff(self.groups)
+        # req_id -> (prompt length, prompt digest) before the last tokens were held back
+        self._whole: dict[str, tuple[int, str]] = {}
         self._debug = debug_allow_corrupt
         self._watched: dict[str, Any] = {}  # req_id -> Request (do_remote_decode)
         self._saved: dict[str, str] = {}  # req_id -> transfer id issued
@@ -59,6 +62,37 @@ class SavePlan:
         # (transfer id, prompt digest) of chosen ids refused: sealed for that prompt, so that
         # its decode side, waiting for the id, stops at once
         self._refusals: list[tuple[str, str]] = []
+
+    def hold_back(self, request) -> None:
+        """A model with state groups: make ``request`` (sent with ``do_remote_decode``, new) stop
+        :data:`.groups.BACKOFF` token short, so that its state is h(N-1), the one the decode side
+        needs (:mod:`.groups`); its hand-off still names the whole prompt (:meth:`whole`). As
+        vLLM's NixlConnector does: its prompt token ids lose their tail and it is given one
+        output token. Not a prompt that is too short, given as embeddings, or that skips the
+        prefix cache (prompt logprobs: the decode side recomputes it all)."""
+        k, params = self._backoff, request.kv_transfer_params
+        skips = getattr(request, "get_skip_reading_prefix_cache", lambda: False)
+        if (
+            not k
+            or not (isinstance(params, dict) and params.get("do_remote_decode"))
+            or request.num_prompt_tokens <= k
+            or embeds_prompt(request)
+            or skips()
+            or request.request_id in self._whole
+            or "state_after_last" in faults(params, self._debug)  # test hook
+        ):
+            return
+        self._whole[request.request_id] = (request.num_prompt_tokens, request_digest(request))
+        del request.prompt_token_ids[-k:]
+        del request._all_token_ids[-k:]  # vLLM's own list of the request's tokens
+        request.num_prompt_tokens -= k
+        request.max_tokens = 1
+
+    def whole(self, request, forget: bool = False) -> tuple[int, str]:
+        """``(prompt length, prompt digest)`` of ``request``'s whole prompt (before
+        :meth:`hold_back`), for its hand-off and entries; ``forget``: the request finished."""
+        known = (self._whole.pop if forget else self._whole.get)(request.request_id, None)
+        return known if known is not None else (request.num_prompt_tokens, request_digest(request))
 
     def watch(self, request) -> None:
         """Save ``request``'s prompt (sent with ``do_remote_decode``), unless it is given as
@@ -99,7 +133,9 @@ class SavePlan:
         unfinished = self._published.pop(req_id, None) is not None
         if transfer_id is not None and (aborted or unfinished):
             self._discards.append(transfer_id)
-            return None
+            transfer_id = None
+        if transfer_id is None:  # no hand-off: its whole prompt is not asked for (whole())
+            self._whole.pop(req_id, None)
         return transfer_id
 
     def _save_spec(self, req_id: str, request, block_ids, end: int) -> SaveSpec | None:
@@ -135,9 +171,9 @@ class SavePlan:
             self._saved[req_id],
             list(block_ids[0][:needed]),
             prompt_len,
-            prompt_digest=digest or request_digest(request),
+            prompt_digest=digest or self.whole(request)[1],
             chunk=chunk,
-            groups=group_parts(self.groups, block_ids, prompt_len, stop),
+            groups=group_parts(self.groups, block_ids, self.whole(request)[0], stop),
             debug_fault=faults(request.kv_transfer_params, self._debug),
         )
 

@@ -21,7 +21,7 @@ from ..kvstore import short_id
 from ..logs import Throttle, get_logger, held_note
 from ..transport import SECRET_ENV, is_loopback, load_secret
 from .config import ConnectorConfig
-from .groups import KVGroup, group_parts
+from .groups import KVGroup, backoff, group_parts
 from .handoff import (
     OVERLAP,
     PROTOCOL,
@@ -196,6 +196,11 @@ class SchedulerSide:
             self._refused.add(request.request_id)
         return params
 
+    def on_new_request(self, request) -> None:
+        """A new request: see :meth:`.saves.SavePlan.hold_back` (producers)."""
+        if self.is_producer:
+            self._saves.hold_back(request)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         """Prompt tokens the producer's transfer adds to the local hit, or ``None`` (ask again
         later) while another request's async load of the same transfer runs.
@@ -253,7 +258,7 @@ class SchedulerSide:
                 block_ids=list(ids[0]),
                 start=start,
                 count=num_external_tokens,
-                num_tokens=params["num_tokens"],
+                num_tokens=params["num_tokens"] - backoff(self.kv_groups),  # what entries hold
                 producer_tp=params["tp_size"],
                 prompt_digest=params["prompt_digest"],
                 fingerprint=params["fingerprint"],
@@ -324,12 +329,13 @@ class SchedulerSide:
         transfer_id = self._saves.finished(req_id, aborted)
         if transfer_id is None:
             return False, None
+        num_tokens, digest = self._saves.whole(request, forget=True)  # before a held-back tail
         handoff = build_handoff(
             transfer_id=transfer_id,
             host=self.cfg.advertise_host or self.cfg.host,
             engine_port=self.engine_port,
-            num_tokens=request.num_prompt_tokens,
-            prompt_digest=request_digest(request),
+            num_tokens=num_tokens,
+            prompt_digest=digest,
             fingerprint=self.fingerprint,
             tp_size=self.tp_size,
         )

@@ -16,7 +16,7 @@ from tritonkv import use_triton
 from ..logs import get_logger
 from ..streams import DeviceBudget, gpu_budget_line
 from ..transport import load_secret
-from .cache_views import RankCaches
+from .cache_views import RankCaches, StateCaches
 from .config import ConnectorConfig
 from .consumer import Consumer
 from .groups import KVGroup
@@ -122,14 +122,17 @@ class WorkerSide:
         layers they serve) and, on a producer, start serving KV. ``transfer_cpus`` is only
         logged: the caller has pinned the transfer threads. A model of several KV cache groups
         gives each group's caches in ``group_caches`` (in the order of ``kv_groups``)."""
-        block_sizes = [g.block_size for g in self.kv_groups] or [self.block_size]
+        kinds = [(g.kind, g.block_size) for g in self.kv_groups] or [("full", self.block_size)]
         groups = [
-            RankCaches(
+            StateCaches(one, size)
+            if kind == "state"
+            else RankCaches(
                 one, head_size, size, use_mla=use_mla, on_cpu=self.on_cpu, isa=self.cpu_attn_isa
             )
-            for one, size in zip(group_caches or [caches], block_sizes, strict=True)
+            for one, (kind, size) in zip(group_caches or [caches], kinds, strict=True)
         ]
-        views = self.caches = groups[0]
+        # the first group of attention layers: what the rank's sides are made for
+        views = self.caches = next(g for g in groups if isinstance(g, RankCaches))
         self.groups = groups
         self.stats.rank = tp_rank  # its gauges are this rank's
         # One budget of device memory for the rank's sides (streams.DeviceBudget).

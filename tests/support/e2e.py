@@ -115,6 +115,25 @@ def start_cluster(workdir: Path, model: Path, **kw) -> tuple[Cluster, PD]:
     return cluster, PD(producer, consumer, proxy, vocabulary(model))
 
 
+def hybrid_cluster(tmp_path_factory, build, name: str):
+    """A bfloat16 P/D trio over the tiny model ``build(path)`` makes, the consumer's statistics
+    kept and the test hooks allowed (the hybrid models' modules): yields it, then stops it."""
+    model = build(tmp_path_factory.mktemp(f"tiny_{name}") / "model")
+    cluster, trio = start_cluster(
+        tmp_path_factory.mktemp(f"e2e_{name}"), model, dtype="bfloat16", log_stats=True,
+        extra_config={"debug_allow_corrupt": True},
+    )  # fmt: skip
+    yield trio
+    cluster.stop()
+
+
+def external_tokens(pd: PD) -> float:
+    """The consumer's prompt tokens loaded from an external transfer (its own counter)."""
+    return metric_sum(
+        pd.consumer.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+    )
+
+
 def assert_token_granular_load(pd: PD, rid: str, prompt_tokens: int) -> dict:
     """The consumer loaded everything but the last prompt token (minus its own prefix-cache hit)."""
     events = pd.events(rid)

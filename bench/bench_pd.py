@@ -18,8 +18,12 @@ example       producer + consumer with vLLM's ExampleConnector (KV through files
 The producer runs on core 0 and the consumer on core 1 (``VLLM_CPU_OMP_THREADS_BIND``); the
 colocated server on core 0. Every P/D setup goes through ``connector.serve.proxy`` (its hand-off is
 vLLM's: ``do_remote_decode`` to the producer, the producer's ``kv_transfer_params`` to the
-consumer). Model: the tiny random Llama of ``connector.serve.tiny_model`` (2 layers, 2 KV heads of 32,
-fp32) with a 4096-token context, block size 32.
+consumer). Model (``--model``): the tiny random Llama of ``connector.serve.tiny_model`` (2
+layers, 2 KV heads of 32, fp32), or a hybrid one in bfloat16 (``gemma3``: a sliding window beside
+full attention; ``qwen3-next``: gated-delta-net state beside full attention; results
+``pd-<model>-*``), with a 4096-token context, block size 32. The consumer's own counters give the
+KV tokens and bytes each load moved (tritonkv's ``vllm:tritonkv_bytes_loaded_total``, NIXL's
+``vllm:nixl_bytes_transferred``).
 
 Measured, with a new prompt for every request (no prefix-cache hits), each request of the length
 sweep after a 0.1 s pause (see ``PAUSE_S``):
@@ -65,7 +69,7 @@ from pathlib import Path
 
 from connector.serve.demo import make_prompt, vocabulary
 from connector.serve.launch import Cluster, Proc, free_port, free_port_run
-from connector.serve.tiny_model import build_tiny_llama
+from connector.serve.tiny_model import build_tiny_gemma3, build_tiny_llama, build_tiny_qwen3_next
 
 from . import pd_goal, pd_link
 from .common import results_dir
@@ -98,6 +102,17 @@ PAUSE_S = 0.1
 EXTERNAL = re.compile(
     r'^vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"[^}]*\}\s+(\S+)', re.M
 )
+# KV bytes a consumer loaded: tritonkv's counter, NIXL's histogram of bytes per transfer (its sum)
+LOADED_BYTES = re.compile(
+    r"^(?:vllm:tritonkv_bytes_loaded_total|vllm:nixl_bytes_transferred_sum)(?:\{[^}]*\})?\s+(\S+)",
+    re.M,
+)
+#: ``--model``: the tiny model of each architecture and the dtype it is served in
+MODELS = {
+    "llama": (build_tiny_llama, "float32"),
+    "gemma3": (build_tiny_gemma3, "bfloat16"),  # sliding window + full attention
+    "qwen3-next": (build_tiny_qwen3_next, "bfloat16"),  # gated delta net + full attention
+}
 
 
 # ------------------------------------------------------------------------------------ requests
@@ -105,6 +120,13 @@ EXTERNAL = re.compile(
 
 def external_kv_tokens(url: str) -> float | None:
     """The server's count of prompt tokens whose KV came from a connector (None if unreadable)."""
+    counts = consumer_counts(url)
+    return None if counts is None else counts[0]
+
+
+def consumer_counts(url: str) -> tuple[float, float] | None:
+    """``(prompt tokens whose KV came from a connector, KV bytes loaded)`` as the server counts
+    them (None if unreadable; bytes 0 for a connector that counts none)."""
     parts = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=REQUEST_TIMEOUT_S)
     try:
@@ -114,7 +136,8 @@ def external_kv_tokens(url: str) -> float | None:
         return None
     finally:
         conn.close()
-    return sum(float(v) for v in EXTERNAL.findall(text))
+    tokens = sum(float(v) for v in EXTERNAL.findall(text))
+    return tokens, sum(float(v) for v in LOADED_BYTES.findall(text))
 
 
 # ------------------------------------------------------------------------------------ servers
@@ -130,9 +153,11 @@ class Setup:
     entry: Proc  # the proxy (P/D) or the colocated server
 
 
-def start_setup(name: str, cluster: Cluster, model: Path, workdir: Path, progress) -> Setup:
-    """Start ``name``'s servers (and the proxy) and wait until all are healthy."""
-    common = {"max_model_len": MAX_MODEL_LEN, "log_stats": True}
+def start_setup(
+    name: str, cluster: Cluster, model: Path, workdir: Path, progress, dtype: str = "float32"
+) -> Setup:
+    """Start ``name``'s servers (and the proxy) in ``dtype`` and wait until all are healthy."""
+    common = {"max_model_len": MAX_MODEL_LEN, "log_stats": True, "dtype": dtype}
     if name == "colocated":
         server = cluster.start_vllm("colocated", model, free_port(), role=None, cpu="0", **common)
         cluster.wait_ready([server], progress=progress)
@@ -214,6 +239,7 @@ class Results:
     legs: dict[int, list[tuple[Answer, Answer | None, float | None]]] = field(default_factory=dict)
     ttft: dict[int, list[Answer]] = field(default_factory=dict)
     mix: dict[int, tuple[float, list[Answer]]] = field(default_factory=dict)  # (wall s, answers)
+    kv_bytes: dict[int, list[float]] = field(default_factory=dict)  # by length: bytes loaded
 
 
 def run_setup(setup: Setup, prompts: Prompts, deadline: float, out: Results, progress) -> None:
@@ -253,11 +279,13 @@ def run_setup(setup: Setup, prompts: Prompts, deadline: float, out: Results, pro
                 rows.append((prefill, None, None))
                 continue
             params = {} if prefill.kv_params is None else {"kv_transfer_params": prefill.kv_params}
-            before = external_kv_tokens(setup.consumer.url)
+            before = consumer_counts(setup.consumer.url)
             time.sleep(PAUSE_S)
             decode = post(setup.consumer.url, completion_body(prompt, 1, **params))
-            after = external_kv_tokens(setup.consumer.url)
-            loaded = None if before is None or after is None else after - before
+            after = consumer_counts(setup.consumer.url)
+            loaded = None if before is None or after is None else after[0] - before[0]
+            if loaded is not None and after[1] > before[1]:
+                out.kv_bytes.setdefault(n, []).append(after[1] - before[1])
             rows.append((prefill, decode, loaded))
         ttft = out.ttft.setdefault(n, [])
         for prompt in prompts.ttft[n]:
@@ -298,6 +326,7 @@ def length_rows(name: str, res: Results, ref: Results) -> list[dict]:
         wrong += sum(_wrong(a, want) for a, want in zip(ttft, ttft_ref, strict=False))
         errors += sum(bool(a.error) for a in ttft)
         loaded = [x for _, _, x in legs if x is not None]
+        nbytes = res.kv_bytes.get(n, [])
         rows.append(
             {
                 "setup": name,
@@ -306,6 +335,7 @@ def length_rows(name: str, res: Results, ref: Results) -> list[dict]:
                 "consumer_ms": _ms(d.elapsed for _, d, _ in legs if d is not None and not d.error),
                 "ttft_ms": _ms(a.ttft for a in ttft if not a.error),
                 "kv_tokens_loaded": statistics.median(loaded) if loaded else None,
+                "kv_bytes_loaded": statistics.median(nbytes) if nbytes else None,
                 "n": len(legs),
                 "wrong": wrong,
                 "errors": errors,
@@ -341,7 +371,9 @@ def _clean(rows: list[dict], setup: str) -> list[dict]:
     return [r for r in rows if r["setup"] == setup and not r["wrong"] and not r["errors"]]
 
 
-def plot(lengths: list[dict], conc: list[dict], outdir: Path) -> list[Path]:
+def plot(
+    lengths: list[dict], conc: list[dict], outdir: Path, model: str = "llama", prefix: str = "pd-"
+) -> list[Path]:
     """TTFT and the two legs against prompt length; throughput and TTFT against concurrency."""
     try:
         import matplotlib.pyplot as plt
@@ -362,10 +394,11 @@ def plot(lengths: list[dict], conc: list[dict], outdir: Path) -> list[Path]:
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend()
     fig.suptitle(
-        "P/D on vllm-cpu, tiny Llama fp32, 2 cores (medians; points with a wrong or failed answer left out)"
+        f"P/D on vllm-cpu, tiny {model} {MODELS[model][1]}, 2 cores (medians; points with a wrong "
+        "or failed answer left out)"
     )
     fig.tight_layout()
-    made.append(outdir / "pd-ttft.png")
+    made.append(outdir / f"{prefix}ttft.png")
     fig.savefig(made[-1], dpi=110)
     plt.close(fig)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
@@ -383,7 +416,7 @@ def plot(lengths: list[dict], conc: list[dict], outdir: Path) -> list[Path]:
     fig.suptitle(f"{MIX_REQUESTS} requests of {'/'.join(map(str, MIX_LENGTHS))} prompt tokens, "
                  f"{MIX_TOKENS} output tokens, through the proxy")  # fmt: skip
     fig.tight_layout()
-    made.append(outdir / "pd-concurrency.png")
+    made.append(outdir / f"{prefix}concurrency.png")
     fig.savefig(made[-1], dpi=110)
     plt.close(fig)
     return made
@@ -395,14 +428,14 @@ def summary(lengths: list[dict], conc: list[dict]) -> str:
     def fmt(v):
         return "-" if v is None else f"{v:g}"
 
-    lines = ["prompt lengths (medians, ms; KV tokens loaded by the consumer):"]
+    lines = ["prompt lengths (medians, ms; KV tokens and bytes the consumer counted loaded):"]
     head = f"{'setup':<12}{'tokens':>7}{'producer':>10}{'consumer':>10}{'TTFT':>9}{'loaded':>8}"
-    lines.append(head + f"{'n':>4}{'wrong':>6}{'errors':>7}")
+    lines.append(head + f"{'bytes':>10}{'n':>4}{'wrong':>6}{'errors':>7}")
     for r in lengths:
         lines.append(
             f"{r['setup']:<12}{r['prompt_tokens']:>7}{fmt(r['producer_ms']):>10}"
             f"{fmt(r['consumer_ms']):>10}{fmt(r['ttft_ms']):>9}{fmt(r['kv_tokens_loaded']):>8}"
-            f"{r['n']:>4}{r['wrong']:>6}{r['errors']:>7}"
+            f"{fmt(r.get('kv_bytes_loaded')):>10}{r['n']:>4}{r['wrong']:>6}{r['errors']:>7}"
         )
     lines += ["", "concurrency (ms):"]
     lines.append(
@@ -464,6 +497,12 @@ def main(argv=None) -> int:
         "--outdir", type=Path, default=None, help="default bench/results/<host kind>/"
     )
     parser.add_argument("--workdir", type=Path, default=None, help="model and server logs")
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="llama",
+        help="the tiny model's architecture (results: pd-*, or pd-<model>-* for the others)",
+    )
     pd_link.add_args(parser)
     pd_goal.add_args(parser)
     args = parser.parse_args(argv)
@@ -496,7 +535,9 @@ def main(argv=None) -> int:
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tkv-pd-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    model = build_tiny_llama(workdir / "model", max_position_embeddings=MAX_MODEL_LEN)
+    build, dtype = MODELS[args.model]
+    model = build(workdir / f"model-{args.model}", max_position_embeddings=MAX_MODEL_LEN)
+    prefix = "pd-" if args.model == "llama" else f"pd-{args.model}-"
     prompts = make_prompts(vocabulary(model), lengths, args.reps, concurrency)
     results: dict[str, Results] = {}
     for name in setups:
@@ -505,7 +546,7 @@ def main(argv=None) -> int:
         results[name] = Results()
         try:
             with Cluster(workdir) as cluster:
-                setup = start_setup(name, cluster, model, workdir, progress)
+                setup = start_setup(name, cluster, model, workdir, progress, dtype)
                 progress(f"{name}: healthy after {time.monotonic() - t0:.0f} s")
                 deadline = time.monotonic() + args.budget_s * (3 if name == "colocated" else 1)
                 run_setup(setup, prompts, deadline, results[name], progress)
@@ -519,13 +560,13 @@ def main(argv=None) -> int:
     conc_out = [row for name, res in results.items() for row in concurrency_rows(name, res, ref)]
     stamp = run_stamp()
     args.outdir.mkdir(parents=True, exist_ok=True)
-    write_csv(args.outdir / "pd-lengths.csv", lengths_out, stamp)
-    write_csv(args.outdir / "pd-concurrency.csv", conc_out, stamp)
-    made = plot(lengths_out, conc_out, args.outdir)
+    write_csv(args.outdir / f"{prefix}lengths.csv", lengths_out, stamp)
+    write_csv(args.outdir / f"{prefix}concurrency.csv", conc_out, stamp)
+    made = plot(lengths_out, conc_out, args.outdir, args.model, prefix)
     text = stamp_line(stamp) + "\n" + summary(lengths_out, conc_out)
-    (args.outdir / "pd-summary.txt").write_text(text + "\n")
+    (args.outdir / f"{prefix}summary.txt").write_text(text + "\n")
     print(text)
-    print("wrote:", ", ".join(str(p) for p in [args.outdir / "pd-lengths.csv", *made]))
+    print("wrote:", ", ".join(str(p) for p in [args.outdir / f"{prefix}lengths.csv", *made]))
     wrong = sum(r["wrong"] for r in lengths_out + conc_out)
     print(f"bench_pd: {wrong} wrong answers")
     return 1 if wrong else 0

@@ -35,6 +35,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             b'vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny",'
             b'source="local_compute"} 7.0\n'
             b'vllm:prompt_tokens_by_source_total{engine="1",source="external_kv_transfer"} 4.0\n'
+            b'vllm:tritonkv_bytes_loaded_total{engine="0",model_name="tiny"} 2048.0\n'
+            b'vllm:nixl_bytes_transferred_sum{engine="1"} 1024.0\n'
+            b'vllm:nixl_bytes_transferred_count{engine="1"} 3.0\n'
         )
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
@@ -84,6 +87,8 @@ def test_stream_reports_failures_as_errors(server, prompt, message):
 
 def test_external_kv_tokens_sums_every_engine(server):
     assert bench_pd.external_kv_tokens(server) == 100.0
+    # KV bytes loaded: tritonkv's counter and NIXL's histogram sum (not its count)
+    assert bench_pd.consumer_counts(server) == (100.0, 3072.0)
 
 
 def _answer(tokens, ms=10.0, ttft=None, error=None):

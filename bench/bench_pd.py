@@ -428,6 +428,9 @@ def summary(lengths: list[dict], conc: list[dict]) -> str:
     def fmt(v):
         return "-" if v is None else f"{v:g}"
 
+    def nbytes(v):
+        return "-" if v is None else f"{int(v)}"
+
     lines = ["prompt lengths (medians, ms; KV tokens and bytes the consumer counted loaded):"]
     head = f"{'setup':<12}{'tokens':>7}{'producer':>10}{'consumer':>10}{'TTFT':>9}{'loaded':>8}"
     lines.append(head + f"{'bytes':>10}{'n':>4}{'wrong':>6}{'errors':>7}")
@@ -435,7 +438,7 @@ def summary(lengths: list[dict], conc: list[dict]) -> str:
         lines.append(
             f"{r['setup']:<12}{r['prompt_tokens']:>7}{fmt(r['producer_ms']):>10}"
             f"{fmt(r['consumer_ms']):>10}{fmt(r['ttft_ms']):>9}{fmt(r['kv_tokens_loaded']):>8}"
-            f"{fmt(r.get('kv_bytes_loaded')):>10}{r['n']:>4}{r['wrong']:>6}{r['errors']:>7}"
+            f"{nbytes(r.get('kv_bytes_loaded')):>10}{r['n']:>4}{r['wrong']:>6}{r['errors']:>7}"
         )
     lines += ["", "concurrency (ms):"]
     lines.append(

@@ -2,10 +2,11 @@
 and full attention) under vLLM's defaults: the hybrid KV cache manager gives it two KV cache
 groups, and one transfer carries both.
 
-Checked against the producer's own answers (colocated), on prompts shorter and longer than the
-window and than a prefill chunk (the producer's ``--max-num-batched-tokens`` is 128; blocks hold
-32 tokens), one at a time and at once; the consumer's own counters prove the load (prompt tokens
-from the external transfer, none failed). The sliding-window group moves only what the decode
+Checked against the producer's own answers (colocated; in bfloat16 a difference only at a near
+tie of the reference's two likeliest tokens, :func:`support.e2e.assert_as_colocated_but_near_ties`)
+on prompts shorter and longer than the window and than a prefill chunk (the producer's
+``--max-num-batched-tokens`` is 128; blocks hold 32 tokens), one at a time and at once; the
+consumer's own counters prove the load (prompt tokens from the external transfer, none failed). The sliding-window group moves only what the decode
 side's attention still reads: the blocks from the one holding position ``N - 48`` on (at most the
 window plus one block), the full-attention group the whole prompt. Negative controls: KV
 scrambled on arrival, and a window one block short, each change the answer.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 from support.e2e import (
+    assert_as_colocated_but_near_ties,
     assert_token_granular_load,
     external_tokens,
     hybrid_cluster,
@@ -51,10 +53,9 @@ def test_prompts_around_the_window_load_and_answer_as_colocated(pd):
     expected_loaded = 0
     for n in LENGTHS:
         prompt = pd.prompt(n, seed=n)
-        reference = pd.colocated(prompt)
         text, rid, usage = pd.disaggregated(prompt)
         assert usage["prompt_tokens"] == n
-        assert text == reference, f"{n}-token prompt differs from colocated"
+        assert_as_colocated_but_near_ties(pd, prompt, text)
         assert_token_granular_load(pd, rid, n)
         expected_loaded += n - 1
         saves = _saved_groups(pd, rid)
@@ -77,7 +78,7 @@ def test_a_batch_at_once(pd):
     prompts = [pd.prompt(n, seed=500 + n) for n in (30, 64, 120, 250)]
     results = run_concurrently(pd.disaggregated, [(p,) for p in prompts])
     for prompt, (text, rid, usage) in zip(prompts, results, strict=True):
-        assert text == pd.colocated(prompt)
+        assert_as_colocated_but_near_ties(pd, prompt, text)
         assert_token_granular_load(pd, rid, usage["prompt_tokens"])
 
 

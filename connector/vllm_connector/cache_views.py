@@ -180,7 +180,9 @@ class StateCaches:
 
     def slots(self, slots: list[int]) -> torch.Tensor:
         """``[len(slots)]`` int64 on the caches' device."""
-        return pinned_host(torch.tensor(slots, dtype=torch.int64)).to(self.device)
+        return pinned_host(torch.tensor(slots, dtype=torch.int64)).to(
+            self.device, non_blocking=True
+        )
 
 
 def packed_shape(views: Views, rows: int) -> tuple[int, ...]:

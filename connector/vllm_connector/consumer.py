@@ -8,7 +8,8 @@ prompt digest, and refuses a reply larger than this rank's caches expect for it 
 allocating it: :func:`expected_bytes`), before the step's forward pass, or,
 with ``async_load``, loads on load threads and unpacks in the first ``get_finished`` after, on
 the worker's own thread. The load of an overlapped hand-off (``LoadSpec.wait_s`` > 0) is always
-async, on threads of its own, and its load, on a client of its own
+async, on threads of its own (its KV cache groups' entries one after the other), and its load,
+on a client of its own
 (:meth:`.ProducerClients.load`), lets the producer's server wait up to ``wait_s`` for the entry
 to be stored; a request that ends meanwhile (aborted) has that load closed at once
 (:meth:`.ProducerClients.end`). It asks producers, on a thread of its own, to discard entries
@@ -214,8 +215,9 @@ class Consumer:
             self.total_kv_heads, spec.producer_tp, self.tp_size, self.tp_rank, mla=self.use_mla
         )
         asked = [(one, s) for one in group_loads(spec) for s in sources]
-        if len(asked) == 1:
-            got = [self._receive_part(*asked[0])]
+        # one at a time: one load, or an overlapped one of several groups (all stored at once)
+        if len(asked) == 1 or (spec.wait_s > 0 and spec.groups):
+            got = [self._receive_part(*one) for one in asked]
         else:  # gather: all loads at once, each within its own deadline
             gather = self._pool("gather", 8)
             futures = [gather.submit(self._receive_part, *a) for a in asked]

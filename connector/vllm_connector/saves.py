@@ -9,9 +9,11 @@ published as it is computed instead: in every step, the whole blocks that step c
 ``"<transfer_id>#<index>"``. A chosen id that is malformed or already issued is refused and
 nothing is saved. An aborted request's saved transfer (or a chunked one that ended unfinished) is
 discarded in the next step. A model of several KV cache groups (:mod:`.groups`) saves one entry
-per group, each from the group's first position on (a sliding window's last blocks); such a
-model is not published chunk by chunk: a chosen id is refused (the decode side recomputes).
-Plain Python, no vLLM import.
+per group, each from the group's first position on (a sliding window's last blocks), once the
+prompt is computed, also under a chosen id: a state is final only after the prompt's last chunk
+and a window's first block is known only from the prompt's end, so such a model is not published
+chunk by chunk; its decode side waits for the whole-prompt entries instead. Plain Python, no vLLM
+import.
 """
 
 from __future__ import annotations
@@ -144,8 +146,9 @@ class SavePlan:
         prompt_len = request.num_prompt_tokens
         final = end == prompt_len
         chunked = req_id in self._published
-        if req_id not in self._saved:
-            chunked = proxy_transfer_id(request.kv_transfer_params)[0] is not None
+        if req_id not in self._saved:  # several groups: saved whole (module docstring)
+            chosen = proxy_transfer_id(request.kv_transfer_params)[0] is not None
+            chunked = chosen and not self.groups
             if not (final or chunked):
                 return None
         if not block_ids:
@@ -202,13 +205,8 @@ class SavePlan:
             return uuid.uuid4().hex
         if chosen is not None and chosen in self._issued:
             why = f"transfer_id {short_id(chosen)} is already in use"
-            self._refusals.append((chosen, request_digest(request)))
-        elif chosen is not None and self.groups:
-            why = (
-                f"the model has {len(self.groups)} KV cache groups, which are not published "
-                "chunk by chunk (the overlapped flow)"
-            )
-            self._refusals.append((chosen, request_digest(request)))
+            # the whole prompt's digest (what its decode side waits with), not a held-back one's
+            self._refusals.append((chosen, self.whole(request)[1]))
         if not why:
             return chosen
         log.warning(

@@ -6,8 +6,9 @@ chunk as it is computed), and hands off where the KV is when the request finishe
 checks each request's hand-off, reports the tokens it will load, tells its workers what to load
 into which blocks, and has unused entries discarded. An overlapped hand-off (:mod:`.handoff`)
 always loads asynchronously, its loads of the prompt's chunks each waiting up to
-``prefill_wait_s`` for the producer to store it. Plain Python, no vLLM import: the facade
-(:mod:`.connector`) adapts vLLM's calls to this.
+``prefill_wait_s`` for the producer to store it (a model of several KV cache groups: its
+whole-prompt entry of each group, stored once the prompt is computed). Plain Python, no vLLM
+import: the facade (:mod:`.connector`) adapts vLLM's calls to this.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class SchedulerSide:
         refuse_loads: why this engine cannot use loaded KV (:mod:`.capability`), or ``""``:
             a consumer with a reason refuses every hand-off with it.
         kv_groups: the model's KV cache groups (:mod:`.groups`); with several, one entry each,
-            every load async, no overlapped flow, no other TP size on the producer.
+            every load async (overlapped: of whole entries), no other TP size on the producer.
     """
 
     def __init__(
@@ -263,7 +264,7 @@ class SchedulerSide:
                 prompt_digest=params["prompt_digest"],
                 fingerprint=params["fingerprint"],
                 wait_s=self.cfg.prefill_wait_s if overlapped else 0.0,
-                chunked=overlapped,
+                chunked=overlapped and not self.kv_groups,  # groups: saved whole
                 corrupt=self.cfg.debug_allow_corrupt
                 and params.get("tritonkv_debug_corrupt") is True,
                 groups=group_parts(self.kv_groups, ids, request.num_prompt_tokens),
@@ -353,13 +354,8 @@ def _is_async(cfg: ConnectorConfig, params: dict, kv_groups: list) -> bool:
 
 def _group_problems(params: dict, tp_size: int, num_groups: int) -> list[str]:
     """Why a consumer whose model has ``num_groups`` KV cache groups cannot load the hand-off
-    ``params`` (``[]`` when it can): not overlapped, and from a producer of its own TP size."""
+    ``params`` (``[]`` when it can): it must come from a producer of its own TP size."""
     problems = []
-    if params.get(OVERLAP) is True:
-        problems.append(
-            f"an overlapped hand-off, which a model of {num_groups} KV cache groups cannot "
-            "load yet (its groups are saved once the prompt is computed)"
-        )
     if params["tp_size"] != tp_size:
         problems.append(
             f"the producer's TP size {params['tp_size']} differs from ours ({tp_size}), which "

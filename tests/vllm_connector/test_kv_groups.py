@@ -5,7 +5,7 @@ groups back to requests)."""
 
 from __future__ import annotations
 
-from functools import partial
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -116,24 +116,53 @@ def _plan_save(num_tokens: int) -> SaveSpec:
     return spec
 
 
-def test_the_plan_saves_every_group_and_refuses_the_overlapped_flow():
+def test_the_plan_saves_every_group_and_a_chosen_id_once_the_prompt_is_computed():
+    """Several groups are never published chunk by chunk: a proxy's chosen id (the overlapped
+    flow) is saved under that id, whole, in the step that computes the prompt's last token."""
     spec = _plan_save(15)  # window 6: the last token's window starts at 9, in block 2
     assert spec.groups == [GroupPart(0, [5, 4, 3, 2], 8), GroupPart(1, [2, 0, 1, 3], 0)]
     plan = SavePlan(BLOCK, groups=[SLIDING, FULL])
     chosen = SimpleNamespace(
         request_id="o", kv_transfer_params={"do_remote_decode": True, "transfer_id": "c" * 32},
-        prompt_token_ids=[1, 2, 3], num_prompt_tokens=3, num_computed_tokens=0,
+        prompt_token_ids=list(range(10)), num_prompt_tokens=10, num_computed_tokens=0,
     )  # fmt: skip
     plan.watch(chosen)
-    blocks = SimpleNamespace(get_block_ids=lambda _r: ([1], [2]))
-    out = SimpleNamespace(num_scheduled_tokens={"o": 3}, kv_connector_block_state=blocks)
-    assert plan.step(out)[0] == []
-    assert [t for t, _ in plan.take_refusals()] == ["c" * 32]
+    blocks = SimpleNamespace(get_block_ids=lambda _r: ([1, 2, 3], [4, 5, 6]))
+    out = SimpleNamespace(num_scheduled_tokens={"o": 8}, kv_connector_block_state=blocks)
+    assert plan.step(out) == ([], [])  # a first chunk: nothing yet
+    chosen.num_computed_tokens = 8
+    out.num_scheduled_tokens = {"o": 2}
+    (spec,), _ = plan.step(out)
+    assert (spec.transfer_id, spec.chunk, spec.num_tokens) == ("c" * 32, None, 10)
+    assert spec.groups == [GroupPart(0, [1, 2, 3], 4), GroupPart(1, [4, 5, 6], 0)]
+    assert plan.take_refusals() == [] and plan.finished("o", aborted=False) == "c" * 32
 
 
-def _sides(kv_format: str, buffer: KVBuffer, seed_dst=None):
-    """A producer over random caches of two groups storing into ``buffer``, a consumer over
-    sentinel ones loading from it."""
+def test_a_chosen_id_in_use_is_refused_for_the_whole_prompts_digest():
+    """A state model's producer holds the last token back; the refusal seals the id for the
+    digest its decode side waits with: the whole prompt's."""
+    from connector.vllm_connector.handoff import request_digest
+
+    plan = SavePlan(BLOCK, groups=[KVGroup("state", (0,), BLOCK), FULL])
+    blocks = SimpleNamespace(get_block_ids=lambda _r: ([1, 2, 3], [4, 5, 6]))
+    for req_id in ("a", "b"):
+        request = _request(10)
+        request.request_id = req_id
+        request.kv_transfer_params["transfer_id"] = "d" * 32
+        whole = request_digest(request)
+        plan.hold_back(request)
+        plan.watch(request)
+        out = SimpleNamespace(num_scheduled_tokens={req_id: 9}, kv_connector_block_state=blocks)
+        saves, _ = plan.step(out)
+        if req_id == "a":
+            assert [(s.transfer_id, s.prompt_digest) for s in saves] == [("d" * 32, whole)]
+        else:
+            assert saves == [] and plan.take_refusals() == [("d" * 32, whole)]
+
+
+def _sides(kv_format: str, buffer: KVBuffer, seed_dst=None, cfg=None):
+    """A producer over random caches of two groups storing into ``buffer``, a consumer (of
+    ``cfg``) over sentinel ones loading from it."""
     src = [caches(VLLM_CPU, seed=s) for s in (1, 2)]
     dst = [caches(VLLM_CPU, seed=seed_dst) for _ in (1, 2)]
     src_views = [rank_caches(c, BLOCK) for c in src]
@@ -144,11 +173,25 @@ def _sides(kv_format: str, buffer: KVBuffer, seed_dst=None):
     prod.attach_buffer(buffer)
     dst_views = [rank_caches(c, BLOCK) for c in dst]
     cons = Consumer(
-        ConnectorConfig(), dst_views[0], tp_rank=0, tp_size=1, total_kv_heads=2, use_mla=False,
-        secret=None, stats=TransferStats(), group_caches=dst_views,
-        connect=lambda host, port: fake_client(partial(deliver, buffer)),
+        cfg or ConnectorConfig(), dst_views[0], tp_rank=0, tp_size=1, total_kv_heads=2,
+        use_mla=False, secret=None, stats=TransferStats(), group_caches=dst_views,
+        connect=lambda host, port: _Client(buffer),
     )  # fmt: skip
     return src, dst, prod, cons
+
+
+class _Client:
+    """A client of ``buffer`` in process (hashable: an overlapped load leases it)."""
+
+    def __init__(self, buffer: KVBuffer):
+        self.buffer = buffer
+
+    def get(self, key, timeout_s=None, **kw):
+        """A GET of ``key`` (an overlapped load's too: ``wait_s`` waits for it)."""
+        return deliver(self.buffer, key, **kw)
+
+    def close(self):
+        pass
 
 
 @pytest.mark.parametrize("kv_format", ["tokens", "pages"])
@@ -172,6 +215,15 @@ def test_one_transfer_carries_both_groups_and_only_the_window(kv_format, num_tok
     cons.start_load_kv([load])
     finished, errors = poll_loads(cons, {"c"})
     assert finished == {"c"} and not errors and not cons.take_failed()
+    _assert_loaded(kv_format, src, dst, save, dst_ids, num_tokens, local)
+    buffer.close()
+    cons.shutdown()
+
+
+def _assert_loaded(kv_format, src, dst, save, dst_ids, num_tokens: int, local: int) -> None:
+    """Each group's claimed positions in ``dst`` equal the producer's (:func:`_sides`), from its
+    first position on; every other slot keeps its sentinel."""
+    firsts = [SLIDING.first_position(num_tokens), 0]
     stop = num_tokens - 1
     for g in (0, 1):
         first = max(local, firsts[g])
@@ -188,6 +240,57 @@ def test_one_transfer_carries_both_groups_and_only_the_window(kv_format, num_tok
                 wk[d_blk, :, off] = sk[s_blk, :, off]
                 wv[d_blk, :, off] = sv[s_blk, :, off]
         assert torch.equal(bits(dst[g]), bits(want)), f"group {g}"
+
+
+def _overlapped_load(save: SaveSpec, wait_s: float, num_tokens: int = 15):
+    """The load of an overlapped hand-off of ``save``'s prompt (no local hit), as the scheduler
+    side makes it for several groups: waiting up to ``wait_s``, not chunked; its block ids."""
+    n = -(-num_tokens // BLOCK)
+    dst_ids = ([0, 3, 5, 1, 4, 2][:n], [5, 4, 3, 2, 1, 0][:n])
+    firsts = [SLIDING.first_position(num_tokens), 0]
+    load = LoadSpec(
+        "c", save.transfer_id, "h", 1, dst_ids[0], 0, num_tokens - 1, num_tokens,
+        prompt_digest=save.prompt_digest, wait_s=wait_s,
+        groups=[GroupPart(g, dst_ids[g], firsts[g]) for g in (0, 1)],
+    )  # fmt: skip
+    return load, dst_ids
+
+
+def test_an_overlapped_load_of_several_groups_waits_for_their_whole_prompt_entries():
+    buffer = KVBuffer(1 << 24)
+    src, dst, prod, cons = _sides("tokens", buffer)
+    save = _plan_save(15)
+    load, dst_ids = _overlapped_load(save, wait_s=20.0)
+    cons.start_load_kv([load])
+    time.sleep(0.3)
+    assert cons.get_finished() is None  # the prefill is still running
+    prod.wait_for_save([save])  # the prompt computed: both groups stored at once
+    finished, errors = poll_loads(cons, {"c"})
+    assert finished == {"c"} and not errors and not cons.take_failed()
+    _assert_loaded("tokens", src, dst, save, dst_ids, 15, 0)
+    assert len(buffer) == 0  # both entries claimed
+    buffer.close()
+    cons.shutdown()
+
+
+@pytest.mark.parametrize("ending", ["sealed", "deadline"])
+def test_an_overlapped_load_of_several_groups_ends_when_refused_or_at_its_deadline(ending):
+    """A producer that refused the id (sealed for that prompt) ends the wait at once; one that
+    never stores it, at the load's wait: the request is reported failed (recomputed), its slots
+    unwritten."""
+    buffer = KVBuffer(1 << 24)
+    _, dst, _, cons = _sides("tokens", buffer, cfg=ConnectorConfig(load_timeout_s=1.0))
+    save = _plan_save(15)
+    load, _ = _overlapped_load(save, wait_s=30.0 if ending == "sealed" else 0.5)
+    t0 = time.monotonic()
+    cons.start_load_kv([load])
+    if ending == "sealed":
+        time.sleep(0.2)
+        buffer.discard(save.transfer_id, save.prompt_digest, seal=True)
+    finished, errors = poll_loads(cons, {"c"})
+    assert finished == {"c"} and errors == set() and cons.take_failed() == {"c"}
+    assert time.monotonic() - t0 < 10.0
+    assert all(torch.equal(bits(d), bits(caches(VLLM_CPU, seed=None))) for d in dst)
     buffer.close()
     cons.shutdown()
 
@@ -228,8 +331,44 @@ def test_a_consumer_of_several_groups_loads_async_and_refuses_what_it_cannot_loa
     cfg = ConnectorConfig()
     assert _is_async(cfg, {}, [SLIDING, FULL]) and not _is_async(cfg, {}, [])
     assert _group_problems({"tp_size": 2}, 2, 2) == []
-    assert "overlapped" in _group_problems({"tp_size": 2, "overlap": True}, 2, 2)[0]
+    assert _group_problems({"tp_size": 2, "overlap": True}, 2, 2) == []
     assert "TP size 1 differs" in _group_problems({"tp_size": 1}, 2, 2)[0]
+
+
+@pytest.mark.parametrize("state", [False, True])
+def test_an_overlapped_handoff_of_several_groups_waits_for_whole_prompt_entries(state):
+    """The consumer's scheduler side completes an overlapped hand-off from its own prompt and
+    loads it async, waiting up to ``prefill_wait_s``, one entry per group (not chunked); a
+    state model's entries hold ``N - 1`` positions (the producer held the last back)."""
+    from connector.vllm_connector.handoff import PROTOCOL, request_digest
+    from connector.vllm_connector.scheduler import SchedulerSide
+
+    groups = [KVGroup("state", (0, 2), BLOCK) if state else SLIDING, FULL]
+    cfg = ConnectorConfig(prefill_wait_s=7.0)
+    side = SchedulerSide(
+        cfg, is_producer=False, is_consumer=True, block_size=BLOCK, tp_size=1,
+        total_kv_heads=2, use_mla=False, engine_port=0, fingerprint="fp", kv_groups=groups,
+    )  # fmt: skip
+    side.open_to_any = True  # loopback producer, whatever the environment's secret
+    side._secret = None
+    params = {
+        "do_remote_prefill": True, "protocol": PROTOCOL, "remote_host": "127.0.0.1",
+        "remote_port": 14600, "fingerprint": "fp", "tp_size": 1, "transfer_id": "c" * 32,
+        "overlap": True,
+    }  # fmt: skip
+    request = SimpleNamespace(
+        request_id="o", kv_transfer_params=params, prompt_token_ids=list(range(15)),
+        num_prompt_tokens=15,
+    )  # fmt: skip
+    assert side.get_num_new_matched_tokens(request, 0) == (14, True)
+    ids = ([0, 1, 2, 3], [4, 5, 6, 7])
+    side.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ids), 14)
+    (load,) = side.build_meta(
+        SimpleNamespace(num_scheduled_tokens={}, kv_connector_block_state=None)
+    )["loads"]
+    assert (load.wait_s, load.chunked, load.count) == (7.0, False, 14)
+    assert (load.num_tokens, load.prompt_digest) == (14 if state else 15, request_digest(request))
+    assert load.groups == [GroupPart(0, ids[0], 0 if state else 8), GroupPart(1, ids[1], 0)]
 
 
 def test_a_state_group_names_its_state_and_refuses_what_it_cannot_place():

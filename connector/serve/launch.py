@@ -340,8 +340,10 @@ class Cluster:
         decode: list[str],
         args: list[str] = (),
         prefix: list[str] = (),
+        name: str = "proxy",
     ) -> Proc:
-        """Start the P/D proxy on 127.0.0.1 (under ``prefix``, as :meth:`start_vllm`)."""
+        """Start the P/D proxy on 127.0.0.1 (under ``prefix``, as :meth:`start_vllm`), its log
+        ``<name>.log``."""
         proxy = self.proxy_cmd or [self.python, "-m", f"{__package__}.proxy"]
         cmd = [*prefix, *proxy, "--port", str(port), *args]
         for url in prefill:
@@ -349,7 +351,7 @@ class Cluster:
         for url in decode:
             cmd += ["--decode", url]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        return self.start("proxy", cmd, env, url=f"http://127.0.0.1:{port}")
+        return self.start(name, cmd, env, url=f"http://127.0.0.1:{port}")
 
     def wait_ready(self, procs: list[Proc], timeout_s: float = 300.0, progress=None) -> None:
         """Wait until every ``proc`` answers ``GET /health`` with 200; raise naming the laggards."""

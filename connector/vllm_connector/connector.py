@@ -95,8 +95,10 @@ attention, as in Qwen3-Next) move every group in one transfer, one entry per gro
 window only as far as the decode side's attention still reads, a state group as the state
 before the prompt's last token (the producer holds that token back; :mod:`.groups`). Their loads
 are always async (vLLM takes a failed load of several groups only as a failed request:
-:meth:`TritonKVConnector.get_transfer_results`); the overlapped flow and unequal TP are refused
-for such models (the consumer recomputes).
+:meth:`TritonKVConnector.get_transfer_results`). In the overlapped flow such a model's producer
+saves the proxy's transfer id whole once the prompt is computed (a state is final only then; not
+chunk by chunk), and the consumer's load waits for every group's entry up to ``prefill_wait_s``.
+Unequal TP is refused for such models (the consumer recomputes).
 
 Long module: the one module that imports vLLM, so everything read from vLLM's own types (its
 config, the KV cache groups' specs, the attention ISA, the stats classes) is here.

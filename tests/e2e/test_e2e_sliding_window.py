@@ -14,17 +14,27 @@ scrambled on arrival, and a window one block short, each change the answer.
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from support.e2e import (
+    MAX_TOKENS,
     assert_as_colocated_but_near_ties,
+    assert_overlapped_as_colocated,
+    assert_overlapped_corruption_changes_the_answer,
     assert_token_granular_load,
     external_tokens,
     hybrid_cluster,
+    loads_by_producer,
     metric_sum,
+    more_producers,
+    overlap_proxy,
     run_concurrently,
     settled,
 )
 from support.vllm_fixtures import requires_vllm
+
+from connector.serve.demo import completion
 
 pytestmark = [pytest.mark.slow, requires_vllm, pytest.mark.timeout(900)]
 
@@ -95,3 +105,46 @@ def test_negative_controls_change_the_answer(pd):
                                          "tritonkv_debug_fault": "short_window"})  # fmt: skip
     assert pd.events(rid)["loaded"], "the short window was not loaded"
     assert short != reference
+
+
+def test_two_producers_and_one_consumer_behind_one_proxy(pd):
+    """xPyD: a second producer and a proxy over both (round-robin) to the one consumer; every
+    answer as colocated, every load from the producer that saved it, both producers used, the
+    consumer's counters show the loads and no failure."""
+    producers, kv_ports, proxy = more_producers(pd, 1, dtype="bfloat16")
+    try:
+        loaded0 = external_tokens(pd)
+        lengths = (40, 49, 100, 200)
+        prompts = [pd.prompt(n, seed=900 + n) for n in lengths]
+
+        def run(prompt):
+            rid = f"xpyd-{uuid.uuid4().hex[:12]}"
+            reply = completion(proxy.url, prompt, MAX_TOKENS, rid)
+            return reply["choices"][0]["text"], rid
+
+        results = run_concurrently(run, [(p,) for p in prompts])
+        for n, prompt, (text, rid) in zip(lengths, prompts, results, strict=True):
+            assert_as_colocated_but_near_ties(pd, prompt, text)
+            assert_token_granular_load(pd, rid, n)
+        sources = loads_by_producer(pd, producers, kv_ports, [rid for _, rid in results])
+        assert set(sources.values()) == {p.name for p in producers}, sources  # round-robin
+        expected = sum(n - 1 for n in lengths)
+        assert settled(lambda: external_tokens(pd) - loaded0, expected) == expected
+        assert metric_sum(pd.consumer.url, "vllm:tritonkv_loads_total", outcome="failed") == 0
+    finally:
+        for proc in (proxy, *producers[1:]):
+            proc.stop()
+            pd.cluster.procs.remove(proc)
+
+
+def test_the_overlapped_flow_loads_whole_prompt_entries(pd):
+    """``tritonkv-proxy --overlap``: the consumer's load waits for the producer's entries of
+    both groups (saved whole once the prompt is computed, under the proxy's id); answers as
+    colocated; scrambled KV loaded that way changes the answer."""
+    proxy = overlap_proxy(pd)
+    try:
+        assert_overlapped_as_colocated(pd, proxy, (40, 100, 200), seeds=(1140, 1200, 1300))
+        assert_overlapped_corruption_changes_the_answer(pd, 150, seed=12)
+    finally:
+        proxy.stop()
+        pd.cluster.procs.remove(proxy)

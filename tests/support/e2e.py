@@ -14,8 +14,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from connector.serve.demo import completion, make_prompt, start_pd, vocabulary
-from connector.serve.launch import Cluster, Proc, http_json, transfer_events
+from connector.serve.demo import (
+    PRODUCER_MAX_BATCHED_TOKENS,
+    completion,
+    make_prompt,
+    start_pd,
+    vocabulary,
+)
+from connector.serve.launch import (
+    Cluster,
+    Proc,
+    free_port,
+    free_port_run,
+    http_json,
+    transfer_events,
+)
 from connector.serve.overlap import overlap_params, site_of
 
 MAX_TOKENS = 12
@@ -29,6 +42,9 @@ class PD:
     consumer: Proc
     proxy: Proc
     words: list[str]
+    cluster: Cluster | None = None  # what started them (more servers join it)
+    model: Path | None = None
+    extra_config: dict | None = None  # the servers' kv_connector_extra_config additions
 
     def prompt(self, num_tokens: int, seed: int) -> str:
         return make_prompt(self.words, num_tokens, seed)
@@ -62,16 +78,18 @@ class PD:
         )
         return reply["kv_transfer_params"]
 
-    def overlapped(self, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[str, str, str]:
+    def overlapped(
+        self, prompt: str, max_tokens: int = MAX_TOKENS, extra: dict | None = None
+    ) -> tuple[str, str, str]:
         """What ``tritonkv-proxy --overlap`` does, by hand: the decode request (with the site of
-        an earlier hand-off and a fresh transfer id) and then the prefill request under that
-        id, while the decode one waits; returns (text, decode request id, transfer id)."""
+        an earlier hand-off, a fresh transfer id and ``extra``) and then the prefill request
+        under that id, while the decode one waits; returns (text, decode request id, transfer
+        id)."""
         site = site_of(self.prefill_params(self.prompt(5, seed=1)))
         transfer_id = uuid.uuid4().hex
+        params = {**overlap_params(site, transfer_id), **(extra or {})}
         with ThreadPoolExecutor(1) as pool:
-            decode = pool.submit(
-                self.decode_with, prompt, overlap_params(site, transfer_id), max_tokens
-            )
+            decode = pool.submit(self.decode_with, prompt, params, max_tokens)
             assert self.prefill_params(prompt, transfer_id)["transfer_id"] == transfer_id
             text, rid = decode.result(timeout=300)
         return text, rid, transfer_id
@@ -112,7 +130,52 @@ def start_cluster(workdir: Path, model: Path, **kw) -> tuple[Cluster, PD]:
     except BaseException:
         cluster.stop()
         raise
-    return cluster, PD(producer, consumer, proxy, vocabulary(model))
+    extra = kw.get("extra_config")
+    return cluster, PD(producer, consumer, proxy, vocabulary(model), cluster, model, extra)
+
+
+def more_producers(pd: PD, count: int, dtype: str, proxy_args: list[str] = ()):
+    """Start ``count`` more producers of ``pd``'s model (as its own, each on a KV port of its
+    own) and a proxy over ``pd.producer`` and them to ``pd.consumer`` (xPyD); returns
+    ``(producers, {producer: its KV port}, proxy)``, ``pd.producer`` first."""
+    cluster, found = pd.cluster, re.search(r'"port": (\d+)', " ".join(pd.producer.popen.args))
+    kv_ports = {pd.producer.name: int(found.group(1))}
+    producers = [pd.producer]
+    for i in range(count):
+        port = free_port_run(1)
+        producers.append(
+            cluster.start_vllm(
+                f"producer{i + 2}", pd.model, free_port(), role="kv_producer", kv_port=port,
+                extra_config=pd.extra_config, cpu=str((i + 1) % 2), dtype=dtype,
+                args=["--max-num-batched-tokens", str(PRODUCER_MAX_BATCHED_TOKENS)],
+            )
+        )  # fmt: skip
+        kv_ports[producers[-1].name] = port
+    proxy = cluster.start_proxy(
+        free_port(), [p.url for p in producers], [pd.consumer.url], list(proxy_args),
+        name=f"proxy_{len(producers)}p",
+    )  # fmt: skip
+    cluster.wait_ready([*producers[1:], proxy], timeout_s=600)
+    return producers, kv_ports, proxy
+
+
+_SAVED = re.compile(r"saved transfer (\w+)…[^\n]*? for (\S+):")  # ids are logged short
+_LOADED_FROM = re.compile(r"loaded transfer (\w+)… for (\S+): .* from 127\.0\.0\.1:(\d+) ranks")
+
+
+def loads_by_producer(pd: PD, producers: list[Proc], kv_ports: dict, rids) -> dict[str, str]:
+    """Each of request ids ``rids`` -> the producer its consumer loaded it from (one load
+    each), checked to be the KV port of the producer that saved its transfer (the one its
+    hand-off named)."""
+    saved_by = {t: p.name for p in producers for t, _ in _SAVED.findall(p.log_text())}
+    loads = _LOADED_FROM.findall(pd.consumer.log_text())
+    out = {}
+    for rid in rids:  # vLLM logs its own id around the client's: cmpl-<rid>-0-<suffix>
+        (transfer, port), *more = [(t, port) for t, r, port in loads if rid in r] or [(None, 0)]
+        assert transfer in saved_by and not more, f"{rid}: loads {loads}, saved by {saved_by}"
+        assert kv_ports[saved_by[transfer]] == int(port), (rid, saved_by[transfer], port)
+        out[rid] = saved_by[transfer]
+    return out
 
 
 #: How close (in nats) the colocated server's two likeliest tokens may be for a bfloat16 answer to
@@ -150,6 +213,52 @@ def confident_difference(text: str, choice: dict) -> str | None:
         f"answer differs from colocated at token {at} ({ours[at]!r} vs {theirs[at]!r}), where "
         f"the colocated server's top two log-probabilities were {top}: not a near tie"
     )
+
+
+def overlap_proxy(pd: PD) -> Proc:
+    """A ``--overlap`` proxy over ``pd``'s producer and consumer (beside ``pd.proxy``)."""
+    proxy = pd.cluster.start_proxy(
+        free_port(), [pd.producer.url], [pd.consumer.url], ["--overlap"], name="proxy_overlap"
+    )
+    pd.cluster.wait_ready([proxy], timeout_s=120)
+    return proxy
+
+
+def assert_overlapped_as_colocated(pd: PD, proxy: Proc, lengths, seeds) -> None:
+    """A model of several KV cache groups through the ``--overlap`` ``proxy``: a first request
+    teaches it the producer's site, then prompts of ``lengths`` (made from ``seeds``) go out
+    overlapped, at once. Each
+    answer is colocated's (but near ties), each load token-granular and of the proxy's transfer
+    id, which the producer saved whole (one entry per group, no chunks); the consumer's own
+    counters show the loaded tokens and no failed load."""
+    ask = lambda prompt, rid: completion(proxy.url, prompt, MAX_TOKENS, rid)
+    ask(pd.prompt(20, seed=seeds[0] - 1), f"site-{uuid.uuid4().hex[:12]}")  # learns the site
+    before = external_tokens(pd)
+    prompts = [pd.prompt(n, seed=s) for n, s in zip(lengths, seeds, strict=True)]
+    rids = [f"ov-{uuid.uuid4().hex[:12]}" for _ in prompts]
+    replies = run_concurrently(ask, list(zip(prompts, rids, strict=True)))
+    saved = pd.producer.log_text()
+    for n, prompt, rid, reply in zip(lengths, prompts, rids, replies, strict=True):
+        assert_as_colocated_but_near_ties(pd, prompt, reply["choices"][0]["text"])
+        events = assert_token_granular_load(pd, rid, n)
+        [line] = [x for x in proxy.log_text().splitlines() if f"req {rid} " in x]
+        assert "overlapped" in line, line
+        tid = line.split("transfer_id ")[1][:9]  # short: 8 hex digits and "…"
+        assert [e["transfer"] for e in events["loaded"]] == [tid]
+        groups = re.findall(rf"saved transfer {tid} group (\d+) ", saved)
+        assert sorted(groups) == ["0", "1"] and f"saved transfer {tid} chunk" not in saved
+    want = sum(n - 1 for n in lengths)
+    assert settled(lambda: external_tokens(pd) - before, want) == want
+    assert metric_sum(pd.consumer.url, "vllm:tritonkv_loads_total", outcome="failed") == 0
+
+
+def assert_overlapped_corruption_changes_the_answer(pd: PD, n: int, seed: int) -> None:
+    """Negative control of the overlapped flow, its decode request sent first: KV scrambled on
+    arrival is loaded and answers otherwise than colocated."""
+    prompt = pd.prompt(n, seed=seed)
+    text, rid, _ = pd.overlapped(prompt, extra={"tritonkv_debug_corrupt": True})
+    assert pd.events(rid)["loaded"], "the corrupted KV was not loaded"
+    assert text != pd.colocated(prompt)
 
 
 def hybrid_cluster(tmp_path_factory, build, name: str):

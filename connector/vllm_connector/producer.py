@@ -128,14 +128,7 @@ class Producer:
         """Start this rank's KV buffer and its server on ``engine_port + tp_rank``: it answers
         GET and DISCARD only, and only to peers holding the shared secret (when one is set;
         without one only on a loopback address, unless ``insecure``)."""
-        if self._secret is None and not is_loopback(self.cfg.host) and not self.cfg.insecure:
-            raise ValueError(
-                f"tritonkv: the producer would serve KV on {self.cfg.host!r} to anyone who can "
-                f"reach it: set a shared secret of at least {MIN_SECRET_BYTES} bytes on both "
-                f"servers, in the {SECRET_ENV} environment variable or in a file named by "
-                '"secret_file" in kv_connector_extra_config (e.g. `openssl rand -hex 32`), or '
-                'listen on a loopback address, or set "insecure": true to accept that'
-            )
+        check_listener(self.cfg, self._secret)
         self._buffer = KVBuffer(
             self.device_buffer_bytes or self.cfg.buffer_bytes,
             ttl_s=self.cfg.ttl_s,
@@ -143,29 +136,8 @@ class Producer:
             put_timeout_s=self.cfg.put_timeout_s,
         )
         port = self.engine_port + self.tp_rank
-        # consumers dial the advertised address: the server knows it as its own (a NAT or port
-        # forward the operator set up), so their authentication names it without being refused
-        advertised = self.cfg.advertise_host
-        aliases = addresses_of(advertised, port) if advertised else []
-        try:
-            self._server = KVServer(
-                self._buffer,
-                self.cfg.host,
-                port,
-                connect_timeout_s=max(SERVER_CONNECT_TIMEOUT_S, self.cfg.connect_timeout_s),
-                transport=self.cfg.transport_for(self.caches.device),
-                device=self.caches.device,
-                secret=self._secret,
-                insecure=self.cfg.insecure,
-                aliases=aliases,
-            )
-        except OSError as e:
-            raise OSError(
-                e.errno,
-                f"tritonkv: rank {self.tp_rank} cannot serve KV on {self.cfg.host}:{port} "
-                f"(kv_connector_extra_config port {self.cfg.port} + DP index * TP size + TP "
-                f"rank): {e.strerror}",
-            ) from e
+        device = self.caches.device
+        self._server = kv_server(self.cfg, self._buffer, self.tp_rank, port, self._secret, device)
         log.info("tritonkv: rank %d serving KV on %s:%d", self.tp_rank, self.cfg.host, port)
         self._watcher = BufferWatcher(self)
 
@@ -317,8 +289,9 @@ class Producer:
         log_saved(spec, stored, nbytes, pack_ms, self.kv_format, self._level, grouped)
 
     def _save_failed(self, spec: SaveSpec, exc: BaseException) -> None:
-        """Count and log a failed save; a chunked transfer's other chunks are discarded and the
-        rest refused (its consumer, waiting for the next one, then stops waiting at once)."""
+        """Count and log a failed save; the other entries of a chunked transfer, or of a model of
+        several KV cache groups, are discarded and the rest refused (a consumer waiting for one,
+        as in the overlapped flow, then stops waiting at once)."""
         self.stats.record_save_failure(save_failure(exc))
         log.error(
             "tritonkv: could not save transfer %s for %s (%s: %s): the decode side will "
@@ -328,7 +301,7 @@ class Producer:
             type(exc).__name__,
             hide_ids(error_text(exc)),
         )
-        if spec.chunk is not None and self._buffer is not None:
+        if (spec.chunk is not None or len(self.groups) > 1) and self._buffer is not None:
             self._buffer.discard_any(spec.transfer_id, seal=True)
 
     def sample_stats(self) -> None:
@@ -360,6 +333,46 @@ class Producer:
         if self._buffer is not None:
             self._buffer.close()
             self._buffer = None
+
+
+def check_listener(cfg: ConnectorConfig, secret: bytes | None) -> None:
+    """ValueError where the KV server would serve anyone who can reach it: no secret, a
+    non-loopback address, and not ``insecure``."""
+    if secret is None and not is_loopback(cfg.host) and not cfg.insecure:
+        raise ValueError(
+            f"tritonkv: the producer would serve KV on {cfg.host!r} to anyone who can "
+            f"reach it: set a shared secret of at least {MIN_SECRET_BYTES} bytes on both "
+            f"servers, in the {SECRET_ENV} environment variable or in a file named by "
+            '"secret_file" in kv_connector_extra_config (e.g. `openssl rand -hex 32`), or '
+            'listen on a loopback address, or set "insecure": true to accept that'
+        )
+
+
+def kv_server(cfg: ConnectorConfig, buffer: KVBuffer, rank: int, port: int, secret, device):
+    """The :class:`KVServer` of ``buffer`` on ``cfg.host:port`` (TP rank ``rank``'s:
+    ``engine_port + rank``); OSError naming the port's arithmetic where it cannot listen."""
+    # consumers dial the advertised address: the server knows it as its own (a NAT or port
+    # forward the operator set up), so their authentication names it without being refused
+    aliases = addresses_of(cfg.advertise_host, port) if cfg.advertise_host else []
+    try:
+        return KVServer(
+            buffer,
+            cfg.host,
+            port,
+            connect_timeout_s=max(SERVER_CONNECT_TIMEOUT_S, cfg.connect_timeout_s),
+            transport=cfg.transport_for(device),
+            device=device,
+            secret=secret,
+            insecure=cfg.insecure,
+            aliases=aliases,
+        )
+    except OSError as e:
+        raise OSError(
+            e.errno,
+            f"tritonkv: rank {rank} cannot serve KV on {cfg.host}:{port} "
+            f"(kv_connector_extra_config port {cfg.port} + DP index * TP size + TP rank): "
+            f"{e.strerror}",
+        ) from e
 
 
 def discard_transfers(buffer: KVBuffer, discards, refusals) -> None:

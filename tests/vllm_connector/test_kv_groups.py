@@ -295,6 +295,34 @@ def test_an_overlapped_load_of_several_groups_ends_when_refused_or_at_its_deadli
     cons.shutdown()
 
 
+
+def test_a_failed_group_save_discards_the_transfer_and_ends_a_waiting_load():
+    """One group's save fails after another's was stored: the transfer's entries are discarded
+    and it is sealed, so an overlapped load waiting for it fails at once (recomputed), not at
+    its deadline."""
+    buffer = KVBuffer(1 << 24)
+    _, dst, prod, cons = _sides("tokens", buffer)
+    save = _plan_save(15)
+    load, _ = _overlapped_load(save, wait_s=30.0)
+    real = prod._save
+
+    def fail_group_1(spec):
+        if spec.group == 1:
+            raise ValueError("injected: no room")
+        real(spec)
+
+    prod._save = fail_group_1
+    t0 = time.monotonic()
+    cons.start_load_kv([load])
+    time.sleep(0.2)
+    prod.wait_for_save([save])
+    assert len(buffer) == 0
+    finished, errors = poll_loads(cons, {"c"})
+    assert finished == {"c"} and errors == set() and cons.take_failed() == {"c"}
+    assert time.monotonic() - t0 < 10.0
+    buffer.close()
+    cons.shutdown()
+
 def test_a_load_missing_one_groups_entry_fails_the_request_not_blocks():
     buffer = KVBuffer(1 << 24)
     _, _, prod, cons = _sides("pages", buffer)

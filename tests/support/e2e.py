@@ -215,13 +215,21 @@ def confident_difference(text: str, choice: dict) -> str | None:
     )
 
 
-def overlap_proxy(pd: PD) -> Proc:
-    """A ``--overlap`` proxy over ``pd``'s producer and consumer (beside ``pd.proxy``)."""
+def check_overlapped(pd: PD, lengths, seeds, control: tuple[int, int]) -> None:
+    """The overlapped flow on ``pd``'s servers: a ``--overlap`` proxy over them (beside
+    ``pd.proxy``), answers as :func:`assert_overlapped_as_colocated` checks them, and the
+    negative control (:func:`assert_overlapped_corruption_changes_the_answer` of ``control``:
+    prompt length and seed); the proxy is stopped after."""
     proxy = pd.cluster.start_proxy(
         free_port(), [pd.producer.url], [pd.consumer.url], ["--overlap"], name="proxy_overlap"
     )
-    pd.cluster.wait_ready([proxy], timeout_s=120)
-    return proxy
+    try:
+        pd.cluster.wait_ready([proxy], timeout_s=120)
+        assert_overlapped_as_colocated(pd, proxy, lengths, seeds)
+        assert_overlapped_corruption_changes_the_answer(pd, *control)
+    finally:
+        proxy.stop()
+        pd.cluster.procs.remove(proxy)
 
 
 def assert_overlapped_as_colocated(pd: PD, proxy: Proc, lengths, seeds) -> None:

@@ -295,7 +295,6 @@ def test_an_overlapped_load_of_several_groups_ends_when_refused_or_at_its_deadli
     cons.shutdown()
 
 
-
 def test_a_failed_group_save_discards_the_transfer_and_ends_a_waiting_load():
     """One group's save fails after another's was stored: the transfer's entries are discarded
     and it is sealed, so an overlapped load waiting for it fails at once (recomputed), not at
@@ -322,6 +321,7 @@ def test_a_failed_group_save_discards_the_transfer_and_ends_a_waiting_load():
     assert time.monotonic() - t0 < 10.0
     buffer.close()
     cons.shutdown()
+
 
 def test_a_load_missing_one_groups_entry_fails_the_request_not_blocks():
     buffer = KVBuffer(1 << 24)

@@ -7,7 +7,7 @@ h(N-1): the producer holds that token back and computes ``N - 1`` positions, and
 those. Checked against the producer's own answers (colocated), on prompts shorter and longer than
 a block (160 tokens here) and than a prefill chunk (128), one at a time and at once, identical
 but where bfloat16 rounding picks the other of two nearly tied tokens
-(:func:`support.e2e.assert_as_colocated_but_near_ties`); the consumer's own counters prove the
+(:func:`support.e2e.assert_as_colocated`); the consumer's own counters prove the
 load. Negative controls: a producer that computes the whole
 prompt (the state one token late, h(N)) and scrambled KV each change the answer.
 """
@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 from support.e2e import (
-    assert_as_colocated_but_near_ties,
+    assert_as_colocated,
     assert_token_granular_load,
     check_overlapped,
     external_tokens,
@@ -40,7 +40,7 @@ LENGTHS = (5, 40, 100, 170, 300)
 def pd(tmp_path_factory):
     from connector.serve.tiny_model import build_tiny_qwen3_next
 
-    yield from hybrid_cluster(tmp_path_factory, build_tiny_qwen3_next, "qwen3_next")
+    yield from hybrid_cluster(tmp_path_factory, build_tiny_qwen3_next, "qwen3_next", "bfloat16")
 
 
 def test_prompts_load_their_state_and_answer_as_colocated(pd):
@@ -49,7 +49,7 @@ def test_prompts_load_their_state_and_answer_as_colocated(pd):
         prompt = pd.prompt(n, seed=n)
         text, rid, usage = pd.disaggregated(prompt)
         assert usage["prompt_tokens"] == n
-        assert_as_colocated_but_near_ties(pd, prompt, text)
+        assert_as_colocated(pd, prompt, text)
         events = assert_token_granular_load(pd, rid, n)
         loaded += n - 1
         saved = {int(e["group"]): e for e in events["saved"]}
@@ -65,7 +65,7 @@ def test_a_batch_at_once(pd):
     prompts = [pd.prompt(n, seed=n) for n in (40, 100, 170, 300)]
     results = run_concurrently(pd.disaggregated, [(p,) for p in prompts])
     for prompt, (text, rid, usage) in zip(prompts, results, strict=True):
-        assert_as_colocated_but_near_ties(pd, prompt, text)
+        assert_as_colocated(pd, prompt, text)
         assert_token_granular_load(pd, rid, usage["prompt_tokens"])
 
 

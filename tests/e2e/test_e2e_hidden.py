@@ -19,7 +19,7 @@ import urllib.request
 
 import pytest
 import torch
-from support.e2e import run_concurrently
+from support.e2e import hidden_states_config, run_concurrently
 from support.vllm_fixtures import requires_vllm
 
 from connector.hidden import DigestMismatch, load_hidden_states, prompt_digest, read_hidden_file
@@ -39,11 +39,7 @@ def server(tmp_path_factory, tiny_llama_dir):
     workdir = tmp_path_factory.mktemp("e2e_hidden")
     storage = workdir / "dataset"  # not "hidden": the server's own scratch folder has that name
     kv_port, http_port = free_port_run(2), free_port_run(1)
-    spec = {
-        "method": "extract_hidden_states",
-        "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}},
-    }
+    spec = hidden_states_config(LAYERS)
     cluster = Cluster(workdir)
     try:
         proc = cluster.start_vllm(

@@ -25,7 +25,7 @@ import random
 
 import pytest
 import torch
-from support.e2e import run_concurrently
+from support.e2e import hidden_states_config, run_concurrently
 from support.vllm_fixtures import requires_vllm
 
 from connector.hidden import load_hidden_states, prompt_digest, read_hidden_file
@@ -49,11 +49,7 @@ def server(tmp_path_factory):
     model = build_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next_hidden") / "model")
     workdir = tmp_path_factory.mktemp("e2e_hidden_hybrid")
     storage = workdir / "dataset"
-    spec = {
-        "method": "extract_hidden_states",
-        "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}},
-    }
+    spec = hidden_states_config(LAYERS)
     kv_port = free_port_run(1)
     cluster = Cluster(workdir)
     try:

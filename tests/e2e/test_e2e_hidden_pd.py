@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.e2e import run_concurrently
+from support.e2e import hidden_states_config, run_concurrently
 from support.vllm_fixtures import requires_vllm
 
 from connector.hidden import load_hidden_states, read_hidden_file
@@ -38,11 +38,7 @@ MAX_TOKENS = 8
 def pd(tmp_path_factory, tiny_llama_dir):
     workdir = tmp_path_factory.mktemp("e2e_hidden_pd")
     storage = workdir / "dataset"
-    spec = {
-        "method": "extract_hidden_states",
-        "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}},
-    }
+    spec = hidden_states_config(LAYERS)
     kv_port = free_port_run(1)
     extra = {"debug_allow_corrupt": True}
     env = {"TRITONKV_SECRET": SECRET}

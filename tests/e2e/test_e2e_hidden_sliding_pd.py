@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 import torch
-from support.e2e import run_concurrently
+from support.e2e import hidden_states_config, run_concurrently
 from support.vllm_fixtures import requires_vllm
 
 from connector.hidden import load_hidden_states, read_hidden_file
@@ -36,11 +36,7 @@ def pd(tmp_path_factory):
     from connector.serve.tiny_model import build_tiny_ministral
 
     model = build_tiny_ministral(tmp_path_factory.mktemp("tiny_ministral") / "model")
-    spec = {
-        "method": "extract_hidden_states",
-        "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}},
-    }
+    spec = hidden_states_config(LAYERS)
     kv_port = free_port_run(1)
     env = {"TRITONKV_SECRET": SECRET, "TORCHDYNAMO_DISABLE": "1"}
     cluster = Cluster(tmp_path_factory.mktemp("e2e_hidden_swa"))

@@ -34,6 +34,15 @@ from connector.serve.overlap import overlap_params, site_of
 MAX_TOKENS = 12
 
 
+def hidden_states_config(layers: list[int]) -> dict:
+    """vLLM's ``--speculative-config`` for ``extract_hidden_states`` of ``layers``."""
+    return {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}},
+    }
+
+
 @dataclass
 class PD:
     """A running producer/consumer/proxy trio plus the model's vocabulary."""

@@ -75,6 +75,8 @@ def run(model: str, prompts: list[list[int]], out_dir: str, *, which: str, layer
     from vllm import LLM, SamplingParams
     from vllm.v1.core.sched.scheduler import Scheduler
 
+    from support.e2e import hidden_states_config  # (a script: tests/ is on the path by then)
+
     preempted: list[str] = []  # (in-process engines: TP 1)
     preempt = Scheduler._preempt_request
 
@@ -116,11 +118,7 @@ def run(model: str, prompts: list[list[int]], out_dir: str, *, which: str, layer
         seed=0,
         tensor_parallel_size=tp,
         distributed_executor_backend="mp" if tp > 1 else None,
-        speculative_config={
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}},
-        },
+        speculative_config=hidden_states_config(layers),
         kv_transfer_config=ktc,
     )
     extra = {"kv_transfer_params": {"include_output_tokens": True}} if include_outputs else None

@@ -29,6 +29,9 @@ MASK32 = 0xFFFFFFFF
 LABEL_NH = b"tritonkv umac nh key v1"
 LABEL_MAC = b"tritonkv umac mac key v1"
 LABEL_TAG = b"tritonkv umac tag v1"
+LABEL_ENTRY_SALT = b"tritonkv umac entry salt v1"  # HKDF-Extract's salt for entry NH keys
+LABEL_ENTRY = b"tritonkv umac entry nh key v1"
+MAX_ENTRY_KEY_BYTES = 1024
 MAX_NONCE_BYTES = 64
 TWIN_ROWS = 1 << 12  # torch twin: blocks per pass (int64 temporaries of 32 MiB each)
 
@@ -73,6 +76,26 @@ def derive_keys(session_key: bytes, nonce: bytes) -> tuple[np.ndarray, bytes]:
     nh = hashlib.shake_256(seed).digest(KEY_BYTES)
     mac = hkdf_expand(session_key, LABEL_MAC + context, MAC_KEY_BYTES)
     return np.frombuffer(nh, dtype="<u4").astype(np.uint32), mac
+
+
+def derive_entry_nh_key(secret: bytes, entry_key: bytes) -> np.ndarray:
+    """The NH key of a stored entry (``[KEY_WORDS]`` uint32), for a hash computed when the entry
+    is packed, before any session exists: HKDF (RFC 5869) with SHA-256, its Extract over
+    ``secret`` with the salt :data:`LABEL_ENTRY_SALT`, its Expand to a 32-byte seed with the
+    context ``LABEL_ENTRY | len(entry_key) (u16 LE) | entry_key``, stretched by SHAKE256 as in
+    :func:`derive_keys`. ``secret`` may be empty (a deployment without one: anyone can compute
+    the key, as anyone can compute its session keys)."""
+    for name, value in (("secret", secret), ("entry_key", entry_key)):
+        if not isinstance(value, bytes):
+            raise TypeError(f"{name}: expected bytes, got {type(value).__name__}")
+    if not 0 < len(entry_key) <= MAX_ENTRY_KEY_BYTES:
+        raise ValueError(
+            f"entry_key: expected 1 to {MAX_ENTRY_KEY_BYTES} bytes, got {len(entry_key)}"
+        )
+    prk = hmac.new(LABEL_ENTRY_SALT, secret, hashlib.sha256).digest()
+    context = LABEL_ENTRY + struct.pack("<H", len(entry_key)) + entry_key
+    nh = hashlib.shake_256(hkdf_expand(prk, context, 32)).digest(KEY_BYTES)
+    return np.frombuffer(nh, dtype="<u4").astype(np.uint32)
 
 
 def num_chunks(num_bytes: int) -> int:

@@ -43,6 +43,7 @@ from ._umac_core import (
     CHUNK_BYTES,
     ITERATIONS,
     TAG_BYTES,
+    derive_entry_nh_key,
     derive_keys,
     nh_numpy,
     nh_torch,
@@ -59,6 +60,7 @@ __all__ = [
     "TransferKeys",
     "check_payload_tag",
     "check_tag",
+    "entry_keys",
     "nh_hash",
     "nh_hash_numpy",
     "nh_hash_torch",
@@ -74,10 +76,11 @@ class TagMismatch(ValueError):
 
 
 class TransferKeys:
-    """The NH key and PRF key of one transfer (:func:`transfer_keys`); the NH key is copied to
-    a device once per device it is used on."""
+    """The NH key and PRF key of one transfer (:func:`transfer_keys`), or an entry's NH key
+    alone (:func:`entry_keys`: ``mac_key`` None, no tag under it); the NH key is copied to a
+    device once per device it is used on."""
 
-    def __init__(self, nh_key: np.ndarray, mac_key: bytes, nonce: bytes):
+    def __init__(self, nh_key: np.ndarray, mac_key: bytes | None, nonce: bytes):
         self.nh_key = nh_key  # [KEY_WORDS] uint32
         self.mac_key = mac_key
         self.nonce = nonce
@@ -107,6 +110,26 @@ def transfer_keys(session_key: bytes, nonce: bytes) -> TransferKeys:
     """
     nh_key, mac_key = derive_keys(session_key, nonce)
     return TransferKeys(nh_key, mac_key, nonce)
+
+
+def entry_keys(secret: bytes | None, entry_key: str) -> TransferKeys:
+    """The NH key of the stored entry ``entry_key`` under the deployment's ``secret``
+    (:func:`~tritonkv._umac_core.derive_entry_nh_key`): what a producer hashes an entry with as
+    it packs it, before any session exists, and what the consumer that asked for that key
+    hashes it with as it receives or unpacks it. Its tags are made under a transfer's PRF key
+    (:func:`tag_of_outputs` with that transfer's :func:`transfer_keys`); it has none of its own.
+
+    Args:
+        secret: the shared secret (None: none; the key is then anyone's).
+        entry_key: the entry's key (1 to 1024 UTF-8 bytes).
+
+    Raises:
+        TypeError, ValueError: not a str of that length, or a secret that is not bytes.
+    """
+    if not isinstance(entry_key, str):
+        raise TypeError(f"entry_key: expected str, got {type(entry_key).__name__}")
+    nh_key = derive_entry_nh_key(secret or b"", entry_key.encode())
+    return TransferKeys(nh_key, None, b"entry")
 
 
 def _flat_bytes(data: torch.Tensor) -> torch.Tensor:
@@ -205,6 +228,8 @@ def tag_of_outputs(key: TransferKeys, parts: Sequence[tuple[int, torch.Tensor]])
     Returns:
         :data:`TAG_BYTES` bytes.
     """
+    if key.mac_key is None:
+        raise TypeError("key: an entry's NH key has no PRF key; tag under a transfer's keys")
     host = [o.cpu() if o.device.type != "cpu" else o for _, o in parts]
     raw = [o.numpy().view(np.uint64).astype("<u8").tobytes() for o in host]
     return prf_tag(key.mac_key, key.nonce, [(n, r) for (n, _), r in zip(parts, raw, strict=True)])

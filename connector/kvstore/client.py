@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from tritonkv import umac
+
 from ..transport import (
     Kind,
     Message,
@@ -118,10 +120,14 @@ class KVClient:
             raise PipeClosedError("client is closed", peer=self.peer, key=key)
         return self._pipe
 
-    def _request(self, kind: Op, key: str, meta=None, timeout_s=None, out=None, max_bytes=None):
+    def _request(
+        self, kind: Op, key: str, meta=None, timeout_s=None, out=None, max_bytes=None, entry=False
+    ):
         """Send one request, return ``(reply, t0)``: its reply (of ``key``; an ERROR reply is
         raised as RemoteError) and when the request began. A reply announcing more than
-        ``max_bytes`` payload bytes (None: only the limits) is refused before it is allocated."""
+        ``max_bytes`` payload bytes (None: only the limits) is refused before it is allocated.
+        ``entry``: the reply may hold the entry ``key``, hashed as it was packed (checked under
+        its NH key, :func:`tritonkv.umac.entry_keys`)."""
         timeout_s = self.timeout_s if timeout_s is None else check_timeout("timeout_s", timeout_s)
         t0 = time.monotonic()
         deadline = t0 + timeout_s
@@ -146,7 +152,8 @@ class KVClient:
                 if left <= 0:
                     raise TransferTimeout("deadline passed", peer=self.peer, key=key,
                                           waited_s=time.monotonic() - t0)  # fmt: skip
-                reply: Message = pipe.recv(left, out=out, expect_key=key)
+                keys = umac.entry_keys(self.secret, key) if entry else None
+                reply: Message = pipe.recv(left, out=out, expect_key=key, entry_keys=keys)
             except TransferError as e:
                 self._c["timeouts" if isinstance(e, TransferTimeout) else "errors"] += 1
                 self._drop_pipe()
@@ -210,7 +217,7 @@ class KVClient:
         meta = {WAIT_MS: math.ceil(wait_s * 1000), **(part.meta() if part is not None else {})}
         meta.update(_digest_meta(digest))
         reply, t0 = self._request(
-            Op.GET, key, meta=meta, timeout_s=eff, out=out, max_bytes=max_bytes
+            Op.GET, key, meta=meta, timeout_s=eff, out=out, max_bytes=max_bytes, entry=True
         )
         if reply.kind == Op.MISS:
             self._c["misses"] += 1

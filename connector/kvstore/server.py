@@ -315,7 +315,14 @@ class KVServer:
                 )
 
         try:
-            pipe.send(lease.key, lease.tensors, lease.meta, kind=Op.DATA, on_done=on_done)
+            pipe.send(
+                lease.key,
+                lease.tensors,
+                lease.meta,
+                kind=Op.DATA,
+                on_done=on_done,
+                entry_nh=lease.entry_nh,
+            )
         except (ValueError, TypeError) as e:  # this consumer's limits refuse the entry: it stays
             on_done(e)
             self._error(pipe, lease.key, e)

@@ -152,6 +152,8 @@ class Lease:
         meta: the entry's meta (a copy).
         part: the :class:`~connector.kvstore.protocol.Part` delivered, or None for the entry.
         nbytes: bytes of ``tensors`` (added to ``bytes_sent`` when delivered).
+        entry_nh: the NH outputs the entry was put with (``put(nh=)``), for a whole delivery
+            (a part's bytes are others: None).
     """
 
     def __init__(self, buffer: KVBuffer, entry: Entry, part: Part | None):
@@ -160,6 +162,7 @@ class Lease:
         self.tensors = dict(entry.tensors) if part is None else part.cut(entry.tensors)
         self.meta = dict(entry.meta)
         self.nbytes = sum(t.nbytes for t in self.tensors.values())
+        self.entry_nh = entry.nh if part is None else None
         self._buffer = buffer
         self._entry = entry
         self._open = True
@@ -364,9 +367,13 @@ class KVBuffer:
         token_ids=None,
         digest: str | None = None,
         timeout_s: float | None = None,
+        nh: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Store ``tensors`` (by reference) and ``meta`` under ``key``, bound to ``digest`` (if
-        not None: only a checkout or discard presenting it finds the entry). ``token_ids``
+        not None: only a checkout or discard presenting it finds the entry). ``nh``: NH outputs
+        of some of ``tensors`` under :func:`tritonkv.umac.entry_keys` of the secret and ``key``,
+        computed as they were packed (a whole delivery's payload tag is made from them:
+        ``TensorPipe.send(entry_nh=)``; shapes are checked when sent). ``token_ids``
         (optional, ``[num_tokens]`` ints) indexes the entry's full blocks for ``match_prefix``.
         When full, follows ``full_policy`` waiting at most ``timeout_s`` (default
         ``put_timeout_s``). False (nothing stored) when ``key``'s group was sealed for
@@ -410,7 +417,9 @@ class KVBuffer:
                     left = min(left, max(0.001, next_expiry - self.clock()))
                 self._cond.wait(left)
                 table.check_absent(key)
-            table.add(Entry(key, dict(tensors), meta, nbytes, self.clock(), digest), hashes)
+            entry = Entry(key, dict(tensors), meta, nbytes, self.clock(), digest)
+            entry.nh = None if nh is None else dict(nh)
+            table.add(entry, hashes)
             self._c["puts"] += 1
             self._c["bytes_put"] += nbytes
             self._cond.notify_all()

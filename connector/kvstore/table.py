@@ -24,6 +24,7 @@ class Entry:
     nbytes: int
     created: float
     digest: str | None = None  # what a checkout or discard must present (None: nothing)
+    nh: dict | None = None  # name -> NH outputs under the entry's key (tritonkv.umac.entry_keys)
     pins: int = 0
     part_pins: int = 0  # of the pins, deliveries of parts (they run side by side)
     # Part deliveries (a GET of one slice of one tensor): (tensor, dim) -> indices delivered. A

@@ -52,7 +52,11 @@ FLAG_INLINE = 0x1  # payload follows the body on the control socket
 KNOWN_FLAGS = FLAG_INLINE
 
 TFLAG_PACKED = 0x1  # tensor travels inside the packed chunk (see plan_chunks)
-KNOWN_TFLAGS = TFLAG_PACKED
+# A process-group payload's tensor whose umac hash is under the NH key of the frame's key as a
+# stored entry (tritonkv.umac.entry_keys), computed when it was packed, not the frame's own NH key
+# (session.py). Never on an inline payload.
+TFLAG_ENTRY_NH = 0x2
+KNOWN_TFLAGS = TFLAG_PACKED | TFLAG_ENTRY_NH
 
 PACK_ALIGN = 64  # byte alignment of every tensor inside a packed chunk
 #: Largest process-group operation: a chunk travels in pieces of this size (the last one shorter),
@@ -202,6 +206,10 @@ class TensorSpec:
     def packed(self) -> bool:
         return bool(self.tflags & TFLAG_PACKED)
 
+    @property
+    def entry_nh(self) -> bool:
+        return bool(self.tflags & TFLAG_ENTRY_NH)
+
 
 @dataclass(frozen=True)
 class Header:
@@ -274,7 +282,7 @@ def decode_meta(raw: bytes) -> dict:
 # ----------------------------------------------------------------------------------------------
 # Encoding
 # ----------------------------------------------------------------------------------------------
-def spec_of(name: str, t: torch.Tensor, packed: bool = False) -> TensorSpec:
+def spec_of(name: str, t: torch.Tensor, packed: bool = False, entry_nh: bool = False) -> TensorSpec:
     """TensorSpec describing tensor ``t`` (TypeError for non-tensors and unsupported dtypes)."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"tensor name: expected a non-empty str, got {name!r}")
@@ -285,7 +293,7 @@ def spec_of(name: str, t: torch.Tensor, packed: bool = False) -> TensorSpec:
         code=dtype_code(t.dtype),
         shape=tuple(int(s) for s in t.shape),
         nbytes=t.numel() * t.element_size(),
-        tflags=TFLAG_PACKED if packed else 0,
+        tflags=(TFLAG_PACKED if packed else 0) | (TFLAG_ENTRY_NH if entry_nh else 0),
     )
 
 
@@ -483,6 +491,8 @@ def decode_body(
         specs.append(spec)
     if r.pos != len(body):
         raise ProtocolError(f"header body has {len(body) - r.pos} trailing bytes")
+    if flags & FLAG_INLINE and any(s.entry_nh for s in specs):
+        raise ProtocolError("an inline payload's tensor is marked as hashed under its entry key")
     return Header(kind=kind, flags=flags, key=key, meta=meta, specs=tuple(specs))
 
 

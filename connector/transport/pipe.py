@@ -69,6 +69,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tritonkv import umac
+
 from .errors import PipeClosedError, TransferError, TransferTimeout
 from .frame import FrameLimits, Kind
 from .options import DEFAULT_OPTIONS, PipeOptions, check_options, check_timeout, check_transport
@@ -201,6 +203,7 @@ class TensorPipe:
         kind: Kind = Kind.MSG,
         timeout_s: float | None = None,
         on_done: Callable[[BaseException | None], None] | None = None,
+        entry_nh: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Queue one message. Returns once queued; the sender thread writes it.
 
@@ -213,11 +216,15 @@ class TensorPipe:
         tensors must not be modified until then. Over gloo and socket a CUDA tensor is read (to
         be staged through host memory) after what the calling thread's current stream had
         queued when ``send`` was called.
+
+        ``entry_nh``: NH outputs (``[num_chunks, 2]`` int64) of tensors of a stored entry under
+        its key (:func:`tritonkv.umac.entry_keys`), made when it was packed: the payload's tag
+        comes from them, with no pass over those tensors here (``recv(entry_keys=)`` checks).
         """
         timeout_s = (
             self.send_timeout_s if timeout_s is None else check_timeout("timeout_s", timeout_s)
         )
-        item = _outgoing(self, kind, key, tensors, meta, on_done)
+        item = _outgoing(self, kind, key, tensors, meta, on_done, entry_nh)
         self._sender.submit(item, timeout_s, self._check_usable)
 
     def flush(self, timeout_s: float | None = None) -> None:
@@ -249,6 +256,7 @@ class TensorPipe:
         out: dict[str, torch.Tensor] | None = None,
         expect_key: str | None = None,
         idle: bool = False,
+        entry_keys: umac.TransferKeys | None = None,
     ) -> Message:
         """Receive the next message (header and payload) within ``timeout_s`` (default
         ``recv_timeout_s``). Tensors land on ``device`` (default: the pipe's device); a tensor named
@@ -256,6 +264,9 @@ class TensorPipe:
 
         ``idle=True`` (servers): wait for the next header without a deadline (until it arrives, the
         peer goes or the pipe closes), then give its payload ``timeout_s``.
+
+        ``entry_keys``: the NH key of the entry expected, for tensors sent with ``entry_nh``
+        (a payload with such tensors and no ``entry_keys`` is a ProtocolError).
 
         Over gloo and socket a CUDA tensor is written (from host staging) after what the calling
         thread's current stream had queued when the payload began, and is complete on return.
@@ -294,9 +305,12 @@ class TensorPipe:
                         s.name: _place(s, inline_tensors[s.name], dev, out) for s in header.specs
                     }
                 else:
-                    tensors = self._receiver.receive(header, dev, out, deadline, t0, key, auth)
+                    receiver = self._receiver
+                    tensors = receiver.receive(
+                        header, dev, out, deadline, t0, key, auth, entry_keys
+                    )
                     if auth is not None:
-                        self._receiver.authenticate(header, tensors, auth, key)
+                        receiver.authenticate(header, tensors, auth, key, entry_keys)
             except TransferError as e:
                 self._state.set_fatal(e)
                 raise

@@ -273,7 +273,7 @@ class _PayloadReceiver:
             self.thread = transfer_thread(self._loop, name)
 
     def receive(
-        self, header: Header, dev, out, deadline, t0, key, auth=None
+        self, header: Header, dev, out, deadline, t0, key, auth=None, entry_keys=None
     ) -> dict[str, torch.Tensor]:
         """Every tensor of a header whose payload travels on the process group, by name, each
         chunk in :func:`~.frame.pieces`. Gloo carries host memory: for a device ``dev`` each
@@ -283,7 +283,15 @@ class _PayloadReceiver:
 
         With ``auth`` (the header's umac tag and frame counter), a host tensor received straight
         into its place is hashed piece by piece: each piece while the next one arrives (kept for
-        :meth:`authenticate`, which hashes the rest)."""
+        :meth:`authenticate`, which hashes the rest), under the frame's NH key or, for a tensor
+        hashed as a stored entry, ``entry_keys``."""
+        if entry_keys is None and any(s.entry_nh for s in header.specs):
+            raise ProtocolError(
+                f"{kind_name(header.kind)} {key!r}: tensors hashed under their entry's key, "
+                "but this receiver expects no entry",
+                peer=self._state.peer,
+                key=key,
+            )
         copies = None if self._pipe.transport == "nccl" else staging.copies_for(dev)
         after = None if copies is None else copies.ready()
         what = f"payload of {key!r}"
@@ -292,9 +300,11 @@ class _PayloadReceiver:
         piecewise = auth is not None and frame.PIECE_BYTES % umac.CHUNK_BYTES == 0
         if piecewise:
             self._hashed = (auth[1], {})
-            keys = self._pipe.session.payload_keys(auth[1], sending=False)
+            frame_keys = self._pipe.session.payload_keys(auth[1], sending=False)
+        entry_nh = {s.name for s in header.specs if s.entry_nh}
 
         def receive(buf: torch.Tensor, name: str | None = None) -> None:
+            keys = None if name is None else (entry_keys if name in entry_nh else frame_keys)
             landed = None  # the last piece received, not hashed yet
             for off, n in pieces(buf.numel()):
                 hash_landed = None
@@ -334,10 +344,13 @@ class _PayloadReceiver:
         """NH of one landed piece of tensor ``name`` (pieces start at multiples of 4 KiB)."""
         self._hashed[1].setdefault(name, []).append(umac.nh_hash(piece, keys))
 
-    def authenticate(self, header: Header, tensors: dict, auth: tuple[bytes, int], key) -> None:
+    def authenticate(
+        self, header: Header, tensors: dict, auth: tuple[bytes, int], key, entry_keys=None
+    ) -> None:
         """Check the received ``tensors`` (in header order) against the umac tag the header
         brought (``auth``: tag and frame counter), with the NH of the pieces :meth:`receive`
-        hashed as they landed. PayloadAuthError if they differ."""
+        hashed as they landed (under ``entry_keys`` for tensors hashed as a stored entry).
+        PayloadAuthError if they differ."""
         tag, counter = auth
         keys = self._pipe.session.payload_keys(counter, sending=False)
         hashed = self._hashed[1] if self._hashed[0] == counter else {}
@@ -345,7 +358,8 @@ class _PayloadReceiver:
         parts = []
         for s in header.specs:
             done = hashed.get(s.name)
-            outputs = torch.cat(done) if done else umac.nh_hash(tensors[s.name], keys)
+            nh_keys = entry_keys if s.entry_nh else keys
+            outputs = torch.cat(done) if done else umac.nh_hash(tensors[s.name], nh_keys)
             parts.append((s.nbytes, outputs))
         try:
             umac.check_tag(umac.tag_of_outputs(keys, parts), tag, len(parts))

@@ -44,6 +44,7 @@ class _Outgoing:
     reported: bool = False  # on_done already called (exactly once per message)
     copies: object = None  # staged device tensors: their staging.DeviceCopies, and
     ready: object = None  # the event recorded on the caller's stream when queued
+    entry_nh: dict | None = None  # name -> NH outputs under the entry's key (process group only)
 
 
 def _outgoing(
@@ -53,12 +54,15 @@ def _outgoing(
     tensors: dict[str, torch.Tensor] | None,
     meta: dict | None,
     on_done: Callable[[BaseException | None], None] | None,
+    entry_nh: dict[str, torch.Tensor] | None = None,
 ) -> _Outgoing:
     """One message as ``pipe``'s sender writes it: tensors made contiguous (on the pipe's device
     for ``nccl``; gloo and socket carry host memory, so the sender thread stages a device tensor
     through pinned host buffers, see :mod:`.staging`, after an event recorded here on the
-    caller's stream), inline or not, small ones packed. Raises TypeError for what is not a
-    tensor dict, ValueError for what the peer's limits refuse."""
+    caller's stream), inline or not, small ones packed; the tensors of ``entry_nh`` marked as
+    hashed under their entry's key when the payload goes on the process group (an inline one
+    has its frame's MAC). Raises TypeError for what is not a tensor dict, ValueError for what
+    the peer's limits refuse or NH outputs of the wrong shape."""
     tensors = {} if tensors is None else tensors
     if not isinstance(tensors, dict):
         raise TypeError(
@@ -85,11 +89,48 @@ def _outgoing(
     specs = tuple(
         spec_of(n, t, packed=i in pack) for i, (n, t) in enumerate(zip(names, flat, strict=False))
     )
+    entry_nh = None if inline else _check_entry_nh(entry_nh, tensors)
+    specs = tuple(
+        spec_of(s.name, t, s.packed, entry_nh=entry_nh is not None and s.name in entry_nh)
+        for s, t in zip(specs, flat, strict=True)
+    )
     flags = FLAG_INLINE if inline else 0
     # what the peer would refuse raises here (ValueError): it never breaks the pipe
     header = encode_header(kind, key, meta_bytes, specs, flags, limits=pipe.peer_limits, check=True)
     ready = None if copies is None else copies.ready()
-    return _Outgoing(header, key, specs, flat, inline, total, on_done, copies=copies, ready=ready)
+    out = _Outgoing(header, key, specs, flat, inline, total, on_done, copies=copies, ready=ready)
+    out.entry_nh = entry_nh
+    return out
+
+
+def _check_entry_nh(entry_nh, tensors: dict) -> dict | None:
+    """``entry_nh`` (None, or name -> ``[umac.num_chunks(nbytes), 2]`` int64 NH outputs of
+    that tensor of ``tensors``) if well-formed; TypeError / ValueError otherwise."""
+    if entry_nh is None:
+        return None
+    if not isinstance(entry_nh, dict):
+        raise TypeError(
+            f"entry_nh: expected dict[str, Tensor] or None, got {type(entry_nh).__name__}"
+        )
+    for name, outputs in entry_nh.items():
+        if name not in tensors:
+            raise ValueError(f"entry_nh: {name!r} is not a tensor of the message")
+        t = tensors[name]
+        want = (umac.num_chunks(t.numel() * t.element_size()), umac.ITERATIONS)
+        if (
+            not isinstance(outputs, torch.Tensor)
+            or outputs.dtype != torch.int64
+            or tuple(outputs.shape) != want
+        ):
+            got = (
+                f"{outputs.dtype} {list(outputs.shape)}"
+                if isinstance(outputs, torch.Tensor)
+                else type(outputs).__name__
+            )
+            raise ValueError(
+                f"entry_nh[{name!r}]: expected int64 NH outputs {list(want)}, got {got}"
+            )
+    return entry_nh
 
 
 class _Sender:
@@ -265,7 +306,12 @@ class _Sender:
         if isinstance(item.ready, torch.cuda.Event):  # staged CUDA tensors
             torch.cuda.current_stream(item.copies.device).wait_event(item.ready)
         keys = self._pipe.session.payload_keys(counter, sending=True)
-        return umac.payload_tag(keys, item.tensors)
+        given = item.entry_nh or {}
+        parts = [
+            (s.nbytes, given[s.name] if s.entry_nh else umac.nh_hash(t, keys))
+            for s, t in zip(item.specs, item.tensors, strict=True)
+        ]
+        return umac.tag_of_outputs(keys, parts)
 
     def _pieces(self, item: _Outgoing, src: torch.Tensor, copies, deadline: float, what: str):
         """``src`` (uint8, 1-D) as the pieces that go out: staged to the host by ``copies`` (not

@@ -54,3 +54,48 @@ def test_a_tampered_entry_is_refused_and_the_next_load_reconnects(monkeypatch):
 def test_the_consumer_counts_it_as_a_protocol_failure():
     stats = pytest.importorskip("connector.vllm_connector.stats")
     assert stats.load_failure(PayloadAuthError("payload authentication failed")) == "protocol"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("secret", [None, b"k" * 32])
+def test_an_entry_hashed_when_packed_is_checked_under_its_key_and_a_part_as_before(
+    monkeypatch, secret
+):
+    """Entries put with NH outputs under their own key (``put(nh=)``, as a producer's Triton
+    pack makes them) load with the tag made from those outputs; a part of one (other bytes)
+    goes out hashed under the frame's key; an entry whose outputs are of other bytes (or a
+    changed byte of it on the way) is refused."""
+    from connector.kvstore import Part
+    from tritonkv import umac
+
+    sent = []
+    original = sending_mod._Sender._pieces
+
+    def pieces(self, item, src, copies, deadline, what):
+        sent.append((item.key, [s.entry_nh for s in item.specs]))
+        for piece in original(self, item, src, copies, deadline, what):
+            if not item.inline and item.key == "flipped":
+                piece = piece.clone()
+                piece[7] ^= 1
+            yield piece
+
+    monkeypatch.setattr(sending_mod._Sender, "_pieces", pieces)
+    buf = KVBuffer(64 << 20)
+    entries = {k: _entry(i) for i, k in enumerate(["whole", "parts", "stale", "flipped"])}
+    for key, tensors in entries.items():
+        hashed = _entry(99)["kv"] if key == "stale" else tensors["kv"]
+        nh = umac.nh_hash(hashed, umac.entry_keys(secret, key))
+        buf.put(key, {"kv": tensors["kv"].view(256, -1)}, nh={"kv": nh})
+    srv = KVServer(buf, secret=secret)
+    try:
+        with KVClient("127.0.0.1", srv.port, timeout_s=20, secret=secret) as client:
+            got, _ = client.get("whole")
+            assert torch.equal(got["kv"].view(-1), entries["whole"]["kv"])
+            got, _ = client.get("parts", part=Part("kv", 0, 0, 128))
+            assert torch.equal(got["kv"].reshape(-1), entries["parts"]["kv"][: 1 << 19])
+            for key in ("stale", "flipped"):
+                with pytest.raises(PayloadAuthError):
+                    client.get(key)
+    finally:
+        srv.close()
+    assert sent[:2] == [("whole", [True]), ("parts", [False])]

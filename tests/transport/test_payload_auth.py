@@ -57,9 +57,9 @@ def test_untouched_payload_arrives_with_its_tag_checked(monkeypatch):
     checked = []
     original = receiving_mod._PayloadReceiver.authenticate
 
-    def spy(self, header, tensors, auth, key):
+    def spy(self, header, tensors, auth, key, *rest):
         checked.append((key, auth[1]))
-        return original(self, header, tensors, auth, key)
+        return original(self, header, tensors, auth, key, *rest)
 
     monkeypatch.setattr(receiving_mod._PayloadReceiver, "authenticate", spy)
     _tamper(monkeypatch, lambda i, piece: piece)

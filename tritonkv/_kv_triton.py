@@ -19,8 +19,19 @@ from ._digest_triton import add_lanes, tile_lanes
 from ._index import SeqIndex, flat_token
 from ._intview import as_int
 from ._launch import DIRECT, DirectLaunch, current_device, int_spec, pointer_spec
+from ._umac_core import CHUNK_WORDS
+from ._umac_triton import add_nh_rows, flush_nh_rows, tile_nh
 
-__all__ = ["LaunchGroup", "copy_kv", "launch_groups"]
+__all__ = ["LaunchGroup", "copy_kv", "launch_groups", "nh_fusable"]
+
+_CHUNK_WORDS = tl.constexpr(CHUNK_WORDS)
+
+
+def nh_fusable(width: int, row_bytes: int) -> bool:
+    """Whether the copy kernel computes NH in its launch: it moves 4- or 8-byte integers and one
+    head row of the packed tensor (``row_bytes``) is a power of two from 32 to 4096 bytes, so
+    every head row lies inside one 4 KiB block and is made of whole 32-byte groups."""
+    return width >= 4 and 32 <= row_bytes <= 4096 and row_bytes & (row_bytes - 1) == 0
 
 
 @triton.jit
@@ -50,6 +61,8 @@ def _copy_heads(
     layer_offset,  # element offset of this layer's K (or V) view from cache_ptr
     packed_ptr,  # [num_rows, num_kv_heads, head_size] this layer's K (or V) part of the packed tensor
     packed_first,  # element offset of packed_ptr in the whole packed tensor (digest positions)
+    nh_key_ptr,  # [KEY_WORDS] int32 NH key (NH only)
+    nh_ptr,  # [num_chunks, 2] int64 NH sums of the whole packed tensor (NH only)
     rows,
     row_ok,
     cached,
@@ -65,10 +78,15 @@ def _copy_heads(
     UNPACK: tl.constexpr,
     STORE: tl.constexpr,
     DIGEST: tl.constexpr,
+    NH: tl.constexpr,
     WORDS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     """Copy BLOCK_T rows × all heads between one cache view and the packed tensor; returns the
-    lane sums of the packed elements it moved (zeros without DIGEST)."""
+    lane sums of the packed elements it moved (zeros without DIGEST). With NH, adds the NH terms
+    of those elements into ``nh_ptr``: each row's sums are kept while its head rows stay in one
+    4 KiB block (an atomic add per row where a row moves on to the next block), and at the end
+    the rows of the tile that share a block are summed first (:func:`add_nh_rows`)."""
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < HEAD_SIZE  # folds away when BLOCK_D == HEAD_SIZE, keeping accesses vectorised
     # All offsets are int64 tensors (block, offset and rows are): no int32 wrap-around. Integer
@@ -78,12 +96,15 @@ def _copy_heads(
     packed_rows = rows * num_kv_heads * HEAD_SIZE
     sum_a = tl.zeros((), dtype=tl.uint64)
     sum_b = tl.zeros((), dtype=tl.uint64)
+    nh_block = (packed_first + packed_rows) * WORDS // _CHUNK_WORDS  # each row's current block
+    nh_0 = tl.zeros([BLOCK_T], dtype=tl.uint64)  # its NH sums in that block, iterations 0 and 1
+    nh_1 = tl.zeros([BLOCK_T], dtype=tl.uint64)
     for _ in range(num_kv_heads):
         cache_addr = cache_ptr + cache_rows[:, None] + cache_cols[None, :]
         packed_addr = packed_ptr + packed_rows[:, None] + cols[None, :]
         if UNPACK:
-            # with the digest, rows without a slot are read too: the digest covers every row
-            read_ok = row_ok if DIGEST else cached
+            # with the digest or NH, rows without a slot are read too: they cover every row
+            read_ok = row_ok if (DIGEST or NH) else cached
             x = tl.load(packed_addr, mask=read_ok[:, None] & col_ok[None, :], other=0)
             tl.store(cache_addr, x, mask=cached[:, None] & col_ok[None, :])
         else:
@@ -95,24 +116,36 @@ def _copy_heads(
             a, b = tile_lanes(x, elem, row_ok[:, None] & col_ok[None, :], WORDS)
             sum_a += a
             sum_b += b
+        if NH:
+            word0 = (packed_first + packed_rows) * WORDS  # the head row's first 32-bit word
+            t0, t1 = tile_nh(x, word0, nh_key_ptr, BLOCK_T, HEAD_SIZE * WORDS, WORDS)
+            here = word0 // _CHUNK_WORDS
+            moved = here != nh_block
+            flush_nh_rows(nh_ptr, nh_block, nh_0, nh_1, moved & row_ok)
+            nh_0 = tl.where(moved, t0, nh_0 + t0)
+            nh_1 = tl.where(moved, t1, nh_1 + t1)
+            nh_block = here
         cache_rows += stride_h
         packed_rows += HEAD_SIZE
+    if NH:
+        add_nh_rows(nh_ptr, nh_block, nh_0, nh_1, row_ok, BLOCK_T)
     return sum_a, sum_b
 
 
 # stride_kh tells the layouts apart (head_size for NHD, block_size * head_size for HND, ...): it
 # does not change with the number of blocks, so a cache does not retune as it grows.
-_KEY = ["num_kv_heads", "HEAD_SIZE", "HAS_V", "UNPACK", "STORE", "DIGEST", "stride_kh"]
+_KEY = ["num_kv_heads", "HEAD_SIZE", "HAS_V", "UNPACK", "STORE", "DIGEST", "NH", "stride_kh"]
 
 
-# restore_value: timing a config runs the kernel many times, and DIGEST's lane sums would add up
-# over those runs (the first launch of each key would give a wrong digest); the autotuner puts
-# them back after each run. (Without DIGEST the pointer is the index's cu_seqlens: put back as is.)
+# restore_value: timing a config runs the kernel many times, and DIGEST's lane sums and NH's sums
+# would add up over those runs (the first launch of each key would give wrong ones); the autotuner
+# puts them back after each run. (Without DIGEST or NH the pointer is the index's cu_seqlens: put
+# back as is.)
 @triton.autotune(
     configs=autotune_configs(),
     key=_KEY,
     do_bench=autotune_bench,
-    restore_value=["digest_ptr"],
+    restore_value=["digest_ptr", "nh_ptr"],
 )
 @triton.jit(do_not_specialize=["num_rows", "num_sel", "search_steps"])
 def _kv_copy_kernel(
@@ -123,6 +156,8 @@ def _kv_copy_kernel(
     src_start_ptr,  # [num_sel] int64
     packed_ptr,  # [num_layers, 1 + HAS_V, num_rows, num_kv_heads, head_size], contiguous
     digest_ptr,  # [2] int64 lane sums (DIGEST only)
+    nh_key_ptr,  # [KEY_WORDS] int32 NH key (NH only)
+    nh_ptr,  # [num_chunks, 2] int64 NH sums of the whole packed tensor, zeroed (NH only)
     packed_first,  # element offset of packed_ptr in the whole packed tensor
     num_rows,
     num_sel,
@@ -146,6 +181,7 @@ def _kv_copy_kernel(
     UNPACK: tl.constexpr,
     STORE: tl.constexpr,
     DIGEST: tl.constexpr,
+    NH: tl.constexpr,
     WORDS: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
@@ -155,8 +191,14 @@ def _kv_copy_kernel(
     layer, all heads, K then V. Rows whose slot is -1 are written as zeros when packing and skipped
     when unpacking. With DIGEST, each program adds the lane sums (:mod:`tritonkv.digest`) of the
     packed elements it wrote (pack) or read (unpack) into ``digest_ptr``, ``WORDS`` 32-bit words
-    per element; without STORE (pack only) nothing is written but the lane sums.
+    per element; without STORE (pack only) nothing is written but the lane sums. With NH (head
+    rows of a power of two from 32 to 4096 bytes: :func:`nh_fusable`), each program adds the NH
+    terms (:mod:`tritonkv.umac`) of those packed elements into ``nh_ptr``, under the key at
+    ``nh_key_ptr`` (the zero padding of the last block is the launcher's caller's to add).
     """
+    if NH:
+        tl.static_assert(HEAD_SIZE * WORDS >= 8 and HEAD_SIZE * WORDS <= _CHUNK_WORDS)
+        tl.static_assert((HEAD_SIZE * WORDS) & (HEAD_SIZE * WORDS - 1) == 0)
     layer = tl.program_id(1).to(tl.int64)
     rows, row_ok, cached, block, offset = _kv_rows(
         slot_mapping_ptr,
@@ -174,6 +216,8 @@ def _kv_copy_kernel(
         k_offset,
         packed_ptr + layer * stride_packed_layer,
         packed_first + layer * stride_packed_layer,
+        nh_key_ptr,
+        nh_ptr,
         rows,
         row_ok,
         cached,
@@ -189,7 +233,9 @@ def _kv_copy_kernel(
         UNPACK,
         STORE,
         DIGEST,
+        NH,
         WORDS,
+        BLOCK_T,
     )
     if HAS_V:
         v_offset = tl.multiple_of(tl.load(layer_offsets_ptr + 2 * layer + 1), ALIGN)
@@ -198,6 +244,8 @@ def _kv_copy_kernel(
             v_offset,
             packed_ptr + layer * stride_packed_layer + stride_packed_part,
             packed_first + layer * stride_packed_layer + stride_packed_part,
+            nh_key_ptr,
+            nh_ptr,
             rows,
             row_ok,
             cached,
@@ -213,7 +261,9 @@ def _kv_copy_kernel(
             UNPACK,
             STORE,
             DIGEST,
+            NH,
             WORDS,
+            BLOCK_T,
         )
         sum_a += v_a
         sum_b += v_b
@@ -275,6 +325,8 @@ _VARYING = (
     "src_start_ptr",
     "packed_ptr",
     "digest_ptr",
+    "nh_key_ptr",
+    "nh_ptr",
     "packed_first",
     "num_rows",
     "num_sel",
@@ -295,6 +347,8 @@ def copy_kv(
     unpack: bool,
     lanes: torch.Tensor | None = None,
     store: bool = True,
+    nh_key: torch.Tensor | None = None,
+    nh_out: torch.Tensor | None = None,
 ) -> None:
     """Pack (cache → ``packed``) or unpack (``packed`` → cache) with one launch per group.
 
@@ -315,7 +369,15 @@ def copy_kv(
         lanes: ``[2]`` int64 zeros, or None: the launch adds the digest's lane sums of the packed
             elements into it (``width`` 4 or 8 only).
         store: False (pack only): write nothing into ``packed``, only the lane sums.
+        nh_key: ``[KEY_WORDS]`` int32 NH key on the views' device, with ``nh_out``; or None.
+        nh_out: ``[num_chunks(packed bytes), 2]`` int64, contiguous: zeroed, then the launch adds
+            the NH terms of every packed element into it (the NH of ``packed`` but for the terms
+            of the last block's zero padding: the caller adds those). Only where
+            :func:`nh_fusable` holds.
     """
+    nh = nh_out is not None
+    if nh:
+        nh_out.zero_()
     num_rows = packed.size(2)
     if num_rows == 0:
         return
@@ -329,6 +391,7 @@ def copy_kv(
     # timing run: then it is this call's own cu_seqlens, never the caller's slot mapping
     # (which another stream may write, or which may be an inference-mode tensor)
     digest_at = lanes if digest else cu_seqlens  # (a tensor or an address)
+    nh_key_at, nh_at = (nh_key, nh_out) if nh else (cu_seqlens, cu_seqlens)  # (likewise)
     num_sel, search_steps = index.num_sel, index.search_steps
     device = current_device() if DIRECT else None
     on_gpu = packed.device.type == "cuda"
@@ -345,6 +408,9 @@ def copy_kv(
         pointer_spec(cu_seqlens),
         pointer_spec(src_start),
         pointer_spec(lanes.data_ptr() if digest else cu_seqlens),
+        nh,
+        pointer_spec(nh_key.data_ptr() if nh else cu_seqlens),
+        pointer_spec(nh_out.data_ptr() if nh else cu_seqlens),
         int_spec(num_rows),
         int_spec(num_sel),
         int_spec(search_steps),
@@ -362,7 +428,8 @@ def copy_kv(
             # (-(-a // b): triton.cdiv is a constexpr function, costly to call from the host)
             grid = (-(-num_rows // direct.meta["BLOCK_T"]), group.stop - group.start, 1)
             _KV_COPY.kernel.best_config = direct.config
-            values = (slot_mapping, cu_seqlens, src_start, address, digest_at, packed_first)
+            values = (slot_mapping, cu_seqlens, src_start, address, digest_at, nh_key_at, nh_at)
+            values += (packed_first,)
             values += (num_rows, num_sel, search_steps, stride_layer, stride_part)
             direct(grid, values, device)
             continue
@@ -370,7 +437,7 @@ def copy_kv(
         packed_int = as_int(packed, width)
         # _KEY's values and the tensor arguments' dtypes (the rest are int64 tables)
         _, num_kv_heads, _, head_size = group.base.shape
-        key = (num_kv_heads, head_size, has_v, unpack, store, digest, group.k_strides[1])
+        key = (num_kv_heads, head_size, has_v, unpack, store, digest, nh, group.k_strides[1])
         key += (group.base.dtype, slot_mapping.dtype, packed_int.dtype)
         kwargs = _group_kwargs(group, has_v) | {
             "slot_mapping_ptr": slot_mapping,
@@ -378,6 +445,8 @@ def copy_kv(
             "src_start_ptr": index.src_start,
             "packed_ptr": packed_int[group.start : group.stop],
             "digest_ptr": lanes if digest else index.cu_seqlens,
+            "nh_key_ptr": nh_key if nh else index.cu_seqlens,
+            "nh_ptr": nh_out if nh else index.cu_seqlens,
             "packed_first": packed_first,
             "num_rows": num_rows,
             "num_sel": index.num_sel,
@@ -387,6 +456,7 @@ def copy_kv(
             "UNPACK": unpack,
             "STORE": store,
             "DIGEST": digest,
+            "NH": nh,
             "WORDS": max(width // 4, 1),
         }
         compiled, config = _KV_COPY(key, grid, **kwargs)

@@ -122,6 +122,35 @@ def nh_numpy(words: np.ndarray, key: np.ndarray) -> np.ndarray:
     return out
 
 
+def padding_terms(key: np.ndarray, num_bytes: int) -> tuple[int, int]:
+    """What the zero padding of a payload's last block adds to its NH sums: for each iteration
+    ``t``, the sum mod 2**64 of ``k[8g+j+4t] * k[8g+j+4+4t]`` over the 32-byte groups ``g`` of
+    the last block past ``num_bytes`` (their words are zeros), as uint64 ints; ``(0, 0)`` when
+    ``num_bytes`` fills its last block. A kernel that hashes only the payload's bytes adds these
+    to the last block's sums.
+
+    Args:
+        key: ``[KEY_WORDS]`` uint32 NH key.
+        num_bytes: the payload's size, a multiple of 32 (whole groups: a group with payload
+            words and padding words is no sum of separate terms).
+
+    Raises:
+        ValueError: ``num_bytes`` is negative or not a multiple of 32.
+    """
+    if num_bytes < 0 or num_bytes % 32:
+        raise ValueError(f"num_bytes: expected a non-negative multiple of 32, got {num_bytes}")
+    first = num_bytes % CHUNK_BYTES // 32  # the first padding group of the last block
+    if first == 0:
+        return 0, 0
+    k = key.astype(np.uint64)
+    out = []
+    for t in range(ITERATIONS):
+        part = k[SHIFT_WORDS * t : SHIFT_WORDS * t + CHUNK_WORDS].reshape(-1, 2, 4)[first:]
+        with np.errstate(over="ignore"):
+            out.append(int((part[:, 0, :] * part[:, 1, :]).sum(dtype=np.uint64)))
+    return out[0], out[1]
+
+
 def nh_torch(words: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """:func:`nh_numpy` in torch ops on any device (the twin; int64 arithmetic only: products
     split in 16-bit halves, so nothing relies on signed overflow).

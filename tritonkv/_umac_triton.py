@@ -1,6 +1,9 @@
-"""The NH layer of :mod:`tritonkv.umac` in Triton: each program takes :data:`BLOCKS` 4 KiB
-blocks of a payload's words, both Toeplitz iterations from the same loaded words and one load of
-the key (a separate launch over the packed tensor, not fused into the pack/unpack copy)."""
+"""The NH layer of :mod:`tritonkv.umac` in Triton: a kernel of its own, whose programs each take
+:data:`BLOCKS` 4 KiB blocks of a payload's words, both Toeplitz iterations from the same loaded
+words and one load of the key; and the tile helpers the pack/unpack copy kernel
+(:mod:`tritonkv._kv_triton`) fuses into its launch: the NH sums of each row of a tile of packed
+elements (:func:`tile_nh`), and their addition into the ``[num_blocks, 2]`` int64 outputs with
+one atomic add per block and iteration a tile touches (:func:`add_nh_rows`)."""
 
 from __future__ import annotations
 
@@ -12,9 +15,13 @@ import triton.language as tl
 
 from ._umac_core import CHUNK_WORDS, ITERATIONS, KEY_WORDS, SHIFT_WORDS
 
-__all__ = ["nh_triton"]
+__all__ = ["add_nh_rows", "flush_nh_rows", "nh_triton", "tile_nh"]
 
 BLOCKS = 4  # 4 KiB blocks per program (the key is loaded once for them)
+# The definition's constants, as the compiler accepts globals in kernels (the tile helpers').
+_CHUNK_WORDS = tl.constexpr(CHUNK_WORDS)
+_ITERATIONS = tl.constexpr(ITERATIONS)
+_SHIFT_WORDS = tl.constexpr(SHIFT_WORDS)
 
 
 @triton.jit(do_not_specialize=["num_blocks"])
@@ -50,6 +57,89 @@ def _nh_kernel(
         # out has rows for whole programs (the wrapper drops those past num_blocks)
         tl.store(out_ptr + block * stride_out, t0.to(tl.int64, bitcast=True))
         tl.store(out_ptr + block * stride_out + 1, t1.to(tl.int64, bitcast=True))
+
+
+@triton.jit
+def tile_nh(
+    x,
+    word0,
+    key_ptr,  # [KEY_WORDS] int32: the NH key
+    BLOCK_T: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
+    WORDS: tl.constexpr,
+):
+    """NH sums of each row of a tile of packed elements, both iterations.
+
+    ``x`` is ``[BLOCK_T, ROW_WORDS // WORDS]`` int32 (``WORDS`` 1) or int64 (``WORDS`` 2): each
+    row a run of the packed tensor's bytes that starts at its 32-bit word ``word0`` (``[BLOCK_T]``
+    int64) and lies inside one 4 KiB block, ``ROW_WORDS`` a power of two from 8 to 1024 and
+    ``word0`` a multiple of it (so rows are whole 8-word groups). Returns ``(t0, t1)``, each
+    ``[BLOCK_T]`` uint64: the row's terms of its block's NH sums (rows are not masked here).
+    """
+    tl.static_assert(_ITERATIONS == 2 and _SHIFT_WORDS == 4)
+    tl.static_assert(ROW_WORDS % 8 == 0 and ROW_WORDS <= _CHUNK_WORDS)
+    GROUPS: tl.constexpr = ROW_WORDS // 8
+    # the row's words in memory order (an int64 element: its low word, then its high word)
+    if WORDS == 1:
+        w = x.to(tl.uint32, bitcast=True)
+    else:
+        u = x.to(tl.uint64, bitcast=True)
+        w = tl.join((u & 0xFFFFFFFF).to(tl.uint32), (u >> 32).to(tl.uint32))
+        w = tl.reshape(w, (BLOCK_T, ROW_WORDS))
+    # each 8-word group's first and second half: word j pairs with word j + 4
+    m_lo, m_hi = tl.split(tl.permute(tl.reshape(w, (BLOCK_T, GROUPS, 2, 4)), (0, 1, 3, 2)))
+    q = tl.arange(0, ROW_WORDS // 2)
+    lo = tl.reshape((q // 4) * 8 + q % 4, (GROUPS, 4))  # word 8g + j of the row
+    at = key_ptr + (word0 % _CHUNK_WORDS)[:, None, None] + lo[None, :, :]  # its key word
+    k_a = tl.load(at).to(tl.uint32, bitcast=True)  # k[8g+j]
+    k_b = tl.load(at + 4).to(tl.uint32, bitcast=True)  # k[8g+j+4]
+    k_c = tl.load(at + 8).to(tl.uint32, bitcast=True)  # k[8g+j+8]
+    # 32-bit adds wrap; the products are exact in 64 bits and summed modulo 2**64
+    p0 = (m_lo + k_a).to(tl.uint64) * (m_hi + k_b).to(tl.uint64)
+    p1 = (m_lo + k_b).to(tl.uint64) * (m_hi + k_c).to(tl.uint64)
+    t0 = tl.sum(tl.reshape(p0, (BLOCK_T, ROW_WORDS // 2)), axis=1)
+    t1 = tl.sum(tl.reshape(p1, (BLOCK_T, ROW_WORDS // 2)), axis=1)
+    return t0, t1
+
+
+@triton.jit
+def flush_nh_rows(
+    nh_ptr,  # [num_blocks, 2] int64: NH sums (uint64 bit patterns)
+    block,
+    t0,
+    t1,
+    mask,
+):
+    """Add each row's sums ``t0``, ``t1`` (``[BLOCK_T]`` uint64) into its block ``block``'s
+    outputs (``[BLOCK_T]`` int64), rows ``mask`` only: one atomic add per row and iteration."""
+    at = nh_ptr + block * _ITERATIONS
+    tl.atomic_add(at, t0.to(tl.int64, bitcast=True), mask=mask, sem="relaxed")
+    tl.atomic_add(at + 1, t1.to(tl.int64, bitcast=True), mask=mask, sem="relaxed")
+
+
+@triton.jit
+def add_nh_rows(
+    nh_ptr,  # [num_blocks, 2] int64: NH sums (uint64 bit patterns)
+    block,
+    t0,
+    t1,
+    row_ok,
+    BLOCK_T: tl.constexpr,
+):
+    """Add a tile's row sums ``t0``, ``t1`` (``[BLOCK_T]`` uint64, row ``i``'s into block
+    ``block[i]``, nondecreasing; rows ``row_ok`` only) into the outputs with one atomic add per
+    distinct block and iteration: rows of one block are summed first (a one-hot sum over the
+    blocks ``block - first``, ``first`` the tile's first block; a row ``BLOCK_T`` blocks or more
+    past it adds its own)."""
+    first = tl.min(tl.where(row_ok, block, 1 << 62), axis=0)
+    rel = block - first
+    slots = tl.arange(0, BLOCK_T)
+    hit = (rel[:, None] == slots[None, :]) & row_ok[:, None]  # [BLOCK_T rows, BLOCK_T blocks]
+    s0 = tl.sum(tl.where(hit, t0[:, None], 0), axis=0)
+    s1 = tl.sum(tl.where(hit, t1[:, None], 0), axis=0)
+    used = tl.max(hit.to(tl.int32), axis=0) > 0
+    flush_nh_rows(nh_ptr, first + slots, s0, s1, used)
+    flush_nh_rows(nh_ptr, block, t0, t1, row_ok & (rel >= BLOCK_T))
 
 
 def nh_triton(words: torch.Tensor, key: torch.Tensor) -> torch.Tensor:

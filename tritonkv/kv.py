@@ -15,16 +15,18 @@ fp16, bf16, fp8 and uint8-viewed caches are copied bit for bit; there is no arit
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 
 import torch
 
-from . import _cpu_digest, _digest_triton, _kv_torch, _kv_triton
+from . import _cpu_digest, _digest_triton, _kv_torch, _kv_triton, umac
 from ._checks import check_index, checks_enabled
 from ._dispatch import use_triton
 from ._index import on_device, seq_index
 from ._intview import as_int, widest_width
 from ._layer_sets import LAYER_SETS, KVCacheSet, Layers, prepare_kv
+from ._umac_core import padding_terms
 from .digest import finalize, packed_digest
 
 __all__ = [
@@ -61,6 +63,52 @@ def _check_slots(slot_mapping: torch.Tensor, flat: torch.Tensor, num_slots: int)
         )
 
 
+def _check_nh(nh_key, nh_out, num_bytes: int, device: torch.device) -> None:
+    """``nh_key`` and ``nh_out`` go together; ``nh_out`` is ``[num_chunks(num_bytes), 2]`` int64,
+    contiguous, on ``device`` (TypeError / ValueError naming what was expected and given)."""
+    if (nh_key is None) != (nh_out is None):
+        given, missing = ("nh_key", "nh_out") if nh_out is None else ("nh_out", "nh_key")
+        raise TypeError(f"{missing}: expected a value with {given} (both or neither), got None")
+    if nh_key is None:
+        return
+    if not isinstance(nh_key, umac.TransferKeys):
+        raise TypeError(f"nh_key: expected umac.TransferKeys, got {type(nh_key).__name__}")
+    if not isinstance(nh_out, torch.Tensor):
+        raise TypeError(f"nh_out: expected a tensor, got {type(nh_out).__name__}")
+    shape = (umac.num_chunks(num_bytes), umac.ITERATIONS)
+    if (
+        tuple(nh_out.shape) != shape
+        or nh_out.dtype != torch.int64
+        or nh_out.device != device
+        or not nh_out.is_contiguous()
+    ):
+        raise ValueError(
+            f"nh_out: expected a contiguous {shape} int64 tensor on {device} (NH of "
+            f"{num_bytes} packed bytes), got {tuple(nh_out.shape)} {nh_out.dtype} on "
+            f"{nh_out.device}{'' if nh_out.is_contiguous() else ', not contiguous'}"
+        )
+
+
+# NH's padding terms per key and packed size mod 4096 (a host computation of some microseconds)
+_PADDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _add_padding(nh_out: torch.Tensor, nh_key: umac.TransferKeys, num_bytes: int) -> None:
+    """Add the NH terms of the last block's zero padding, which the kernel never visits, to
+    ``nh_out``'s last row (two scalar adds: no host synchronisation)."""
+    tail = num_bytes % umac.CHUNK_BYTES
+    if tail == 0:
+        return
+    per_key = _PADDING.setdefault(nh_key, {})
+    terms = per_key.get(tail)
+    if terms is None:
+        terms = per_key[tail] = [
+            t - (1 << 64) if t >> 63 else t for t in padding_terms(nh_key.nh_key, num_bytes)
+        ]
+    for t, term in enumerate(terms):
+        nh_out[-1, t].add_(term)  # int64 adds wrap: the sums are modulo 2**64
+
+
 @functools.lru_cache(maxsize=1024)
 def _packed_width(
     strides: tuple[int, ...], address_mod_16: int, itemsize: int, row_bytes: int, widest: int
@@ -81,12 +129,15 @@ def _run(
     force_torch,
     digest=False,
     store=True,
+    nh_key=None,
+    nh_out=None,
 ):
     """Common path of pack/unpack: validate, address, widen, dispatch.
 
     Returns ``(packed, SeqIndex, digest or None)``. ``digest``: also compute the digest of the
     packed tensor (written or read); ``store`` False (pack only): the digest is what is wanted,
-    the packed rows need not be kept.
+    the packed rows need not be kept. ``nh_key``, ``nh_out``: also overwrite ``nh_out`` with the
+    NH of the packed tensor (written or read) under ``nh_key``.
     """
     check_index("slot_mapping", slot_mapping, allow_none=False)
     checks = checks_enabled(query_start_loc, seq_ids, slot_mapping)
@@ -121,6 +172,8 @@ def _run(
                 f"{name}: expected {index.total()} rows (tokens of the selected sequences) in "
                 f"dim 2, got {rows}"
             )
+    itemsize = packed.element_size()
+    _check_nh(nh_key, nh_out, packed.numel() * itemsize, device)
     triton_path = use_triton(device) and not force_torch
     flat = None if triton_path and not checks else index.flat_tokens(rows)
     if checks:
@@ -130,7 +183,6 @@ def _run(
     # are all the sizes up to its widest, so the smaller of the two widest); the kernels move at
     # most 8-byte integers, the CPU twin 16-byte elements too (fewer, longer element copies).
     widest = min(layer_set.width, 8 if triton_path else 16)
-    itemsize = packed.element_size()
     address_mod_16 = packed.data_ptr() % 16
     width = _packed_width(packed.stride(), address_mod_16, itemsize, head_size * itemsize, widest)
     result = None
@@ -138,6 +190,8 @@ def _run(
         groups = layer_set.launches(width, views)
         fused = digest and width >= 4  # the copy reads whole 32-bit words: digest in its launch
         lanes = torch.zeros(2, dtype=torch.int64, device=device) if digest else None
+        # NH in the copy's launch where head rows are whole 32-byte groups inside a 4 KiB block
+        nh_fused = nh_key is not None and _kv_triton.nh_fusable(width, head_size * itemsize)
         _kv_triton.copy_kv(
             groups,
             slot_mapping,
@@ -148,20 +202,31 @@ def _run(
             unpack=unpack,
             lanes=lanes if fused else None,
             store=store or not fused,
+            nh_key=nh_key.nh_key_on(device) if nh_fused else None,
+            nh_out=nh_out if nh_fused else None,
         )
         if digest and not fused:  # 1- or 2-byte integers: the digest's own launch
             _digest_triton.byte_lanes(packed, lanes)
         if digest:
             result = finalize(lanes, packed.numel() * packed.element_size())
+        if nh_fused:
+            _add_padding(nh_out, nh_key, packed.numel() * itemsize)
+        elif nh_key is not None:  # other head rows: NH's own pass over the packed tensor
+            nh_out.copy_(umac.nh_hash(packed, nh_key))
     elif (lib := _native_digest(digest, device, force_torch)) is not None:
         slots = slot_mapping.to(torch.int64)[flat]  # the twin's copy and the digest in one pass
         table = layer_set.row_table(views)
         result = _cpu_digest.copy_with_digest(lib, table, slots, packed, unpack=unpack, store=store)
+        if nh_key is not None:
+            nh_out.copy_(umac.nh_hash(packed, nh_key))
     else:
         groups = layer_set.plan(width, views)
         packed_int = as_int(packed, width)
         _kv_torch.copy_kv(groups, slot_mapping, index, packed_int, unpack=unpack, flat=flat)
         result = packed_digest(packed) if digest else None
+        if nh_key is not None:  # the C library on the CPU (the twin's for the *_torch oracles)
+            nh = umac.nh_hash_torch if force_torch else umac.nh_hash
+            nh_out.copy_(nh(packed, nh_key))
     return packed, index, result
 
 
@@ -181,6 +246,8 @@ def pack_kv(
     *,
     out: torch.Tensor | None = None,
     digest: bool = False,
+    nh_key: umac.TransferKeys | None = None,
+    nh_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pack the selected sequences' KV, every layer, into one contiguous tensor.
 
@@ -218,6 +285,19 @@ def pack_kv(
             and digested in one pass), or where no C compiler works, by a NumPy pass over
             ``packed`` after the twin's copy (several times the copy's time; ``pack_kv_torch``
             always takes that path: the oracle). Costs: ``bench/bench_kv.py --suite digest``.
+        nh_key: the keys (:func:`tritonkv.umac.entry_keys`, :func:`~tritonkv.umac.transfer_keys`)
+            under which to hash ``packed`` as written, with ``nh_out``; None (default): no hash.
+            May be combined with ``digest``.
+        nh_out: ``[umac.num_chunks(packed bytes), 2]`` int64, contiguous, on the cache's device,
+            overwritten with exactly ``umac.nh_hash(packed, nh_key)`` (:mod:`tritonkv.umac`'s
+            keyed universal hash); given with ``nh_key``. The Triton kernel computes it in its
+            copy launch where the copy moves 4- or 8-byte integers and one head row
+            (``head_size`` elements) is a power of two from 32 to 4096 bytes (fp32, fp16 and
+            bf16 heads of 16 to 1024 elements), with the padding of the last 4 KiB block added
+            by two scalar torch ops (no host synchronisation); elsewhere (fp8, odd or larger head
+            rows such as MLA's 576) :func:`~tritonkv.umac.nh_hash` hashes ``packed`` in a pass
+            of its own after the copy, as on the CPU (the C library; the torch twin for
+            ``pack_kv_torch``). ``packed`` is bit for bit the same with or without it.
 
     Returns:
         ``(packed, cu_seqlens)``: ``packed`` as ``out`` above (cache dtype) and ``cu_seqlens``
@@ -226,13 +306,35 @@ def pack_kv(
 
     Raises:
         TypeError, ValueError: inputs of the wrong type, shape, dtype or range (the message says
-            what was expected and what was given). Offsets and slots are range-checked when the
-            index tensors are on the CPU, or on the GPU when ``TRITONKV_CHECK=1``.
+            what was expected and what was given), ``nh_key`` without ``nh_out`` or the reverse.
+            Offsets and slots are range-checked when the index tensors are on the CPU, or on the
+            GPU when ``TRITONKV_CHECK=1``.
     """
-    return _pack(layers, slot_mapping, query_start_loc, seq_ids, out, digest, force_torch=False)
+    return _pack(
+        layers,
+        slot_mapping,
+        query_start_loc,
+        seq_ids,
+        out,
+        digest,
+        force_torch=False,
+        nh_key=nh_key,
+        nh_out=nh_out,
+    )
 
 
-def _pack(layers, slot_mapping, query_start_loc, seq_ids, out, digest, *, force_torch):
+def _pack(
+    layers,
+    slot_mapping,
+    query_start_loc,
+    seq_ids,
+    out,
+    digest,
+    *,
+    force_torch,
+    nh_key=None,
+    nh_out=None,
+):
     packed, index, result = _run(
         layers,
         slot_mapping,
@@ -242,11 +344,24 @@ def _pack(layers, slot_mapping, query_start_loc, seq_ids, out, digest, *, force_
         unpack=False,
         force_torch=force_torch,
         digest=bool(digest),
+        nh_key=nh_key,
+        nh_out=nh_out,
     )
     return (packed, index.cu_seqlens, result) if digest else (packed, index.cu_seqlens)
 
 
-def _unpack(packed, layers, slot_mapping, query_start_loc, seq_ids, digest, *, force_torch):
+def _unpack(
+    packed,
+    layers,
+    slot_mapping,
+    query_start_loc,
+    seq_ids,
+    digest,
+    *,
+    force_torch,
+    nh_key=None,
+    nh_out=None,
+):
     return _run(
         layers,
         slot_mapping,
@@ -256,6 +371,8 @@ def _unpack(packed, layers, slot_mapping, query_start_loc, seq_ids, digest, *, f
         unpack=True,
         force_torch=force_torch,
         digest=bool(digest),
+        nh_key=nh_key,
+        nh_out=nh_out,
     )[2]
 
 
@@ -267,6 +384,8 @@ def unpack_kv(
     seq_ids: torch.Tensor | Sequence[int] | None = None,
     *,
     digest: bool = False,
+    nh_key: umac.TransferKeys | None = None,
+    nh_out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Write a tensor made by :func:`pack_kv` into a paged cache, in place.
 
@@ -282,12 +401,27 @@ def unpack_kv(
         digest: return the digest of ``packed`` as this call read it (every row, slot -1 rows
             too), computed as in :func:`pack_kv`; compare it with the producer's
             (:func:`tritonkv.digest.digests_equal`) to know the bytes arrived intact.
+        nh_key, nh_out: as in :func:`pack_kv`: ``nh_out`` is overwritten with the NH of
+            ``packed`` as this call read it (every row, slot -1 rows too), computed where
+            :func:`pack_kv` computes it; the tag of those outputs
+            (:func:`tritonkv.umac.tag_of_outputs`) authenticates what was written.
 
     Returns:
         None, or with ``digest=True`` the ``[2]`` int64 digest of what was read.
+
+    Raises:
+        TypeError, ValueError: as :func:`pack_kv`.
     """
     return _unpack(
-        packed, layers, slot_mapping, query_start_loc, seq_ids, digest, force_torch=False
+        packed,
+        layers,
+        slot_mapping,
+        query_start_loc,
+        seq_ids,
+        digest,
+        force_torch=False,
+        nh_key=nh_key,
+        nh_out=nh_out,
     )
 
 
@@ -330,17 +464,55 @@ def kv_digest(
 
 
 def pack_kv_torch(
-    layers, slot_mapping, query_start_loc=None, seq_ids=None, *, out=None, digest=False
+    layers,
+    slot_mapping,
+    query_start_loc=None,
+    seq_ids=None,
+    *,
+    out=None,
+    digest=False,
+    nh_key=None,
+    nh_out=None,
 ):
-    """:func:`pack_kv` on the plain-torch twin, whatever the device and ``TRITONKV_KERNELS``."""
-    return _pack(layers, slot_mapping, query_start_loc, seq_ids, out, digest, force_torch=True)
+    """:func:`pack_kv` on the plain-torch twin, whatever the device and ``TRITONKV_KERNELS``
+    (NH by :func:`tritonkv.umac.nh_hash_torch` after the copy)."""
+    return _pack(
+        layers,
+        slot_mapping,
+        query_start_loc,
+        seq_ids,
+        out,
+        digest,
+        force_torch=True,
+        nh_key=nh_key,
+        nh_out=nh_out,
+    )
 
 
 def unpack_kv_torch(
-    packed, layers, slot_mapping, query_start_loc=None, seq_ids=None, *, digest=False
+    packed,
+    layers,
+    slot_mapping,
+    query_start_loc=None,
+    seq_ids=None,
+    *,
+    digest=False,
+    nh_key=None,
+    nh_out=None,
 ):
-    """:func:`unpack_kv` on the plain-torch twin, whatever the device and ``TRITONKV_KERNELS``."""
-    return _unpack(packed, layers, slot_mapping, query_start_loc, seq_ids, digest, force_torch=True)
+    """:func:`unpack_kv` on the plain-torch twin, whatever the device and ``TRITONKV_KERNELS``
+    (NH by :func:`tritonkv.umac.nh_hash_torch` after the copy)."""
+    return _unpack(
+        packed,
+        layers,
+        slot_mapping,
+        query_start_loc,
+        seq_ids,
+        digest,
+        force_torch=True,
+        nh_key=nh_key,
+        nh_out=nh_out,
+    )
 
 
 def kv_digest_torch(layers, slot_mapping, query_start_loc=None, seq_ids=None) -> torch.Tensor:

@@ -23,10 +23,13 @@ equal-length inputs; lengths are bound by the PRF. A forgery succeeds with proba
 ``2**-64 + 2**-128`` per attempt (plus HMAC-SHA256's distance from a random function), i.e.
 below ``2**-63.9``.
 
-Where it runs: Triton (one program per block, a separate launch over the tensor: it is **not**
-fused into the pack/unpack kernels), the C library :mod:`tritonkv._cpu_umac` on the CPU (torch
-twin where it cannot be built), the torch twin :func:`nh_hash_torch` (any device) and the NumPy
-reference :func:`nh_hash_numpy`: the same bits.
+Where it runs: Triton (one program per block, a launch of its own over the tensor), the C
+library :mod:`tritonkv._cpu_umac` on the CPU (torch twin where it cannot be built), the torch twin
+:func:`nh_hash_torch` (any device) and the NumPy reference :func:`nh_hash_numpy`: the same bits.
+:func:`tritonkv.pack_kv` and :func:`tritonkv.unpack_kv` (``nh_key``, ``nh_out``) give NH of the
+packed tensor as they write or read it: fused into the Triton copy kernel where head rows are a
+power of two from 32 to 4096 bytes moved as 4- or 8-byte integers, else :func:`nh_hash` after
+the copy (and on the CPU).
 """
 
 from __future__ import annotations

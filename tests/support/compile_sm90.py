@@ -1,11 +1,14 @@
 """Compile the copy kernels for an H100/H200 (sm_90) without a GPU, as a real launch would specialise
 them; print one JSON line per kernel variant with the global load/store instructions in its PTX.
 
-Run as a script with TRITON_INTERPRET unset (the interpreter replaces @triton.jit functions).
+Run as a script with TRITON_INTERPRET unset (the interpreter replaces @triton.jit functions);
+``--nh-only``: the copy kernel's NH variants alone. Atomics: ``atom.global`` (returning) and
+``red.global`` (reductions, no result) instructions.
 """
 
 import json
 import re
+import sys
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -50,7 +53,7 @@ def compile_variant(kernel, pointer_types, constexprs, divisible):
     return {
         "loads": sorted(set(re.findall(r"ld\.global[\w.]*", ptx))),
         "stores": sorted(set(re.findall(r"st\.global[\w.]*", ptx))),
-        "atomics": sorted(set(re.findall(r"atom\.global[\w.]*", ptx))),
+        "atomics": sorted(set(re.findall(r"(?:atom|red)\.global[\w.]*", ptx))),
         "cubin_bytes": len(compiled.asm["cubin"]),
     }
 
@@ -64,8 +67,10 @@ def main():
         "src_start_ptr": "*i64",
         "packed_ptr": "*i64",
         "digest_ptr": "*i64",
+        "nh_key_ptr": "*i32",
+        "nh_ptr": "*i64",
     }
-    digest_off = {"STORE": True, "DIGEST": False, "WORDS": 2}
+    digest_off = {"STORE": True, "DIGEST": False, "NH": False, "WORDS": 2}
     # Llama-3-8B-like bf16 NHD cache, head_size 128 = 256 bytes = 32 int64 elements; 8 KV heads.
     strides = ["stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn"]
 
@@ -82,6 +87,23 @@ def main():
             **digest,
         }
 
+    # NH (the keyed hash) fused in the copy: pack and unpack, alone and with the digest; and
+    # 32-bit words (fp32 heads of 64 elements, 256 bytes), the MLA-like case without V.
+    for unpack, digest, words, has_v in (
+        (False, False, 2, True),
+        (True, False, 2, True),
+        (False, True, 2, True),
+        (True, False, 1, False),
+    ):
+        constexprs = kv_constexprs(has_v, unpack, STORE=True, DIGEST=digest, NH=True, WORDS=words)
+        if words == 1:
+            constexprs |= {"HEAD_SIZE": 64, "BLOCK_D": 64, "ALIGN": 4}
+        pointers = kv_pointers | ({"cache_ptr": "*i32", "packed_ptr": "*i32"} if words == 1 else {})
+        divisible = [*kv_pointers, *strides, "stride_packed_layer", "stride_packed_part"]
+        result = compile_variant(_kv_copy_kernel, pointers, constexprs, divisible)
+        print(json.dumps({"kernel": "kv-nh", "unpack": unpack, "digest": digest, **result}))
+    if sys.argv[1:] == ["--nh-only"]:  # (tests/kernels/test_kv_nh.py: these variants alone)
+        return
     for unpack in (False, True):
         for has_v in (True, False):
             constexprs = kv_constexprs(has_v, unpack, **digest_off)
@@ -90,7 +112,7 @@ def main():
             print(json.dumps({"kernel": "kv", "unpack": unpack, "has_v": has_v, **result}))
     # The digest fused in the copy: pack, unpack, and kv_digest's read-only pack (no stores).
     for unpack, store in ((False, True), (True, True), (False, False)):
-        constexprs = kv_constexprs(True, unpack, STORE=store, DIGEST=True, WORDS=2)
+        constexprs = kv_constexprs(True, unpack, STORE=store, DIGEST=True, NH=False, WORDS=2)
         divisible = [*kv_pointers, *strides, "stride_packed_layer", "stride_packed_part"]
         result = compile_variant(_kv_copy_kernel, kv_pointers, constexprs, divisible)
         print(json.dumps({"kernel": "kv-digest", "unpack": unpack, "store": store, **result}))

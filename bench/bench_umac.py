@@ -12,11 +12,24 @@ ratios the median of per-round ratios) or ``do_bench`` on a GPU:
 - ``tag``: ``umac.payload_tag`` with the transfer's key derivation: what the sender and the
   receiver each add to a process-group payload (a separate pass; not fused into pack/unpack).
 
-Printed, and written to ``--out``: per provider p50 ms and GB/s (bytes read / p50), and
-``tag_over_copy`` = tag / copy (the cost of authenticating, as a fraction of a copy of the same
-bytes; ``1.0`` means one more copy's time). Checked before timing: the copy is bit-exact, NH
-equals the NumPy reference on the first 16 MiB, the tag equals the host's. The first lines name the host, the commit, the date,
-what computed the digest and the NH layer, and the load average.
+And the pack and unpack of that KV (``tokens`` tokens of a paged cache of the model, in
+``bench_kv``'s "tokens" batch: sequences of 512 tokens over shuffled blocks, each followed by an
+unselected decode token), each packing into a buffer allocated once:
+
+- ``pack``: ``pack_kv`` alone; ``pack+digest``: with ``digest=True``; ``pack+nh``: with
+  ``nh_key`` / ``nh_out`` (on a GPU NH is fused into the Triton copy kernel; on the CPU it is the
+  copy, then ``umac.nh_hash`` over the packed tensor, its own pass);
+- ``unpack``: ``unpack_kv`` of the packed tensor into a second cache; ``unpack+nh``: with NH.
+
+Printed, and written to ``--out``: per provider p50 ms and GB/s (bytes read / p50), with the
+ratio to the copy (``x copy``) for the passes over the packed tensor, to ``pack`` or ``unpack``
+(``x pack``, ``x unpack``) for the pack and unpack rows; and ``tag_over_copy`` = tag / copy (the
+cost of authenticating, as a fraction of a copy of the same bytes; ``1.0`` means one more copy's
+time). Checked before timing: the copy is bit-exact, NH equals the NumPy reference on the first
+16 MiB, the tag equals the host's, and pack and unpack give the same packed bytes and cache writes
+with NH as without it, with ``nh_out`` equal to ``umac.nh_hash`` of the packed tensor. The first
+lines name the host, the commit, the date, what computed the digest and the NH layer, and the
+load average.
 
 Run: ``python -m bench.bench_umac [--tokens 4096] [--model llama3-8b] [--out PATH]`` (the kept
 CPU result: ``bench/results/cpu-avx512/umac.txt``; ``bench/gpu_check.sh`` runs it on a GPU and
@@ -32,11 +45,19 @@ from pathlib import Path
 import torch
 
 from bench import common
-from bench.bench_kv import MODELS
-from tritonkv import _cpu_digest, _cpu_umac, umac
+from bench.bench_kv import MODELS, blocks_needed, make_batch, make_cache
+from tritonkv import _cpu_digest, _cpu_umac, pack_kv, umac, unpack_kv
 from tritonkv.digest import tensor_digest
 
 SESSION_KEY = bytes(range(32))
+# the pack and unpack rows, each as a ratio to the plain op's time in the same rounds
+KV_BASES = {
+    "pack": "pack",
+    "pack+digest": "pack",
+    "pack+nh": "pack",
+    "unpack": "unpack",
+    "unpack+nh": "unpack",
+}
 
 
 def packed_kv(model_name: str, tokens: int, device: torch.device) -> torch.Tensor:
@@ -63,6 +84,58 @@ def check(packed: torch.Tensor, fns: dict, dst: torch.Tensor) -> None:
     assert umac.payload_tag(keys, [packed]) == umac.payload_tag(keys, [packed.cpu()]), "tag"
 
 
+class KVOps:
+    """A paged cache of ``model_name`` holding the ``tokens`` tokens that ``packed`` packs (the
+    source of the pack rows), a second cache (the unpack rows' destination), the batch, and the
+    buffers the calls write: one ``out`` for every pack, one ``nh_out`` for every NH."""
+
+    def __init__(self, model_name: str, tokens: int, packed: torch.Tensor):
+        m = MODELS[model_name]
+        device = packed.device
+        num_blocks = blocks_needed(tokens, "tokens", m.block_size)
+        table = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(1))
+        self.batch = make_batch(tokens, "tokens", m.block_size, table, device)
+        layout = "latent" if m.mla else "NHD"
+        self.src = make_cache(m, layout, num_blocks, device, seed=3)[1]
+        self.dst = make_cache(m, layout, num_blocks, device, seed=5)[1]
+        self.packed = packed
+        self.out = torch.empty_like(packed)
+        self.keys = umac.entry_keys(SESSION_KEY, "bench entry")
+        chunks = umac.num_chunks(packed.numel() * packed.element_size())
+        self.nh_out = torch.empty(chunks, umac.ITERATIONS, dtype=torch.int64, device=device)
+
+    def pack(self, **kw):
+        b = self.batch
+        return pack_kv(self.src, b.slot_mapping, b.query_start_loc, b.seq_ids, out=self.out, **kw)
+
+    def unpack(self, **kw):
+        b = self.batch
+        return unpack_kv(self.packed, self.dst, b.slot_mapping, b.query_start_loc, b.seq_ids, **kw)
+
+    def fns(self) -> dict:
+        nh = {"nh_key": self.keys, "nh_out": self.nh_out}
+        return {
+            "pack": lambda: self.pack(),
+            "pack+digest": lambda: self.pack(digest=True),
+            "pack+nh": lambda: self.pack(**nh),
+            "unpack": lambda: self.unpack(),
+            "unpack+nh": lambda: self.unpack(**nh),
+        }
+
+    def check(self) -> None:
+        """With NH, the same packed bytes and cache writes as without, and ``nh_out`` equal to
+        :func:`umac.nh_hash` of the packed tensor (AssertionError otherwise)."""
+        plain = self.pack()[0].clone()
+        self.pack(nh_key=self.keys, nh_out=self.nh_out)
+        assert torch.equal(self.out.view(torch.uint8), plain.view(torch.uint8)), "pack+nh"
+        assert torch.equal(self.nh_out, umac.nh_hash(plain, self.keys)), "pack's NH"
+        self.unpack(nh_key=self.keys, nh_out=self.nh_out)
+        assert torch.equal(self.nh_out, umac.nh_hash(self.packed, self.keys)), "unpack's NH"
+        b = self.batch
+        back = pack_kv(self.dst, b.slot_mapping, b.query_start_loc, b.seq_ids)[0]
+        assert torch.equal(back.view(torch.uint8), self.packed.view(torch.uint8)), "unpack"
+
+
 def providers(packed: torch.Tensor) -> tuple[dict, torch.Tensor]:
     """The timed calls by name, and the copy's destination."""
     dst = torch.empty_like(packed)
@@ -86,6 +159,9 @@ def run(model: str, tokens: int, quick: bool) -> list[str]:
     nbytes = packed.numel() * packed.element_size()
     fns, dst = providers(packed)
     check(packed, fns, dst)
+    kv = KVOps(model, tokens, packed)
+    kv.check()
+    fns |= kv.fns()
     for fn in fns.values():  # warm-up (and the C libraries' first build)
         fn()
     st = common.stamp()
@@ -101,14 +177,17 @@ def run(model: str, tokens: int, quick: bool) -> list[str]:
         rounds: dict[str, list[float]] = {}
         budget = 1.0 if quick else 6.0
         times = common.cpu_bench_interleaved(fns, budget_s=budget, rounds=rounds)
-        ratio = {n: common.paired_ratio(rounds[n], rounds["copy"]) for n in fns}
+        base = {n: KV_BASES.get(n, "copy") for n in fns}
+        ratio = {n: common.paired_ratio(rounds[n], rounds[base[n]]) for n in fns}
     else:
         times = {n: common.bench(fn, quick=quick) for n, fn in fns.items()}
-        ratio = {n: times[n][0] / times["copy"][0] for n in fns}
+        base = {n: KV_BASES.get(n, "copy") for n in fns}
+        ratio = {n: times[n][0] / times[base[n]][0] for n in fns}
     for name in fns:
         p50 = times[name][0]
         lines.append(
-            f"{name:7s} p50 {p50:9.3f} ms  {nbytes / p50 / 1e6:7.2f} GB/s  x copy {ratio[name]:.3f}"
+            f"{name:11s} p50 {p50:9.3f} ms  {nbytes / p50 / 1e6:7.2f} GB/s  x {base[name]} "
+            f"{ratio[name]:.3f}"
         )
     load1 = os.getloadavg()
     lines.append(

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import support.kv_cases as kv_cases
 import torch
 import triton
 from hypothesis import HealthCheck, given, settings
@@ -75,14 +76,16 @@ def _check_case(layout, dtype, slots, qsl, seq_ids, *, digest=False, **shape):
     raw, layers = make_cache(layout, dtype, **shape)
     plain, cu_seqlens = pack_kv(layers, slots, qsl, seq_ids)
     ids = range(len(qsl) - 1) if seq_ids is None else seq_ids
-    assert_bits_equal(plain, loop_pack(layers, slots, qsl, ids), "pack without NH")
+    want = loop_pack(layers, slots.cpu(), qsl.cpu(), ids)
+    assert_bits_equal(plain.cpu(), want, "pack without NH")
     for pack, name in ((pack_kv, "pack"), (pack_kv_torch, "pack_kv_torch")):
         nh_out = _nh_out(plain)
         got = pack(layers, slots, qsl, seq_ids, digest=digest, nh_key=KEY, nh_out=nh_out)
-        assert_bits_equal(got[0], plain, f"{name}: packed with NH")
+        assert_bits_equal(got[0].cpu(), plain.cpu(), f"{name}: packed with NH")
         assert torch.equal(got[1], cu_seqlens)
         if digest:
-            assert digest_hex(got[2]) == digest_hex(packed_digest(plain)), f"{name}: digest"
+            want = digest_hex(packed_digest(plain.cpu()))
+            assert digest_hex(got[2]) == want, f"{name}: digest"
         _assert_nh(nh_out, plain, f"{name} {layout} {dtype}")
 
     # unpack random bits: rows whose slot is -1 hold some too (NH covers every row read)
@@ -96,7 +99,7 @@ def _check_case(layout, dtype, slots, qsl, seq_ids, *, digest=False, **shape):
             src, dst_layers, slots, qsl, seq_ids, digest=digest, nh_key=KEY, nh_out=nh_out
         )
         if digest:
-            assert digest_hex(result) == digest_hex(packed_digest(src)), f"{name}: digest"
+            assert digest_hex(result) == digest_hex(packed_digest(src.cpu())), f"{name}: digest"
         else:
             assert result is None
         for i, (a, b) in enumerate(zip(storage_bits(dst_raw), storage_bits(want_raw), strict=True)):
@@ -136,6 +139,26 @@ def test_nh_equals_the_reference(kernels, case):
 def test_nh_with_the_digest_and_three_layers(kernels, dtype):
     shape = dict(num_layers=3, num_kv_heads=2, head_size=32)
     _check_case("flash_attn_nhd", dtype, SLOTS, QSL, None, digest=True, **shape)
+
+
+@pytest.fixture
+def on_cuda(monkeypatch):
+    monkeypatch.setattr(kv_cases, "DEVICE", "cuda")
+    monkeypatch.setenv("TRITONKV_KERNELS", "auto")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("digest", [False, True], ids=["nh", "nh+digest"])
+@pytest.mark.usefixtures("on_cuda")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nh_on_cuda(case, digest):
+    """The compiled kernel: fused NH (and its own pass) equal the reference on CUDA tensors;
+    twice, as the second call of each op variant is a direct launch."""
+    layout, dtype, heads, head_size = case
+    shape = dict(num_layers=2, num_blocks=6, block_size=8, num_kv_heads=heads, head_size=head_size)
+    for _ in range(2):
+        _check_case(layout, dtype, SLOTS.cuda(), QSL.cuda(), [1, 0, 2], digest=digest, **shape)
 
 
 def test_layers_with_different_strides_add_into_one_output(kernels):
@@ -275,20 +298,38 @@ def tuning(monkeypatch):
     return runs
 
 
-def test_the_first_launch_of_a_key_gives_the_right_nh(tuning):
+DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter: no GPU"),
+    ),
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_first_launch_of_a_key_gives_the_right_nh(tuning, monkeypatch, device):
+    monkeypatch.setattr(kv_cases, "DEVICE", device)
     raw, layers = make_cache("flash_attn_nhd", torch.float32, head_size=16)
-    plain = pack_kv_torch(layers, SLOTS, QSL)[0]
+    slots, qsl = SLOTS.to(device), QSL.to(device)
+    plain = pack_kv_torch(layers, slots, qsl)[0]
     nh_out = _nh_out(plain)
-    packed, _, _ = pack_kv(layers, SLOTS, QSL, digest=True, nh_key=KEY, nh_out=nh_out)
+    packed, _, _ = pack_kv(layers, slots, qsl, digest=True, nh_key=KEY, nh_out=nh_out)
     assert len(tuning) == 6  # it did tune (else this test shows nothing)
-    assert_bits_equal(packed, plain, "tuned pack")
+    assert_bits_equal(packed.cpu(), plain.cpu(), "tuned pack")
     _assert_nh(nh_out, plain, "first pack of its key")
     _, dst_layers = like_with_sentinel(raw, "flash_attn_nhd")
     nh_out = _nh_out(plain)
-    unpack_kv(plain, dst_layers, SLOTS, QSL, nh_key=KEY, nh_out=nh_out)
+    unpack_kv(plain, dst_layers, slots, qsl, nh_key=KEY, nh_out=nh_out)
     assert len(tuning) == 12
     _assert_nh(nh_out, plain, "first unpack of its key")
-    assert torch.equal(bits(pack_kv_torch(dst_layers, SLOTS, QSL)[0]), bits(plain))
+    assert torch.equal(bits(pack_kv_torch(dst_layers, slots, qsl)[0]), bits(plain))
 
 
 @st.composite

@@ -18,6 +18,7 @@ import torch
 from tritonkv import umac
 
 from ..transport import (
+    EntryTag,
     Kind,
     Message,
     PipeClosedError,
@@ -121,13 +122,14 @@ class KVClient:
         return self._pipe
 
     def _request(
-        self, kind: Op, key: str, meta=None, timeout_s=None, out=None, max_bytes=None, entry=False
+        self, kind: Op, key: str, meta=None, timeout_s=None, out=None, max_bytes=None, entry=None
     ):
         """Send one request, return ``(reply, t0)``: its reply (of ``key``; an ERROR reply is
         raised as RemoteError) and when the request began. A reply announcing more than
         ``max_bytes`` payload bytes (None: only the limits) is refused before it is allocated.
-        ``entry``: the reply may hold the entry ``key``, hashed as it was packed (checked under
-        its NH key, :func:`tritonkv.umac.entry_keys`)."""
+        ``entry`` (not None): the reply may hold the entry ``key``, hashed as it was packed
+        (checked under its NH key, :func:`tritonkv.umac.entry_keys`; by the caller if
+        ``entry`` is True: ``Message.entry_tag``)."""
         timeout_s = self.timeout_s if timeout_s is None else check_timeout("timeout_s", timeout_s)
         t0 = time.monotonic()
         deadline = t0 + timeout_s
@@ -152,8 +154,10 @@ class KVClient:
                 if left <= 0:
                     raise TransferTimeout("deadline passed", peer=self.peer, key=key,
                                           waited_s=time.monotonic() - t0)  # fmt: skip
-                keys = umac.entry_keys(self.secret, key) if entry else None
-                reply: Message = pipe.recv(left, out=out, expect_key=key, entry_keys=keys)
+                keys = None if entry is None else umac.entry_keys(self.secret, key)
+                reply: Message = pipe.recv(
+                    left, out=out, expect_key=key, entry_keys=keys, defer_entry_check=bool(entry)
+                )
             except TransferError as e:
                 self._c["timeouts" if isinstance(e, TransferTimeout) else "errors"] += 1
                 self._drop_pipe()
@@ -188,7 +192,8 @@ class KVClient:
         part: Part | None = None,
         digest: str | None = None,
         max_bytes: int | None = None,
-    ) -> tuple[dict[str, torch.Tensor], dict]:
+        defer_entry_check: bool = False,
+    ) -> tuple[dict[str, torch.Tensor], dict] | tuple[dict[str, torch.Tensor], dict, EntryTag]:
         """Load entry ``key``: ``(tensors on self.device, meta)``.
 
         ``part``: only that slice of one tensor (the others whole); the entry is claimed once the
@@ -203,6 +208,12 @@ class KVClient:
         ``max_get_wait_s``); must be below ``timeout_s`` (default ``self.timeout_s``). ``out``:
         tensors to fill in place (see TensorPipe.recv). Raises KeyMissError (with the server's
         reason), TransferTimeout, PeerDeadError, RemoteError, ProtocolError.
+
+        ``defer_entry_check``: the entry's tensors the producer hashed as it packed them are
+        not hashed on arrival; ``(tensors, meta, entry_tag)`` is returned, and the caller must
+        check ``entry_tag`` (an :class:`~connector.transport.EntryTag`, None when nothing is
+        left to check) before anything made of them is used, e.g. with the NH its unpack
+        computes (PayloadAuthError, and the next request reconnects).
         """
         key = check_key(key)
         eff = self.timeout_s if timeout_s is None else check_timeout("timeout_s", timeout_s)
@@ -217,7 +228,7 @@ class KVClient:
         meta = {WAIT_MS: math.ceil(wait_s * 1000), **(part.meta() if part is not None else {})}
         meta.update(_digest_meta(digest))
         reply, t0 = self._request(
-            Op.GET, key, meta=meta, timeout_s=eff, out=out, max_bytes=max_bytes, entry=True
+            Op.GET, key, meta, eff, out, max_bytes, entry=bool(defer_entry_check)
         )
         if reply.kind == Op.MISS:
             self._c["misses"] += 1
@@ -233,6 +244,8 @@ class KVClient:
                                 key=key)  # fmt: skip
         self._c["hits"] += 1
         self._c["bytes_received"] += sum(t.nbytes for t in reply.tensors.values())
+        if defer_entry_check:
+            return reply.tensors, reply.meta, reply.entry_tag
         return reply.tensors, reply.meta
 
     def discard(

@@ -22,6 +22,7 @@ from .frame import APP_KIND_MIN, DEFAULT_LIMITS, FrameLimits, Kind, encode_heade
 from .listener import PipeListener
 from .options import TRANSPORTS, PipeOptions, check_timeout, default_transport
 from .pipe import Message, TensorPipe
+from .receiving import EntryTag
 from .sockio import send_error_frame
 from .threads import (
     name_current_thread,
@@ -38,6 +39,7 @@ __all__ = [
     "SECRET_ENV",
     "TRANSPORTS",
     "AuthError",
+    "EntryTag",
     "FrameLimits",
     "Kind",
     "Message",

@@ -74,7 +74,7 @@ from tritonkv import umac
 from .errors import PipeClosedError, TransferError, TransferTimeout
 from .frame import FrameLimits, Kind
 from .options import DEFAULT_OPTIONS, PipeOptions, check_options, check_timeout, check_transport
-from .receiving import _PayloadReceiver, _place, _Reader
+from .receiving import EntryCheck, EntryTag, _PayloadReceiver, _place, _Reader
 from .sending import _outgoing, _Sender
 from .session import Session
 from .state import _PipeState
@@ -90,6 +90,8 @@ class Message:
     key: str
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
+    #: the tag its caller checks (``recv(defer_entry_check=True)`` and entry-hashed tensors)
+    entry_tag: EntryTag | None = None
 
 
 class TensorPipe:
@@ -217,9 +219,8 @@ class TensorPipe:
         be staged through host memory) after what the calling thread's current stream had
         queued when ``send`` was called.
 
-        ``entry_nh``: NH outputs (``[num_chunks, 2]`` int64) of tensors of a stored entry under
-        its key (:func:`tritonkv.umac.entry_keys`), made when it was packed: the payload's tag
-        comes from them, with no pass over those tensors here (``recv(entry_keys=)`` checks).
+        ``entry_nh``: NH outputs (``[num_chunks, 2]`` int64) of a stored entry's tensors under
+        its key (:func:`tritonkv.umac.entry_keys`), made when packed: the tag comes from them.
         """
         timeout_s = (
             self.send_timeout_s if timeout_s is None else check_timeout("timeout_s", timeout_s)
@@ -257,6 +258,7 @@ class TensorPipe:
         expect_key: str | None = None,
         idle: bool = False,
         entry_keys: umac.TransferKeys | None = None,
+        defer_entry_check: bool = False,
     ) -> Message:
         """Receive the next message (header and payload) within ``timeout_s`` (default
         ``recv_timeout_s``). Tensors land on ``device`` (default: the pipe's device); a tensor named
@@ -265,8 +267,8 @@ class TensorPipe:
         ``idle=True`` (servers): wait for the next header without a deadline (until it arrives, the
         peer goes or the pipe closes), then give its payload ``timeout_s``.
 
-        ``entry_keys``: the NH key of the entry expected, for tensors sent with ``entry_nh``
-        (a payload with such tensors and no ``entry_keys`` is a ProtocolError).
+        ``entry_keys``: the NH key of the entry expected, for tensors sent with ``entry_nh`` (else
+        a ProtocolError); ``defer_entry_check``: the caller checks ``Message.entry_tag``.
 
         Over gloo and socket a CUDA tensor is written (from host staging) after what the calling
         thread's current stream had queued when the payload began, and is complete on return.
@@ -299,18 +301,18 @@ class TensorPipe:
                 t0 = time.monotonic()
                 deadline = t0 + timeout_s
             key = header.key or expect_key
+            entry_tag = None
             try:
                 if header.inline:
                     tensors = {
                         s.name: _place(s, inline_tensors[s.name], dev, out) for s in header.specs
                     }
                 else:
+                    entry = entry_keys and EntryCheck(entry_keys, defer_entry_check)
                     receiver = self._receiver
-                    tensors = receiver.receive(
-                        header, dev, out, deadline, t0, key, auth, entry_keys
-                    )
+                    tensors = receiver.receive(header, dev, out, deadline, t0, key, auth, entry)
                     if auth is not None:
-                        receiver.authenticate(header, tensors, auth, key, entry_keys)
+                        entry_tag = receiver.authenticate(header, tensors, auth, key, entry)
             except TransferError as e:
                 self._state.set_fatal(e)
                 raise
@@ -321,7 +323,7 @@ class TensorPipe:
             with self._state.cond:
                 self._state.counters["msgs_received"] += 1
                 self._state.counters["bytes_received"] += header.payload_bytes
-            return Message(kind=header.kind, key=header.key, tensors=tensors, meta=header.meta)
+            return Message(header.kind, header.key, tensors, header.meta, entry_tag)
         finally:
             self._recv_lock.release()
 

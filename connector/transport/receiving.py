@@ -248,6 +248,50 @@ class _Reader:
         join_until(self.thread, deadline)
 
 
+@dataclass(frozen=True)
+class EntryCheck:
+    """What a recv expects of tensors hashed as a stored entry (``send(entry_nh=)``): their
+    entry's NH key (:func:`tritonkv.umac.entry_keys`), and whether the caller checks them itself
+    after using them (``defer``: :class:`EntryTag`), e.g. with the NH its unpack computes."""
+
+    keys: umac.TransferKeys
+    defer: bool = False
+
+
+class EntryTag:
+    """The umac tag of a received payload whose entry-hashed tensors (``names``) the caller
+    checks itself once it computed their NH under ``entry_keys`` (``recv(defer_entry_check=
+    True)``; the payload's other tensors were checked on arrival). Until :meth:`check` passed,
+    those tensors' bytes are unauthenticated: nothing computed from them may be kept if it
+    fails. A failed check counts in the pipe's ``payload_auth_failures`` and breaks the pipe."""
+
+    def __init__(self, receiver, keys, tag: bytes, parts: list, entry_keys, key):
+        self._receiver, self._keys, self._tag, self._parts = receiver, keys, tag, parts
+        self._key = key
+        self.entry_keys = entry_keys
+        self.names = tuple(name for name, _, outputs in parts if outputs is None)
+
+    def check(self, outputs: dict[str, torch.Tensor]) -> None:
+        """Check the tag with ``outputs``: for each of :attr:`names`, the NH outputs of the
+        bytes used (``[num_chunks, 2]`` int64, any device: read on the host).
+
+        Raises:
+            PayloadAuthError: they are not what the sender's tag says.
+        """
+        parts = [
+            (nbytes, outputs[name] if done is None else done) for name, nbytes, done in self._parts
+        ]
+        try:
+            umac.check_tag(umac.tag_of_outputs(self._keys, parts), self._tag, len(parts))
+        except umac.TagMismatch as e:
+            raise self._receiver.refused(e, self._key) from None
+
+    def check_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """:meth:`check` with the NH of ``tensors`` (the received ones, or what became of
+        them) computed here, a pass over each."""
+        self.check({n: umac.nh_hash(tensors[n], self.entry_keys) for n in self.names})
+
+
 @dataclass
 class _WorkSlot:
     work: object
@@ -273,7 +317,7 @@ class _PayloadReceiver:
             self.thread = transfer_thread(self._loop, name)
 
     def receive(
-        self, header: Header, dev, out, deadline, t0, key, auth=None, entry_keys=None
+        self, header: Header, dev, out, deadline, t0, key, auth=None, entry=None
     ) -> dict[str, torch.Tensor]:
         """Every tensor of a header whose payload travels on the process group, by name, each
         chunk in :func:`~.frame.pieces`. Gloo carries host memory: for a device ``dev`` each
@@ -284,8 +328,8 @@ class _PayloadReceiver:
         With ``auth`` (the header's umac tag and frame counter), a host tensor received straight
         into its place is hashed piece by piece: each piece while the next one arrives (kept for
         :meth:`authenticate`, which hashes the rest), under the frame's NH key or, for a tensor
-        hashed as a stored entry, ``entry_keys``."""
-        if entry_keys is None and any(s.entry_nh for s in header.specs):
+        hashed as a stored entry, ``entry.keys`` (none when the caller checks it: ``entry.defer``)."""
+        if entry is None and any(s.entry_nh for s in header.specs):
             raise ProtocolError(
                 f"{kind_name(header.kind)} {key!r}: tensors hashed under their entry's key, "
                 "but this receiver expects no entry",
@@ -304,7 +348,9 @@ class _PayloadReceiver:
         entry_nh = {s.name for s in header.specs if s.entry_nh}
 
         def receive(buf: torch.Tensor, name: str | None = None) -> None:
-            keys = None if name is None else (entry_keys if name in entry_nh else frame_keys)
+            if name in entry_nh and entry.defer:
+                name = None  # hashed by the caller
+            keys = None if name is None else (entry.keys if name in entry_nh else frame_keys)
             landed = None  # the last piece received, not hashed yet
             for off, n in pieces(buf.numel()):
                 hash_landed = None
@@ -345,12 +391,13 @@ class _PayloadReceiver:
         self._hashed[1].setdefault(name, []).append(umac.nh_hash(piece, keys))
 
     def authenticate(
-        self, header: Header, tensors: dict, auth: tuple[bytes, int], key, entry_keys=None
-    ) -> None:
+        self, header: Header, tensors: dict, auth: tuple[bytes, int], key, entry=None
+    ) -> EntryTag | None:
         """Check the received ``tensors`` (in header order) against the umac tag the header
         brought (``auth``: tag and frame counter), with the NH of the pieces :meth:`receive`
-        hashed as they landed (under ``entry_keys`` for tensors hashed as a stored entry).
-        PayloadAuthError if they differ."""
+        hashed as they landed (under ``entry.keys`` for tensors hashed as a stored entry).
+        PayloadAuthError if they differ. With ``entry.defer`` and such tensors, nothing is
+        checked here: the :class:`EntryTag` the caller checks."""
         tag, counter = auth
         keys = self._pipe.session.payload_keys(counter, sending=False)
         hashed = self._hashed[1] if self._hashed[0] == counter else {}
@@ -358,16 +405,26 @@ class _PayloadReceiver:
         parts = []
         for s in header.specs:
             done = hashed.get(s.name)
-            nh_keys = entry_keys if s.entry_nh else keys
+            if s.entry_nh and entry.defer:
+                parts.append((s.name, s.nbytes, None))
+                continue
+            nh_keys = entry.keys if s.entry_nh else keys
             outputs = torch.cat(done) if done else umac.nh_hash(tensors[s.name], nh_keys)
-            parts.append((s.nbytes, outputs))
-        try:
-            umac.check_tag(umac.tag_of_outputs(keys, parts), tag, len(parts))
-        except umac.TagMismatch as e:
-            st = self._state
-            with st.cond:
-                st.counters["payload_auth_failures"] += 1
-            raise PayloadAuthError(f"{e}; closing the connection", peer=st.peer, key=key) from None
+            parts.append((s.name, s.nbytes, outputs))
+        pending = EntryTag(self, keys, tag, parts, entry and entry.keys, key)
+        if pending.names:
+            return pending
+        pending.check({})
+        return None
+
+    def refused(self, e: umac.TagMismatch, key) -> PayloadAuthError:
+        """The error of a payload whose tag did not match, counted; the pipe is broken."""
+        st = self._state
+        with st.cond:
+            st.counters["payload_auth_failures"] += 1
+        err = PayloadAuthError(f"{e}; closing the connection", peer=st.peer, key=key)
+        st.set_fatal(err)
+        return err
 
     def _receive_chunk(
         self, buf: torch.Tensor, deadline: float, t0: float, key, meanwhile=None

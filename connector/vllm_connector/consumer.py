@@ -34,12 +34,14 @@ from functools import partial
 import torch
 
 from tritonkv import unpack_kv, unpack_state
+from tritonkv.umac import num_chunks
 
 from .. import integrity
 from ..kvstore import ClientBusyError, KVClient, Part, chunk_key, hide_ids, short_id
 from ..logs import Throttle, get_logger, held_note
 from ..streams import DeviceBudget, StreamOps, device_streams
 from ..transport import (
+    EntryTag,
     RemoteError,
     TransferTimeout,
     error_text,
@@ -58,12 +60,14 @@ from .tp_mapping import HeadSource, plan_heads, rank_heads
 log = get_logger("connector")
 
 # One loaded entry (the prompt, or one chunk of it): (kv_format, packed KV, its expected digest,
-# the first prompt position of its rows)
-ReceivedPart = tuple[str, torch.Tensor, integrity.Expected, int]
-# ([(the load of one KV cache group, source, packed KV, its expected digest, first position)],
-# whether they hold whole pages, load ms): what one load's loads got
+# the first prompt position of its rows, the payload tag still to check with its NH or None)
+ReceivedPart = tuple[str, torch.Tensor, integrity.Expected, int, EntryTag | None]
+# ([(the load of one KV cache group, source, packed KV, its expected digest, first position,
+# tag to check)], whether they hold whole pages, load ms): what one load's loads got
 Received = tuple[
-    list[tuple[LoadSpec, HeadSource, torch.Tensor, integrity.Expected, int]], bool, float
+    list[tuple[LoadSpec, HeadSource, torch.Tensor, integrity.Expected, int, EntryTag | None]],
+    bool,
+    float,
 ]
 # How long a consumer on a GPU lets the producer's server wait for an entry not yet stored: a
 # producer on a GPU stores it once its pack and copy to the host completed (producer.Publisher).
@@ -249,12 +253,12 @@ class Consumer:
             waits = _waits(spec, self.cfg.load_timeout_s, self._streams is not None)
             heads = None if part is None else (part.start, part.stop)
 
-            def checked(span, tensors: dict, meta: dict) -> ReceivedPart:
+            def checked(span, tensors: dict, meta: dict, tag) -> ReceivedPart:
                 entry = check_entry(
                     caches, self.tp_size, spec, source, meta, tensors.get("kv"), span
                 )
                 want = integrity.expected(meta, heads) if self.cfg.digest else None
-                return (*entry, want, span[0])
+                return (*entry, want, span[0], tag)
 
             with self.clients.loading(spec.req_id, addr, spec.wait_s, self.cfg.load_timeout_s) as c:
                 entries = receive_entries(c, spec, part, max_bytes, waits, checked)
@@ -299,12 +303,14 @@ class Consumer:
             parts, paged, network_ms = receive()
             t1 = time.perf_counter()
             nbytes = 0
-            for one, source, packed, want, offset in parts:  # all arrived: one unpack each
+            for one, source, packed, want, offset, tag in parts:  # all arrived: one unpack each
                 caches = self.groups[one.group]
                 # host-staged: ours to copy (a device-resident buffer's entry is read in place)
                 if gpu is not None and not self._device_wire and not ops.is_device(packed):
                     packed = gpu.to_device(packed)
                 if isinstance(caches, StateCaches):
+                    if tag is not None:  # (producers hash KV entries only as they pack them)
+                        tag.check_tensors({"kv": packed})
                     nbytes += unpack_state_row(caches, one, packed, want, gpu)
                     continue
                 rows = packed.shape[2]  # positions [offset, offset + rows)
@@ -315,21 +321,18 @@ class Consumer:
                     continue
                 if spec.corrupt or "no_digest" in spec.debug_fault:  # test hooks: no check (the
                     packed, want = _corrupted(packed) if spec.corrupt else packed, None  # KV lands)
+                    tag = None
                 slots = caches.slots(one.block_ids, first, stop, rows, offset)
                 if "wrong_slot" in spec.debug_fault:  # test hook
                     slots = integrity.shifted_slots(slots, first - offset, stop - offset)
                 layers = caches.prepared(views)
-                read = unpack_kv(packed, layers, slots, digest=isinstance(want, str))
-                write_back = want is not None and self.cfg.digest_write_back
+                nh = unpack_nh(tag, packed)  # the tag's NH, computed by the unpack itself
+                read = unpack_kv(packed, layers, slots, digest=isinstance(want, str), **nh)
                 where = (views, one.block_ids, caches.block_size, first, stop, offset)
-                if gpu is not None:  # compared once the unpack completed, on a host copy
+                if gpu is not None:
                     gpu.keep += [packed, slots]
-                    if want is not None:
-                        gpu.check(want, packed, read, where if write_back else None)
-                else:
-                    integrity.check_read(want, packed, read)
-                    if write_back:
-                        integrity.check_write_back(packed, *where)
+                write_back = want is not None and self.cfg.digest_write_back
+                verify_unpack(gpu, tag, nh, want, packed, read, where if write_back else None)
                 nbytes += packed.numel() * packed.element_size() * (stop - first) // max(rows, 1)
             log_args = (network_ms, paged, parts)
             if gpu is not None:
@@ -424,17 +427,49 @@ def receive_entries(
     key = group_key(spec.transfer_id, spec.group)
     while not final:
         index = len(entries)
-        tensors, meta = client.get(
+        tensors, meta, tag = client.get(
             chunk_key(key, index) if spec.chunked else key,
             part=part,
             digest=spec.prompt_digest,
             max_bytes=max_bytes,
+            defer_entry_check=True,
             **waits,
         )
         span = entry_span(spec, meta, (index, start) if spec.chunked else None)
-        entries.append(checked(span, tensors, meta))
+        entries.append(checked(span, tensors, meta, tag))
         start, final = span[1], span[2]
     return entries
+
+
+def verify_unpack(gpu: GpuLoad | None, tag, nh: dict, want, packed, read, where) -> None:
+    """Check one unpack of ``packed``: the payload ``tag`` (None: none) with the NH outputs it
+    computed (``nh``: :func:`unpack_nh`), first, so that changed bytes fail as an
+    authentication failure; then the digest it read against ``want`` and, with ``where``, the
+    write-back (:mod:`connector.integrity`). On a GPU at the verdict, on a host copy
+    (:class:`~.landings.GpuLoad`); here elsewhere."""
+    if gpu is not None:
+        if tag is not None:
+            gpu.check_tag(tag, nh["nh_out"])
+        if want is not None:
+            gpu.check(want, packed, read, where)
+        return
+    if tag is not None:
+        tag.check({"kv": nh["nh_out"]})
+    integrity.check_read(want, packed, read)
+    if where is not None:
+        integrity.check_write_back(packed, *where)
+
+
+def unpack_nh(tag: EntryTag | None, packed: torch.Tensor) -> dict:
+    """The keywords that make :func:`tritonkv.unpack_kv` compute the NH outputs ``tag`` is to be
+    checked with (``nh_out``, of the entry's bytes as the unpack reads them, under its key), or
+    none without a tag. A whole entry the producer hashed as it packed it: its bytes are checked
+    once unpacked (by the same launch on a GPU), the load failing if they differ."""
+    if tag is None:
+        return {}
+    shape = (num_chunks(packed.numel() * packed.element_size()), 2)
+    out = torch.empty(shape, dtype=torch.int64, device=packed.device)
+    return {"nh_key": tag.entry_keys, "nh_out": out}
 
 
 def _written(caches: RankCaches, spec: LoadSpec, paged: bool, source, offset: int, rows: int):

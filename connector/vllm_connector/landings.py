@@ -65,6 +65,14 @@ class GpuLoad:
         self.keep.append(packed)
         return dev
 
+    def check_tag(self, tag, nh: torch.Tensor) -> None:
+        """Check ``tag`` (a :class:`~connector.transport.EntryTag`), at the verdict, with the NH
+        outputs ``nh`` the unpack computed, copied to the host behind it."""
+        host = host_empty(nh.numel() * 8).view(torch.int64).view(nh.shape)
+        host.copy_(nh, non_blocking=True)
+        self.keep.append(nh)
+        self.checks.append((tag, host, "tag"))
+
     def check(self, want, packed, read, write_back: tuple | None) -> None:
         """Compare, at the verdict, what the unpack of ``packed`` read (``read``) with ``want``,
         and with ``write_back`` (``(views, block_ids, block_size, first, stop, offset)``) what the cache
@@ -135,7 +143,10 @@ class Landings:
                 if landing.stuck:
                     raise TimeoutError("its unpack did not complete within load_timeout_s")
                 for want, row, check in landing.checks:
-                    integrity.compare(check, want, landing.digests, row)
+                    if check == "tag":  # want: the EntryTag, row: the NH outputs (host)
+                        want.check({"kv": row})
+                    else:
+                        integrity.compare(check, want, landing.digests, row)
             except Exception as exc:
                 failed(landing.spec, landing.t0, exc)
             else:

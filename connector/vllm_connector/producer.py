@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tritonkv import pack_kv, pack_state
+from tritonkv import pack_kv, pack_state, use_triton
+from tritonkv.umac import TransferKeys, entry_keys, num_chunks
 
 from ..integrity import digest_tensors, entry_meta, flip_bit, meta_from_digests
 from ..kvstore import KVBuffer, KVServer, chunk_key, hide_ids, short_id
@@ -191,7 +192,10 @@ class Producer:
         if paged:
             meta["page_kind"] = caches.page_kind
         meta.update(spec.chunk.as_meta() if spec.chunk else {FIRST_KEY: offset} if offset else {})
-        pack = lambda out: _pack(caches.prepared(views), self._slots(spec), out, self.cfg.digest)
+        nh = entry_keys(self._secret, entry_key(spec)) if use_triton(caches.device) else None
+        pack = lambda out: _pack(
+            caches.prepared(views), self._slots(spec), out, self.cfg.digest, nh
+        )
         self._pack_and_store(spec, shape, views[0][0].dtype, self.kv_format, nbytes, meta, pack)
 
     def _save_state(self, spec: SaveSpec, caches: StateCaches) -> None:
@@ -204,20 +208,20 @@ class Producer:
         self._pack_and_store(spec, shape, torch.uint8, "state", caches.row_bytes, meta, pack)
 
     def _pack_and_store(self, spec: SaveSpec, shape, dtype, kv_format, nbytes, meta, pack) -> None:
-        """Pack ``spec``'s entry with ``pack(out) -> (packed, digest or None, slots)`` into a new
-        ``shape`` tensor of ``dtype`` and store it: launched on a GPU (:meth:`_launch`), on the
-        step elsewhere."""
+        """Pack ``spec``'s entry with ``pack(out) -> (packed, digest or None, slots, NH outputs
+        or None)`` into a new ``shape`` tensor of ``dtype`` and store it: launched on a GPU
+        (:meth:`_launch`), on the step elsewhere."""
         t0 = time.perf_counter()
         if self._streams is not None:
             self._launch(spec, shape, dtype, kv_format, nbytes, meta, t0, pack)
             return
         out = torch.empty(shape, dtype=dtype, device=self.groups[spec.group].device)
-        packed, digest, _ = pack(out)
+        packed, digest, _, nh = pack(out)
         if digest is not None:  # computed by the pack itself (integrity.py)
             meta.update(entry_meta(packed, digest, kv_format))
         if "flip_bit" in spec.debug_fault:  # test hook: after the digest was taken
             flip_bit(packed)
-        self._store(spec, packed, meta, nbytes, 1e3 * (time.perf_counter() - t0))
+        self._store(spec, packed, meta, nbytes, 1e3 * (time.perf_counter() - t0), nh)
 
     def _launch(self, spec: SaveSpec, shape, dtype, kv_format, nbytes, meta, t0, pack) -> None:
         """The pack on a GPU, launched without waiting for it (:mod:`connector.streams`): on our stream,
@@ -233,7 +237,7 @@ class Producer:
             out, reserved = self.budget.empty(ops, shape, dtype, what, fail)
             try:
                 ops.side.wait_event(ops.event(vllm_stream))
-                packed, digest, slots = pack(out)
+                packed, digest, slots, nh = pack(out)
                 digests = None if digest is None else digest_tensors(packed, digest, kv_format)
                 packed_ev = ops.event(ops.side)
             except BaseException:
@@ -241,7 +245,7 @@ class Producer:
                 raise
         vllm_stream.wait_event(packed_ev)
         pending = Pending(packed_ev, keep=(slots,), reserved=reserved, started=t0)
-        self._publisher_thread().submit(_Job(spec, packed, digests, meta, nbytes, pending))
+        self._publisher_thread().submit(_Job(spec, packed, digests, meta, nbytes, pending, nh))
 
     def _publisher_thread(self) -> Publisher:
         """The ``tkv-publish`` thread (:class:`~connector.streams.Publisher`): stores the launched
@@ -256,8 +260,8 @@ class Producer:
         memory (unless entries live on the device) with its digests, and store it."""
         pack_ms = 1e3 * (time.perf_counter() - job.pending.started)
         on_device = self.entries_on_device
-        entry, digests = self._publisher.to_host(
-            job, [None if on_device else job.packed, job.digests], deadline
+        entry, digests, nh = self._publisher.to_host(
+            job, [None if on_device else job.packed, job.digests, job.nh], deadline
         )
         if on_device:
             entry = job.packed
@@ -269,19 +273,20 @@ class Producer:
             meta.update(meta_from_digests(digests, self.kv_format))
         if "flip_bit" in job.spec.debug_fault:  # test hook: after the digest was taken
             flip_bit(entry)
-        self._store(job.spec, entry, meta, job.nbytes, pack_ms)
+        self._store(job.spec, entry, meta, job.nbytes, pack_ms, nh)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every save launched so far is stored or failed (True), or ``timeout_s``
         passed (False). Immediate off a GPU, where :meth:`wait_for_save` stores its saves."""
         return self._publisher is None or self._publisher.flush(timeout_s)
 
-    def _store(self, spec: SaveSpec, packed, meta: dict, nbytes: int, pack_ms: float) -> None:
-        chunk = spec.chunk
-        key = group_key(spec.transfer_id, spec.group)
-        key = key if chunk is None else chunk_key(key, chunk.index)
+    def _store(self, spec: SaveSpec, packed, meta: dict, nbytes: int, pack_ms: float, nh=None):
+        """Put ``spec``'s entry (with the NH outputs its pack computed, if any) in the buffer."""
         meta = {**meta, "num_tokens": spec.num_tokens}
-        stored = self._buffer.put(key, {"kv": packed}, meta, digest=spec.prompt_digest)
+        nh = None if nh is None else {"kv": nh}
+        stored = self._buffer.put(
+            entry_key(spec), {"kv": packed}, meta, digest=spec.prompt_digest, nh=nh
+        )
         if stored:  # a prompt's tokens counted once, with its first group
             tokens = spec.saved_tokens if spec.group == 0 else 0
             self.stats.record_save(nbytes=nbytes, num_tokens=tokens, pack_ms=pack_ms)
@@ -410,23 +415,36 @@ def one_kv_format(groups: list[RankCaches], choice: str) -> str:
     return formats.pop()
 
 
-def _pack(prepared, slots, out, digest: bool):
-    """``(packed, its digest or None, slots)``: :func:`tritonkv.pack_kv` of ``slots`` into
-    ``out``."""
-    if digest:
-        packed, _, found = pack_kv(prepared, slots, out=out, digest=True)
-        return packed, found, slots
-    return pack_kv(prepared, slots, out=out)[0], None, slots
+def entry_key(spec: SaveSpec) -> str:
+    """The key ``spec``'s entry is stored under: its transfer's, group's and chunk's."""
+    key = group_key(spec.transfer_id, spec.group)
+    return key if spec.chunk is None else chunk_key(key, spec.chunk.index)
+
+
+def _pack(prepared, slots, out, digest: bool, nh: TransferKeys | None):
+    """``(packed, its digest or None, slots, its NH outputs or None)``: :func:`tritonkv.pack_kv`
+    of ``slots`` into ``out``, with the NH outputs under ``nh`` (the entry's key) computed in
+    the same launch where the pack runs in Triton (the payload's tag is then made from them,
+    with no pass over the entry when it is sent; elsewhere the sender hashes it)."""
+    kw = {}
+    if nh is not None:
+        chunks = num_chunks(out.numel() * out.element_size())
+        kw = {
+            "nh_key": nh,
+            "nh_out": torch.empty((chunks, 2), dtype=torch.int64, device=out.device),
+        }
+    got = pack_kv(prepared, slots, out=out, digest=digest, **kw)
+    return got[0], got[2] if digest else None, slots, kw.get("nh_out")
 
 
 def _pack_state(caches: StateCaches, slot: int, out, digest: bool):
-    """``(packed, its digest or None, slots)``: :func:`tritonkv.pack_state` of state slot
+    """``(packed, its digest or None, slots, None)``: :func:`tritonkv.pack_state` of state slot
     ``slot`` into ``out`` (``[1, row_bytes]`` uint8), on the current stream."""
     slots = caches.slots([slot])
     if digest:
         packed, found = pack_state(caches.states, slots, out=out, digest=True)
-        return packed, found, slots
-    return pack_state(caches.states, slots, out=out), None, slots
+        return packed, found, slots, None
+    return pack_state(caches.states, slots, out=out), None, slots, None
 
 
 def entry_rows(spec: SaveSpec, kv_format: str, block_size: int) -> tuple[int, int]:
@@ -479,6 +497,7 @@ class _Job:
     meta: dict
     nbytes: int
     pending: Pending
+    nh: torch.Tensor | None = None  # [num_chunks, 2] int64 NH outputs on the device, or None
 
 
 class BufferWatcher:

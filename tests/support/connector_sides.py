@@ -3,6 +3,7 @@ directly (at TP 1 unless told), and an in-process save-then-load (no sockets, no
 
 from __future__ import annotations
 
+import inspect
 import time
 from functools import partial
 from types import SimpleNamespace
@@ -113,8 +114,16 @@ def consumer(
 
 
 def fake_client(get):
-    """A client whose ``get`` is ``get`` (and ``close`` does nothing)."""
-    return SimpleNamespace(get=get, close=lambda: None)
+    """A client whose ``get`` is ``get`` (and ``close`` does nothing); asked to defer the
+    entry check, a ``get`` that does not take it gives no tag to check."""
+
+    def get_entry(key, defer_entry_check=False, **kw):
+        if "defer_entry_check" in inspect.signature(get).parameters:
+            return get(key, defer_entry_check=defer_entry_check, **kw)
+        got = get(key, **kw)
+        return (*got, None) if defer_entry_check else got
+
+    return SimpleNamespace(get=get_entry, close=lambda: None)
 
 
 def transfer(

@@ -13,9 +13,10 @@ import time
 import pytest
 import torch
 
-from connector.transport import Kind, ProtocolError, encode_header
+from connector.transport import Kind, PayloadAuthError, ProtocolError, encode_header
 from connector.transport import frame as wire
 from support.transport import Sealed, raw_authenticate, raw_listener_authenticate, recv_exact
+from tritonkv import umac
 
 
 def accounted(s: dict) -> bool:
@@ -26,16 +27,54 @@ def accounted(s: dict) -> bool:
 
 
 def deliver(
-    buffer, key: str, *, wait_s: float = 0.0, part=None, digest=None, max_bytes=None
-) -> tuple[dict, dict]:
+    buffer,
+    key: str,
+    *,
+    wait_s: float = 0.0,
+    part=None,
+    digest=None,
+    max_bytes=None,
+    defer_entry_check=False,
+    secret=None,
+) -> tuple:
     """One delivery of ``key`` (put with ``digest``) from a KVBuffer in process (what a server's
     GET does, with ``KVClient.get``'s arguments): its tensors and meta, the entry claimed. Raises
     KeyMissError as ``KVBuffer.checkout`` does, ProtocolError (the entry stays) for more than
-    ``max_bytes`` bytes, as the client does."""
+    ``max_bytes`` bytes, as the client does. With ``defer_entry_check`` a third item: for a whole
+    entry put with NH outputs, a :class:`LocalEntryTag` of them (``secret``: the entry key's),
+    else None."""
     with buffer.checkout(key, wait_s=wait_s, part=part, digest=digest) as lease:
         if max_bytes is not None and lease.nbytes > max_bytes:
             raise ProtocolError(f"{lease.nbytes} payload bytes announced, expected <= {max_bytes}")
-        return lease.tensors, lease.meta
+        if not defer_entry_check:
+            return lease.tensors, lease.meta
+        nh = lease.entry_nh
+        tag = None if nh is None else LocalEntryTag(umac.entry_keys(secret, key), nh, key)
+        return lease.tensors, lease.meta, tag
+
+
+class LocalEntryTag:
+    """An in-process stand-in of :class:`connector.transport.EntryTag` (no wire, no PRF): its
+    ``check`` compares the NH outputs the caller computed with those the entry was put with,
+    bit for bit, and raises PayloadAuthError as the real one does when they differ."""
+
+    def __init__(self, entry_keys, nh: dict, key: str):
+        self.entry_keys, self._nh, self._key = entry_keys, nh, key
+        self.names = tuple(nh)
+        self.checked: list[str] = []
+
+    def check(self, outputs: dict) -> None:
+        for name in self.names:
+            self.checked.append(name)
+            if not torch.equal(outputs[name].cpu(), self._nh[name].cpu()):
+                raise PayloadAuthError(
+                    "payload authentication failed: the tag of 1 tensor(s) differs from the "
+                    "sender's (in process)",
+                    key=self._key,
+                )
+
+    def check_tensors(self, tensors: dict) -> None:
+        self.check({n: umac.nh_hash(tensors[n], self.entry_keys) for n in self.names})
 
 
 def raw_connection(srv) -> Sealed:

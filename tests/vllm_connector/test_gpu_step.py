@@ -471,3 +471,43 @@ def test_a_state_row_is_packed_on_the_side_stream_and_stored_once_packed(monkeyp
     assert prod.stats.peek()["saves"] == 2
     prod.shutdown()
     buffer.close()
+
+
+@pytest.mark.parametrize("fault", ["", "flip_bit"], ids=["clean", "flipped"])
+def test_an_entry_tag_is_checked_at_the_verdict_with_the_nh_of_the_unpack(monkeypatch, fault):
+    """A producer whose pack runs in Triton stores its entry's NH; the consumer's unpack
+    computes the NH of what it reads in its own launch, copied to the host behind it, and the
+    tag is checked at the verdict, not on the step (no host read there). Digest off: a bit
+    flipped after the producer's hash fails the load by the tag alone."""
+    monkeypatch.setenv("TRITONKV_KERNELS", "triton")
+    cfg = ConnectorConfig(kv_format="tokens", digest=False, debug_allow_corrupt=True)
+    fake = FakeStreams()
+    prod, buffer, src, _ = _save(fake, cfg, faults=fault)
+    fake.complete_all()
+    assert prod.flush(10) and TID in buffer
+    tags = []
+
+    def get(key, defer_entry_check=False, **kw):
+        got = deliver(buffer, key, defer_entry_check=defer_entry_check, **kw)
+        tags.append(got[2])
+        return got
+
+    dst = [fake.on_device(t) for t in caches(NHD, seed=None)]
+    cons = consumer(dst, BLOCK_SIZE, cfg=cfg, streams=fake, connect=lambda h, p: fake_client(get))
+    with no_host_reads(fake, MODULES) as violations:
+        cons.start_load_kv([_load_spec()])
+    assert violations == [] and tags[0].checked == []  # launched, not checked yet
+    fake.complete_all()
+    cons.get_finished()
+    errors = cons.get_block_ids_with_load_errors()
+    assert tags[0].checked == ["kv"]
+    stats = cons.stats.peek()
+    if fault:
+        assert errors == set(DST_BLOCKS) and stats["load_failed:protocol"] == 1
+    else:
+        assert errors == set() and stats["loads"] == 1
+        got = _positions(dst, DST_BLOCKS, NUM_TOKENS - 1)
+        assert torch.equal(got, _positions(src, SRC_BLOCKS, NUM_TOKENS - 1))
+    assert cons.budget.in_use == 0
+    cons.shutdown()
+    prod.shutdown()

@@ -1,0 +1,192 @@
+"""Entries hashed as they are packed and checked as they are unpacked, in the worker sides in
+process (no sockets, no vLLM): a producer whose pack runs in Triton (the GPU's path, here under
+the interpreter) stores each KV entry with the NH outputs its pack computed under the entry's key
+(tritonkv.umac.entry_keys of the shared secret and the entry's key); a consumer that gets such an
+entry with its tag left to it (``KVClient.get(defer_entry_check=True)``) has its unpack compute
+the NH of what it read, and checks the tag with it before the load counts. A changed bit of the
+entry fails the load (recomputed, a ``protocol`` failure) even with the digest off; the control:
+without the tag the same bit lands. (Over a real connection the tag is the umac one: its tests
+are tests/transport/test_entry_nh.py and tests/kvstore/test_tampered_entry.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.connector_sides import DIGEST, VLLM_CPU, bits, caches, consumer, fake_client, producer
+from support.kvstore import deliver
+
+from connector.kvstore import KVBuffer
+from connector.vllm_connector.config import ConnectorConfig
+from connector.vllm_connector.metadata import LoadSpec, SaveSpec
+from connector.vllm_connector.producer import entry_key
+from tritonkv import umac
+
+SECRET = b"entry-tags-secret-0123456789abcdef"
+SRC_BLOCKS, DST_BLOCKS, NUM_TOKENS = [5, 1, 3], [0, 4, 2], 10
+SAVE = SaveSpec("p", "t1", SRC_BLOCKS, NUM_TOKENS, prompt_digest=DIGEST)
+
+
+def _saved(monkeypatch, cfg: ConnectorConfig) -> tuple[KVBuffer, torch.Tensor]:
+    """A buffer holding the prompt saved by a producer whose pack runs in Triton."""
+    monkeypatch.setenv("TRITONKV_KERNELS", "triton")
+    prod = producer(caches(VLLM_CPU, seed=3), 4, cfg=cfg, secret=SECRET)
+    buffer = KVBuffer(1 << 24)
+    prod.attach_buffer(buffer)
+    prod.wait_for_save([SAVE])
+    return buffer
+
+
+def _load(buffer, cfg, kernels: str, monkeypatch, *, flip=False, tags=True):
+    """Load the saved prompt on a fresh consumer (its unpack in ``kernels``); ``flip``: one
+    bit of the entry changed after the producer hashed it; ``tags``: the client leaves the tag
+    to the consumer. Returns ``(consumer, load-error blocks, the tags given, its caches)``."""
+    monkeypatch.setenv("TRITONKV_KERNELS", kernels)
+    given = []
+
+    def get(key, defer_entry_check=False, **kw):
+        tensors, meta, tag = deliver(buffer, key, defer_entry_check=True, secret=SECRET, **kw)
+        if flip:
+            kv = tensors["kv"].clone()
+            kv.view(torch.uint8).view(-1)[kv.numel() // 3] ^= 0x04
+            tensors = {**tensors, "kv": kv}
+        given.append(tag if tags else None)
+        return (tensors, meta, given[-1]) if defer_entry_check else (tensors, meta)
+
+    dst = caches(VLLM_CPU, seed=None)
+    cons = consumer(dst, 4, cfg=cfg, secret=SECRET, connect=lambda h, p: fake_client(get))
+    spec = LoadSpec(
+        "c", "t1", "h", 1, DST_BLOCKS, 0, NUM_TOKENS - 1, NUM_TOKENS, prompt_digest=DIGEST
+    )
+    cons.start_load_kv([spec])
+    errors = cons.get_block_ids_with_load_errors()
+    cons.shutdown()
+    return cons, errors, given, dst
+
+
+def test_the_triton_pack_stores_the_nh_of_the_entry_under_its_key(monkeypatch):
+    buffer = _saved(monkeypatch, ConnectorConfig())
+    key = entry_key(SAVE)
+    lease = buffer.checkout(key, digest=DIGEST)
+    try:
+        packed, nh = lease.tensors["kv"], lease.entry_nh["kv"]
+        assert torch.equal(nh, umac.nh_hash(packed, umac.entry_keys(SECRET, key)))
+        assert not torch.equal(nh, umac.nh_hash(packed, umac.entry_keys(SECRET, key + "x")))
+        assert not torch.equal(nh, umac.nh_hash(packed, umac.entry_keys(None, key)))
+    finally:
+        buffer.checkin(lease, delivered=False)
+
+
+def test_the_twins_pack_stores_no_nh(monkeypatch):
+    """Off Triton the pack computes no NH: the sender hashes the entry under the frame's key."""
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
+    prod = producer(caches(VLLM_CPU, seed=3), 4, secret=SECRET)
+    buffer = KVBuffer(1 << 24)
+    prod.attach_buffer(buffer)
+    prod.wait_for_save([SAVE])
+    with buffer.checkout(entry_key(SAVE), digest=DIGEST) as lease:
+        assert lease.entry_nh is None
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_the_unpack_computes_the_nh_the_tag_is_checked_with(monkeypatch, kernels):
+    cfg = ConnectorConfig()
+    cons, errors, given, dst = _load(_saved(monkeypatch, cfg), cfg, kernels, monkeypatch)
+    assert errors == set()
+    [tag] = given
+    assert tag.checked == ["kv"]  # checked once, with the unpack's NH
+    assert cons.stats.peek()["loads"] == 1
+    _, _, _, plain = _load(_saved(monkeypatch, cfg), cfg, kernels, monkeypatch, tags=False)
+    assert torch.equal(bits(dst), bits(plain))  # the same KV landed
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("digest", [True, False], ids=["digest", "no-digest"])
+def test_a_changed_bit_fails_the_load_as_an_authentication_failure(monkeypatch, kernels, digest):
+    cfg = ConnectorConfig(digest=digest)
+    cons, errors, given, _ = _load(_saved(monkeypatch, cfg), cfg, kernels, monkeypatch, flip=True)
+    assert errors == set(DST_BLOCKS)  # recomputed by vLLM
+    stats = cons.stats.peek()
+    assert (stats["loads"], stats["load_failures"], stats["digest_failures"]) == (0, 1, 0)
+    assert stats["load_failed:protocol"] == 1  # the tag's refusal, before the digest's check
+    assert given[0].checked == ["kv"]
+
+
+def test_without_the_tag_the_changed_bit_lands(monkeypatch):
+    """The control: digest off and no tag to check, the same bit loads wrong KV."""
+    cfg = ConnectorConfig(digest=False)
+    cons, errors, _, flipped = _load(
+        _saved(monkeypatch, cfg), cfg, "torch", monkeypatch, flip=True, tags=False
+    )
+    assert errors == set() and cons.stats.peek()["loads"] == 1
+    _, _, _, clean = _load(_saved(monkeypatch, cfg), cfg, "torch", monkeypatch, tags=False)
+    assert not torch.equal(bits(flipped), bits(clean))
+
+
+@pytest.mark.timeout(120)
+def test_over_a_connection_the_entry_is_checked_by_the_unpack_and_a_change_is_refused(
+    monkeypatch,
+):
+    """A served producer (Triton pack, a secret) and a consumer with real clients over gloo:
+    the entry travels marked as hashed under its key, the consumer's pipe does not hash it, the
+    unpack's NH passes the tag; a bit changed on the wire fails that load (recomputed, the pipe
+    broken), and the next load reconnects and lands."""
+    from connector.kvstore import KVServer
+    from connector.transport import PipeOptions, receiving
+    from connector.transport import sending as sending_mod
+
+    monkeypatch.setenv("TRITONKV_KERNELS", "triton")
+    prod = producer(caches(VLLM_CPU, seed=3), 4, secret=SECRET)
+    buffer = KVBuffer(1 << 24)
+    prod.attach_buffer(buffer)
+    saves = [SaveSpec("p", tid, SRC_BLOCKS, NUM_TOKENS, prompt_digest=DIGEST) for tid in "abc"]
+    prod.wait_for_save(saves)
+    # (entries of 1.5 KiB: sent on the process group, not inline, as larger ones are)
+    options = PipeOptions(inline_max_bytes=1)
+    server = KVServer(buffer, "127.0.0.1", 0, transport="gloo", secret=SECRET, options=options)
+    sent, hashed_on_arrival = [], []
+    original_pieces = sending_mod._Sender._pieces
+    original_hash = receiving._PayloadReceiver._hash_piece
+
+    def pieces(self, item, src, copies, deadline, what):
+        sent.append((item.key, [s.entry_nh for s in item.specs]))
+        for piece in original_pieces(self, item, src, copies, deadline, what):
+            if item.key == "b" and not item.inline:
+                piece = piece.clone()
+                piece[100] ^= 0x01
+            yield piece
+
+    def hash_piece(self, name, piece, keys):
+        hashed_on_arrival.append(name)
+        return original_hash(self, name, piece, keys)
+
+    monkeypatch.setattr(sending_mod._Sender, "_pieces", pieces)
+    monkeypatch.setattr(receiving._PayloadReceiver, "_hash_piece", hash_piece)
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")  # the consumer's unpack: the CPU twin
+    dst = caches(VLLM_CPU, seed=None)
+    cons = consumer(dst, 4, cfg=ConnectorConfig(transport="gloo"), secret=SECRET)
+    outcomes = []
+    try:
+        for tid in "abc":
+            spec = LoadSpec(
+                "c" + tid,
+                tid,
+                "127.0.0.1",
+                server.port,
+                DST_BLOCKS,
+                0,
+                NUM_TOKENS - 1,
+                NUM_TOKENS,
+                prompt_digest=DIGEST,
+            )
+            cons.start_load_kv([spec])
+            outcomes.append(cons.get_block_ids_with_load_errors())
+        connects = sum(c.stats()["connects"] for c in cons.clients._clients.values())
+    finally:
+        cons.shutdown()
+        server.close()
+        buffer.close()
+    assert outcomes == [set(), set(DST_BLOCKS), set()]
+    assert [k for k, flags in sent] == ["a", "b", "c"] and all(f == [True] for _, f in sent)
+    assert hashed_on_arrival == []  # left to the unpack
+    assert cons.stats.peek()["load_failed:protocol"] == 1
+    assert connects == 2  # the refused pipe was broken: the next load reconnected

@@ -45,7 +45,7 @@ OUTDIR=${1:?usage: bench/gpu_check.sh [--dry-run] OUTDIR}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-python3}
 TOTAL_S=470      # hard limit for the whole script (< 8 min: the device run is 10 min at most)
-TESTS_S=150      # the gpu tests (compiling kernels takes most of this time)
+TESTS_S=180      # the gpu tests (compiling kernels takes most of this time)
 WORKERS_S=180    # the worker sides' gpu tests (two processes start CUDA and compile each)
 HOST_S=40        # host time per call (bench/host_overhead.py: the table, prepared and plain)
 STAGING_S=25     # CUDA tensors over gloo and socket (bench/bench_staging.py: 3 rounds of 256 MiB)
@@ -123,7 +123,7 @@ echo "== 1/5 gpu tests (limit ${TESTS_S} s)"
 # (in a dry run every one of them is skipped: nothing must pass)
 pytest_step "gpu tests" pytest.log "$TESTS_S" "$((1 - DRY))" -m gpu \
     tests/kernels/test_gpu.py tests/kernels/test_autotune.py tests/kernels/test_state.py \
-    tests/kernels/test_umac.py tests/transport/test_pipe_gpu.py \
+    tests/kernels/test_umac.py tests/kernels/test_kv_nh.py tests/transport/test_pipe_gpu.py \
     tests/vllm_connector/test_cuda_geometry.py
 
 echo

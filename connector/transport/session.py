@@ -24,6 +24,9 @@ hash, UMAC-style) instead: its 16-byte tag follows the header's tag on the socke
     keys     = tritonkv.umac.transfer_keys(key, "pg payload" | counter (u64 LE))
     umac tag = tritonkv.umac.payload_tag(keys, the message's tensors in header order)
 
+(a tensor marked ``TFLAG_ENTRY_NH`` in the header enters the PRF with its NH under its stored
+entry's key instead, computed when it was packed: ``tritonkv.umac.entry_keys``, ``frame.py``)
+
 so every frame's payload has keys of its own (the session's direction key is fresh per
 connection, the counter unique within it), and the receiver checks the tag once the payload
 arrived, before ``recv`` returns it (:class:`PayloadAuthError`, a ProtocolError: the connection

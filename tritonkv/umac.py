@@ -90,10 +90,18 @@ class TransferKeys:
         self._on: dict[torch.device, torch.Tensor] = {}
 
     def nh_key_on(self, device: torch.device) -> torch.Tensor:
-        """``[KEY_WORDS]`` int32 NH key on ``device``."""
+        """``[KEY_WORDS]`` int32 NH key on ``device``: to a GPU from pinned memory without
+        blocking, in the current stream's order (a copy from pageable memory would wait on the
+        host for the work queued on that stream, e.g. vLLM's forward pass, when called on
+        vLLM's step)."""
+        device = torch.device(device)
         key = self._on.get(device)
         if key is None:
-            key = torch.from_numpy(self.nh_key.view(np.int32).copy()).to(device)
+            key = torch.from_numpy(self.nh_key.view(np.int32).copy())
+            if device.type == "cuda":
+                key = key.pin_memory().to(device, non_blocking=True)
+            else:
+                key = key.to(device)
             self._on[device] = key
         return key
 

@@ -29,9 +29,9 @@ _CHUNK_WORDS = tl.constexpr(CHUNK_WORDS)
 
 def nh_fusable(width: int, row_bytes: int) -> bool:
     """Whether the copy kernel computes NH in its launch: it moves 4- or 8-byte integers and one
-    head row of the packed tensor (``row_bytes``) is a power of two from 32 to 4096 bytes, so
-    every head row lies inside one 4 KiB block and is made of whole 32-byte groups."""
-    return width >= 4 and 32 <= row_bytes <= 4096 and row_bytes & (row_bytes - 1) == 0
+    head row of the packed tensor (``row_bytes``) is whole 32-byte groups, at most 4096 bytes,
+    so that a head row touches at most two 4 KiB blocks (one where its size divides 4096)."""
+    return width >= 4 and 32 <= row_bytes <= 4096 and row_bytes % 32 == 0
 
 
 @triton.jit
@@ -118,13 +118,22 @@ def _copy_heads(
             sum_b += b
         if NH:
             word0 = (packed_first + packed_rows) * WORDS  # the head row's first 32-bit word
-            t0, t1 = tile_nh(x, word0, nh_key_ptr, BLOCK_T, HEAD_SIZE * WORDS, WORDS)
+            t0, t1, s0, s1 = tile_nh(
+                x, word0, nh_key_ptr, BLOCK_T, BLOCK_D * WORDS, WORDS, HEAD_SIZE * WORDS
+            )
             here = word0 // _CHUNK_WORDS
             moved = here != nh_block
             flush_nh_rows(nh_ptr, nh_block, nh_0, nh_1, moved & row_ok)
             nh_0 = tl.where(moved, t0, nh_0 + t0)
             nh_1 = tl.where(moved, t1, nh_1 + t1)
             nh_block = here
+            if _CHUNK_WORDS % (HEAD_SIZE * WORDS) != 0:  # a head row may run into the next block
+                last = (word0 + HEAD_SIZE * WORDS - 1) // _CHUNK_WORDS
+                crosses = last != here
+                flush_nh_rows(nh_ptr, here, nh_0, nh_1, crosses & row_ok)
+                nh_0 = tl.where(crosses, s0, nh_0)
+                nh_1 = tl.where(crosses, s1, nh_1)
+                nh_block = last
         cache_rows += stride_h
         packed_rows += HEAD_SIZE
     if NH:
@@ -192,13 +201,13 @@ def _kv_copy_kernel(
     when unpacking. With DIGEST, each program adds the lane sums (:mod:`tritonkv.digest`) of the
     packed elements it wrote (pack) or read (unpack) into ``digest_ptr``, ``WORDS`` 32-bit words
     per element; without STORE (pack only) nothing is written but the lane sums. With NH (head
-    rows of a power of two from 32 to 4096 bytes: :func:`nh_fusable`), each program adds the NH
+    rows of whole 32-byte groups, 32 to 4096 bytes: :func:`nh_fusable`), each program adds the NH
     terms (:mod:`tritonkv.umac`) of those packed elements into ``nh_ptr``, under the key at
     ``nh_key_ptr`` (the zero padding of the last block is the launcher's caller's to add).
     """
     if NH:
         tl.static_assert(HEAD_SIZE * WORDS >= 8 and HEAD_SIZE * WORDS <= _CHUNK_WORDS)
-        tl.static_assert((HEAD_SIZE * WORDS) & (HEAD_SIZE * WORDS - 1) == 0)
+        tl.static_assert(HEAD_SIZE * WORDS % 8 == 0)
     layer = tl.program_id(1).to(tl.int64)
     rows, row_ok, cached, block, offset = _kv_rows(
         slot_mapping_ptr,

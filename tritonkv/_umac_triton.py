@@ -67,18 +67,25 @@ def tile_nh(
     BLOCK_T: tl.constexpr,
     ROW_WORDS: tl.constexpr,
     WORDS: tl.constexpr,
+    REAL_WORDS: tl.constexpr,
 ):
     """NH sums of each row of a tile of packed elements, both iterations.
 
-    ``x`` is ``[BLOCK_T, ROW_WORDS // WORDS]`` int32 (``WORDS`` 1) or int64 (``WORDS`` 2): each
-    row a run of the packed tensor's bytes that starts at its 32-bit word ``word0`` (``[BLOCK_T]``
-    int64) and lies inside one 4 KiB block, ``ROW_WORDS`` a power of two from 8 to 1024 and
-    ``word0`` a multiple of it (so rows are whole 8-word groups). Returns ``(t0, t1)``, each
-    ``[BLOCK_T]`` uint64: the row's terms of its block's NH sums (rows are not masked here).
+    ``x`` is ``[BLOCK_T, ROW_WORDS // WORDS]`` int32 (``WORDS`` 1) or int64 (``WORDS`` 2), of
+    which each row's first ``REAL_WORDS`` 32-bit words are a run of the packed tensor's bytes
+    that starts at its word ``word0`` (``[BLOCK_T]`` int64; the rest is padding of the tile).
+    ``ROW_WORDS`` is a power of two from 8 to 1024; ``REAL_WORDS`` a multiple of 8 up to it and
+    ``word0`` a multiple of ``REAL_WORDS`` (rows are whole 8-word groups). Returns ``(t0, t1,
+    s0, s1)``, each ``[BLOCK_T]`` uint64: the row's terms of the NH sums of the block holding its
+    first word, and of the next block (zeros unless the row runs into it: only where
+    ``REAL_WORDS`` does not divide a block's 1024 words). Rows are not masked here.
     """
     tl.static_assert(_ITERATIONS == 2 and _SHIFT_WORDS == 4)
     tl.static_assert(ROW_WORDS % 8 == 0 and ROW_WORDS <= _CHUNK_WORDS)
+    tl.static_assert(REAL_WORDS % 8 == 0 and REAL_WORDS <= ROW_WORDS)
     GROUPS: tl.constexpr = ROW_WORDS // 8
+    # rows inside one block, the tile's columns all real: the key at the row's offset
+    ALIGNED: tl.constexpr = REAL_WORDS == ROW_WORDS
     # the row's words in memory order (an int64 element: its low word, then its high word)
     if WORDS == 1:
         w = x.to(tl.uint32, bitcast=True)
@@ -90,16 +97,31 @@ def tile_nh(
     m_lo, m_hi = tl.split(tl.permute(tl.reshape(w, (BLOCK_T, GROUPS, 2, 4)), (0, 1, 3, 2)))
     q = tl.arange(0, ROW_WORDS // 2)
     lo = tl.reshape((q // 4) * 8 + q % 4, (GROUPS, 4))  # word 8g + j of the row
-    at = key_ptr + (word0 % _CHUNK_WORDS)[:, None, None] + lo[None, :, :]  # its key word
+    if ALIGNED:
+        at = key_ptr + (word0 % _CHUNK_WORDS)[:, None, None] + lo[None, :, :]  # its key word
+    else:  # a group's key word at its own offset in its block (8-word groups never straddle)
+        at = key_ptr + (word0[:, None, None] + lo[None, :, :]) % _CHUNK_WORDS
     k_a = tl.load(at).to(tl.uint32, bitcast=True)  # k[8g+j]
     k_b = tl.load(at + 4).to(tl.uint32, bitcast=True)  # k[8g+j+4]
     k_c = tl.load(at + 8).to(tl.uint32, bitcast=True)  # k[8g+j+8]
     # 32-bit adds wrap; the products are exact in 64 bits and summed modulo 2**64
     p0 = (m_lo + k_a).to(tl.uint64) * (m_hi + k_b).to(tl.uint64)
     p1 = (m_lo + k_b).to(tl.uint64) * (m_hi + k_c).to(tl.uint64)
-    t0 = tl.sum(tl.reshape(p0, (BLOCK_T, ROW_WORDS // 2)), axis=1)
-    t1 = tl.sum(tl.reshape(p1, (BLOCK_T, ROW_WORDS // 2)), axis=1)
-    return t0, t1
+    if ALIGNED:
+        t0 = tl.sum(tl.reshape(p0, (BLOCK_T, ROW_WORDS // 2)), axis=1)
+        t1 = tl.sum(tl.reshape(p1, (BLOCK_T, ROW_WORDS // 2)), axis=1)
+        return t0, t1, tl.zeros_like(t0), tl.zeros_like(t1)
+    g0 = tl.sum(p0, axis=2)  # [BLOCK_T, GROUPS]: each group's terms
+    g1 = tl.sum(p1, axis=2)
+    group = tl.arange(0, GROUPS)
+    real = (group < REAL_WORDS // 8)[None, :]  # the tile's padding groups are no bytes
+    block = (word0[:, None] + 8 * group[None, :]) // _CHUNK_WORDS
+    first = block == (word0 // _CHUNK_WORDS)[:, None]
+    t0 = tl.sum(tl.where(real & first, g0, 0), axis=1)
+    t1 = tl.sum(tl.where(real & first, g1, 0), axis=1)
+    s0 = tl.sum(tl.where(real & ~first, g0, 0), axis=1)
+    s1 = tl.sum(tl.where(real & ~first, g1, 0), axis=1)
+    return t0, t1, s0, s1
 
 
 @triton.jit

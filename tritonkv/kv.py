@@ -292,11 +292,11 @@ def pack_kv(
             overwritten with exactly ``umac.nh_hash(packed, nh_key)`` (:mod:`tritonkv.umac`'s
             keyed universal hash); given with ``nh_key``. The Triton kernel computes it in its
             copy launch where the copy moves 4- or 8-byte integers and one head row
-            (``head_size`` elements) is a power of two from 32 to 4096 bytes (fp32, fp16 and
-            bf16 heads of 16 to 1024 elements), with the padding of the last 4 KiB block added
-            by two scalar torch ops (no host synchronisation); elsewhere (fp8, odd or larger head
-            rows such as MLA's 576) :func:`~tritonkv.umac.nh_hash` hashes ``packed`` in a pass
-            of its own after the copy, as on the CPU (the C library; the torch twin for
+            (``head_size`` elements) is whole 32-byte groups from 32 to 4096 bytes (fp32, fp16
+            and bf16 heads of a multiple of 16 elements up to 1024, MLA's 576 among them), with
+            the padding of the last 4 KiB block added by two scalar torch ops (no host
+            synchronisation); elsewhere (fp8 copied as bytes, odd or larger head rows)
+            :func:`~tritonkv.umac.nh_hash` hashes ``packed`` in a pass of its own after the copy, as on the CPU (the C library; the torch twin for
             ``pack_kv_torch``). ``packed`` is bit for bit the same with or without it.
 
     Returns:

@@ -27,9 +27,9 @@ Where it runs: Triton (one program per block, a launch of its own over the tenso
 library :mod:`tritonkv._cpu_umac` on the CPU (torch twin where it cannot be built), the torch twin
 :func:`nh_hash_torch` (any device) and the NumPy reference :func:`nh_hash_numpy`: the same bits.
 :func:`tritonkv.pack_kv` and :func:`tritonkv.unpack_kv` (``nh_key``, ``nh_out``) give NH of the
-packed tensor as they write or read it: fused into the Triton copy kernel where head rows are a
-power of two from 32 to 4096 bytes moved as 4- or 8-byte integers, else :func:`nh_hash` after
-the copy (and on the CPU).
+packed tensor as they write or read it: fused into the Triton copy kernel where head rows are
+whole 32-byte groups from 32 to 4096 bytes moved as 4- or 8-byte integers, else :func:`nh_hash`
+after the copy (and on the CPU).
 """
 
 from __future__ import annotations

@@ -87,21 +87,34 @@ def main():
             **digest,
         }
 
-    # NH (the keyed hash) fused in the copy: pack and unpack, alone and with the digest; and
-    # 32-bit words (fp32 heads of 64 elements, 256 bytes), the MLA-like case without V.
-    for unpack, digest, words, has_v in (
-        (False, False, 2, True),
-        (True, False, 2, True),
-        (False, True, 2, True),
-        (True, False, 1, False),
+    # NH (the keyed hash) fused in the copy: pack and unpack, alone and with the digest; 32-bit
+    # words (fp32 heads of 64 elements, 256 bytes) without V; and MLA's bf16 latent of 576
+    # elements (144 int64 elements in a tile of 256 columns, 1152-byte rows across blocks).
+    for unpack, digest, words, has_v, head_size in (
+        (False, False, 2, True, 32),
+        (True, False, 2, True, 32),
+        (False, True, 2, True, 32),
+        (True, False, 1, False, 64),
+        (False, False, 2, False, 144),
     ):
         constexprs = kv_constexprs(has_v, unpack, STORE=True, DIGEST=digest, NH=True, WORDS=words)
         if words == 1:
-            constexprs |= {"HEAD_SIZE": 64, "BLOCK_D": 64, "ALIGN": 4}
+            constexprs |= {"ALIGN": 4}
+        constexprs |= {"HEAD_SIZE": head_size, "BLOCK_D": 1 << (head_size - 1).bit_length()}
         pointers = kv_pointers | ({"cache_ptr": "*i32", "packed_ptr": "*i32"} if words == 1 else {})
         divisible = [*kv_pointers, *strides, "stride_packed_layer", "stride_packed_part"]
         result = compile_variant(_kv_copy_kernel, pointers, constexprs, divisible)
-        print(json.dumps({"kernel": "kv-nh", "unpack": unpack, "digest": digest, **result}))
+        print(
+            json.dumps(
+                {
+                    "kernel": "kv-nh",
+                    "unpack": unpack,
+                    "digest": digest,
+                    "head_size": head_size,
+                    **result,
+                }
+            )
+        )
     if sys.argv[1:] == ["--nh-only"]:  # (tests/kernels/test_kv_nh.py: these variants alone)
         return
     for unpack in (False, True):

@@ -2,9 +2,10 @@
 
 :class:`GpuLoad` gathers one load's device work while the consumer launches it on vLLM's
 stream: the copy of host-staged KV to the device (within the rank's
-:class:`~connector.streams.DeviceBudget`), the tensors to keep, the digests to compare, copied to the host
-behind the unpack. :class:`Landings` holds the launched loads and settles each once its event
-completed: digests compared (a mismatch fails the load), tensors and device memory let go.
+:class:`~connector.streams.DeviceBudget`), the tensors to keep, the digests to compare and the
+payload tags to check with the unpack's NH, copied to the host behind the unpack.
+:class:`Landings` holds the launched loads and settles each once its event completed: tags and
+digests compared (a mismatch fails the load), tensors and device memory let go.
 Nothing here waits for the GPU but :meth:`Landings.settle` with ``wait``, which polls the events
 of sync loads whose digests are to be compared (their own unpacks, not the forward pass).
 No vLLM import.
@@ -28,7 +29,8 @@ from .metadata import LoadSpec
 @dataclass
 class Landing:
     """A load whose unpack was launched on a GPU: ``checks`` (``(expected, first row in
-    digests, check)``) are compared once ``pending`` completed, on ``digests``, a host copy."""
+    digests, check)``, or ``(EntryTag, host copy of the unpack's NH outputs, "tag")``) are
+    compared once ``pending`` completed, on ``digests``, a host copy."""
 
     spec: LoadSpec
     t0: float

@@ -286,11 +286,6 @@ class EntryTag:
         except umac.TagMismatch as e:
             raise self._receiver.refused(e, self._key) from None
 
-    def check_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """:meth:`check` with the NH of ``tensors`` (the received ones, or what became of
-        them) computed here, a pass over each."""
-        self.check({n: umac.nh_hash(tensors[n], self.entry_keys) for n in self.names})
-
 
 @dataclass
 class _WorkSlot:

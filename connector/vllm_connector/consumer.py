@@ -34,7 +34,7 @@ from functools import partial
 import torch
 
 from tritonkv import unpack_kv, unpack_state
-from tritonkv.umac import num_chunks
+from tritonkv.umac import nh_hash, num_chunks
 
 from .. import integrity
 from ..kvstore import ClientBusyError, KVClient, Part, chunk_key, hide_ids, short_id
@@ -310,7 +310,8 @@ class Consumer:
                     packed = gpu.to_device(packed)
                 if isinstance(caches, StateCaches):
                     if tag is not None:  # (producers hash KV entries only as they pack them)
-                        tag.check_tensors({"kv": packed})
+                        nh = {"nh_out": nh_hash(packed, tag.entry_keys)}  # no host wait
+                        verify_unpack(gpu, tag, nh, None, packed, None, None)
                     nbytes += unpack_state_row(caches, one, packed, want, gpu)
                     continue
                 rows = packed.shape[2]  # positions [offset, offset + rows)

@@ -73,9 +73,6 @@ class LocalEntryTag:
                     key=self._key,
                 )
 
-    def check_tensors(self, tensors: dict) -> None:
-        self.check({n: umac.nh_hash(tensors[n], self.entry_keys) for n in self.names})
-
 
 def raw_connection(srv) -> Sealed:
     """A raw connection to KVServer ``srv``, past authentication (the server has no secret)."""

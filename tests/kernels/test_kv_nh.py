@@ -24,6 +24,7 @@ import triton
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.kv_cases import (
+    DEVICES,
     assert_bits_equal,
     bits,
     like_with_sentinel,
@@ -298,21 +299,6 @@ def tuning(monkeypatch):
     monkeypatch.setattr(autotuner, "cache", {})
     monkeypatch.setattr(_kv_triton._KV_COPY, "configs", {})
     return runs
-
-
-DEVICES = [
-    pytest.param(
-        "cpu",
-        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter: no GPU"),
-    ),
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-        ],
-    ),
-]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import pytest
 import torch
 
 from tritonkv import layouts
@@ -182,3 +183,20 @@ def loop_unpack(packed, layers, slot_mapping, query_start_loc, seq_ids) -> None:
                     for part, p in enumerate(x for x in pair if x is not None):
                         p[slot // block_size, :, slot % block_size, :] = packed[layer, part, row]
             row += 1
+
+
+# A test's device parameter: the CPU under Triton's interpreter where there is no GPU, and CUDA
+# (marked ``gpu``) where there is one.
+DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter: no GPU"),
+    ),
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
+]

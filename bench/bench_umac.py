@@ -55,8 +55,11 @@ KV_BASES = {
     "pack": "pack",
     "pack+digest": "pack",
     "pack+nh": "pack",
+    "pack+digest+nh": "pack",
     "unpack": "unpack",
+    "unpack+digest": "unpack",
     "unpack+nh": "unpack",
+    "unpack+digest+nh": "unpack",
 }
 
 
@@ -118,8 +121,11 @@ class KVOps:
             "pack": lambda: self.pack(),
             "pack+digest": lambda: self.pack(digest=True),
             "pack+nh": lambda: self.pack(**nh),
+            "pack+digest+nh": lambda: self.pack(digest=True, **nh),
             "unpack": lambda: self.unpack(),
+            "unpack+digest": lambda: self.unpack(digest=True),
             "unpack+nh": lambda: self.unpack(**nh),
+            "unpack+digest+nh": lambda: self.unpack(digest=True, **nh),
         }
 
     def check(self) -> None:
@@ -186,7 +192,7 @@ def run(model: str, tokens: int, quick: bool) -> list[str]:
     for name in fns:
         p50 = times[name][0]
         lines.append(
-            f"{name:11s} p50 {p50:9.3f} ms  {nbytes / p50 / 1e6:7.2f} GB/s  x {base[name]} "
+            f"{name:16s} p50 {p50:9.3f} ms  {nbytes / p50 / 1e6:7.2f} GB/s  x {base[name]} "
             f"{ratio[name]:.3f}"
         )
     load1 = os.getloadavg()

@@ -1,10 +1,12 @@
-"""The CPU twins' fused copy + digest: a small C library built on first use, loaded with ctypes.
+"""The CPU twins' fused copy, digest and NH: a small C library built on first use (ctypes).
 
 On the CPU the twins copy rows with torch and NumPy (:mod:`tritonkv._cpu`); a digest there would be
 a second pass over the packed bytes (:func:`tritonkv.digest.packed_digest`, NumPy), which costs
 more than the copy. ``_native/copy_digest.c`` copies the rows itself (gather for pack, scatter
 for unpack, by the views' byte strides) and adds each chunk's digest terms while the chunk is
-still in cache, by the definition of :mod:`tritonkv.digest` (bit-identical lanes).
+still in cache, by the definition of :mod:`tritonkv.digest` (bit-identical lanes). With a key it
+also adds the NH terms (:mod:`tritonkv.umac`) of the packed rows it has just moved, still in
+cache, where token rows are whole 32-byte groups.
 
 Building: the machine's C compiler (``TRITONKV_CC``, default ``cc``) with plain ``-O3 -shared
 -fPIC`` (never ``-march=native``: the lane loop has AVX-512 and AVX2 clones, the widest the CPU
@@ -32,14 +34,7 @@ measured here, up to a few ms). Otherwise (no OpenMP, another runtime, another c
 the copies run on the twins' copy threads (ctypes releases the GIL), where a call queued for a
 thread that never started is cancelled once the calling thread has taken every grain.
 
-Why C and not numba (``bench/bench_cpu_copy.py``: the same copies by a bit-exact numba version,
-interleaved; ``bench/results/cpu-avx512/cpu-copy-digest.txt``): on one thread numba is 9-44 %
-slower from 1 MiB to 256 MiB (packs 1.22-1.44x), since its auto-vectorised lane loop multiplies
-three times a word where the C's loop multiplies twice (lane B's weights are folded in per
-vector lane, which no auto-vectoriser derives); on two threads 1.5-4x slower (a loaded 2-core
-host). Its kernels also take ~10 s to compile on first use (0.45 s from numba's cache, plus
-0.35 s to import numba) against 0.8 s to build this library and 10 ms to load it. Numba is
-faster only below ~64 KiB (2.6 against 5.6 µs for a 2 KiB pack), where both cost microseconds.
+Why C and not numba: ``docs/design.md`` (measured by ``bench/bench_cpu_copy.py``).
 """
 
 from __future__ import annotations
@@ -62,6 +57,7 @@ import torch
 
 from . import _cpu
 from ._digest_core import MASK, finalize_host, lanes_numpy
+from ._umac_core import CHUNK_WORDS, KEY_WORDS, nh_numpy, padding_terms
 
 __all__ = [
     "Native",
@@ -76,7 +72,8 @@ __all__ = [
 SOURCE = Path(__file__).with_name("_native") / "copy_digest.c"
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
 OPENMP_FLAG = "-fopenmp"  # tried first: copies on torch's OpenMP threads (Native.team)
-ABI = 2  # TKV_ABI in the source
+ABI = 3  # TKV_ABI in the source
+NH_ROW_BYTES = 32  # NH in the copy: token rows of a multiple of this many bytes (whole groups)
 ISA_LEVELS = {"default": 0, "avx2": 1, "avx512": 2}  # TRITONKV_NATIVE_ISA: the widest allowed
 GRAIN_BYTES = 256 << 10  # shared work: rows a thread takes at a time (about this many bytes)
 COMPILE_TIMEOUT_S = 60.0
@@ -164,12 +161,14 @@ class Native:
             ctypes.c_void_p,  # cursor: int64 (None: the rows [g0, g1))
             ctypes.c_int64,  # grain
             ctypes.c_int,  # do_digest
+            ctypes.c_void_p,  # nh_key: uint32 [KEY_WORDS] (None: no NH)
+            ctypes.c_void_p,  # nh_out: int64 [num_chunks, 2], zeroed
             ctypes.c_void_p,  # lanes: uint32 [2]
         ]
         self._copy.restype = ctypes.c_int
         self._team = lib.tkv_copy_digest_team
         self._team.argtypes = [*self._copy.argtypes[:12], ctypes.c_int64, ctypes.c_int]
-        self._team.argtypes += [ctypes.c_int, ctypes.c_void_p]  # do_digest, lanes [nthreads, 2]
+        self._team.argtypes += self._copy.argtypes[-4:]  # do_digest, nh_key, nh_out, lanes
         self._team.restype = ctypes.c_int
         lib.tkv_openmp_runtime.restype = ctypes.c_char_p
         runtime = lib.tkv_openmp_runtime()
@@ -235,6 +234,7 @@ class Native:
         digest: bool,
         total_bytes: int,
         workers: int = 1,
+        nh: tuple[np.ndarray, torch.Tensor] | None = None,
     ) -> tuple[int, int]:
         """Copy rows between the views of ``table`` and ``packed``; return the lane sums.
 
@@ -249,6 +249,10 @@ class Native:
             total_bytes: ``num_views * num_rows * row_bytes``.
             workers: this many threads (this one and the twins' copy threads) share the
                 rows, in grains of about :data:`GRAIN_BYTES`.
+            nh: ``(key, out)``: also add the NH terms of ``packed`` (as written or read; not
+                None) under ``key`` (``[KEY_WORDS]`` uint32) to ``out`` (``[num_chunks, 2]``
+                contiguous int64, zeroed; a last partial block's padding is the caller's);
+                ``table.row_bytes`` a multiple of :data:`NH_ROW_BYTES`.
         """
         num_views, num_rows = len(table.bases), slots.numel()
         total_rows = num_views * num_rows
@@ -282,12 +286,14 @@ class Native:
             shared,
             grain,
             int(digest),
+            None if nh is None else nh[0].ctypes.data,
+            None if nh is None else nh[1].data_ptr(),
         )
 
         if self.team and workers > 1 and threading.current_thread() is threading.main_thread():
             # (torch's team is the main thread's; another thread would get a team of its own,
             # and while one lives libgomp slows every team: see tritonkv._cpu)
-            team_args = (*args[:12], grain, workers, int(digest))
+            team_args = (*args[:12], grain, workers, *args[-3:])
             _check([self._team(*team_args, lanes_at)])
         else:
 
@@ -484,7 +490,30 @@ def _open(path: Path) -> Native:
     padded = np.concatenate([probe, np.zeros(1, np.uint8)]).view("<u4")
     if lib_native.lanes(probe, 5) != lanes_numpy(padded, 5):
         raise _Unavailable(f"{path} fails the self-check (lanes differ from the reference)")
+    if not _nh_checks(lib_native):
+        raise _Unavailable(f"{path} fails the self-check (NH differs from the reference)")
     return lib_native
+
+
+def _nh_checks(lib: Native) -> bool:
+    """Whether the copy's NH of 85 rows of 96 bytes (two 4 KiB blocks, a row across their
+    boundary, the last block partial) equals the NumPy reference's less the padding's terms."""
+    rng = np.random.default_rng(1)
+    words = rng.integers(0, 1 << 32, 2 * CHUNK_WORDS, dtype=np.uint32)
+    rows = torch.from_numpy(words.view(np.uint8)[: 85 * 96].copy()).view(85, 96)
+    key = rng.integers(0, 1 << 32, KEY_WORDS, dtype=np.uint32)
+    out = torch.zeros((2, 2), dtype=torch.int64)
+    packed = torch.empty_like(rows)
+    table, slots = RowTable.of_rows(rows), torch.arange(85, dtype=torch.int64)
+    lib.copy_rows(
+        table, slots, packed, unpack=False, digest=False, total_bytes=rows.numel(), nh=(key, out)
+    )
+    padded = np.zeros(2 * CHUNK_WORDS, dtype=np.uint32)
+    padded[: 85 * 24] = words[: 85 * 24]
+    want = nh_numpy(padded, key)
+    with np.errstate(over="ignore"):
+        want[1] -= np.array(padding_terms(key, rows.numel()), dtype=np.uint64)  # the caller's
+    return torch.equal(packed, rows) and np.array_equal(out.numpy().view(np.uint64), want)
 
 
 def copy_with_digest(
@@ -495,8 +524,11 @@ def copy_with_digest(
     *,
     unpack: bool,
     store: bool = True,
-) -> torch.Tensor:
-    """A twin's copy and the digest of ``packed`` in one pass (what the twins run on the CPU).
+    digest: bool = True,
+    nh: tuple[np.ndarray, torch.Tensor] | None = None,
+) -> torch.Tensor | None:
+    """A twin's copy, the digest of ``packed`` and its NH in one pass (what the twins run on the
+    CPU).
 
     Args:
         lib: :func:`native`.
@@ -506,22 +538,30 @@ def copy_with_digest(
             packed row ``table.row_bytes`` bytes (a packed KV or hidden-state tensor).
         unpack: write ``packed`` into the views instead of reading them.
         store: False (pack only): the digest is all that is wanted; ``packed`` is not written.
+        digest: compute the digest (else return None).
+        nh: ``(key, out)``: overwrite ``out`` (``[num_chunks, 2]`` int64, contiguous) with the
+            NH sums of ``packed``'s bytes under ``key`` (``[KEY_WORDS]`` uint32), the padding of
+            a last partial block left out; ``table.row_bytes`` a multiple of
+            :data:`NH_ROW_BYTES`.
 
     Returns:
-        ``[2]`` int64 digest of ``packed`` (as written, or as read by an unpack).
+        ``[2]`` int64 digest of ``packed`` (as written, or as read by an unpack), or None.
     """
     num_bytes = packed.numel() * packed.element_size()
     workers = _workers(num_bytes)
+    if nh is not None:
+        nh[1].zero_()  # the library adds each block's sums into it
     lanes = lib.copy_rows(
         table,
         slots.to(torch.int64).contiguous(),
         packed if store or unpack else None,
         unpack=unpack,
-        digest=True,
+        digest=digest,
         total_bytes=num_bytes,
         workers=workers,
+        nh=nh,
     )
-    return finalize_host([lanes], num_bytes)[0]
+    return finalize_host([lanes], num_bytes)[0] if digest else None
 
 
 def tensor_digest(lib: Native, t: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ __all__ = [
     "KVCacheSet",
     "kv_digest",
     "kv_digest_torch",
+    "nh_in_copy",
     "pack_kv",
     "pack_kv_torch",
     "prepare_kv",
@@ -213,11 +214,17 @@ def _run(
             _add_padding(nh_out, nh_key, packed.numel() * itemsize)
         elif nh_key is not None:  # other head rows: NH's own pass over the packed tensor
             nh_out.copy_(umac.nh_hash(packed, nh_key))
-    elif (lib := _native_digest(digest, device, force_torch)) is not None:
-        slots = slot_mapping.to(torch.int64)[flat]  # the twin's copy and the digest in one pass
+    elif (lib := _native(digest or nh_key is not None, device, force_torch)) is not None:
+        slots = slot_mapping.to(torch.int64)[flat]  # the twin's copy, digest and NH in one pass
         table = layer_set.row_table(views)
-        result = _cpu_digest.copy_with_digest(lib, table, slots, packed, unpack=unpack, store=store)
-        if nh_key is not None:
+        nh_fused = nh_key is not None and table.row_bytes % _cpu_digest.NH_ROW_BYTES == 0
+        nh = (nh_key.nh_key, nh_out) if nh_fused else None
+        result = _cpu_digest.copy_with_digest(
+            lib, table, slots, packed, unpack=unpack, store=store, digest=digest, nh=nh
+        )
+        if nh_fused:
+            _add_padding(nh_out, nh_key, packed.numel() * itemsize)
+        elif nh_key is not None:  # rows of a partial 32-byte group: NH's own pass
             nh_out.copy_(umac.nh_hash(packed, nh_key))
     else:
         groups = layer_set.plan(width, views)
@@ -230,10 +237,28 @@ def _run(
     return packed, index, result
 
 
-def _native_digest(digest: bool, device: torch.device, force_torch: bool):
-    """The fused copy + digest library for a CPU call with ``digest`` (None: the twin's copy,
-    then :func:`packed_digest`; always so for the ``*_torch`` oracles)."""
-    if not digest or force_torch or device.type != "cpu":
+def nh_in_copy(device: torch.device, row_bytes: int) -> bool:
+    """Whether :func:`pack_kv` / :func:`unpack_kv` on ``device`` compute ``nh_out`` with no pass
+    of the host's own over the packed bytes: on the Triton path always (in the copy's launch, or
+    a device pass after it); on the CPU where the twins' native library runs and the packed
+    token rows (``num_kv_heads * head_size`` elements, ``row_bytes`` bytes) are whole 32-byte
+    groups, hashed by the copy as it moves them (else ``umac.nh_hash`` after the copy).
+
+    Args:
+        device: the caches' device.
+        row_bytes: bytes of one packed token row of one layer's K (or latent).
+    """
+    if use_triton(device):
+        return True
+    nh_rows = row_bytes > 0 and row_bytes % _cpu_digest.NH_ROW_BYTES == 0
+    return device.type == "cpu" and nh_rows and _cpu_digest.native() is not None
+
+
+def _native(hashed: bool, device: torch.device, force_torch: bool):
+    """The fused copy + digest + NH library for a CPU call that hashes (None: the twin's copy,
+    then :func:`packed_digest` and :func:`umac.nh_hash`; always so for the ``*_torch``
+    oracles)."""
+    if not hashed or force_torch or device.type != "cpu":
         return None
     return _cpu_digest.native()
 
@@ -296,8 +321,11 @@ def pack_kv(
             and bf16 heads of a multiple of 16 elements up to 1024, MLA's 576 among them), with
             the padding of the last 4 KiB block added by two scalar torch ops (no host
             synchronisation); elsewhere (fp8 copied as bytes, odd or larger head rows)
-            :func:`~tritonkv.umac.nh_hash` hashes ``packed`` in a pass of its own after the copy, as on the CPU (the C library; the torch twin for
-            ``pack_kv_torch``). ``packed`` is bit for bit the same with or without it.
+            :func:`~tritonkv.umac.nh_hash` hashes ``packed`` in a pass of its own after the
+            copy. On the CPU the twins' native library hashes each range of packed rows as it
+            copies them, while they are in cache, where a token row is whole 32-byte groups
+            (:func:`nh_in_copy`); elsewhere, and always for ``pack_kv_torch``, NH's own pass.
+            ``packed`` is bit for bit the same with or without it.
 
     Returns:
         ``(packed, cu_seqlens)``: ``packed`` as ``out`` above (cache dtype) and ``cu_seqlens``

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tritonkv import pack_kv, pack_state, use_triton
+from tritonkv import nh_in_copy, pack_kv, pack_state
 from tritonkv.umac import TransferKeys, entry_keys, num_chunks
 
 from ..integrity import digest_tensors, entry_meta, flip_bit, meta_from_digests
@@ -192,7 +192,9 @@ class Producer:
         if paged:
             meta["page_kind"] = caches.page_kind
         meta.update(spec.chunk.as_meta() if spec.chunk else {FIRST_KEY: offset} if offset else {})
-        nh = entry_keys(self._secret, entry_key(spec)) if use_triton(caches.device) else None
+        row_bytes = shape[-2] * shape[-1] * views[0][0].element_size()
+        hashed = nh_in_copy(caches.device, row_bytes)  # (else the sender hashes it)
+        nh = entry_keys(self._secret, entry_key(spec)) if hashed else None
         pack = lambda out: _pack(
             caches.prepared(views), self._slots(spec), out, self.cfg.digest, nh
         )

@@ -1,7 +1,8 @@
-"""The CPU twins' fused copy + digest (tritonkv/_cpu_digest.py, tritonkv/_native/copy_digest.c):
-its lanes against the NumPy reference, its copies against the twins' (bit-exact, digest off), both
-lane loops (AVX2 and portable), the compile cache (a fresh one, two processes at once, a corrupt
-file) and the explicit fallback to the NumPy digest.
+"""The CPU twins' fused copy + digest + NH (tritonkv/_cpu_digest.py,
+tritonkv/_native/copy_digest.c): its lanes and NH sums against the NumPy references, its copies
+against the twins' (bit-exact, digest off), every lane loop (AVX-512, AVX2 and portable), threads
+sharing NH blocks, the compile cache (a fresh one, two processes at once, a corrupt file) and the
+explicit fallback to the NumPy digest.
 
 Every test that changes the environment the library is loaded under resets it afterwards
 (:func:`fresh`), so later tests load the default one again.
@@ -9,6 +10,7 @@ Every test that changes the environment the library is loaded under resets it af
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import subprocess
@@ -23,8 +25,9 @@ from hypothesis import strategies as st
 from support.kv_cases import LAYOUT_IDS, bits, like_with_sentinel, make_cache, storage_bits
 
 import tritonkv
-from tritonkv import _cpu_digest
+from tritonkv import _cpu_digest, umac
 from tritonkv._digest_core import lanes_numpy
+from tritonkv._umac_core import padding_terms
 from tritonkv.digest import (
     digest_hex,
     head_digests,
@@ -405,6 +408,142 @@ def test_an_unknown_lane_loop_is_a_value_error(monkeypatch):
         _cpu_digest._reset()
 
 
+# ------------------------------------------------------------------------- NH in the copy
+
+NH_KEY = umac.entry_keys(b"cpu nh secret", "entry")
+NH_SENTINEL = 0x5A5A5A5A5A5A5A5A
+
+
+def _nh_out(packed: torch.Tensor) -> torch.Tensor:
+    n = umac.num_chunks(packed.numel() * packed.element_size())
+    return torch.full((n, umac.ITERATIONS), NH_SENTINEL, dtype=torch.int64)
+
+
+def _nh_is_the_reference(nh_out: torch.Tensor, packed: torch.Tensor) -> bool:
+    return np.array_equal(nh_out.numpy().view(np.uint64), umac.nh_hash_numpy(packed, NH_KEY))
+
+
+def _count_own_passes(monkeypatch) -> list:
+    calls: list = []
+    real = umac.nh_hash
+    monkeypatch.setattr(umac, "nh_hash", lambda data, key: calls.append(1) or real(data, key))
+    return calls
+
+
+@given(case=transfers(), digest=st.booleans())
+@settings(_PROPERTY, max_examples=100)
+def test_property_nh_in_the_copy_is_the_references(lane_loops, monkeypatch, case, digest):
+    """pack_kv / unpack_kv with an NH key on the CPU: token rows of whole 32-byte groups are
+    hashed by the copy itself (no call of ``umac.nh_hash``), any other row by NH's own pass;
+    either way ``nh_out`` (sentinel-filled) is the NumPy reference's of the packed bytes written
+    or read, with the same bits copied and the same digest as without it."""
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
+    calls = _count_own_passes(monkeypatch)
+    layout = case["layout"]
+    raw, layers = make_cache(layout, case["dtype"], **case["shape"])
+    args = (case["slots"], case["qsl"], case["seq_ids"])
+    want, _ = tritonkv.pack_kv_torch(layers, *args)
+    k = layers[0][0]
+    in_copy = tritonkv.nh_in_copy(k.device, k.shape[1] * k.shape[3] * k.element_size())
+    nh_out = _nh_out(want)
+    out = torch.full_like(bits(want), 0x5A).view(want.dtype)
+    got = tritonkv.pack_kv(layers, *args, out=out, digest=digest, nh_key=NH_KEY, nh_out=nh_out)
+    assert torch.equal(bits(got[0]), bits(want))
+    assert _nh_is_the_reference(nh_out, want)
+    if digest:
+        assert digest_hex(got[2]) == digest_hex(packed_digest(want))
+    src = torch.randint(0, 256, bits(want).shape, dtype=torch.uint8).view(want.dtype)
+    twin_raw, twin_layers = like_with_sentinel(raw, layout)
+    tritonkv.unpack_kv_torch(src, twin_layers, *args)
+    fused_raw, fused_layers = like_with_sentinel(raw, layout)
+    nh_out = _nh_out(want)
+    read = tritonkv.unpack_kv(src, fused_layers, *args, digest=digest, nh_key=NH_KEY, nh_out=nh_out)
+    assert _nh_is_the_reference(nh_out, src)
+    if digest:
+        assert digest_hex(read) == digest_hex(packed_digest(src))
+    for twin, fused in zip(storage_bits(twin_raw), storage_bits(fused_raw), strict=True):
+        assert torch.equal(twin, fused)
+    assert len(calls) == (0 if in_copy else 2), (in_copy, len(calls))
+
+
+@pytest.mark.parametrize("grain_bytes", [1, 100, 1 << 20])
+@pytest.mark.parametrize("digest", [False, True], ids=["nh", "nh+digest"])
+def test_threads_sharing_nh_blocks_add_up_to_the_reference(
+    monkeypatch, threads_of, grain_bytes, digest
+):
+    """96-byte token rows in grains of 4 or 16 rows (or one thread's all): 4 KiB blocks split
+    between grains, so between threads, which add their sums into the same block; NH is still
+    the reference's, packing and unpacking."""
+    import tritonkv._cpu as cpu
+
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    monkeypatch.setattr(cpu, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(_cpu_digest, "GRAIN_BYTES", grain_bytes)
+    calls = _count_own_passes(monkeypatch)
+    raw, layers = make_cache(
+        "flash_attn_hnd", torch.bfloat16, num_layers=3, num_blocks=6, num_kv_heads=3, head_size=16
+    )
+    slots = torch.arange(23)
+    want, _ = tritonkv.pack_kv_torch(layers, slots)
+    assert want.numel() * 2 > 2 * umac.CHUNK_BYTES  # several blocks, the last partial
+    nh_out = _nh_out(want)
+    got = tritonkv.pack_kv(layers, slots, digest=digest, nh_key=NH_KEY, nh_out=nh_out)
+    assert torch.equal(bits(got[0]), bits(want)) and _nh_is_the_reference(nh_out, want)
+    _, dst = like_with_sentinel(raw, "flash_attn_hnd")
+    nh_out = _nh_out(want)
+    tritonkv.unpack_kv(want, dst, slots, digest=digest, nh_key=NH_KEY, nh_out=nh_out)
+    assert _nh_is_the_reference(nh_out, want) and calls == []
+
+
+@pytest.mark.parametrize("order", ["in-order", "reversed"])
+def test_calls_sharing_a_block_add_their_sums(order):
+    """Two calls of the library (as two threads' grains) over the rows [0, 44) and [44, 138)
+    of 96-byte rows, which split the second 4 KiB block, in either order: the block's sums are
+    both calls' (added, not stored), and NH is the reference's."""
+    lib = _cpu_digest.native()
+    assert lib is not None, _cpu_digest.backend()
+    rows = torch.randint(0, 256, (138, 96), dtype=torch.uint8)
+    table, slots = _cpu_digest.RowTable.of_rows(rows), torch.arange(138)
+    packed, nh_out = torch.empty_like(rows), _nh_out(rows).zero_()
+    ranges = [(0, 44), (44, 138)]
+    for g0, g1 in ranges if order == "in-order" else ranges[::-1]:
+        lanes = (ctypes.c_uint32 * 2)()
+        code = lib._copy(
+            0, table.bases_at, table.strides_at, 1, slots.data_ptr(), 138, 1, 1, 96, 1,
+            packed.data_ptr(), rows.numel(), g0, g1, None, 4, 0,
+            NH_KEY.nh_key.ctypes.data, nh_out.data_ptr(), lanes,
+        )  # fmt: skip
+        assert code == 0
+    pad = padding_terms(NH_KEY.nh_key, rows.numel())
+    for t in range(2):
+        nh_out[-1, t] += pad[t] - (1 << 64) if pad[t] >> 63 else pad[t]
+    assert torch.equal(packed, rows) and _nh_is_the_reference(nh_out, rows)
+
+
+def test_a_flipped_bit_changes_the_block_it_lies_in(monkeypatch):
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
+    _, layers = make_cache("flash_attn_nhd", torch.bfloat16, num_layers=2, head_size=64)
+    slots = torch.arange(20)
+    packed, _ = tritonkv.pack_kv_torch(layers, slots)
+    good, bad = _nh_out(packed), _nh_out(packed)
+    _, dst = make_cache("flash_attn_nhd", torch.bfloat16, num_layers=2, head_size=64)
+    tritonkv.unpack_kv(packed, dst, slots, nh_key=NH_KEY, nh_out=good)
+    flipped = packed.clone()
+    bits(flipped).view(-1)[5000] ^= 0x01
+    tritonkv.unpack_kv(flipped, dst, slots, nh_key=NH_KEY, nh_out=bad)
+    assert (good != bad).any(dim=1).nonzero().flatten().tolist() == [5000 // umac.CHUNK_BYTES]
+
+
+def test_nh_in_copy_needs_the_library_and_rows_of_whole_groups(monkeypatch):
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
+    cpu = torch.device("cpu")
+    assert tritonkv.nh_in_copy(cpu, 32) and tritonkv.nh_in_copy(cpu, 4096 + 64)
+    assert not tritonkv.nh_in_copy(cpu, 48) and not tritonkv.nh_in_copy(cpu, 0)
+    monkeypatch.setattr(_cpu_digest, "native", lambda: None)
+    assert not tritonkv.nh_in_copy(cpu, 32)
+
+
 # ---------------------------------------------------------------- building and the fallback
 
 
@@ -440,6 +579,23 @@ def test_a_compiler_without_openmp_builds_the_library_without_it(fresh, tmp_path
     want, _ = tritonkv.pack_kv_torch(layers, slots)
     got, _, d = tritonkv.pack_kv(layers, slots, digest=True)
     assert torch.equal(bits(got), bits(want))
+    assert digest_hex(d) == digest_hex(packed_digest(want))
+
+
+def test_a_library_whose_nh_fails_its_self_check_is_not_used(fresh, monkeypatch):
+    """A build whose NH differs from the reference is refused at load (one warning naming why):
+    digests take the NumPy path, NH its own pass, both still the references'."""
+    monkeypatch.setattr(_cpu_digest, "_nh_checks", lambda lib: False)
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
+    with pytest.warns(RuntimeWarning, match="NH differs from the reference"):
+        assert _cpu_digest.native() is None
+    assert not tritonkv.nh_in_copy(torch.device("cpu"), 64)
+    _, layers = make_cache("flash_attn_nhd", torch.bfloat16, num_layers=2, head_size=16)
+    slots = torch.arange(20)
+    want, _ = tritonkv.pack_kv_torch(layers, slots)
+    nh_out = _nh_out(want)
+    got, _, d = tritonkv.pack_kv(layers, slots, digest=True, nh_key=NH_KEY, nh_out=nh_out)
+    assert torch.equal(bits(got), bits(want)) and _nh_is_the_reference(nh_out, want)
     assert digest_hex(d) == digest_hex(packed_digest(want))
 
 

@@ -1,6 +1,6 @@
 """Entries hashed as they are packed and checked as they are unpacked, in the worker sides in
 process (no sockets, no vLLM): a producer whose pack runs in Triton (the GPU's path, here under
-the interpreter) stores each KV entry with the NH outputs its pack computed under the entry's key
+the interpreter) or in the CPU twins' native copy stores each KV entry with the NH outputs its pack computed under the entry's key
 (tritonkv.umac.entry_keys of the shared secret and the entry's key); a consumer that gets such an
 entry with its tag left to it (``KVClient.get(defer_entry_check=True)``) has its unpack compute
 the NH of what it read, and checks the tag with it before the load counts. A changed bit of the
@@ -19,7 +19,7 @@ from connector.kvstore import KVBuffer
 from connector.vllm_connector.config import ConnectorConfig
 from connector.vllm_connector.metadata import LoadSpec, SaveSpec
 from connector.vllm_connector.producer import entry_key
-from tritonkv import umac
+from tritonkv import _cpu_digest, umac
 
 SECRET = b"entry-tags-secret-0123456789abcdef"
 SRC_BLOCKS, DST_BLOCKS, NUM_TOKENS = [5, 1, 3], [0, 4, 2], 10
@@ -76,15 +76,30 @@ def test_the_triton_pack_stores_the_nh_of_the_entry_under_its_key(monkeypatch):
         buffer.checkin(lease, delivered=False)
 
 
-def test_the_twins_pack_stores_no_nh(monkeypatch):
-    """Off Triton the pack computes no NH: the sender hashes the entry under the frame's key."""
+@pytest.mark.parametrize("library", ["native", "none"])
+def test_the_cpu_pack_stores_the_nh_its_copy_computes(monkeypatch, library):
+    """On the CPU the twins' native copy hashes the entry as it packs it (a token row of these
+    caches is one 32-byte group), and the entry is stored with its NH; without the library the
+    pack computes none (NH would be a pass of its own) and the sender hashes the entry under the
+    frame's key."""
     monkeypatch.setenv("TRITONKV_KERNELS", "torch")
+    if library == "none":
+        monkeypatch.setattr(_cpu_digest, "native", lambda: None)
+    calls = []
+    real = umac.nh_hash
+    monkeypatch.setattr(umac, "nh_hash", lambda data, key: calls.append(1) or real(data, key))
     prod = producer(caches(VLLM_CPU, seed=3), 4, secret=SECRET)
     buffer = KVBuffer(1 << 24)
     prod.attach_buffer(buffer)
     prod.wait_for_save([SAVE])
-    with buffer.checkout(entry_key(SAVE), digest=DIGEST) as lease:
-        assert lease.entry_nh is None
+    assert calls == []  # no pass of its own
+    key = entry_key(SAVE)
+    with buffer.checkout(key, digest=DIGEST) as lease:
+        if library == "none":
+            assert lease.entry_nh is None
+        else:
+            packed, nh = lease.tensors["kv"], lease.entry_nh["kv"]
+            assert torch.equal(nh, real(packed, umac.entry_keys(SECRET, key)))
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])

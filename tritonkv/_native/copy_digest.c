@@ -29,7 +29,7 @@
 #include <omp.h>
 #endif
 
-#define TKV_ABI 2
+#define TKV_ABI 3
 #define KEY 0x9E3779B1u
 #define SEED 0x1B873593u
 #define FMIX_1 0x85EBCA6Bu
@@ -167,6 +167,107 @@ STREAM(flush16, heads16, v16u, 16, STEPS16)
 RUN(run8, heads8, 8)
 RUN(run16, heads16, 16)
 
+/* NH of the packed words a copy has just moved (tritonkv/_umac_core.py, nh_numpy, holds the
+ * definition): for each 4 KiB block of packed words and Toeplitz iteration t, the sum mod 2**64
+ * over its 8-word groups and j in 0..3 of (w[8g+j] + k[8g+j+4t]) * (w[8g+j+4] + k[8g+j+4+4t]),
+ * each factor mod 2**32. The key is split once a call into the halves the words are taken by
+ * (lo[4g+j] = k[8g+j], hi[4g+j] = k[8g+j+4], next[4g+j] = k[8g+j+8]: iteration 0 adds lo to a
+ * group's low half and hi to its high half, iteration 1 hi and next), so a run starting at any
+ * group reads its key with plain loads. A call keeps the sums of the block it is in and adds
+ * them to out when it leaves it (two atomic adds: threads whose rows share a block each add their
+ * groups' terms; the sums commute). Runs start and end on whole groups (rows of whole 32-byte
+ * groups). The zero padding of a last partial block is the caller's (tritonkv/kv.py). */
+#define NH_BLOCK_WORDS 1024
+#define NH_GROUPS (NH_BLOCK_WORDS / 8)
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define HAVE_SHUFFLE 1 /* __builtin_shufflevector: four groups a vector step */
+typedef uint64_t v8q __attribute__((vector_size(64)));
+#endif
+
+typedef struct {
+    uint32_t lo[4 * NH_GROUPS], hi[4 * NH_GROUPS], next[4 * NH_GROUPS];
+    uint64_t *out;  /* [num_blocks, 2] */
+    int64_t block;  /* the block whose sums s0, s1 are open; -1: none */
+    uint64_t s0, s1;
+} nh_t;
+
+static void nh_init(nh_t *nh, const uint32_t *key, uint64_t *out) {
+    for (int g = 0; g < NH_GROUPS; g++)
+        for (int j = 0; j < 4; j++) {
+            nh->lo[4 * g + j] = key[8 * g + j];
+            nh->hi[4 * g + j] = key[8 * g + j + 4];
+            nh->next[4 * g + j] = key[8 * g + j + 8];
+        }
+    nh->out = out;
+    nh->block = -1;
+    nh->s0 = nh->s1 = 0;
+}
+
+static void nh_flush(nh_t *nh) {
+    if (nh->block >= 0) {
+        __atomic_fetch_add(nh->out + 2 * nh->block, nh->s0, __ATOMIC_RELAXED);
+        __atomic_fetch_add(nh->out + 2 * nh->block + 1, nh->s1, __ATOMIC_RELAXED);
+    }
+    nh->block = -1;
+    nh->s0 = nh->s1 = 0;
+}
+
+/* The terms of nwords words at src (a multiple of 8), the first at packed word pos (a multiple
+ * of 8), added to the sums of the blocks they lie in. */
+static inline __attribute__((always_inline)) void nh_words(nh_t *nh, const uint8_t *src,
+                                                          int64_t nwords, uint64_t pos) {
+    while (nwords > 0) {
+        int64_t block = (int64_t)(pos / NH_BLOCK_WORDS), off = (int64_t)(pos % NH_BLOCK_WORDS);
+        int64_t take = NH_BLOCK_WORDS - off < nwords ? NH_BLOCK_WORDS - off : nwords;
+        if (block != nh->block) {
+            nh_flush(nh);
+            nh->block = block;
+        }
+        int64_t g = off / 8, end = (off + take) / 8;
+        uint64_t s0 = 0, s1 = 0;
+#ifdef HAVE_SHUFFLE
+        const v8q low = {0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu,
+                         0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu};
+        v8q acc0 = {0}, acc1 = {0};
+        for (; g + 4 <= end; g += 4, src += 128) { /* four groups: their halves by one shuffle */
+            v16u a, b, klo, khi, knext;
+            memcpy(&a, src, sizeof a);
+            memcpy(&b, src + 64, sizeof b);
+            memcpy(&klo, nh->lo + 4 * g, sizeof klo);
+            memcpy(&khi, nh->hi + 4 * g, sizeof khi);
+            memcpy(&knext, nh->next + 4 * g, sizeof knext);
+            v16u lo = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24,
+                                              25, 26, 27);
+            v16u hi = __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28,
+                                              29, 30, 31);
+            v8q x0 = (v8q)(lo + klo), y0 = (v8q)(hi + khi); /* 32-bit adds wrap */
+            v8q x1 = (v8q)(lo + khi), y1 = (v8q)(hi + knext);
+            acc0 += (x0 & low) * (y0 & low) + (x0 >> 32) * (y0 >> 32);
+            acc1 += (x1 & low) * (y1 & low) + (x1 >> 32) * (y1 >> 32);
+        }
+        for (int i = 0; i < 8; i++) {
+            s0 += acc0[i];
+            s1 += acc1[i];
+        }
+#endif
+        for (; g < end; g++, src += 32)
+            for (int j = 0; j < 4; j++) {
+                uint32_t lo, hi;
+                memcpy(&lo, src + 4 * j, 4);
+                memcpy(&hi, src + 16 + 4 * j, 4);
+                s0 += (uint64_t)(uint32_t)(lo + nh->lo[4 * g + j]) *
+                      (uint32_t)(hi + nh->hi[4 * g + j]);
+                s1 += (uint64_t)(uint32_t)(lo + nh->hi[4 * g + j]) *
+                      (uint32_t)(hi + nh->next[4 * g + j]);
+            }
+        nh->s0 += s0;
+        nh->s1 += s1;
+        pos += (uint64_t)take;
+        nwords -= take;
+    }
+}
+
+#define NH_ARGS nh_t *nh, const uint8_t *src, int64_t nwords, uint64_t pos
 #define LANES_ARGS const uint8_t *restrict src, int64_t nwords, uint32_t first, acc_t *acc
 #define HEADS_ARGS                                                                              \
     uint8_t *restrict dst, int64_t dst_row, int64_t dst_head, const uint8_t *restrict src,      \
@@ -183,7 +284,8 @@ typedef struct {
     void (*copy_lanes)(COPY_ARGS);
     void (*flush)(acc_t *acc);
     void (*heads)(HEADS_ARGS); /* head_words a multiple of width */
-    int64_t width;             /* words a vector step */
+    void (*nh)(NH_ARGS);
+    int64_t width; /* words a vector step */
     const char *name;
 } kernels_t;
 
@@ -191,8 +293,9 @@ static void lanes_default(LANES_ARGS) { run8(NULL, src, nwords, first, acc, 0); 
 static void copy_lanes_default(COPY_ARGS) { run8(dst, src, nwords, first, acc, 1); }
 static void flush_default(acc_t *acc) { flush8(acc); }
 static void heads_default(HEADS_ARGS) { heads8(HEADS_CALL); }
+static void nh_default(NH_ARGS) { nh_words(nh, src, nwords, pos); }
 static const kernels_t KERNELS_DEFAULT = {lanes_default, copy_lanes_default, flush_default,
-                                          heads_default, 8, "default"};
+                                          heads_default, nh_default, 8, "default"};
 
 #if defined(__x86_64__) || defined(__i386__)
 #define HAVE_X86 1
@@ -201,7 +304,9 @@ AVX2 static void lanes_avx2(LANES_ARGS) { run8(NULL, src, nwords, first, acc, 0)
 AVX2 static void copy_lanes_avx2(COPY_ARGS) { run8(dst, src, nwords, first, acc, 1); }
 AVX2 static void flush_avx2(acc_t *acc) { flush8(acc); }
 AVX2 static void heads_avx2(HEADS_ARGS) { heads8(HEADS_CALL); }
-static const kernels_t KERNELS_AVX2 = {lanes_avx2, copy_lanes_avx2, flush_avx2, heads_avx2, 8,
+AVX2 static void nh_avx2(NH_ARGS) { nh_words(nh, src, nwords, pos); }
+static const kernels_t KERNELS_AVX2 = {lanes_avx2,  copy_lanes_avx2, flush_avx2,
+                                       heads_avx2,  nh_avx2,         8,
                                        "avx2"};
 /* 16 words a step: half the instructions per byte of the AVX2 loop (what leaves the copy's
  * memory traffic room to hide the arithmetic). */
@@ -210,8 +315,10 @@ AVX512 static void lanes_avx512(LANES_ARGS) { run16(NULL, src, nwords, first, ac
 AVX512 static void copy_lanes_avx512(COPY_ARGS) { run16(dst, src, nwords, first, acc, 1); }
 AVX512 static void flush_avx512(acc_t *acc) { flush16(acc); }
 AVX512 static void heads_avx512(HEADS_ARGS) { heads16(HEADS_CALL); }
+AVX512 static void nh_avx512(NH_ARGS) { nh_words(nh, src, nwords, pos); }
 static const kernels_t KERNELS_AVX512 = {lanes_avx512, copy_lanes_avx512, flush_avx512,
-                                         heads_avx512, 16, "avx512"};
+                                         heads_avx512, nh_avx512,         16,
+                                         "avx512"};
 #endif
 
 static void acc_init(acc_t *acc) { memset(acc, 0, sizeof *acc); }
@@ -383,6 +490,7 @@ typedef struct {
     int64_t num_rows, block_size, total_bytes, chunk_rows;
     uint8_t *packed, *scratch;
     int fused, do_digest;
+    nh_t *nh; /* NULL: no NH */
 } job_t;
 
 /* The address of packed row r's cache row in view v (its slot >= 0). */
@@ -397,9 +505,9 @@ static void copy_range(const job_t *j, int64_t g0, int64_t g1, acc_t *acc) {
     const copy_t *c = &j->c;
     int unpack = c->unpack, fused = j->fused;
     for (int64_t c0 = g0; c0 < g1; c0 += j->chunk_rows) {
-        int64_t c1 = c0 + j->chunk_rows < g1 ? c0 + j->chunk_rows : g1;
+        int64_t c1 = c0 + j->chunk_rows < g1 ? c0 + j->chunk_rows : g1, first = c0, g;
         uint8_t *chunk = j->packed ? j->packed + c0 * c->row_bytes : j->scratch;
-        for (int64_t g = c0; g < c1; g++) {
+        for (g = c0; g < c1; g++) {
             int64_t v = g / j->num_rows, r = g - v * j->num_rows, slot = j->slots[r];
             uint8_t *q = chunk + (g - c0) * c->row_bytes;
             uint64_t pos = (uint64_t)(g * c->row_bytes / 4);
@@ -451,6 +559,9 @@ static void copy_range(const job_t *j, int64_t g0, int64_t g1, acc_t *acc) {
             if (end > j->total_bytes) end = j->total_bytes;
             lanes_bytes(c->k, chunk, end - start, (uint64_t)(start / 4), acc);
         }
+        if (j->nh) /* the packed rows [first, g) just moved, while in cache */
+            c->k->nh(j->nh, j->packed + first * c->row_bytes, (g - first) * c->row_bytes / 4,
+                     (uint64_t)(first * c->row_bytes / 4));
     }
 }
 
@@ -471,24 +582,36 @@ static void copy_range(const job_t *j, int64_t g0, int64_t g1, acc_t *acc) {
  * are left, and each adds the terms of the rows it copied to its own lanes: a thread that starts
  * late takes less, none waits for another's share. The lanes of all the calls add up to the
  * digest's, whatever the split (sums modulo 2**32). With cursor NULL: the rows [g0, g1).
- * Returns 0; -1 if scratch memory could not be had; -2 if the rows are out of range or g0 or
- * grain is not a multiple of 4 (nothing copied). */
+ * NH: with nh_key ([KEY_WORDS] uint32) non-NULL, also add the NH terms of the packed rows each
+ * call moves to nh_out ([blocks of total_bytes, 2] uint64, zeroed by the caller; atomic adds,
+ * so calls sharing rows may share it): packed non-NULL and rows of whole 32-byte groups. The
+ * rows then take the digest's runs (about twice as fast as row by row: a run's rows go in one
+ * loop, the next run's first lines prefetched), whose lanes are wanted only with do_digest.
+ *
+ * Returns 0; -1 if scratch memory could not be had; -2 if the rows are out of range, g0 or
+ * grain is not a multiple of 4, or NH is asked of rows it cannot take (nothing copied). */
 int tkv_copy_digest(int unpack, const int64_t *bases, const int64_t *strides, int64_t num_views,
                     const int64_t *slots, int64_t num_rows, int64_t block_size,
                     int64_t num_kv_heads, int64_t head_size, int64_t elem, uint8_t *packed,
                     int64_t total_bytes, int64_t g0, int64_t g1, int64_t *cursor, int64_t grain,
-                    int do_digest, uint32_t *lanes) {
+                    int do_digest, const uint32_t *nh_key, uint64_t *nh_out, uint32_t *lanes) {
     job_t j = {{kernels(), unpack, num_kv_heads, head_size, elem, head_size * elem,
                 num_kv_heads * head_size * elem},
                bases, strides, slots, num_rows, block_size, total_bytes, 0, packed, NULL,
-               do_digest && head_size * elem % 4 == 0, do_digest};
+               (do_digest || nh_key != NULL) && head_size * elem % 4 == 0, do_digest, NULL};
     int64_t chunk_rows = CHUNK_BYTES / (j.c.row_bytes > 0 ? j.c.row_bytes : 1);
     j.chunk_rows = j.fused ? 1 : (chunk_rows < 4 ? 4 : chunk_rows / 4 * 4);
     acc_t acc;
     acc_init(&acc);
     if (g0 < 0 || g0 % 4 || g1 > num_views * num_rows || (packed == NULL && unpack) ||
-        (cursor != NULL && (grain < 4 || grain % 4)))
+        (cursor != NULL && (grain < 4 || grain % 4)) ||
+        (nh_key != NULL && (packed == NULL || nh_out == NULL || j.c.row_bytes % 32)))
         return -2;
+    nh_t nh;
+    if (nh_key != NULL) {
+        nh_init(&nh, nh_key, nh_out);
+        j.nh = &nh;
+    }
     if (packed == NULL) { /* where rows go that are not kept: a chunk, or one row when fused */
         j.scratch = malloc((size_t)(j.chunk_rows * j.c.row_bytes) + 1);
         if (j.scratch == NULL) return -1;
@@ -502,6 +625,7 @@ int tkv_copy_digest(int unpack, const int64_t *bases, const int64_t *strides, in
             copy_range(&j, start, start + grain < g1 ? start + grain : g1, &acc);
         }
     free(j.scratch);
+    if (j.nh) nh_flush(j.nh);
     acc_add_to(j.c.k, &acc, lanes);
     return 0;
 }
@@ -525,7 +649,8 @@ int tkv_copy_digest_team(int unpack, const int64_t *bases, const int64_t *stride
                          int64_t num_views, const int64_t *slots, int64_t num_rows,
                          int64_t block_size, int64_t num_kv_heads, int64_t head_size,
                          int64_t elem, uint8_t *packed, int64_t total_bytes, int64_t grain,
-                         int nthreads, int do_digest, uint32_t *lanes) {
+                         int nthreads, int do_digest, const uint32_t *nh_key, uint64_t *nh_out,
+                         uint32_t *lanes) {
 #ifdef _OPENMP
     int64_t cursor = 0, total_rows = num_views * num_rows;
     int code = 0;
@@ -534,7 +659,8 @@ int tkv_copy_digest_team(int unpack, const int64_t *bases, const int64_t *stride
         int t = omp_get_thread_num();
         int rc = tkv_copy_digest(unpack, bases, strides, num_views, slots, num_rows, block_size,
                                  num_kv_heads, head_size, elem, packed, total_bytes, 0,
-                                 total_rows, &cursor, grain, do_digest, lanes + 2 * t);
+                                 total_rows, &cursor, grain, do_digest, nh_key, nh_out,
+                                 lanes + 2 * t);
         if (rc) {
 #pragma omp critical
             if (!code) code = rc;
@@ -544,7 +670,8 @@ int tkv_copy_digest_team(int unpack, const int64_t *bases, const int64_t *stride
 #else
     (void)unpack, (void)bases, (void)strides, (void)num_views, (void)slots, (void)num_rows;
     (void)block_size, (void)num_kv_heads, (void)head_size, (void)elem, (void)packed;
-    (void)total_bytes, (void)grain, (void)nthreads, (void)do_digest, (void)lanes;
+    (void)total_bytes, (void)grain, (void)nthreads, (void)do_digest, (void)nh_key, (void)nh_out;
+    (void)lanes;
     return -3;
 #endif
 }

@@ -8,14 +8,12 @@ still in cache, by the definition of :mod:`tritonkv.digest` (bit-identical lanes
 also adds the NH terms (:mod:`tritonkv.umac`) of the packed rows it has just moved, still in
 cache, where token rows are whole 32-byte groups.
 
-Building: the machine's C compiler (``TRITONKV_CC``, default ``cc``) with plain ``-O3 -shared
--fPIC`` (never ``-march=native``: the lane loop has AVX-512 and AVX2 clones, the widest the CPU
-supports chosen at run time, :func:`backend` names the one running), into a per-user cache directory
-(``TRITONKV_CACHE_DIR``, default ``$XDG_CACHE_HOME/tritonkv`` or ``~/.cache/tritonkv``) under a
-name keyed by the source, the flags and the compiler's version. The library is written under a
-temporary name and renamed into place, so processes that build at once each see a whole file; a
-cached file that does not load or fails the self-check is built again. Where nothing works (no
-compiler, ``TRITONKV_NATIVE=0``) the digest takes the NumPy path, after one warning naming why.
+Building: :mod:`tritonkv._native_build` (the compiler, the cache, atomic renames), with plain
+``-O3 -shared -fPIC`` (never ``-march=native``: the lane loop has AVX-512 and AVX2 clones, the
+widest the CPU supports chosen at run time, :func:`backend` names the one running). A loaded
+library is checked against the NumPy references (lanes and NH) first. Where nothing works (no
+compiler, ``TRITONKV_NATIVE=0``) the digest takes the NumPy path and NH its own pass, after one
+warning naming why.
 ``TRITONKV_NATIVE_ISA`` (``avx512``, ``avx2`` or ``default``, the portable loop) caps the lane
 loop's instruction set (tests run each one the CPU has).
 
@@ -40,13 +38,8 @@ Why C and not numba: ``docs/design.md`` (measured by ``bench/bench_cpu_copy.py``
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -57,6 +50,7 @@ import torch
 
 from . import _cpu
 from ._digest_core import MASK, finalize_host, lanes_numpy
+from ._native_build import Unavailable, load_or_build
 from ._umac_core import CHUNK_WORDS, KEY_WORDS, nh_numpy, padding_terms
 
 __all__ = [
@@ -76,7 +70,6 @@ ABI = 3  # TKV_ABI in the source
 NH_ROW_BYTES = 32  # NH in the copy: token rows of a multiple of this many bytes (whole groups)
 ISA_LEVELS = {"default": 0, "avx2": 1, "avx512": 2}  # TRITONKV_NATIVE_ISA: the widest allowed
 GRAIN_BYTES = 256 << 10  # shared work: rows a thread takes at a time (about this many bytes)
-COMPILE_TIMEOUT_S = 60.0
 MAX_DENSE_ROW_BYTES = 1 << 20  # tensor_digest: a dense tensor is cut in rows of at most this
 
 _lock = threading.Lock()
@@ -345,7 +338,7 @@ def native() -> Native | None:
             try:
                 lib = _load()
                 _loaded = (lib, f"native-{lib.isa}")
-            except (_Unavailable, OSError) as why:  # OSError: an unwritable cache, say
+            except (Unavailable, OSError) as why:  # OSError: an unwritable cache, say
                 warnings.warn(
                     f"tritonkv: the native CPU copy+digest is unavailable ({why}); CPU digests "
                     "take the NumPy path (a separate pass, several times the copy's time)",
@@ -392,89 +385,8 @@ def _isa_level() -> int:
     return ISA_LEVELS[name]
 
 
-class _Unavailable(Exception):
-    """Why the library cannot be had (the warning's text)."""
-
-
-def _cache_dir() -> Path:
-    explicit = os.environ.get("TRITONKV_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".cache"
-    return base / "tritonkv"
-
-
-def _compiler() -> str:
-    if os.environ.get("TRITONKV_NATIVE", "1").strip() == "0":
-        raise _Unavailable("disabled by TRITONKV_NATIVE=0")
-    name = os.environ.get("TRITONKV_CC", "cc").strip() or "cc"
-    path = shutil.which(name)
-    if path is None:
-        raise _Unavailable(f"no C compiler {name!r} on PATH (TRITONKV_CC)")
-    return path
-
-
-def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise _Unavailable(f"{cmd[0]} failed: {exc}") from None
-
-
 def _load() -> Native:
-    cc = _compiler()
-    version = _run([cc, "--version"])
-    if version.returncode:
-        raise _Unavailable(f"{cc} --version exited with {version.returncode}")
-    folder = _cache_dir()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        folder = Path(tempfile.gettempdir()) / f"tritonkv-{os.getuid()}"
-        try:
-            folder.mkdir(mode=0o700, exist_ok=True)
-        except OSError:
-            raise _Unavailable(f"no writable cache directory ({exc})") from None
-    why = None
-    for flags in ((*FLAGS, OPENMP_FLAG), FLAGS):  # without OpenMP where it does not build
-        path = folder / f"copy_digest-{_key(flags, version.stdout)}.so"
-        if path.exists():
-            try:
-                return _open(path)
-            except _Unavailable:
-                pass  # corrupt or foreign: build it again (below)
-        try:
-            _build(cc, path, flags)
-            return _open(path)
-        except _Unavailable as exc:
-            why = why or exc
-    raise why
-
-
-def _key(flags: tuple[str, ...], cc_version: str) -> str:
-    source = SOURCE.read_bytes()
-    parts = [source, " ".join(flags).encode(), cc_version.encode(), _machine()]
-    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
-
-
-def _machine() -> bytes:
-    return f"{platform.system()}-{platform.machine()}".encode()
-
-
-def _build(cc: str, path: Path, flags: tuple[str, ...]) -> None:
-    """Compile into a temporary file beside ``path``, then rename it into place (atomic)."""
-    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        done = _run([cc, *flags, "-o", tmp, str(SOURCE)])
-        if done.returncode:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            raise _Unavailable(f"{cc} exited with {done.returncode}: {' | '.join(tail)}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    return load_or_build(SOURCE, "copy_digest", ((*FLAGS, OPENMP_FLAG), FLAGS), _open)
 
 
 def _open(path: Path) -> Native:
@@ -482,16 +394,16 @@ def _open(path: Path) -> Native:
     try:
         lib = ctypes.CDLL(str(path))
         if lib.tkv_abi() != ABI:
-            raise _Unavailable(f"{path} has ABI {lib.tkv_abi()}, expected {ABI}")
+            raise Unavailable(f"{path} has ABI {lib.tkv_abi()}, expected {ABI}")
         lib_native = Native(lib, path)
     except (OSError, AttributeError) as exc:
-        raise _Unavailable(f"{path} does not load: {exc}") from None
+        raise Unavailable(f"{path} does not load: {exc}") from None
     probe = np.random.default_rng(0).integers(0, 256, 1027, dtype=np.uint8)
     padded = np.concatenate([probe, np.zeros(1, np.uint8)]).view("<u4")
     if lib_native.lanes(probe, 5) != lanes_numpy(padded, 5):
-        raise _Unavailable(f"{path} fails the self-check (lanes differ from the reference)")
+        raise Unavailable(f"{path} fails the self-check (lanes differ from the reference)")
     if not _nh_checks(lib_native):
-        raise _Unavailable(f"{path} fails the self-check (NH differs from the reference)")
+        raise Unavailable(f"{path} fails the self-check (NH differs from the reference)")
     return lib_native
 
 

@@ -1,7 +1,6 @@
-"""The NH layer of :mod:`tritonkv.umac` on the CPU: ``_native/nh.c``, built on first use and
-loaded with ctypes, as :mod:`tritonkv._cpu_digest` builds its library (the same compiler
-``TRITONKV_CC``, cache folder ``TRITONKV_CACHE_DIR`` and switch ``TRITONKV_NATIVE=0``; a file
-named by the source, flags and compiler version, written under a temporary name and renamed).
+"""The NH layer of :mod:`tritonkv.umac` on the CPU (its own pass over a tensor's bytes; the
+copies of pack and unpack compute it themselves, :mod:`tritonkv._cpu_digest`): ``_native/nh.c``,
+built on first use by :mod:`tritonkv._native_build` and loaded with ctypes.
 On x86-64, clones for AVX-512, AVX2 and the portable loop are picked by the CPU (ifunc). A loaded
 library is checked against the NumPy reference first; where none builds, NH takes the torch twin
 (after one warning). Payloads of :data:`~tritonkv._cpu.PARALLEL_MIN_BYTES` or more are split
@@ -11,9 +10,6 @@ over the twins' copy threads (ctypes releases the GIL; blocks are independent).
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -22,7 +18,7 @@ import numpy as np
 import torch
 
 from . import _cpu
-from ._cpu_digest import _cache_dir, _compiler, _machine, _run, _Unavailable
+from ._native_build import Unavailable, load_or_build
 from ._umac_core import CHUNK_WORDS, ITERATIONS, KEY_WORDS, SHIFT_WORDS, nh_numpy
 
 __all__ = ["backend", "native", "nh_native"]
@@ -42,7 +38,7 @@ def native() -> ctypes.CDLL | None:
         if _loaded is None:
             try:
                 _loaded = (_load(), "native")
-            except (_Unavailable, OSError) as why:
+            except (Unavailable, OSError) as why:
                 warnings.warn(
                     f"tritonkv: the native NH hash is unavailable ({why}); payload "
                     "authentication on the CPU takes the torch twin (several times slower)",
@@ -99,32 +95,7 @@ def nh_native(lib: ctypes.CDLL, words: torch.Tensor, key: np.ndarray) -> torch.T
 
 
 def _load() -> ctypes.CDLL:
-    cc = _compiler()
-    version = _run([cc, "--version"])
-    if version.returncode:
-        raise _Unavailable(f"{cc} --version exited with {version.returncode}")
-    folder = _cache_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    parts = [SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.stdout.encode(), _machine()]
-    name = hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
-    path = folder / f"nh-{name}.so"
-    if path.exists():
-        try:
-            return _open(path)
-        except _Unavailable:
-            pass  # corrupt or foreign: build it again
-    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
-        done = _run([cc, *FLAGS, "-o", tmp, str(SOURCE)])
-        if done.returncode:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            raise _Unavailable(f"{cc} exited with {done.returncode}: {' | '.join(tail)}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return _open(path)
+    return load_or_build(SOURCE, "nh", (FLAGS,), _open)
 
 
 def _open(path: Path) -> ctypes.CDLL:
@@ -136,13 +107,13 @@ def _open(path: Path) -> ctypes.CDLL:
         lib.tkv_nh.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
         lib.tkv_nh.restype = None
     except (OSError, AttributeError) as exc:
-        raise _Unavailable(f"{path} does not load: {exc}") from None
+        raise Unavailable(f"{path} does not load: {exc}") from None
     if constants != (ABI, CHUNK_WORDS, ITERATIONS, SHIFT_WORDS):
-        raise _Unavailable(f"{path} has ABI and constants {constants}")
+        raise Unavailable(f"{path} has ABI and constants {constants}")
     rng = np.random.default_rng(0)
     probe = rng.integers(0, 1 << 32, 3 * CHUNK_WORDS, dtype=np.uint32)
     key = rng.integers(0, 1 << 32, KEY_WORDS, dtype=np.uint32)
     got = nh_native(lib, torch.from_numpy(probe.view(np.int32)), key).numpy().view(np.uint64)
     if not np.array_equal(got, nh_numpy(probe, key)):
-        raise _Unavailable(f"{path} fails the self-check (NH differs from the reference)")
+        raise Unavailable(f"{path} fails the self-check (NH differs from the reference)")
     return lib

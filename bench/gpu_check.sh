@@ -50,7 +50,7 @@ WORKERS_S=180    # the worker sides' gpu tests (two processes start CUDA and com
 HOST_S=40        # host time per call (bench/host_overhead.py: the table, prepared and plain)
 STAGING_S=25     # CUDA tensors over gloo and socket (bench/bench_staging.py: 3 rounds of 256 MiB)
 HIDDEN_S=35      # hidden-state extraction in process (bench/hidden_extract.py, ~25 s timed)
-UMAC_S=35        # the keyed payload hash vs digest vs copy (bench/bench_umac.py, 4096 tokens, 13 rows)
+UMAC_S=35        # the keyed payload hash vs digest vs copy (bench/bench_umac.py, 4096 tokens, 12 rows)
 BENCH_S=140      # the reduced benchmark and launch count (what they had before the workers' step)
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)

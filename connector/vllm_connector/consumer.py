@@ -328,7 +328,9 @@ class Consumer:
                     slots = integrity.shifted_slots(slots, first - offset, stop - offset)
                 layers = caches.prepared(views)
                 nh = unpack_nh(tag, packed)  # the tag's NH, computed by the unpack itself
-                read = unpack_kv(packed, layers, slots, digest=isinstance(want, str), **nh)
+                # (a tag checks what the read digest would: the bytes the pack wrote)
+                read_digest = isinstance(want, str) and tag is None
+                read = unpack_kv(packed, layers, slots, digest=read_digest, **nh)
                 where = (views, one.block_ids, caches.block_size, first, stop, offset)
                 if gpu is not None:
                     gpu.keep += [packed, slots]
@@ -445,13 +447,16 @@ def receive_entries(
 def verify_unpack(gpu: GpuLoad | None, tag, nh: dict, want, packed, read, where) -> None:
     """Check one unpack of ``packed``: the payload ``tag`` (None: none) with the NH outputs it
     computed (``nh``: :func:`unpack_nh`), first, so that changed bytes fail as an
-    authentication failure; then the digest it read against ``want`` and, with ``where``, the
-    write-back (:mod:`connector.integrity`). On a GPU at the verdict, on a host copy
-    (:class:`~.landings.GpuLoad`); here elsewhere."""
+    authentication failure; else the digest it read against ``want`` (a tag checks the same
+    bytes the producer's pack wrote, under a key: the unpack computes no digest then); and, with
+    ``where``, the write-back (:mod:`connector.integrity`). On a GPU at the verdict, on a host
+    copy (:class:`~.landings.GpuLoad`); here elsewhere."""
+    if tag is not None:
+        want = None
     if gpu is not None:
         if tag is not None:
             gpu.check_tag(tag, nh["nh_out"])
-        if want is not None:
+        if want is not None or where is not None:
             gpu.check(want, packed, read, where)
         return
     if tag is not None:

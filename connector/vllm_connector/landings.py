@@ -76,11 +76,12 @@ class GpuLoad:
         self.checks.append((tag, host, "tag"))
 
     def check(self, want, packed, read, write_back: tuple | None) -> None:
-        """Compare, at the verdict, what the unpack of ``packed`` read (``read``) with ``want``,
-        and with ``write_back`` (``(views, block_ids, block_size, first, stop, offset)``) what the cache
-        holds there."""
-        self.checks.append((want, self._rows(), "read"))
-        self._digests.append(integrity.read_digests(want, packed, read))
+        """Compare, at the verdict, what the unpack of ``packed`` read (``read``) with ``want``
+        (None: no read check), and with ``write_back`` (``(views, block_ids, block_size, first,
+        stop, offset)``) what the cache holds there."""
+        if want is not None:
+            self.checks.append((want, self._rows(), "read"))
+            self._digests.append(integrity.read_digests(want, packed, read))
         if write_back is not None:
             self.checks.append((None, self._rows(), "write-back"))
             self._digests.append(integrity.write_back_digests(packed, *write_back))

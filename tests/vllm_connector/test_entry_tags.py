@@ -16,6 +16,7 @@ from support.connector_sides import DIGEST, VLLM_CPU, bits, caches, consumer, fa
 from support.kvstore import deliver
 
 from connector.kvstore import KVBuffer
+from connector.vllm_connector import consumer as consumer_mod
 from connector.vllm_connector.config import ConnectorConfig
 from connector.vllm_connector.metadata import LoadSpec, SaveSpec
 from connector.vllm_connector.producer import entry_key
@@ -36,10 +37,11 @@ def _saved(monkeypatch, cfg: ConnectorConfig) -> tuple[KVBuffer, torch.Tensor]:
     return buffer
 
 
-def _load(buffer, cfg, kernels: str, monkeypatch, *, flip=False, tags=True):
+def _load(buffer, cfg, kernels: str, monkeypatch, *, flip=False, tags=True, fault=""):
     """Load the saved prompt on a fresh consumer (its unpack in ``kernels``); ``flip``: one
     bit of the entry changed after the producer hashed it; ``tags``: the client leaves the tag
-    to the consumer. Returns ``(consumer, load-error blocks, the tags given, its caches)``."""
+    to the consumer; ``fault``: the load's debug fault. Returns ``(consumer, load-error blocks,
+    the tags given, its caches)``."""
     monkeypatch.setenv("TRITONKV_KERNELS", kernels)
     given = []
 
@@ -55,8 +57,9 @@ def _load(buffer, cfg, kernels: str, monkeypatch, *, flip=False, tags=True):
     dst = caches(VLLM_CPU, seed=None)
     cons = consumer(dst, 4, cfg=cfg, secret=SECRET, connect=lambda h, p: fake_client(get))
     spec = LoadSpec(
-        "c", "t1", "h", 1, DST_BLOCKS, 0, NUM_TOKENS - 1, NUM_TOKENS, prompt_digest=DIGEST
-    )
+        "c", "t1", "h", 1, DST_BLOCKS, 0, NUM_TOKENS - 1, NUM_TOKENS, prompt_digest=DIGEST,
+        debug_fault=fault,
+    )  # fmt: skip
     cons.start_load_kv([spec])
     errors = cons.get_block_ids_with_load_errors()
     cons.shutdown()
@@ -124,6 +127,29 @@ def test_a_changed_bit_fails_the_load_as_an_authentication_failure(monkeypatch, 
     assert (stats["loads"], stats["load_failures"], stats["digest_failures"]) == (0, 1, 0)
     assert stats["load_failed:protocol"] == 1  # the tag's refusal, before the digest's check
     assert given[0].checked == ["kv"]
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_a_tagged_unpack_computes_no_read_digest_and_the_write_back_still_runs(
+    monkeypatch, kernels
+):
+    """The tag checks the bytes the read digest would (what the producer's pack wrote), so the
+    unpack of a tagged entry computes no digest (an untagged one does); the write-back check,
+    which reads the cache again, still runs: a wrong destination slot fails the load."""
+    cfg = ConnectorConfig(digest_write_back=True)
+    asked = []
+    real = consumer_mod.unpack_kv
+    monkeypatch.setattr(
+        consumer_mod, "unpack_kv", lambda *a, **kw: asked.append(kw["digest"]) or real(*a, **kw)
+    )
+    cons, errors, given, _ = _load(_saved(monkeypatch, cfg), cfg, kernels, monkeypatch)
+    assert errors == set() and given[0].checked == ["kv"] and asked == [False]
+    _load(_saved(monkeypatch, cfg), cfg, kernels, monkeypatch, tags=False)
+    assert asked == [False, True]
+    saved = _saved(monkeypatch, cfg)
+    cons, errors, _, _ = _load(saved, cfg, kernels, monkeypatch, fault="wrong_slot")
+    stats = cons.stats.peek()
+    assert errors == set(DST_BLOCKS) and stats["digest_failures"] == 1
 
 
 def test_without_the_tag_the_changed_bit_lands(monkeypatch):

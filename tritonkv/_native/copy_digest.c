@@ -114,6 +114,7 @@ typedef struct { /* plain arrays: no alignment assumed (read and written with me
     uint32_t start; /* the stream's first position (mod 2**32) */
     int64_t words;  /* 0: no stream open */
     nh_t *nh;       /* NULL: no NH */
+    int no_digest;  /* NH alone: the loops copy and hash, the lanes stay 0 */
 } acc_t;
 
 static const v8u STEPS8 = {0u, KEY, 2u * KEY, 3u * KEY, 4u * KEY, 5u * KEY, 6u * KEY, 7u * KEY};
@@ -143,6 +144,7 @@ static inline __attribute__((always_inline)) void tail(uint8_t *restrict dst,
         uint32_t h;
         memcpy(&h, src + 4 * j, 4);
         if (copy) memcpy(dst + 4 * j, &h, 4);
+        if (acc->no_digest) continue;
         MIX(h, kk);
         acc->sa += h;
         acc->sb += h * (kk | 1u);
@@ -201,6 +203,7 @@ static inline __attribute__((always_inline)) void tail(uint8_t *restrict dst,
         } else                                                                                  \
             acc->start = first32;                                                               \
         nh_t *nh = acc->nh;                                                                     \
+        int digest = !acc->no_digest;                                                           \
         VQ n0 = {0}, n1 = {0}; /* the open block's NH sums, by lane */                          \
         uint64_t p = first;    /* the packed position of the next vector */                     \
         for (int64_t i = 0; i < nrows; i++)                                                     \
@@ -238,6 +241,7 @@ static inline __attribute__((always_inline)) void tail(uint8_t *restrict dst,
                             n1 += (x1 & 0xFFFFFFFFu) * (y1 & 0xFFFFFFFFu);                      \
                         }                                                                       \
                     }                                                                           \
+                    if (!digest) continue;                                                      \
                     MIX(h, k);                                                                  \
                     s += h;                                                                     \
                     r += s;                                                                     \
@@ -613,6 +617,7 @@ int tkv_copy_digest(int unpack, const int64_t *bases, const int64_t *strides, in
         return -2;
     nh_t nh = {nh_key, nh_out, -1, 0, 0};
     if (nh_key != NULL) acc.nh = &nh;
+    acc.no_digest = nh_key != NULL && !do_digest;
     if (packed == NULL) { /* where rows go that are not kept: a chunk, or one row when fused */
         j.scratch = malloc((size_t)(j.chunk_rows * j.c.row_bytes) + 1);
         if (j.scratch == NULL) return -1;

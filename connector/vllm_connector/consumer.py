@@ -293,10 +293,9 @@ class Consumer:
 
         ``t0``: when the load started. Off a GPU the load is complete when this returns (False).
         On a GPU (True, unless it failed here) the copy of host-staged KV to the device (within
-        the :class:`~connector.streams.DeviceBudget`) and the unpack run on the current stream
-        (vLLM's: the forward pass comes after them), their digests are copied to the host
-        behind them, and nothing waits: :mod:`.landings` compares them once the unpack's event
-        completed."""
+        the :class:`~connector.streams.DeviceBudget`) and the unpack run on vLLM's stream (the
+        forward pass comes after them), their digests and NH are copied to the host behind
+        them, and nothing waits: :mod:`.landings` checks them once the unpack completed."""
         ops = self._streams
         gpu = GpuLoad(ops, self.budget, spec) if ops is not None else None
         try:
@@ -327,10 +326,9 @@ class Consumer:
                 if "wrong_slot" in spec.debug_fault:  # test hook
                     slots = integrity.shifted_slots(slots, first - offset, stop - offset)
                 layers = caches.prepared(views)
-                nh = unpack_nh(tag, packed)  # the tag's NH, computed by the unpack itself
-                # (a tag checks what the read digest would: the bytes the pack wrote)
-                read_digest = isinstance(want, str) and tag is None
-                read = unpack_kv(packed, layers, slots, digest=read_digest, **nh)
+                nh = unpack_nh(tag, packed)  # the tag's NH (it covers what a read digest would)
+                digest = tag is None and isinstance(want, str)
+                read = unpack_kv(packed, layers, slots, digest=digest, **nh)
                 where = (views, one.block_ids, caches.block_size, first, stop, offset)
                 if gpu is not None:
                     gpu.keep += [packed, slots]

@@ -1,6 +1,7 @@
-/* Row copies with the integrity digest of the packed side accumulated on the fly: the CPU twins'
- * fused copy + digest (tritonkv/_cpu_digest.py builds and loads this file; tritonkv/digest.py
- * holds the definition, which this matches bit for bit).
+/* Row copies with the integrity digest of the packed side accumulated on the fly, and with a key
+ * its NH (the keyed hash's universal layer): the CPU twins' fused copy + digest + NH
+ * (tritonkv/_cpu_digest.py builds and loads this file; tritonkv/digest.py and
+ * tritonkv/_umac_core.py hold the definitions, which this matches bit for bit).
  *
  * The packed tensor is seen as num_views * num_rows rows of row_bytes bytes (view-major: packed
  * [num_layers, 1 + has_v, num_rows, num_kv_heads, head_size] contiguous); packed row r of view v
@@ -12,7 +13,7 @@
  * arithmetic overlaps the copy's memory traffic; rows whose heads lie apart (HND) go in one call
  * per run of rows of a block. Otherwise (odd byte counts: words straddle heads) chunks of a few
  * KiB are copied, then digested while in cache; work is split at multiples of 4 rows, so every
- * chunk starts on a word.
+ * chunk starts on a word. NH rides in the same loops (see STREAM).
  *
  * The lane loops come in three clones, picked at run time (tkv_select): AVX-512 (16 words a
  * step), AVX2 and portable (8 words a step, GCC vector extensions).
@@ -594,7 +595,8 @@ static void copy_range(const job_t *j, int64_t g0, int64_t g1, acc_t *acc) {
  * call moves to nh_out ([blocks of total_bytes, 2] uint64, zeroed by the caller; atomic adds,
  * so calls sharing rows may share it): packed non-NULL and rows of whole 32-byte groups. The
  * rows then take the digest's runs (about twice as fast as row by row: a run's rows go in one
- * loop, the next run's first lines prefetched), whose lanes are wanted only with do_digest.
+ * loop, the next run's first lines prefetched), without the digest's arithmetic unless
+ * do_digest.
  *
  * Returns 0; -1 if scratch memory could not be had; -2 if the rows are out of range, g0 or
  * grain is not a multiple of 4, or NH is asked of rows it cannot take (nothing copied). */

@@ -425,8 +425,8 @@ def entry_key(spec: SaveSpec) -> str:
 
 def _pack(prepared, slots, out, digest: bool, nh: TransferKeys | None):
     """``(packed, its digest or None, slots, its NH outputs or None)``: :func:`tritonkv.pack_kv`
-    of ``slots`` into ``out``, with the NH outputs under ``nh`` (the entry's key) computed in
-    the same launch where the pack runs in Triton (the payload's tag is then made from them,
+    of ``slots`` into ``out``, with the NH outputs under ``nh`` (the entry's key) computed by
+    the pack's copy (:func:`tritonkv.nh_in_copy`; the payload's tag is then made from them,
     with no pass over the entry when it is sent; elsewhere the sender hashes it)."""
     kw = {}
     if nh is not None:

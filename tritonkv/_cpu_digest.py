@@ -5,8 +5,8 @@ a second pass over the packed bytes (:func:`tritonkv.digest.packed_digest`, NumP
 more than the copy. ``_native/copy_digest.c`` copies the rows itself (gather for pack, scatter
 for unpack, by the views' byte strides) and adds each chunk's digest terms while the chunk is
 still in cache, by the definition of :mod:`tritonkv.digest` (bit-identical lanes). With a key it
-also adds the NH terms (:mod:`tritonkv.umac`) of the packed rows it has just moved, still in
-cache, where token rows are whole 32-byte groups.
+also adds the NH terms (:mod:`tritonkv.umac`) of the words its loops move, where token rows are
+whole 32-byte groups.
 
 Building: :mod:`tritonkv._native_build` (the compiler, the cache, atomic renames), with plain
 ``-O3 -shared -fPIC`` (never ``-march=native``: the lane loop has AVX-512 and AVX2 clones, the

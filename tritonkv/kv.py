@@ -322,9 +322,9 @@ def pack_kv(
             the padding of the last 4 KiB block added by two scalar torch ops (no host
             synchronisation); elsewhere (fp8 copied as bytes, odd or larger head rows)
             :func:`~tritonkv.umac.nh_hash` hashes ``packed`` in a pass of its own after the
-            copy. On the CPU the twins' native library hashes each range of packed rows as it
-            copies them, while they are in cache, where a token row is whole 32-byte groups
-            (:func:`nh_in_copy`); elsewhere, and always for ``pack_kv_torch``, NH's own pass.
+            copy. On the CPU the twins' native library hashes the words in its copy loop as it
+            moves them, where a token row is whole 32-byte groups (:func:`nh_in_copy`);
+            elsewhere, and always for ``pack_kv_torch``, NH's own pass.
             ``packed`` is bit for bit the same with or without it.
 
     Returns:

@@ -486,7 +486,8 @@ NH_RUNS = [
 def test_nh_in_the_copy_of_each_kind_of_run(lane_loops, monkeypatch, case, digest):
     """Whatever runs the copy makes of the rows (heads apart, in whole vectors or not; dense
     rows merged across a block; strided elements; a padding row), NH is the reference's,
-    packing and unpacking, with every lane loop; 60 rows fill several 4 KiB blocks."""
+    packing and unpacking (whose cache writes are the twin's), with every lane loop; 60 rows
+    fill several 4 KiB blocks."""
     monkeypatch.setenv("TRITONKV_KERNELS", "torch")
     layout, dtype, heads, head_size = case
     raw, layers = make_cache(
@@ -498,11 +499,14 @@ def test_nh_in_the_copy_of_each_kind_of_run(lane_loops, monkeypatch, case, diges
     nh_out = _nh_out(want)
     got = tritonkv.pack_kv(layers, slots, digest=digest, nh_key=NH_KEY, nh_out=nh_out)
     assert torch.equal(bits(got[0]), bits(want)) and _nh_is_the_reference(nh_out, want)
-    keep = slots.clone()
-    _, dst = like_with_sentinel(raw, layout)
+    twin_raw, twin_layers = like_with_sentinel(raw, layout)
+    tritonkv.unpack_kv_torch(want, twin_layers, slots)
+    fused_raw, fused_layers = like_with_sentinel(raw, layout)
     nh_out = _nh_out(want)
-    tritonkv.unpack_kv(want, dst, keep, digest=digest, nh_key=NH_KEY, nh_out=nh_out)
+    tritonkv.unpack_kv(want, fused_layers, slots, digest=digest, nh_key=NH_KEY, nh_out=nh_out)
     assert _nh_is_the_reference(nh_out, want)
+    for twin, fused in zip(storage_bits(twin_raw), storage_bits(fused_raw), strict=True):
+        assert torch.equal(twin, fused)
 
 
 @pytest.mark.parametrize("grain_bytes", [1, 100, 1 << 20])

@@ -3,12 +3,14 @@
 The producer's pack computes the digest of the packed KV in its copy (:mod:`tritonkv.digest`) and
 stores it in the entry's meta (:func:`entry_meta`): ``kv_digest`` for the whole entry and, for
 token rows of more than one head, ``kv_head_digests``, one per head, since a consumer of another
-TP size loads a slice of the heads and checks each of its heads apart (:func:`expected`). The
-consumer's unpack computes the digest of what it read (:func:`check_read`); with
-``digest_write_back`` the slots just written are read again through slots derived anew from the
-block table (:func:`check_write_back`). A mismatch raises :class:`DigestMismatch`, which the
-consumer turns into a failed load (recomputed, warned once, counted). An entry without a digest (a
-producer with ``digest`` off) is loaded unchecked.
+TP size loads a slice of the heads and checks each of its heads apart (:func:`expected`). An
+entry whose pack computed its NH (:func:`tritonkv.nh_in_copy`) has no ``kv_digest``: every whole
+delivery of it is checked against that NH (its payload's tag, or the KV server's check before an
+inline send), which covers the same bytes under a key. The consumer's unpack computes the digest
+of what it read (:func:`check_read`); with ``digest_write_back`` the slots just written are read
+again through slots derived anew from the block table (:func:`check_write_back`). A mismatch
+raises :class:`DigestMismatch`, which the consumer turns into a failed load (recomputed, warned
+once, counted). An entry without a digest (a producer with ``digest`` off) is loaded unchecked.
 
 A hidden-state entry (``extract_hidden_states``) carries one digest per tensor
 (:data:`HIDDEN_DIGEST_KEYS`, :func:`hidden_meta`), of each request's own tensors; its readers
@@ -104,28 +106,33 @@ class DigestMismatch(ValueError):
         )
 
 
-def entry_meta(packed: torch.Tensor, digest: torch.Tensor, kv_format: str) -> dict:
+def entry_meta(packed: torch.Tensor, digest: torch.Tensor | None, kv_format: str) -> dict:
     """The meta fields a producer stores with ``packed`` (``[num_layers, 1 or 2, rows, heads,
-    head_size]``) whose pack returned ``digest``."""
-    return meta_from_digests(digest_tensors(packed, digest, kv_format), kv_format)
+    head_size]``) whose pack returned ``digest`` (None: it computed none, the entry's NH checks
+    it whole)."""
+    digests = digest_tensors(packed, digest, kv_format)
+    return {} if digests is None else meta_from_digests(digests, digest is not None)
 
 
-def digest_tensors(packed: torch.Tensor, digest: torch.Tensor, kv_format: str) -> torch.Tensor:
+def digest_tensors(
+    packed: torch.Tensor, digest: torch.Tensor | None, kv_format: str
+) -> torch.Tensor | None:
     """``[n, 2]`` int64 on ``packed``'s device, launched without a host synchronisation: the
-    pack's ``digest`` of the whole entry, then, for token rows of more than one head, one digest
-    per head (a consumer may load a slice of the heads)."""
+    pack's ``digest`` of the whole entry (unless None), then, for token rows of more than one
+    head, one digest per head (a consumer may load a slice of the heads); None if neither."""
+    rows = [] if digest is None else [digest.unsqueeze(0)]
     if kv_format == "tokens" and packed.shape[3] > 1:  # one pass on the CPU (head_digests)
-        return torch.cat([digest.unsqueeze(0), head_digests(packed)])
-    return digest.unsqueeze(0)
+        rows.append(head_digests(packed))
+    return torch.cat(rows) if rows else None
 
 
-def meta_from_digests(digests: torch.Tensor, kv_format: str) -> dict:
+def meta_from_digests(digests: torch.Tensor, whole: bool = True) -> dict:
     """The meta fields of :func:`digest_tensors`' digests (read on the host: give a host copy
-    on a GPU)."""
+    on a GPU); ``whole``: whether the first is the whole entry's."""
     values = digests_hex(list(digests))
-    meta = {DIGEST_KEY: values[0]}
-    if len(values) > 1:
-        meta[HEAD_DIGESTS_KEY] = "".join(values[1:])
+    meta = {DIGEST_KEY: values.pop(0)} if whole else {}
+    if values:
+        meta[HEAD_DIGESTS_KEY] = "".join(values)
     return meta
 
 

@@ -7,7 +7,8 @@ on the wire can put, list or probe entries, and an entry bound to a digest (the 
 each to its prompt) is served or discarded only for the same digest: to anyone else it does not
 exist (MISS with an unknown key's reason; DISCARD: ``existed`` False). A GET delivers through a :class:`~.store.Lease`: the
 entry is pinned while its payload is sent, claimed when the send completed, kept for a retry
-when it failed. Deadlines: ``max_get_wait_s`` (60 s) caps how long a GET may wait for a key to be
+when it failed. An entry put with NH outputs that goes inline (which no umac tag covers) is first
+checked against them (:func:`check_inline_entry`). Deadlines: ``max_get_wait_s`` (60 s) caps how long a GET may wait for a key to be
 put (default 0: an absent key is an immediate MISS), ``io_timeout_s`` (60 s) per payload.
 
 Which connections it takes: :mod:`connector.kvstore.admission` (pending and authenticated ones
@@ -26,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 
+from tritonkv import umac
+
 from ..logs import get_logger
 from ..transport import (
     Kind,
@@ -40,6 +43,7 @@ from ..transport import (
     auth,
     check_timeout,
     error_text,
+    goes_inline,
     send_error_frame,
     transfer_thread,
 )
@@ -76,10 +80,9 @@ class KVServer:
 
     Failed authentications are counted (``auth_failures``) and logged at most once per host a
     minute. A connection over a cap is told why in a short fixed text (an ERROR frame in place of
-    the challenge; nothing is read from it and no thread starts) and closed, or, when the cap is
-    found full only as it authenticates, told in place of HELLO_ACK; either way it is counted in
-    ``rejected_connections``. A request of any kind but GET and DISCARD gets an ERROR reply naming
-    it, and its connection is closed.
+    the challenge; nothing is read from it, no thread starts) and closed, or, when the cap is found
+    full only as it authenticates, told in place of HELLO_ACK; either way it is counted in
+    ``rejected_connections``. A request of another kind than GET or DISCARD: an ERROR reply, closed.
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class KVServer:
         if not isinstance(buffer, KVBuffer):
             raise TypeError(f"buffer: expected a KVBuffer, got {type(buffer).__name__}")
         self.buffer = buffer
+        self._secret = auth.check_secret(secret)
         self._admission = Admission(caps)
         self.caps = self._admission.caps
         self.max_get_wait_s = check_timeout("max_get_wait_s", max_get_wait_s)
@@ -315,6 +319,7 @@ class KVServer:
                 )
 
         try:
+            check_inline_entry(pipe, lease, self._secret)
             pipe.send(
                 lease.key,
                 lease.tensors,
@@ -364,3 +369,25 @@ def _shutter(sock: socket.socket):
             sock.shutdown(socket.SHUT_RDWR)
 
     return shut
+
+
+def check_inline_entry(pipe: TensorPipe, lease: Lease, secret: bytes | None) -> None:
+    """Before ``lease`` goes inline on ``pipe`` (:func:`~connector.transport.goes_inline`),
+    check its tensors against the NH outputs its producer computed as it packed them, under the
+    entry's key (:func:`tritonkv.umac.entry_keys`): no tag made from them covers an inline
+    delivery, and the entry may carry no digest (its NH stands for one). Nothing to check for an
+    entry put without NH outputs, or one that goes on the process group (its tag checks it).
+
+    Raises:
+        ValueError: they differ (not sent: the consumer gets an error, and recomputes).
+    """
+    if lease.entry_nh is None or not goes_inline(pipe, lease.nbytes):
+        return
+    keys = umac.entry_keys(secret, lease.key)
+    for name, want in lease.entry_nh.items():
+        got = umac.nh_hash(lease.tensors[name], keys)
+        if not torch.equal(got.cpu(), want.cpu()):
+            raise ValueError(
+                f"entry {short_id(lease.key)}: its {name!r} differs from what its producer "
+                "hashed as it packed it"
+            )

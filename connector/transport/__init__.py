@@ -23,6 +23,7 @@ from .listener import PipeListener
 from .options import TRANSPORTS, PipeOptions, check_timeout, default_transport
 from .pipe import Message, TensorPipe
 from .receiving import EntryTag
+from .sending import goes_inline
 from .sockio import send_error_frame
 from .threads import (
     name_current_thread,
@@ -60,6 +61,7 @@ __all__ = [
     "default_transport",
     "encode_header",
     "error_text",
+    "goes_inline",
     "host_empty",
     "is_loopback",
     "load_secret",

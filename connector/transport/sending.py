@@ -81,7 +81,7 @@ def _outgoing(
             flat.append(t.contiguous())
             copies = copies or staging.copies_for(t.device)
     total = sum(t.numel() * t.element_size() for t in flat)
-    inline = pipe.transport == "socket" or (total <= pipe.inline_max_bytes and copies is None)
+    inline = goes_inline(pipe, total, staged=copies is not None)
     small = [
         i for i, t in enumerate(flat) if 0 < t.numel() * t.element_size() <= pipe.pack_max_bytes
     ]
@@ -101,6 +101,13 @@ def _outgoing(
     out = _Outgoing(header, key, specs, flat, inline, total, on_done, copies=copies, ready=ready)
     out.entry_nh = entry_nh
     return out
+
+
+def goes_inline(pipe, nbytes: int, staged: bool = False) -> bool:
+    """Whether a message of ``nbytes`` payload bytes travels inline on ``pipe``'s control
+    connection (under the frames' MAC), not on its process group (under a umac tag); ``staged``:
+    its tensors are copied through host memory first, which only the process group's are."""
+    return pipe.transport == "socket" or (nbytes <= pipe.inline_max_bytes and not staged)
 
 
 def _check_entry_nh(entry_nh, tensors: dict) -> dict | None:

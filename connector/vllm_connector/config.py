@@ -149,10 +149,10 @@ class ConnectorConfig:
     #: checked by ``connector.hidden.reader`` on receipt (:mod:`connector.hidden.files`).
     #: False is **for benchmarks only** (the digest's cost): corrupted KV then goes unseen.
     digest: bool = True
-    #: consumer: after the unpack (and with ``digest``), read the slots just written back once
-    #: more, as derived anew from the block table, and compare their digest with the received
-    #: rows' (catches a wrong destination slot). Costs one more read of the loaded KV and a
-    #: digest of it (``bench/bench_kv.py``), hence off by default.
+    #: consumer: after the unpack, read the slots just written back once more, as derived anew
+    #: from the block table, and compare their digest with the received rows' (catches a wrong
+    #: destination slot; needs no digest of the producer's). Costs one more read of the loaded
+    #: KV and a digest of it (``bench/bench_kv.py``), hence off by default.
     digest_write_back: bool = False
     #: both: log each saved and loaded transfer at INFO (else at DEBUG). Failed loads and
     #: refused hand-offs are always logged (WARNING: request, peer, reason, sizes), at most 10

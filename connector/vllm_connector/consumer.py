@@ -332,7 +332,7 @@ class Consumer:
                 where = (views, one.block_ids, caches.block_size, first, stop, offset)
                 if gpu is not None:
                     gpu.keep += [packed, slots]
-                write_back = want is not None and self.cfg.digest_write_back
+                write_back = self.cfg.digest_write_back and "no_digest" not in spec.debug_fault
                 verify_unpack(gpu, tag, nh, want, packed, read, where if write_back else None)
                 nbytes += packed.numel() * packed.element_size() * (stop - first) // max(rows, 1)
             log_args = (network_ms, paged, parts)

@@ -195,9 +195,9 @@ class Producer:
         row_bytes = shape[-2] * shape[-1] * views[0][0].element_size()
         hashed = nh_in_copy(caches.device, row_bytes)  # (else the sender hashes it)
         nh = entry_keys(self._secret, entry_key(spec)) if hashed else None
-        pack = lambda out: _pack(
-            caches.prepared(views), self._slots(spec), out, self.cfg.digest, nh
-        )
+        # an entry's NH checks every whole delivery of it: no whole-entry digest beside it
+        digest = self.cfg.digest and nh is None
+        pack = lambda out: _pack(caches.prepared(views), self._slots(spec), out, digest, nh)
         self._pack_and_store(spec, shape, views[0][0].dtype, self.kv_format, nbytes, meta, pack)
 
     def _save_state(self, spec: SaveSpec, caches: StateCaches) -> None:
@@ -219,7 +219,7 @@ class Producer:
             return
         out = torch.empty(shape, dtype=dtype, device=self.groups[spec.group].device)
         packed, digest, _, nh = pack(out)
-        if digest is not None:  # computed by the pack itself (integrity.py)
+        if self.cfg.digest:  # the whole entry's computed by the pack itself (integrity.py)
             meta.update(entry_meta(packed, digest, kv_format))
         if "flip_bit" in spec.debug_fault:  # test hook: after the digest was taken
             flip_bit(packed)
@@ -240,14 +240,15 @@ class Producer:
             try:
                 ops.side.wait_event(ops.event(vllm_stream))
                 packed, digest, slots, nh = pack(out)
-                digests = None if digest is None else digest_tensors(packed, digest, kv_format)
+                digests = digest_tensors(packed, digest, kv_format) if self.cfg.digest else None
                 packed_ev = ops.event(ops.side)
             except BaseException:
                 self.budget.release(reserved)
                 raise
         vllm_stream.wait_event(packed_ev)
         pending = Pending(packed_ev, keep=(slots,), reserved=reserved, started=t0)
-        self._publisher_thread().submit(_Job(spec, packed, digests, meta, nbytes, pending, nh))
+        job = _Job(spec, packed, digests, meta, nbytes, pending, nh, whole=digest is not None)
+        self._publisher_thread().submit(job)
 
     def _publisher_thread(self) -> Publisher:
         """The ``tkv-publish`` thread (:class:`~connector.streams.Publisher`): stores the launched
@@ -272,7 +273,7 @@ class Producer:
             self._publisher.let_go(job)  # its pack and copy completed
         meta = dict(job.meta)
         if digests is not None:
-            meta.update(meta_from_digests(digests, self.kv_format))
+            meta.update(meta_from_digests(digests, job.whole))
         if "flip_bit" in job.spec.debug_fault:  # test hook: after the digest was taken
             flip_bit(entry)
         self._store(job.spec, entry, meta, job.nbytes, pack_ms, nh)
@@ -500,6 +501,7 @@ class _Job:
     nbytes: int
     pending: Pending
     nh: torch.Tensor | None = None  # [num_chunks, 2] int64 NH outputs on the device, or None
+    whole: bool = True  # digests start with the whole entry's (else its NH checks it)
 
 
 class BufferWatcher:

@@ -99,3 +99,55 @@ def test_an_entry_hashed_when_packed_is_checked_under_its_key_and_a_part_as_befo
     finally:
         srv.close()
     assert sent[:2] == [("whole", [True]), ("parts", [False])]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport, entry_bytes", [("socket", 1 << 20), ("gloo", 32 << 10)])
+def test_an_inline_delivery_of_an_entry_hashed_when_packed_is_checked_against_its_nh_first(
+    monkeypatch, transport, entry_bytes
+):
+    """An inline payload (every one over ``socket``; a small one over gloo) carries no tag made
+    from the entry's NH outputs, and a producer stores no whole-entry digest beside them: the
+    server checks the entry against them before sending it. One whose bytes changed in the
+    store is not sent (the client gets an error naming it); an intact one loads. Deliveries on
+    the process group are left to the tag (no check here)."""
+    from connector.kvstore import server as server_mod
+    from connector.transport import RemoteError
+    from tritonkv import umac
+
+    secret = b"s" * 32
+    checked = []  # the sizes of what the server hashed
+
+    class Spy:
+        entry_keys = staticmethod(umac.entry_keys)
+
+        @staticmethod
+        def nh_hash(data, keys):
+            checked.append(data.numel())
+            return umac.nh_hash(data, keys)
+
+    monkeypatch.setattr(server_mod, "umac", Spy)
+    buf = KVBuffer(64 << 20)
+    gen = torch.Generator().manual_seed(5)
+    entries = {}
+    for key in ("intact", "changed", "big"):
+        size = (2 << 20) if key == "big" else entry_bytes
+        kv = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
+        nh = umac.nh_hash(kv, umac.entry_keys(secret, key))
+        entries[key] = kv.clone()
+        buf.put(key, {"kv": kv}, nh={"kv": nh})
+        if key == "changed":
+            kv[entry_bytes // 2] ^= 0x10  # after its NH was taken, as a bug of the producer's would
+    srv = KVServer(buf, secret=secret)
+    try:
+        with KVClient("127.0.0.1", srv.port, timeout_s=20, secret=secret, transport=transport) as c:
+            got, _ = c.get("intact")
+            assert torch.equal(got["kv"], entries["intact"])
+            with pytest.raises(RemoteError, match="differs from what its producer hashed"):
+                c.get("changed")
+            got, _ = c.get("big")
+            assert torch.equal(got["kv"], entries["big"])
+    finally:
+        srv.close()
+    big_inline = transport == "socket"
+    assert checked == [entry_bytes, entry_bytes] + ([2 << 20] if big_inline else [])

@@ -33,6 +33,7 @@ from connector.integrity import (
 )
 from connector.kvstore import KVBuffer
 from connector.logs import short_id
+from connector.vllm_connector import producer as producer_mod
 from connector.vllm_connector.config import ConnectorConfig
 from connector.vllm_connector.metadata import LoadSpec, SaveSpec
 
@@ -56,6 +57,15 @@ def warnings():
     logger.addHandler(handler)
     yield handler.lines
     logger.removeHandler(handler)
+
+
+@pytest.fixture
+def unhashed(monkeypatch):
+    """Producers whose pack computes no NH (no native copy, or rows of partial 32-byte groups):
+    their entries carry the whole entry's digest, which the consumer's unpack checks. (An entry
+    hashed as it was packed carries none: its NH checks it, tests/vllm_connector/
+    test_entry_tags.py.)"""
+    monkeypatch.setattr(producer_mod, "nh_in_copy", lambda device, row_bytes: False)
 
 
 def _flip_in_transit(get):
@@ -96,7 +106,7 @@ def _load(prod, dst_tensors, cfg, *, tp_size=1, tp_rank=0, total_kv_heads=None, 
     return dst, errors
 
 
-def test_clean_transfer_carries_its_digest_and_loads():
+def test_clean_transfer_carries_its_digest_and_loads(unhashed):
     src, dst = caches(VLLM_CPU), caches(VLLM_CPU, seed=None)
     prod = producer(src, 4)
     buffer = KVBuffer(1 << 24)
@@ -110,7 +120,7 @@ def test_clean_transfer_carries_its_digest_and_loads():
     assert cons.stats.peek()["loads"] == 1 and cons.stats.peek()["digest_failures"] == 0
 
 
-def test_a_bit_flipped_in_transit_fails_the_load_and_is_warned_and_counted(warnings):
+def test_a_bit_flipped_in_transit_fails_the_load_and_is_warned_and_counted(warnings, unhashed):
     src, dst = caches(VLLM_CPU), caches(VLLM_CPU, seed=None)
     cons, errors = _load(producer(src, 4), dst, ConnectorConfig(), fault=_flip_in_transit)
     assert errors == set(DST_BLOCKS)  # recomputed by vLLM
@@ -121,7 +131,7 @@ def test_a_bit_flipped_in_transit_fails_the_load_and_is_warned_and_counted(warni
     assert TRANSFER_ID not in line
 
 
-def test_without_the_digest_the_flipped_bit_lands(warnings):
+def test_without_the_digest_the_flipped_bit_lands(warnings, unhashed):
     """The negative control: digest off on both sides, the same fault loads wrong KV."""
     src, dst = caches(VLLM_CPU), caches(VLLM_CPU, seed=None)
     off = ConnectorConfig(digest=False)

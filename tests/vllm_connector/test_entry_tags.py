@@ -15,8 +15,10 @@ import torch
 from support.connector_sides import DIGEST, VLLM_CPU, bits, caches, consumer, fake_client, producer
 from support.kvstore import deliver
 
+from connector.integrity import DIGEST_KEY, HEAD_DIGESTS_KEY
 from connector.kvstore import KVBuffer
 from connector.vllm_connector import consumer as consumer_mod
+from connector.vllm_connector import producer as producer_mod
 from connector.vllm_connector.config import ConnectorConfig
 from connector.vllm_connector.metadata import LoadSpec, SaveSpec
 from connector.vllm_connector.producer import entry_key
@@ -27,9 +29,11 @@ SRC_BLOCKS, DST_BLOCKS, NUM_TOKENS = [5, 1, 3], [0, 4, 2], 10
 SAVE = SaveSpec("p", "t1", SRC_BLOCKS, NUM_TOKENS, prompt_digest=DIGEST)
 
 
-def _saved(monkeypatch, cfg: ConnectorConfig) -> tuple[KVBuffer, torch.Tensor]:
-    """A buffer holding the prompt saved by a producer whose pack runs in Triton."""
+def _saved(monkeypatch, cfg: ConnectorConfig, hashed: bool = True) -> KVBuffer:
+    """A buffer holding the prompt saved by a producer whose pack runs in Triton (``hashed``
+    False: one whose pack computes no NH, and stores the whole entry's digest)."""
     monkeypatch.setenv("TRITONKV_KERNELS", "triton")
+    monkeypatch.setattr(producer_mod, "nh_in_copy", lambda device, row_bytes: hashed)
     prod = producer(caches(VLLM_CPU, seed=3), 4, cfg=cfg, secret=SECRET)
     buffer = KVBuffer(1 << 24)
     prod.attach_buffer(buffer)
@@ -105,6 +109,37 @@ def test_the_cpu_pack_stores_the_nh_its_copy_computes(monkeypatch, library):
             assert torch.equal(nh, real(packed, umac.entry_keys(SECRET, key)))
 
 
+@pytest.mark.parametrize("kv_format", ["pages", "tokens"])
+@pytest.mark.parametrize("library", ["native", "none"])
+def test_an_entry_hashed_as_it_is_packed_carries_no_whole_entry_digest(
+    monkeypatch, kv_format, library
+):
+    """Its NH checks every whole delivery of it (the payload's tag, or the KV server's check
+    before an inline send), so the pack computes no digest of the whole entry beside it; the
+    per-head digests of token rows stay (a consumer of another TP size loads a slice of the
+    heads, which the entry's NH does not cover). Without NH in the copy the whole entry's digest
+    is computed and stored as before."""
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
+    if library == "none":
+        monkeypatch.setattr(_cpu_digest, "native", lambda: None)
+    asked = []
+    real = producer_mod.pack_kv
+    monkeypatch.setattr(
+        producer_mod, "pack_kv", lambda *a, **kw: asked.append(kw["digest"]) or real(*a, **kw)
+    )
+    prod = producer(caches(VLLM_CPU, seed=3), 4, kv_format=kv_format, secret=SECRET)
+    buffer = KVBuffer(1 << 24)
+    prod.attach_buffer(buffer)
+    prod.wait_for_save([SAVE])
+    with buffer.checkout(entry_key(SAVE), digest=DIGEST) as lease:
+        hashed = lease.entry_nh is not None
+        meta = lease.meta
+    assert hashed == (library == "native")
+    assert asked == [not hashed]
+    assert (DIGEST_KEY in meta) == (not hashed)
+    assert (HEAD_DIGESTS_KEY in meta) == (kv_format == "tokens")  # (2 heads)
+
+
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_the_unpack_computes_the_nh_the_tag_is_checked_with(monkeypatch, kernels):
     cfg = ConnectorConfig()
@@ -134,8 +169,9 @@ def test_a_tagged_unpack_computes_no_read_digest_and_the_write_back_still_runs(
     monkeypatch, kernels
 ):
     """The tag checks the bytes the read digest would (what the producer's pack wrote), so the
-    unpack of a tagged entry computes no digest (an untagged one does); the write-back check,
-    which reads the cache again, still runs: a wrong destination slot fails the load."""
+    unpack of a tagged entry computes no digest (an untagged one with a digest does); the
+    write-back check, which reads the cache again and needs no digest of the producer's, still
+    runs: a wrong destination slot fails the load."""
     cfg = ConnectorConfig(digest_write_back=True)
     asked = []
     real = consumer_mod.unpack_kv
@@ -144,7 +180,7 @@ def test_a_tagged_unpack_computes_no_read_digest_and_the_write_back_still_runs(
     )
     cons, errors, given, _ = _load(_saved(monkeypatch, cfg), cfg, kernels, monkeypatch)
     assert errors == set() and given[0].checked == ["kv"] and asked == [False]
-    _load(_saved(monkeypatch, cfg), cfg, kernels, monkeypatch, tags=False)
+    _load(_saved(monkeypatch, cfg, hashed=False), cfg, kernels, monkeypatch, tags=False)
     assert asked == [False, True]
     saved = _saved(monkeypatch, cfg)
     cons, errors, _, _ = _load(saved, cfg, kernels, monkeypatch, fault="wrong_slot")

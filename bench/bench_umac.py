@@ -17,7 +17,8 @@ And the pack and unpack of that KV (``tokens`` tokens of a paged cache of the mo
 unselected decode token), each packing into a buffer allocated once:
 
 - ``pack``: ``pack_kv`` alone; ``pack+digest``: with ``digest=True``; ``pack+nh``: with
-  ``nh_key`` / ``nh_out``; ``pack+digest+nh``: both (what a producer runs). NH is computed by
+  ``nh_key`` / ``nh_out`` (what a producer runs: an entry its pack hashed carries no whole-entry
+  digest); ``pack+digest+nh``: both. NH is computed by
   the copy itself: the Triton kernel on a GPU, the twins' native copy on the CPU (in its lane
   loops, beside the digest where both are asked);
 - ``unpack``: ``unpack_kv`` of the packed tensor into a second cache; ``unpack+digest``,
@@ -199,9 +200,10 @@ def run(model: str, tokens: int, quick: bool) -> list[str]:
         )
     load1 = os.getloadavg()
     lines.append(
-        f"tag_over_copy: {ratio['tag']:.3f} (a separate pass); in the copy: pack+nh "
-        f"{ratio['pack+nh']:.3f} x pack, unpack+nh {ratio['unpack+nh']:.3f} x unpack (goal <= "
-        f"1.05), a producer's pack+digest+nh {ratio['pack+digest+nh']:.3f} x pack"
+        f"tag_over_copy: {ratio['tag']:.3f} (a separate pass); in the copy: pack+nh (a "
+        f"producer's) {ratio['pack+nh']:.3f} x pack, unpack+nh (a consumer's) "
+        f"{ratio['unpack+nh']:.3f} x unpack (goal <= 1.05); pack+digest+nh "
+        f"{ratio['pack+digest+nh']:.3f} x pack"
     )
     lines.append(
         "load average (1, 5, 15 min) at the start: "

@@ -141,8 +141,9 @@ class ConnectorConfig:
     #: refused (its ``<path>.error`` says why), never waited for on vLLM's step (default 1 GiB).
     hidden_writer_bytes: int = 1 << 30
     #: both: the integrity digest of every transfer (:mod:`tritonkv.digest`): the producer
-    #: stores the digest its pack computes with the entry, the consumer's unpack checks what it
-    #: read against it; a mismatch is a failed load (recomputed, warned, counted in
+    #: stores the digest its pack computes with the entry (per head too for token rows; none of
+    #: the whole entry where the pack computed the entry's NH, ``tritonkv.nh_in_copy``, which
+    #: checks it instead), the consumer's unpack checks what it read against it; a mismatch is a failed load (recomputed, warned, counted in
     #: ``digest_failures``). Not a MAC: the secret's authentication is what stops an attacker.
     #: extract_hidden_states: each request's hidden states and token ids carry their digests
     #: (entry meta; the file's safetensors header, checked by the writer before its rename),

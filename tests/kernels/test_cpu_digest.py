@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from support.kv_cases import LAYOUT_IDS, bits, like_with_sentinel, make_cache, storage_bits
 
 import tritonkv
-from tritonkv import _cpu_digest, umac
+from tritonkv import _cpu_digest, layouts, umac
 from tritonkv._digest_core import lanes_numpy
 from tritonkv._umac_core import padding_terms
 from tritonkv.digest import (
@@ -53,6 +53,15 @@ def fresh(monkeypatch, tmp_path):
     yield tmp_path / "cache"
     monkeypatch.undo()
     _cpu_digest._reset()
+
+
+@pytest.fixture(params=["cached", "streamed"])
+def stores(request, monkeypatch):
+    """The copy's stores as a small copy makes them, and as a large one does (non-temporal where
+    a vector's address is aligned to it, in the x86 lane loops): STREAM_MIN_BYTES lowered to 0."""
+    if request.param == "streamed":
+        monkeypatch.setattr(_cpu_digest, "STREAM_MIN_BYTES", 0)
+    return request.param
 
 
 @pytest.fixture(params=["avx512", "avx2", "default"])
@@ -164,7 +173,7 @@ def transfers(draw):
 @given(case=transfers())
 @settings(_PROPERTY, max_examples=150)
 def test_property_fused_pack_unpack_are_the_twins_copies_with_the_reference_digest(
-    lane_loops, monkeypatch, case
+    lane_loops, stores, monkeypatch, case
 ):
     """pack_kv / unpack_kv / kv_digest with digest=True on the CPU (the fused native path) move
     the same bits as the twin with the digest off, and return packed_digest of the packed rows."""
@@ -190,7 +199,7 @@ def test_property_fused_pack_unpack_are_the_twins_copies_with_the_reference_dige
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8], ids=str)
 @pytest.mark.parametrize("hidden_size", [1, 5, 12, 33])
-def test_fused_hidden_copies_are_the_twins(lane_loops, monkeypatch, dtype, hidden_size):
+def test_fused_hidden_copies_are_the_twins(lane_loops, stores, monkeypatch, dtype, hidden_size):
     """pack_hidden / unpack_hidden with digest=True on a strided hidden_states tensor."""
     monkeypatch.setenv("TRITONKV_KERNELS", "torch")
     gen = torch.Generator().manual_seed(hidden_size)
@@ -397,6 +406,28 @@ def test_busy_copy_threads_delay_nothing(monkeypatch):
     assert digest_hex(d) == digest_hex(packed_digest(want))
 
 
+@pytest.mark.parametrize("above", [False, True], ids=["below", "from"])
+def test_copies_from_stream_min_bytes_on_ask_for_streamed_stores(monkeypatch, above):
+    """The threshold reaches the lane loops (TKV_STREAM in the call's flags, beside TKV_DIGEST),
+    and the copy and digest are the twin's either way."""
+    monkeypatch.setenv("TRITONKV_KERNELS", "torch")
+    lib = _cpu_digest.native()
+    flags = []
+    real = lib._copy
+    monkeypatch.setattr(lib, "_copy", lambda *args: flags.append(args[16]) or real(*args))
+    # FlashAttention's [2, num_blocks, block_size, num_kv_heads, head_size]: rows of 256 bytes
+    layers = [layouts.flash_attn(torch.randn(2, 6, 4, 2, 32)) for _ in range(2)]
+    slots = torch.tensor([5, 9, 2, 20, 21, 22, 23, -1])
+    want, _ = tritonkv.pack_kv_torch(layers, slots)
+    nbytes = want.numel() * want.element_size()
+    monkeypatch.setattr(_cpu_digest, "STREAM_MIN_BYTES", nbytes if above else nbytes + 1)
+    got, _, d = tritonkv.pack_kv(layers, slots, digest=True)
+    assert torch.equal(bits(got), bits(want))
+    assert digest_hex(d) == digest_hex(packed_digest(want))
+    streamed = _cpu_digest.DIGEST | _cpu_digest.STREAM
+    assert flags == [streamed if above else _cpu_digest.DIGEST]
+
+
 def test_an_unknown_lane_loop_is_a_value_error(monkeypatch):
     monkeypatch.setenv("TRITONKV_NATIVE_ISA", "sse9")
     _cpu_digest._reset()
@@ -432,7 +463,7 @@ def _count_own_passes(monkeypatch) -> list:
 
 @given(case=transfers(), digest=st.booleans())
 @settings(_PROPERTY, max_examples=100)
-def test_property_nh_in_the_copy_is_the_references(lane_loops, monkeypatch, case, digest):
+def test_property_nh_in_the_copy_is_the_references(lane_loops, stores, monkeypatch, case, digest):
     """pack_kv / unpack_kv with an NH key on the CPU: token rows of whole 32-byte groups are
     hashed by the copy itself (no call of ``umac.nh_hash``), any other row by NH's own pass;
     either way ``nh_out`` (sentinel-filled) is the NumPy reference's of the packed bytes written
@@ -483,7 +514,7 @@ NH_RUNS = [
     "case", NH_RUNS, ids=lambda c: f"{c[0]}-{c[1]}-h{c[2]}-d{c[3]}".replace("torch.", "")
 )
 @pytest.mark.parametrize("digest", [False, True], ids=["nh", "nh+digest"])
-def test_nh_in_the_copy_of_each_kind_of_run(lane_loops, monkeypatch, case, digest):
+def test_nh_in_the_copy_of_each_kind_of_run(lane_loops, stores, monkeypatch, case, digest):
     """Whatever runs the copy makes of the rows (heads apart, in whole vectors or not; dense
     rows merged across a block; strided elements; a padding row), NH is the reference's,
     packing and unpacking (whose cache writes are the twin's), with every lane loop; 60 rows
@@ -512,7 +543,7 @@ def test_nh_in_the_copy_of_each_kind_of_run(lane_loops, monkeypatch, case, diges
 @pytest.mark.parametrize("grain_bytes", [1, 100, 1 << 20])
 @pytest.mark.parametrize("digest", [False, True], ids=["nh", "nh+digest"])
 def test_threads_sharing_nh_blocks_add_up_to_the_reference(
-    monkeypatch, threads_of, grain_bytes, digest
+    monkeypatch, stores, threads_of, grain_bytes, digest
 ):
     """96-byte token rows in grains of 4 or 16 rows (or one thread's all): 4 KiB blocks split
     between grains, so between threads, which add their sums into the same block; NH is still

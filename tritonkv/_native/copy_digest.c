@@ -30,12 +30,14 @@
 #include <omp.h>
 #endif
 
-#define TKV_ABI 3
+#define TKV_ABI 4
 #define KEY 0x9E3779B1u
 #define SEED 0x1B873593u
 #define FMIX_1 0x85EBCA6Bu
 #define FMIX_2 0xC2B2AE35u
 #define CHUNK_BYTES (32 * 1024)
+#define TKV_DIGEST 1 /* tkv_copy_digest's flags */
+#define TKV_STREAM 2
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
 #error "copy_digest.c: big-endian hosts are not supported (the digest reads little-endian words)"
@@ -135,6 +137,7 @@ typedef struct { /* plain arrays: no alignment assumed (read and written with me
     int64_t words;  /* 0: no stream open */
     nh_t *nh;       /* NULL: no NH */
     int no_digest;  /* NH alone: the loops copy and hash, the lanes stay 0 */
+    int stream;     /* the lane loops' stores bypass the caches where aligned (TKV_STREAM) */
 } acc_t;
 
 static const v8u STEPS8 = {0u, KEY, 2u * KEY, 3u * KEY, 4u * KEY, 5u * KEY, 6u * KEY, 7u * KEY};
@@ -198,7 +201,7 @@ static inline __attribute__((always_inline)) void tail(uint8_t *restrict dst,
  * (shifted down) give all 16 products of a group: 64-bit lanes 0, 1 of a group sum iteration
  * 0's, lanes 2, 3 iteration 1's. A vector across two blocks (W = 16, rows of an odd number of
  * groups) takes nh_words. */
-#define STREAM(flush, heads, VT, VQ, W, STEPS, swap)                                            \
+#define STREAM(flush, heads, VT, VQ, W, STEPS, swap, STORE)                                     \
     static inline __attribute__((always_inline)) void flush(acc_t *acc) {                       \
         if (!acc->words) return;                                                                \
         VT s, r, a, b, k0 = (acc->start * KEY + SEED) + STEPS;                                  \
@@ -235,7 +238,7 @@ static inline __attribute__((always_inline)) void tail(uint8_t *restrict dst,
                 for (int64_t j = 0; j < head_words; j += W, k += (uint32_t)W * KEY, p += W) {   \
                     VT h;                                                                       \
                     memcpy(&h, from + 4 * j, sizeof h);                                         \
-                    if (copy) memcpy(to + 4 * j, &h, sizeof h);                                 \
+                    if (copy) STORE(acc, to + 4 * j, h);                                        \
                     if (nh) {                                                                   \
                         uint64_t off = p % NH_BLOCK_WORDS;                                      \
                         int across = off > NH_BLOCK_WORDS - W;                                  \
@@ -280,8 +283,23 @@ static inline __attribute__((always_inline)) void tail(uint8_t *restrict dst,
         acc->words += nrows * nheads * head_words;                                              \
     }
 
-STREAM(flush8, heads8, v8u, v4q, 8, STEPS8, NH_SWAP8)
-STREAM(flush16, heads16, v16u, v8q, 16, STEPS16, NH_SWAP16)
+/* How the lane loops store a vector: plainly, or (acc->stream, x86 clones) with a non-temporal
+ * store where the address is aligned to the vector: a large copy's destination then takes no
+ * read for ownership of its lines, nor evicts what the caches hold (tkv_copy_digest fences). */
+#define STORE_PLAIN(acc, p, v) memcpy((p), &(v), sizeof(v))
+#define STORE_NT(acc, p, v)                                                                     \
+    do {                                                                                        \
+        if ((acc)->stream && ((uintptr_t)(p) & (sizeof(v) - 1)) == 0)                           \
+            __asm__("vmovntdq %1, %0" : "=m"(*(__typeof__(v) *)(void *)(p)) : "v"(v));          \
+        else                                                                                    \
+            memcpy((p), &(v), sizeof(v));                                                       \
+    } while (0)
+
+STREAM(flush8, heads8, v8u, v4q, 8, STEPS8, NH_SWAP8, STORE_PLAIN)
+#if defined(__x86_64__) || defined(__i386__)
+STREAM(flush8nt, heads8nt, v8u, v4q, 8, STEPS8, NH_SWAP8, STORE_NT) /* the AVX2 clone's */
+STREAM(flush16, heads16, v16u, v8q, 16, STEPS16, NH_SWAP16, STORE_NT)
+#endif
 
 /* The terms of nwords words at src, the first at position first (mod 2**32), added to acc;
  * with copy, the words are stored to dst as they are read (one pass: the copy's loads feed the
@@ -297,7 +315,10 @@ STREAM(flush16, heads16, v16u, v8q, 16, STEPS16, NH_SWAP16)
     }
 
 RUN(run8, heads8, 8)
+#if defined(__x86_64__) || defined(__i386__)
+RUN(run8nt, heads8nt, 8)
 RUN(run16, heads16, 16)
+#endif
 
 #define LANES_ARGS const uint8_t *restrict src, int64_t nwords, uint64_t first, acc_t *acc
 #define HEADS_ARGS                                                                              \
@@ -329,10 +350,10 @@ static const kernels_t KERNELS_DEFAULT = {lanes_default, copy_lanes_default, flu
 #if defined(__x86_64__) || defined(__i386__)
 #define HAVE_X86 1
 #define AVX2 __attribute__((target("avx2")))
-AVX2 static void lanes_avx2(LANES_ARGS) { run8(NULL, src, nwords, first, acc, 0); }
-AVX2 static void copy_lanes_avx2(COPY_ARGS) { run8(dst, src, nwords, first, acc, 1); }
-AVX2 static void flush_avx2(acc_t *acc) { flush8(acc); }
-AVX2 static void heads_avx2(HEADS_ARGS) { heads8(HEADS_CALL); }
+AVX2 static void lanes_avx2(LANES_ARGS) { run8nt(NULL, src, nwords, first, acc, 0); }
+AVX2 static void copy_lanes_avx2(COPY_ARGS) { run8nt(dst, src, nwords, first, acc, 1); }
+AVX2 static void flush_avx2(acc_t *acc) { flush8nt(acc); }
+AVX2 static void heads_avx2(HEADS_ARGS) { heads8nt(HEADS_CALL); }
 static const kernels_t KERNELS_AVX2 = {lanes_avx2, copy_lanes_avx2, flush_avx2, heads_avx2, 8,
                                        "avx2"};
 /* 16 words a step: half the instructions per byte of the AVX2 loop (what leaves the copy's
@@ -629,10 +650,12 @@ static void copy_grain(const job_t *j, int64_t g0, int64_t g1, acc_t *acc) {
  * NH: with nh_key ([KEY_WORDS] uint32) non-NULL, also add the NH terms of the packed rows each
  * call moves to nh_out ([blocks of total_bytes, 2] uint64, zeroed by the caller; calls of
  * disjoint rows may share it at once: copy_grain): packed non-NULL and rows of whole 32-byte
- * groups. The
- * rows then take the digest's runs (about twice as fast as row by row: a run's rows go in one
- * loop, the next run's first lines prefetched), without the digest's arithmetic unless
- * do_digest.
+ * groups. The rows then take the digest's runs (about twice as fast as row by row: a run's rows
+ * go in one loop, the next run's first lines prefetched), without the digest's arithmetic
+ * unless flags has TKV_DIGEST.
+ *
+ * flags: TKV_DIGEST, the digest's terms (else the lanes stay 0); TKV_STREAM, the runs' stores
+ * bypass the caches where aligned (x86; for copies larger than the caches: see STORE_NT).
  *
  * Returns 0; -1 if scratch memory could not be had; -2 if the rows are out of range, g0 or
  * grain is not a multiple of 4, or NH is asked of rows it cannot take (nothing copied). */
@@ -640,7 +663,8 @@ int tkv_copy_digest(int unpack, const int64_t *bases, const int64_t *strides, in
                     const int64_t *slots, int64_t num_rows, int64_t block_size,
                     int64_t num_kv_heads, int64_t head_size, int64_t elem, uint8_t *packed,
                     int64_t total_bytes, int64_t g0, int64_t g1, int64_t *cursor, int64_t grain,
-                    int do_digest, const uint32_t *nh_key, uint64_t *nh_out, uint32_t *lanes) {
+                    int flags, const uint32_t *nh_key, uint64_t *nh_out, uint32_t *lanes) {
+    int do_digest = flags & TKV_DIGEST;
     job_t j = {{kernels(), unpack, num_kv_heads, head_size, elem, head_size * elem,
                 num_kv_heads * head_size * elem},
                bases, strides, slots, num_rows, block_size, total_bytes, 0, packed, NULL,
@@ -660,6 +684,7 @@ int tkv_copy_digest(int unpack, const int64_t *bases, const int64_t *strides, in
         acc.nh = &nh;
     }
     acc.no_digest = nh_key != NULL && !do_digest;
+    acc.stream = (flags & TKV_STREAM) != 0;
     if (packed == NULL) { /* where rows go that are not kept: a chunk, or one row when fused */
         j.scratch = malloc((size_t)(j.chunk_rows * j.c.row_bytes) + 1);
         if (j.scratch == NULL) return -1;
@@ -673,6 +698,9 @@ int tkv_copy_digest(int unpack, const int64_t *bases, const int64_t *strides, in
             copy_grain(&j, start, start + grain < g1 ? start + grain : g1, &acc);
         }
     free(j.scratch);
+#ifdef HAVE_X86
+    if (acc.stream) __builtin_ia32_sfence(); /* the streamed stores seen before we return */
+#endif
     acc_add_to(j.c.k, &acc, lanes);
     return 0;
 }
@@ -696,7 +724,7 @@ int tkv_copy_digest_team(int unpack, const int64_t *bases, const int64_t *stride
                          int64_t num_views, const int64_t *slots, int64_t num_rows,
                          int64_t block_size, int64_t num_kv_heads, int64_t head_size,
                          int64_t elem, uint8_t *packed, int64_t total_bytes, int64_t grain,
-                         int nthreads, int do_digest, const uint32_t *nh_key, uint64_t *nh_out,
+                         int nthreads, int flags, const uint32_t *nh_key, uint64_t *nh_out,
                          uint32_t *lanes) {
 #ifdef _OPENMP
     int64_t cursor = 0, total_rows = num_views * num_rows;
@@ -706,7 +734,7 @@ int tkv_copy_digest_team(int unpack, const int64_t *bases, const int64_t *stride
         int t = omp_get_thread_num();
         int rc = tkv_copy_digest(unpack, bases, strides, num_views, slots, num_rows, block_size,
                                  num_kv_heads, head_size, elem, packed, total_bytes, 0,
-                                 total_rows, &cursor, grain, do_digest, nh_key, nh_out,
+                                 total_rows, &cursor, grain, flags, nh_key, nh_out,
                                  lanes + 2 * t);
         if (rc) {
 #pragma omp critical
@@ -717,7 +745,7 @@ int tkv_copy_digest_team(int unpack, const int64_t *bases, const int64_t *stride
 #else
     (void)unpack, (void)bases, (void)strides, (void)num_views, (void)slots, (void)num_rows;
     (void)block_size, (void)num_kv_heads, (void)head_size, (void)elem, (void)packed;
-    (void)total_bytes, (void)grain, (void)nthreads, (void)do_digest, (void)nh_key, (void)nh_out;
+    (void)total_bytes, (void)grain, (void)nthreads, (void)flags, (void)nh_key, (void)nh_out;
     (void)lanes;
     return -3;
 #endif

@@ -10,7 +10,7 @@ import os
 
 import triton
 
-from ._dispatch import interpreting
+from ._dispatch import interpreter_lock, interpreting
 
 
 def autotune_configs(**fixed) -> list[triton.Config]:
@@ -60,10 +60,11 @@ class TunedLaunch:
         """Launch; return what the JIT function's launch returned (its compiled kernel, which a
         :class:`~tritonkv._launch.DirectLaunch` can relaunch) and the config it ran with."""
         config = self.configs.get(key)
-        if config is None:
-            compiled = self.kernel[grid](*args, **kwargs)
-            config = self.configs[key] = self.kernel.best_config
-        else:
-            self.kernel.best_config = config  # what the autotuner reports for the last launch
-            compiled = self.kernel.fn[grid](*args, **kwargs, **config.all_kwargs())
+        with interpreter_lock():
+            if config is None:
+                compiled = self.kernel[grid](*args, **kwargs)
+                config = self.configs[key] = self.kernel.best_config
+            else:
+                self.kernel.best_config = config  # what the autotuner reports for the last launch
+                compiled = self.kernel.fn[grid](*args, **kwargs, **config.all_kwargs())
         return compiled, config

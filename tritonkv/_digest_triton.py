@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ._digest_core import FMIX_1, FMIX_2, KEY, SEED
+from ._dispatch import interpreter_lock
 
 __all__ = ["byte_lanes", "tile_lanes"]
 
@@ -107,7 +108,9 @@ def byte_lanes(packed: torch.Tensor, lanes: torch.Tensor) -> None:
     flat = packed.reshape(-1).view(torch.uint8)
     if num_bytes % 4 == 0 and flat.data_ptr() % 4 == 0:
         grid = (triton.cdiv(num_bytes // 4, block),)
-        _digest_words_kernel[grid](flat.view(torch.int32), lanes, num_bytes // 4, BLOCK=block)
+        with interpreter_lock():
+            _digest_words_kernel[grid](flat.view(torch.int32), lanes, num_bytes // 4, BLOCK=block)
         return
     grid = (triton.cdiv(triton.cdiv(num_bytes, 4), block),)
-    _digest_bytes_kernel[grid](flat, lanes, num_bytes, BLOCK=block)
+    with interpreter_lock():
+        _digest_bytes_kernel[grid](flat, lanes, num_bytes, BLOCK=block)

@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 import torch
 
@@ -16,6 +18,14 @@ KERNELS = ("auto", "torch", "triton")
 def interpreting() -> bool:
     """Whether Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def interpreter_lock():
+    """What every Triton launch of tritonkv runs under: under the CPU interpreter a lock, since
+    the interpreter patches ``triton.language`` while a kernel runs and two threads' kernels at
+    once break each other (a KV server or pipe thread hashing while the step packs); elsewhere
+    nothing. (Triton reads ``TRITON_INTERPRET`` when the kernels are defined, and so does this.)"""
+    return _LAUNCHES
 
 
 def use_triton(device: torch.device) -> bool:
@@ -42,3 +52,6 @@ def use_triton(device: torch.device) -> bool:
             )
         return True
     return device.type == "cuda"
+
+
+_LAUNCHES = threading.RLock() if interpreting() else contextlib.nullcontext()

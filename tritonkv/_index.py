@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_index, checks_enabled
+from ._dispatch import interpreter_lock
 from ._launch import DIRECT, DirectLaunch, current_device, int_spec, pointer_spec
 
 
@@ -254,7 +255,8 @@ def device_seq_index(query_start_loc, seq_ids, device: torch.device, last_only: 
     else:
         kwargs = dict(zip(_INDEX_VARYING, values, strict=True))
         kwargs |= {"HAS_IDS": seq_ids is not None, "LAST_ONLY": last_only, "BLOCK": INDEX_BLOCK}
-        compiled = _seq_index_kernel[(1,)](**kwargs)
+        with interpreter_lock():
+            compiled = _seq_index_kernel[(1,)](**kwargs)
         direct = DirectLaunch.make(compiled, _seq_index_kernel, kwargs, _INDEX_VARYING)
         if direct is not None:
             _INDEX_LAUNCHES[spec] = direct

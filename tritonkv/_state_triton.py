@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ._digest_triton import add_lanes, tile_lanes
+from ._dispatch import interpreter_lock
 
 __all__ = ["ChunkTable", "chunk_table", "copy_state"]
 
@@ -152,17 +153,18 @@ def copy_state(
     digest = lanes is not None
     aligned = packed.data_ptr() % 16 == 0 and total_words % chunks.align == 0
     align = chunks.align if aligned else 1
-    _state_copy_kernel[(num_chunks, num_seqs)](
-        base,
-        chunks.table,
-        slots,
-        packed,
-        lanes if digest else chunks.table,  # never read without DIGEST
-        total_words // align,
-        ALIGN=align,
-        UNPACK=unpack,
-        DIGEST=digest,
-        WORDS=max(packed.element_size() // 4, 1),
-        BLOCK_W=chunks.block_w,
-        num_warps=4 if chunks.block_w <= 512 else 8,
-    )
+    with interpreter_lock():
+        _state_copy_kernel[(num_chunks, num_seqs)](
+            base,
+            chunks.table,
+            slots,
+            packed,
+            lanes if digest else chunks.table,  # never read without DIGEST
+            total_words // align,
+            ALIGN=align,
+            UNPACK=unpack,
+            DIGEST=digest,
+            WORDS=max(packed.element_size() // 4, 1),
+            BLOCK_W=chunks.block_w,
+            num_warps=4 if chunks.block_w <= 512 else 8,
+        )

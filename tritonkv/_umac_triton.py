@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._dispatch import interpreter_lock
 from ._umac_core import CHUNK_WORDS, ITERATIONS, KEY_WORDS, SHIFT_WORDS
 
 __all__ = ["add_nh_rows", "flush_nh_rows", "nh_triton", "tile_nh"]
@@ -188,15 +189,16 @@ def nh_triton(words: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 
 def _launch(words, key, out, n: int, programs: int) -> None:
     """One launch of :func:`_nh_kernel` over ``n`` blocks in ``programs`` programs."""
-    _nh_kernel[(programs,)](
-        words,
-        key,
-        out,
-        n,
-        out.stride(0),
-        CHUNK_WORDS=CHUNK_WORDS,
-        ITERATIONS=ITERATIONS,
-        SHIFT_WORDS=SHIFT_WORDS,
-        BLOCKS=BLOCKS,
-        num_warps=4,
-    )
+    with interpreter_lock():
+        _nh_kernel[(programs,)](
+            words,
+            key,
+            out,
+            n,
+            out.stride(0),
+            CHUNK_WORDS=CHUNK_WORDS,
+            ITERATIONS=ITERATIONS,
+            SHIFT_WORDS=SHIFT_WORDS,
+            BLOCKS=BLOCKS,
+            num_warps=4,
+        )

@@ -334,3 +334,45 @@ def test_triton_on_the_gpu_is_the_reference(monkeypatch, num_bytes):
     assert np.array_equal(umac.nh_hash(on_gpu, key).cpu().numpy().view(np.uint64), want)
     assert np.array_equal(umac.nh_hash_torch(on_gpu, key).cpu().numpy().view(np.uint64), want)
     assert umac.payload_tag(key, [on_gpu]) == umac.payload_tag(key, [data])
+
+
+def test_two_threads_launch_kernels_at_once_under_the_interpreter(monkeypatch):
+    """The interpreter patches ``triton.language`` while a kernel runs, so two threads' kernels
+    at once break each other (a KV server thread checking an entry's NH while the step packs the
+    next one): every tritonkv launch takes one lock there. Both threads get the reference's bits,
+    round after round."""
+    import threading
+
+    from support.kv_cases import bits, make_cache
+
+    import tritonkv
+    from tritonkv._dispatch import interpreter_lock, interpreting
+
+    assert interpreting() and hasattr(interpreter_lock(), "acquire")
+    monkeypatch.setenv("TRITONKV_KERNELS", "triton")
+    data, key = _random(3 * 4096 + 100, 7), umac.entry_keys(b"t" * 32, "entry")
+    want_nh = umac.nh_hash_numpy(data, key)
+    _, layers = make_cache("flash_attn_nhd", torch.bfloat16, num_layers=2, num_blocks=8)
+    slots = torch.tensor([3, 4, 5, 17, 18, -1, 30])
+    want, _ = tritonkv.pack_kv_torch(layers, slots)
+    wrong = []
+
+    def hashing():
+        for _ in range(6):
+            try:
+                got = umac.nh_hash(data, key).numpy().view(np.uint64)
+            except Exception as exc:  # (the interpreter's errors, when the kernels collide)
+                wrong.append(repr(exc))
+                return
+            if not np.array_equal(got, want_nh):
+                wrong.append("nh")
+
+    thread = threading.Thread(target=hashing)
+    thread.start()
+    try:
+        for _ in range(6):
+            if not torch.equal(bits(tritonkv.pack_kv(layers, slots)[0]), bits(want)):
+                wrong.append("pack")
+    finally:
+        thread.join()
+    assert wrong == []

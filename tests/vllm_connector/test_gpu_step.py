@@ -322,19 +322,22 @@ def test_bad_memory_options_are_refused():
 @pytest.mark.parametrize("buffer_memory", ["host", "device"])
 def test_on_a_gpu_the_step_never_synchronises(buffer_memory):
     """The real thing: CUDA streams and events, sync-debug mode "error" around the sides'
-    calls (after a warm-up round: Triton compiles, tritonkv builds its layer table)."""
+    calls (after a warm-up round: Triton compiles, tritonkv builds its layer table). Each entry
+    comes with its tag, as over a connection: the consumer's unpack computes the NH it is
+    checked with (the GPU pack stores no whole-entry digest beside its NH)."""
     cfg = ConnectorConfig(kv_format="tokens", transport="gloo", buffer_memory=buffer_memory)
     src = [c.cuda() for c in caches(NHD, seed=1)]
     prod = producer(src, BLOCK_SIZE, cfg=cfg)
     buffer = KVBuffer(1 << 24)
     prod.attach_buffer(buffer)
     dst = [c.cuda() for c in caches(NHD, seed=None)]
-    seen = []
+    seen, tags = [], []
 
-    def get(key, **kw):
-        tensors, meta = deliver(buffer, key, **kw)
-        seen.append(tensors["kv"].device.type)
-        return tensors, meta
+    def get(key, defer_entry_check=False, **kw):
+        got = deliver(buffer, key, defer_entry_check=defer_entry_check, **kw)
+        seen.append(got[0]["kv"].device.type)
+        tags.append(got[2] if defer_entry_check else None)
+        return got
 
     cons = consumer(dst, BLOCK_SIZE, cfg=cfg, connect=lambda h, p: fake_client(get))
     compute = torch.cuda.Stream()
@@ -365,6 +368,7 @@ def test_on_a_gpu_the_step_never_synchronises(buffer_memory):
                 torch.cuda.set_sync_debug_mode("default")
         assert errors == set()
     assert seen == ["cuda" if buffer_memory == "device" else "cpu"] * 2
+    assert [t.checked for t in tags] == [["kv"], ["kv"]]
     torch.cuda.synchronize()
     got = _positions([c.cpu() for c in dst], DST_BLOCKS, NUM_TOKENS - 1)
     assert torch.equal(got, _positions([c.cpu() for c in src], SRC_BLOCKS, NUM_TOKENS - 1))

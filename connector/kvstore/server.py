@@ -8,8 +8,9 @@ each to its prompt) is served or discarded only for the same digest: to anyone e
 exist (MISS with an unknown key's reason; DISCARD: ``existed`` False). A GET delivers through a :class:`~.store.Lease`: the
 entry is pinned while its payload is sent, claimed when the send completed, kept for a retry
 when it failed. An entry put with NH outputs that goes inline (which no umac tag covers) is first
-checked against them (:func:`check_inline_entry`). Deadlines: ``max_get_wait_s`` (60 s) caps how long a GET may wait for a key to be
-put (default 0: an absent key is an immediate MISS), ``io_timeout_s`` (60 s) per payload.
+checked against them (:func:`check_inline_entry`). Deadlines: ``max_get_wait_s`` (60 s) caps how
+long a GET may wait for a key to be put (default 0: an absent key is an immediate MISS),
+``io_timeout_s`` (60 s) per payload.
 
 Which connections it takes: :mod:`connector.kvstore.admission` (pending and authenticated ones
 capped apart; a refused one costs no thread).

@@ -143,8 +143,9 @@ class ConnectorConfig:
     #: both: the integrity digest of every transfer (:mod:`tritonkv.digest`): the producer
     #: stores the digest its pack computes with the entry (per head too for token rows; none of
     #: the whole entry where the pack computed the entry's NH, ``tritonkv.nh_in_copy``, which
-    #: checks it instead), the consumer's unpack checks what it read against it; a mismatch is a failed load (recomputed, warned, counted in
-    #: ``digest_failures``). Not a MAC: the secret's authentication is what stops an attacker.
+    #: checks it instead), the consumer's unpack checks what it read against it; a mismatch is
+    #: a failed load (recomputed, warned, counted in ``digest_failures``). Not a MAC: the
+    #: secret's authentication is what stops an attacker.
     #: extract_hidden_states: each request's hidden states and token ids carry their digests
     #: (entry meta; the file's safetensors header, checked by the writer before its rename),
     #: checked by ``connector.hidden.reader`` on receipt (:mod:`connector.hidden.files`).

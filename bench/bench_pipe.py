@@ -11,6 +11,12 @@ pipe's own two-rank process group carries both providers, in the same run, inter
   header on the control socket, validation, a fresh output tensor per message, payload on the
   process group.
 - ``pipe_out``: the same, received into a preallocated tensor (``recv(out=...)``).
+- ``entry``: the same as ``pipe``, sent as a stored KV entry is (``send(entry_nh=...)``, its NH
+  outputs made once, as the producer's pack makes them) and received as the consumer receives one
+  (``recv(entry_keys=..., defer_entry_check=True)``, the tag checked with NH outputs the receiver
+  computed once from the bytes it got, as its unpack computes them): neither end reads the
+  payload to authenticate it, so this is the transport's cost on the KV path (the NH inside the
+  pack and unpack: ``bench_umac``). ``pipe`` and ``pipe_out`` hash the payload on both ends.
 
 Each point is the median of ``rounds`` timings of ``reps`` back-to-back messages, from the sender's
 first send until the receiver's "done" reply (one small round trip, the same for all providers).
@@ -21,7 +27,7 @@ Latency with 10, 1k and 100k entries held: a local delivery (``KVBuffer.checkout
 delivery's entry is put, untimed, just before it. Medians; they should stay flat as the buffer
 grows (dict and hash lookups, no scans).
 
-The last line is ``pipe/raw throughput ratio at 64 MiB: R``.
+The last line is ``pipe/raw throughput ratio at 64 MiB: R (entry/raw E)``.
 """
 
 from __future__ import annotations
@@ -38,9 +44,11 @@ import torch
 
 from connector.kvstore import KVBuffer, KVClient, KVServer
 from connector.transport import PipeListener, PipeOptions, connect_pipe
+from tritonkv import umac
 
 MIB = 1 << 20
 RAW_TAG = 7
+ENTRY_KEY = "bench-entry"  # the stored entry's key its NH key comes from (no secret: loopback)
 
 
 def _wait(work, timeout_s: float = 300.0) -> None:
@@ -59,6 +67,7 @@ def child(port: int, transport: str, device: str) -> None:
         options=PipeOptions(recv_timeout_s=300),
     )
     pg = pipe.process_group
+    entry_nh = {}  # payload bytes -> NH outputs of the entry the main side sends
     try:
         while True:
             m = pipe.recv(300.0, idle=True)
@@ -79,6 +88,14 @@ def child(port: int, transport: str, device: str) -> None:
                 for _ in range(reps):
                     got = pipe.recv(300.0)
                     assert got.tensors["x"].numel() == n
+            elif cmd == "entry":
+                keys = umac.entry_keys(None, ENTRY_KEY)
+                pipe.send("ready")
+                for _ in range(reps):
+                    got = pipe.recv(300.0, entry_keys=keys, defer_entry_check=True)
+                    if n not in entry_nh:  # the first (warm-up) message: hashed once, here
+                        entry_nh[n] = umac.nh_hash(got.tensors["x"], keys)
+                    got.entry_tag.check({"x": entry_nh[n]})
             elif cmd == "pipe_out":
                 out = {"x": torch.zeros(n, dtype=torch.uint8, device=device)}
                 pipe.send("ready")
@@ -91,14 +108,18 @@ def child(port: int, transport: str, device: str) -> None:
 
 
 # ----------------------------------------------------------------------------------- throughput
-def _measure(pipe, provider: str, buf: torch.Tensor, reps: int) -> float:
-    """Seconds for ``reps`` messages of ``buf`` through ``provider``."""
+def _measure(pipe, provider: str, buf: torch.Tensor, reps: int, nh=None) -> float:
+    """Seconds for ``reps`` messages of ``buf`` through ``provider`` (``nh``: its NH outputs
+    under the entry's key, for ``entry``)."""
     pipe.send("cmd", None, {"cmd": provider, "n": buf.numel(), "reps": reps})
     assert pipe.recv(300.0).key == "ready"
     t0 = time.perf_counter()
     if provider == "raw":
         for _ in range(reps):
             _wait(pipe.process_group.send([buf], 1, RAW_TAG))
+    elif provider == "entry":
+        for _ in range(reps):
+            pipe.send("m", {"x": buf}, entry_nh={"x": nh})
     else:
         for _ in range(reps):
             pipe.send("m", {"x": buf})
@@ -115,23 +136,24 @@ def throughput(sizes_mib, rounds: int, transport: str, device: str, child_device
     rows = []
     try:
         pipe = listener.accept(timeout_s=120)
-        providers = ("raw", "pipe", "pipe_out")
+        providers = ("raw", "pipe", "pipe_out", "entry")
         for mib in sizes_mib:
             n = mib * MIB
             buf = torch.randint(0, 256, (n,), dtype=torch.uint8).to(device)
             reps = max(2, min(32, (256 * MIB) // n))
+            nh = umac.nh_hash(buf, umac.entry_keys(None, ENTRY_KEY))
             for p in providers:  # warm-up
-                _measure(pipe, p, buf, 1)
+                _measure(pipe, p, buf, 1, nh)
             times = {p: [] for p in providers}
             for _ in range(rounds):
                 for p in providers:
-                    times[p].append(_measure(pipe, p, buf, reps))
+                    times[p].append(_measure(pipe, p, buf, reps, nh))
             gbps = {p: n * reps / statistics.median(times[p]) / 1e9 for p in providers}
             rows.append((mib, reps, gbps))
             print(
                 f"{mib:>6} MiB  reps {reps:>2}  raw {gbps['raw']:7.3f} GB/s  pipe "
-                f"{gbps['pipe']:7.3f} GB/s  pipe(out=) {gbps['pipe_out']:7.3f} GB/s  ratio "
-                f"{gbps['pipe'] / gbps['raw']:.2f}",
+                f"{gbps['pipe']:7.3f} GB/s  pipe(out=) {gbps['pipe_out']:7.3f} GB/s  entry "
+                f"{gbps['entry']:7.3f} GB/s  ratio {gbps['pipe'] / gbps['raw']:.2f}",
                 flush=True,
             )
         pipe.send("bye", None, {"cmd": "quit"})
@@ -233,15 +255,17 @@ def main(argv=None) -> None:
     print(f"## throughput, {transport}, median of {rounds} rounds")
     rows = throughput(sizes, rounds, transport, device, child_device)
     print()
-    print("| size | raw GB/s | pipe GB/s | pipe/raw | pipe(out=) GB/s | pipe(out=)/raw |")
-    print("|-----:|---------:|----------:|---------:|----------------:|---------------:|")
+    cols = ("pipe", "pipe_out", "entry")
+    print("| size | raw GB/s | " + " | ".join(f"{c} GB/s | {c}/raw" for c in cols) + " |")
+    print("|-----:|---------:|" + "-----:|-----:|" * len(cols))
     for mib, _reps, g in rows:
-        print(
-            f"| {mib} MiB | {g['raw']:.3f} | {g['pipe']:.3f} | {g['pipe'] / g['raw']:.2f} | "
-            f"{g['pipe_out']:.3f} | {g['pipe_out'] / g['raw']:.2f} |"
-        )
+        cells = " | ".join(f"{g[c]:.3f} | {g[c] / g['raw']:.2f}" for c in cols)
+        print(f"| {mib} MiB | {g['raw']:.3f} | {cells} |")
     at64 = next(g for mib, _r, g in rows if mib == 64)
-    print(f"pipe/raw throughput ratio at 64 MiB: {at64['pipe'] / at64['raw']:.2f}")
+    print(
+        f"pipe/raw throughput ratio at 64 MiB: {at64['pipe'] / at64['raw']:.2f} "
+        f"(entry/raw {at64['entry'] / at64['raw']:.2f})"
+    )
 
 
 if __name__ == "__main__":

@@ -209,3 +209,16 @@ def test_make_bench_keeps_the_pipe_output_stamped(tmp_path, monkeypatch, capsys)
     assert text[0].startswith("# bench_pipe | ") and common.git_sha() in text[0]
     assert text[1] == "pipe/raw throughput ratio at 64 MiB: 1.2"
     assert "pipe/raw" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_pipe_throughput_measures_every_provider_between_two_processes():
+    """bench_pipe's throughput over a real two-process pipe: every provider gives a rate, the
+    ``entry`` one included, whose receiver checks each message's tag with the NH outputs it
+    computed from the first one it got (a wrong check would end the child and the run)."""
+    from bench import bench_pipe
+
+    [(mib, reps, gbps)] = bench_pipe.throughput([1], 1, "gloo", "cpu", "cpu")
+    assert (mib, reps) == (1, 32)
+    assert set(gbps) == {"raw", "pipe", "pipe_out", "entry"}
+    assert all(math.isfinite(g) and g > 0 for g in gbps.values()), gbps

@@ -327,7 +327,7 @@ class KVServer:
                 lease.meta,
                 kind=Op.DATA,
                 on_done=on_done,
-                entry_nh=lease.entry_nh,
+                entry_nh=delivery_nh(pipe, lease, self._secret),
             )
         except (ValueError, TypeError) as e:  # this consumer's limits refuse the entry: it stays
             on_done(e)
@@ -370,6 +370,22 @@ def _shutter(sock: socket.socket):
             sock.shutdown(socket.SHUT_RDWR)
 
     return shut
+
+
+def delivery_nh(pipe: TensorPipe | None, lease: Lease, secret: bytes | None) -> dict | None:
+    """The NH outputs, under the entry's key (:func:`tritonkv.umac.entry_keys`), that the tag
+    of ``lease``'s delivery on ``pipe`` (None: as on a process group) is made from: those its
+    producer made as it packed the entry, and for a part of an entry put with them, the part's
+    slice hashed now. A consumer's unpack then computes the NH the tag is checked with, for a
+    slice of heads as for a whole entry, and its pipe hashes nothing. The slice's outputs stand
+    for the bytes as they are in the store, not as packed: the part's head digests still check
+    those. None for an inline delivery (its frame's MAC covers it)."""
+    if pipe is not None and goes_inline(pipe, lease.nbytes):
+        return None
+    if lease.rehash is None:
+        return lease.entry_nh
+    keys = umac.entry_keys(secret, lease.key)
+    return {**(lease.entry_nh or {}), lease.rehash: umac.nh_hash(lease.tensors[lease.rehash], keys)}
 
 
 def check_inline_entry(pipe: TensorPipe, lease: Lease, secret: bytes | None) -> None:

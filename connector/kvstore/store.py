@@ -152,8 +152,11 @@ class Lease:
         meta: the entry's meta (a copy).
         part: the :class:`~connector.kvstore.protocol.Part` delivered, or None for the entry.
         nbytes: bytes of ``tensors`` (added to ``bytes_sent`` when delivered).
-        entry_nh: the NH outputs the entry was put with (``put(nh=)``), for a whole delivery
-            (a part's bytes are others: None).
+        entry_nh: the NH outputs of ``tensors`` under the entry's key that were made when it
+            was put (``put(nh=)``): all of them for a whole delivery; a part's sliced tensor is
+            other bytes, hashed when it is sent (``rehash``), its others as put. None: none.
+        rehash: the name of a part's sliced tensor whose whole the entry was put with NH outputs
+            for (the sender hashes the slice under the entry's key), else None.
     """
 
     def __init__(self, buffer: KVBuffer, entry: Entry, part: Part | None):
@@ -162,7 +165,10 @@ class Lease:
         self.tensors = dict(entry.tensors) if part is None else part.cut(entry.tensors)
         self.meta = dict(entry.meta)
         self.nbytes = sum(t.nbytes for t in self.tensors.values())
-        self.entry_nh = entry.nh if part is None else None
+        nh = entry.nh or {}
+        self.rehash = part.tensor if part is not None and part.tensor in nh else None
+        kept = {k: v for k, v in nh.items() if part is None or k != part.tensor}
+        self.entry_nh = kept or None
         self._buffer = buffer
         self._entry = entry
         self._open = True

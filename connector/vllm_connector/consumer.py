@@ -445,11 +445,13 @@ def receive_entries(
 def verify_unpack(gpu: GpuLoad | None, tag, nh: dict, want, packed, read, where) -> None:
     """Check one unpack of ``packed``: the payload ``tag`` (None: none) with the NH outputs it
     computed (``nh``: :func:`unpack_nh`), first, so that changed bytes fail as an
-    authentication failure; else the digest it read against ``want`` (a tag checks the same
-    bytes the producer's pack wrote, under a key: the unpack computes no digest then); and, with
-    ``where``, the write-back (:mod:`connector.integrity`). On a GPU at the verdict, on a host
-    copy (:class:`~.landings.GpuLoad`); here elsewhere."""
-    if tag is not None:
+    authentication failure; then the digest it read against ``want``, unless a whole entry's
+    tag stands for it (it checks the bytes the producer's pack wrote, under a key: the unpack
+    computes no digest then; a slice of heads is hashed by the producer's server as stored, so
+    its head digests are still checked); and, with ``where``, the write-back
+    (:mod:`connector.integrity`). On a GPU at the verdict, on a host copy
+    (:class:`~.landings.GpuLoad`); here elsewhere."""
+    if tag is not None and not isinstance(want, list):
         want = None
     if gpu is not None:
         if tag is not None:
@@ -467,8 +469,9 @@ def verify_unpack(gpu: GpuLoad | None, tag, nh: dict, want, packed, read, where)
 def unpack_nh(tag: EntryTag | None, packed: torch.Tensor) -> dict:
     """The keywords that make :func:`tritonkv.unpack_kv` compute the NH outputs ``tag`` is to be
     checked with (``nh_out``, of the entry's bytes as the unpack reads them, under its key), or
-    none without a tag. A whole entry the producer hashed as it packed it: its bytes are checked
-    once unpacked (by the same launch on a GPU), the load failing if they differ."""
+    none without a tag. An entry the producer hashed as it packed it, or a slice of its heads
+    (hashed by its server): its bytes are checked once unpacked (by the same launch on a GPU),
+    the load failing if they differ."""
     if tag is None:
         return {}
     shape = (num_chunks(packed.numel() * packed.element_size()), 2)

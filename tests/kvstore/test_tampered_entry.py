@@ -58,13 +58,13 @@ def test_the_consumer_counts_it_as_a_protocol_failure():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("secret", [None, b"k" * 32])
-def test_an_entry_hashed_when_packed_is_checked_under_its_key_and_a_part_as_before(
-    monkeypatch, secret
-):
-    """Entries put with NH outputs under their own key (``put(nh=)``, as a producer's Triton
-    pack makes them) load with the tag made from those outputs; a part of one (other bytes)
-    goes out hashed under the frame's key; an entry whose outputs are of other bytes (or a
-    changed byte of it on the way) is refused."""
+def test_an_entry_hashed_when_packed_is_checked_under_its_key_and_so_is_a_part(monkeypatch, secret):
+    """Entries put with NH outputs under their own key (``put(nh=)``, as a producer's pack
+    makes them) load with the tag made from those outputs; a part of one (other bytes) goes
+    out hashed by the server under the entry's key too, so that the consumer's unpack can
+    compute the NH its tag is checked with; a part of an entry put without them, under the
+    frame's key. An entry whose outputs are of other bytes, or a changed byte of an entry or
+    of a part on the way, is refused."""
     from connector.kvstore import Part
     from tritonkv import umac
 
@@ -74,31 +74,37 @@ def test_an_entry_hashed_when_packed_is_checked_under_its_key_and_a_part_as_befo
     def pieces(self, item, src, copies, deadline, what):
         sent.append((item.key, [s.entry_nh for s in item.specs]))
         for piece in original(self, item, src, copies, deadline, what):
-            if not item.inline and item.key == "flipped":
+            if not item.inline and item.key in ("flipped", "flipped part"):
                 piece = piece.clone()
                 piece[7] ^= 1
             yield piece
 
     monkeypatch.setattr(sending_mod._Sender, "_pieces", pieces)
     buf = KVBuffer(64 << 20)
-    entries = {k: _entry(i) for i, k in enumerate(["whole", "parts", "stale", "flipped"])}
+    names = ["whole", "parts", "unhashed", "stale", "flipped", "flipped part"]
+    entries = {k: _entry(i) for i, k in enumerate(names)}
     for key, tensors in entries.items():
         hashed = _entry(99)["kv"] if key == "stale" else tensors["kv"]
         nh = umac.nh_hash(hashed, umac.entry_keys(secret, key))
-        buf.put(key, {"kv": tensors["kv"].view(256, -1)}, nh={"kv": nh})
+        buf.put(
+            key, {"kv": tensors["kv"].view(256, -1)}, nh=None if key == "unhashed" else {"kv": nh}
+        )
     srv = KVServer(buf, secret=secret)
     try:
         with KVClient("127.0.0.1", srv.port, timeout_s=20, secret=secret) as client:
             got, _ = client.get("whole")
             assert torch.equal(got["kv"].view(-1), entries["whole"]["kv"])
-            got, _ = client.get("parts", part=Part("kv", 0, 0, 128))
-            assert torch.equal(got["kv"].reshape(-1), entries["parts"]["kv"][: 1 << 19])
-            for key in ("stale", "flipped"):
+            for key in ("parts", "unhashed"):
+                got, _ = client.get(key, part=Part("kv", 0, 0, 128))
+                assert torch.equal(got["kv"].reshape(-1), entries[key]["kv"][: 1 << 19])
+            for key, part in (("stale", None), ("flipped", None), ("flipped part", 128)):
+                part = part and Part("kv", 0, part, 256)
                 with pytest.raises(PayloadAuthError):
-                    client.get(key)
+                    client.get(key, part=part)
     finally:
         srv.close()
-    assert sent[:2] == [("whole", [True]), ("parts", [False])]
+    marked = [("whole", [True]), ("parts", [True]), ("unhashed", [False])]
+    assert sent[:3] == marked and sent[-1] == ("flipped part", [True])
 
 
 @pytest.mark.timeout(60)

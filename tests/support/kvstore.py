@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from connector.kvstore.server import delivery_nh
 from connector.transport import Kind, PayloadAuthError, ProtocolError, encode_header
 from connector.transport import frame as wire
 from support.transport import Sealed, raw_authenticate, raw_listener_authenticate, recv_exact
@@ -40,15 +41,16 @@ def deliver(
     """One delivery of ``key`` (put with ``digest``) from a KVBuffer in process (what a server's
     GET does, with ``KVClient.get``'s arguments): its tensors and meta, the entry claimed. Raises
     KeyMissError as ``KVBuffer.checkout`` does, ProtocolError (the entry stays) for more than
-    ``max_bytes`` bytes, as the client does. With ``defer_entry_check`` a third item: for a whole
-    entry put with NH outputs, a :class:`LocalEntryTag` of them (``secret``: the entry key's),
-    else None."""
+    ``max_bytes`` bytes, as the client does. With ``defer_entry_check`` a third item: for an
+    entry put with NH outputs, a :class:`LocalEntryTag` of those the server's delivery on a
+    process group sends (:func:`~connector.kvstore.server.delivery_nh`; ``secret``: the entry
+    key's), else None."""
     with buffer.checkout(key, wait_s=wait_s, part=part, digest=digest) as lease:
         if max_bytes is not None and lease.nbytes > max_bytes:
             raise ProtocolError(f"{lease.nbytes} payload bytes announced, expected <= {max_bytes}")
         if not defer_entry_check:
             return lease.tensors, lease.meta
-        nh = lease.entry_nh
+        nh = delivery_nh(None, lease, secret)
         tag = None if nh is None else LocalEntryTag(umac.entry_keys(secret, key), nh, key)
         return lease.tensors, lease.meta, tag
 

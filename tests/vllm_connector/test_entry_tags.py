@@ -12,7 +12,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.connector_sides import DIGEST, VLLM_CPU, bits, caches, consumer, fake_client, producer
+from support.connector_sides import (
+    DIGEST,
+    HEAD_SIZE,
+    VLLM_CPU,
+    bits,
+    caches,
+    consumer,
+    fake_client,
+    producer,
+)
 from support.kvstore import deliver
 
 from connector.integrity import DIGEST_KEY, HEAD_DIGESTS_KEY
@@ -29,22 +38,25 @@ SRC_BLOCKS, DST_BLOCKS, NUM_TOKENS = [5, 1, 3], [0, 4, 2], 10
 SAVE = SaveSpec("p", "t1", SRC_BLOCKS, NUM_TOKENS, prompt_digest=DIGEST)
 
 
-def _saved(monkeypatch, cfg: ConnectorConfig, hashed: bool = True) -> KVBuffer:
+def _saved(monkeypatch, cfg: ConnectorConfig, hashed: bool = True, fault: str = "") -> KVBuffer:
     """A buffer holding the prompt saved by a producer whose pack runs in Triton (``hashed``
-    False: one whose pack computes no NH, and stores the whole entry's digest)."""
+    False: one whose pack computes no NH, and stores the whole entry's digest; ``fault``: the
+    save's debug fault)."""
     monkeypatch.setenv("TRITONKV_KERNELS", "triton")
     monkeypatch.setattr(producer_mod, "nh_in_copy", lambda device, row_bytes: hashed)
     prod = producer(caches(VLLM_CPU, seed=3), 4, cfg=cfg, secret=SECRET)
     buffer = KVBuffer(1 << 24)
     prod.attach_buffer(buffer)
-    prod.wait_for_save([SAVE])
+    prod.wait_for_save([SaveSpec("p", "t1", SRC_BLOCKS, NUM_TOKENS, prompt_digest=DIGEST,
+                                 debug_fault=fault)])  # fmt: skip
     return buffer
 
 
-def _load(buffer, cfg, kernels: str, monkeypatch, *, flip=False, tags=True, fault=""):
+def _load(buffer, cfg, kernels: str, monkeypatch, *, flip=False, tags=True, fault="", rank=None):
     """Load the saved prompt on a fresh consumer (its unpack in ``kernels``); ``flip``: one
     bit of the entry changed after the producer hashed it; ``tags``: the client leaves the tag
-    to the consumer; ``fault``: the load's debug fault. Returns ``(consumer, load-error blocks,
+    to the consumer; ``fault``: the load's debug fault; ``rank``: the consumer is that rank of
+    TP 2, which takes one of the producer's two heads. Returns ``(consumer, load-error blocks,
     the tags given, its caches)``."""
     monkeypatch.setenv("TRITONKV_KERNELS", kernels)
     given = []
@@ -58,8 +70,9 @@ def _load(buffer, cfg, kernels: str, monkeypatch, *, flip=False, tags=True, faul
         given.append(tag if tags else None)
         return (tensors, meta, given[-1]) if defer_entry_check else (tensors, meta)
 
-    dst = caches(VLLM_CPU, seed=None)
-    cons = consumer(dst, 4, cfg=cfg, secret=SECRET, connect=lambda h, p: fake_client(get))
+    tp = {} if rank is None else {"tp_rank": rank, "tp_size": 2, "total_kv_heads": 2}
+    dst = caches(VLLM_CPU if rank is None else (6, 1, 4, 2 * HEAD_SIZE), seed=None)
+    cons = consumer(dst, 4, cfg=cfg, secret=SECRET, connect=lambda h, p: fake_client(get), **tp)
     spec = LoadSpec(
         "c", "t1", "h", 1, DST_BLOCKS, 0, NUM_TOKENS - 1, NUM_TOKENS, prompt_digest=DIGEST,
         debug_fault=fault,
@@ -200,19 +213,22 @@ def test_without_the_tag_the_changed_bit_lands(monkeypatch):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("consumer_tp", [1, 2], ids=["whole", "slice-of-heads"])
 def test_over_a_connection_the_entry_is_checked_by_the_unpack_and_a_change_is_refused(
-    monkeypatch,
+    monkeypatch, consumer_tp
 ):
     """A served producer (Triton pack, a secret) and a consumer with real clients over gloo:
-    the entry travels marked as hashed under its key, the consumer's pipe does not hash it, the
-    unpack's NH passes the tag; a bit changed on the wire fails that load (recomputed, the pipe
-    broken), and the next load reconnects and lands."""
+    the entry (or, for a consumer rank of TP 2, the slice of one of its two heads) travels
+    marked as hashed under its key, the consumer's pipe does not hash it, the unpack's NH
+    passes the tag; a bit changed on the wire fails that load (recomputed, the pipe broken),
+    and the next load reconnects and lands."""
     from connector.kvstore import KVServer
     from connector.transport import PipeOptions, receiving
     from connector.transport import sending as sending_mod
 
     monkeypatch.setenv("TRITONKV_KERNELS", "triton")
-    prod = producer(caches(VLLM_CPU, seed=3), 4, secret=SECRET)
+    cfg = ConnectorConfig(kv_format="tokens") if consumer_tp == 2 else None
+    prod = producer(caches(VLLM_CPU, seed=3), 4, cfg=cfg, secret=SECRET)
     buffer = KVBuffer(1 << 24)
     prod.attach_buffer(buffer)
     saves = [SaveSpec("p", tid, SRC_BLOCKS, NUM_TOKENS, prompt_digest=DIGEST) for tid in "abc"]
@@ -239,8 +255,9 @@ def test_over_a_connection_the_entry_is_checked_by_the_unpack_and_a_change_is_re
     monkeypatch.setattr(sending_mod._Sender, "_pieces", pieces)
     monkeypatch.setattr(receiving._PayloadReceiver, "_hash_piece", hash_piece)
     monkeypatch.setenv("TRITONKV_KERNELS", "torch")  # the consumer's unpack: the CPU twin
-    dst = caches(VLLM_CPU, seed=None)
-    cons = consumer(dst, 4, cfg=ConnectorConfig(transport="gloo"), secret=SECRET)
+    tp = {"tp_rank": 1, "tp_size": 2, "total_kv_heads": 2} if consumer_tp == 2 else {}
+    dst = caches(VLLM_CPU if consumer_tp == 1 else (6, 1, 4, 2 * HEAD_SIZE), seed=None)
+    cons = consumer(dst, 4, cfg=ConnectorConfig(transport="gloo"), secret=SECRET, **tp)
     outcomes = []
     try:
         for tid in "abc":
@@ -267,3 +284,40 @@ def test_over_a_connection_the_entry_is_checked_by_the_unpack_and_a_change_is_re
     assert hashed_on_arrival == []  # left to the unpack
     assert cons.stats.peek()["load_failed:protocol"] == 1
     assert connects == 2  # the refused pipe was broken: the next load reconnected
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_a_slice_of_heads_is_checked_by_its_tag_and_by_its_head_digests(monkeypatch, kernels):
+    """A consumer of TP 2 takes one of the producer's two heads: its server hashes the slice
+    under the entry's key as it sends it (``delivery_nh``), and the consumer's unpack computes
+    the NH its tag is checked with, as for a whole entry. Those outputs are of the bytes as
+    stored, not as packed, so the slice's head digests are checked too: a bit flipped in the
+    store after the pack fails one rank's load as a digest failure (the other rank's head
+    loads), which the digest off lets land; a bit changed on the way fails as ``protocol``."""
+    cfg = ConnectorConfig(kv_format="tokens")
+    both = []
+    for rank in (0, 1):
+        cons, errors, given, dst = _load(
+            _saved(monkeypatch, cfg), cfg, kernels, monkeypatch, rank=rank
+        )
+        assert errors == set() and given[0].checked == ["kv"], rank
+        both.append(bits(dst))
+    _, _, _, whole = _load(_saved(monkeypatch, cfg), cfg, kernels, monkeypatch)
+    assert torch.equal(torch.cat(both, dim=2), bits(whole))  # each rank its head, bit-exact
+
+    failed = {}
+    for rank in (0, 1):
+        stored = _saved(monkeypatch, cfg, fault="flip_bit")
+        cons, errors, given, _ = _load(stored, cfg, kernels, monkeypatch, rank=rank)
+        assert given[0].checked == ["kv"]  # the tag passed: the server hashed what it held
+        failed[rank] = (errors, cons.stats.peek()["digest_failures"])
+    assert sorted(failed.values()) == [(set(), 0), (set(DST_BLOCKS), 1)], failed
+    bad = next(r for r, (errors, _) in failed.items() if errors)
+    off = ConnectorConfig(kv_format="tokens", digest=False)
+    stored = _saved(monkeypatch, off, fault="flip_bit")
+    assert _load(stored, off, kernels, monkeypatch, rank=bad)[1] == set()  # the control
+
+    cons, errors, _, _ = _load(
+        _saved(monkeypatch, cfg), cfg, kernels, monkeypatch, flip=True, rank=bad
+    )
+    assert errors == set(DST_BLOCKS) and cons.stats.peek()["load_failed:protocol"] == 1

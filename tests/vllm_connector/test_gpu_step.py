@@ -15,6 +15,7 @@ import pytest
 import torch
 from support.connector_sides import (
     DIGEST,
+    HEAD_SIZE,
     NHD,
     SENTINEL,
     bits,
@@ -516,3 +517,52 @@ def test_an_entry_tag_is_checked_at_the_verdict_with_the_nh_of_the_unpack(monkey
     assert cons.budget.in_use == 0
     cons.shutdown()
     prod.shutdown()
+
+
+@pytest.mark.parametrize("fault", ["", "flip_bit"], ids=["clean", "flipped-in-the-store"])
+def test_a_slice_of_heads_is_checked_at_the_verdict_by_its_tag_and_its_head_digests(
+    monkeypatch, fault
+):
+    """Each consumer rank of TP 2 takes one of the producer's two heads: the server hashes the
+    slice as it sends it (``delivery_nh``), the unpack computes its NH in its own launch, and
+    the tag and the slice's head digests are both checked at the verdict, neither on the step.
+    A bit flipped in the store after the pack passes the tag (hashed as stored) and fails the
+    head digest of the one rank whose head holds it."""
+    monkeypatch.setenv("TRITONKV_KERNELS", "triton")
+    cfg = ConnectorConfig(kv_format="tokens", debug_allow_corrupt=True)
+    outcomes = []
+    for rank in (0, 1):
+        fake = FakeStreams()
+        prod, buffer, src, _ = _save(fake, cfg, faults=fault)
+        fake.complete_all()
+        assert prod.flush(10) and TID in buffer
+        tags = []
+
+        def get(key, defer_entry_check=False, buffer=buffer, tags=tags, **kw):
+            got = deliver(buffer, key, defer_entry_check=defer_entry_check, **kw)
+            tags.append(got[2])
+            return got
+
+        dst = [fake.on_device(t) for t in caches((2, 6, BLOCK_SIZE, 1, HEAD_SIZE), seed=None)]
+        cons = consumer(
+            dst, BLOCK_SIZE, cfg=cfg, streams=fake, connect=lambda h, p, get=get: fake_client(get),
+            tp_rank=rank, tp_size=2, total_kv_heads=2,
+        )  # fmt: skip
+        with no_host_reads(fake, MODULES) as violations:
+            cons.start_load_kv([_load_spec()])
+        assert violations == [] and tags[0].checked == []  # launched, not checked yet
+        fake.complete_all()
+        cons.get_finished()
+        errors = cons.get_block_ids_with_load_errors()
+        assert tags[0].checked == ["kv"]
+        outcomes.append((errors, cons.stats.peek()["digest_failures"]))
+        if not errors:
+            want = _positions(src, SRC_BLOCKS, NUM_TOKENS - 1)[:, :, :, rank : rank + 1]
+            assert torch.equal(_positions(dst, DST_BLOCKS, NUM_TOKENS - 1), want)
+        assert cons.budget.in_use == 0
+        cons.shutdown()
+        prod.shutdown()
+    if fault:
+        assert sorted(outcomes, key=lambda o: o[1]) == [(set(), 0), (set(DST_BLOCKS), 1)]
+    else:
+        assert outcomes == [(set(), 0), (set(), 0)]

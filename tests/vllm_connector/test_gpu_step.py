@@ -479,6 +479,33 @@ def test_a_state_row_is_packed_on_the_side_stream_and_stored_once_packed(monkeyp
     buffer.close()
 
 
+def _tagged_load(fake, prod, buffer, cfg, shape=NHD, tp=None):
+    """Once ``prod``'s save completed, load it from ``buffer`` on a consumer on ``fake`` streams
+    (caches of ``shape``; ``tp``: its TP rank, size and total KV heads), the entry's tag left to
+    it: nothing reads the host on the step, and the tag is checked at the verdict with the NH of
+    the unpack. Returns ``(consumer, load-error blocks, its caches)``."""
+    fake.complete_all()
+    assert prod.flush(10) and TID in buffer
+    tags = []
+
+    def get(key, defer_entry_check=False, **kw):
+        got = deliver(buffer, key, defer_entry_check=defer_entry_check, **kw)
+        tags.append(got[2])
+        return got
+
+    dst = [fake.on_device(t) for t in caches(shape, seed=None)]
+    connect = lambda h, p: fake_client(get)
+    cons = consumer(dst, BLOCK_SIZE, cfg=cfg, streams=fake, connect=connect, **(tp or {}))
+    with no_host_reads(fake, MODULES) as violations:
+        cons.start_load_kv([_load_spec()])
+    assert violations == [] and tags[0].checked == []  # launched, not checked yet
+    fake.complete_all()
+    cons.get_finished()
+    errors = cons.get_block_ids_with_load_errors()
+    assert tags[0].checked == ["kv"]
+    return cons, errors, dst
+
+
 @pytest.mark.parametrize("fault", ["", "flip_bit"], ids=["clean", "flipped"])
 def test_an_entry_tag_is_checked_at_the_verdict_with_the_nh_of_the_unpack(monkeypatch, fault):
     """A producer whose pack runs in Triton stores its entry's NH; the consumer's unpack
@@ -489,24 +516,7 @@ def test_an_entry_tag_is_checked_at_the_verdict_with_the_nh_of_the_unpack(monkey
     cfg = ConnectorConfig(kv_format="tokens", digest=False, debug_allow_corrupt=True)
     fake = FakeStreams()
     prod, buffer, src, _ = _save(fake, cfg, faults=fault)
-    fake.complete_all()
-    assert prod.flush(10) and TID in buffer
-    tags = []
-
-    def get(key, defer_entry_check=False, **kw):
-        got = deliver(buffer, key, defer_entry_check=defer_entry_check, **kw)
-        tags.append(got[2])
-        return got
-
-    dst = [fake.on_device(t) for t in caches(NHD, seed=None)]
-    cons = consumer(dst, BLOCK_SIZE, cfg=cfg, streams=fake, connect=lambda h, p: fake_client(get))
-    with no_host_reads(fake, MODULES) as violations:
-        cons.start_load_kv([_load_spec()])
-    assert violations == [] and tags[0].checked == []  # launched, not checked yet
-    fake.complete_all()
-    cons.get_finished()
-    errors = cons.get_block_ids_with_load_errors()
-    assert tags[0].checked == ["kv"]
+    cons, errors, dst = _tagged_load(fake, prod, buffer, cfg)
     stats = cons.stats.peek()
     if fault:
         assert errors == set(DST_BLOCKS) and stats["load_failed:protocol"] == 1
@@ -534,27 +544,10 @@ def test_a_slice_of_heads_is_checked_at_the_verdict_by_its_tag_and_its_head_dige
     for rank in (0, 1):
         fake = FakeStreams()
         prod, buffer, src, _ = _save(fake, cfg, faults=fault)
-        fake.complete_all()
-        assert prod.flush(10) and TID in buffer
-        tags = []
-
-        def get(key, defer_entry_check=False, buffer=buffer, tags=tags, **kw):
-            got = deliver(buffer, key, defer_entry_check=defer_entry_check, **kw)
-            tags.append(got[2])
-            return got
-
-        dst = [fake.on_device(t) for t in caches((2, 6, BLOCK_SIZE, 1, HEAD_SIZE), seed=None)]
-        cons = consumer(
-            dst, BLOCK_SIZE, cfg=cfg, streams=fake, connect=lambda h, p, get=get: fake_client(get),
-            tp_rank=rank, tp_size=2, total_kv_heads=2,
-        )  # fmt: skip
-        with no_host_reads(fake, MODULES) as violations:
-            cons.start_load_kv([_load_spec()])
-        assert violations == [] and tags[0].checked == []  # launched, not checked yet
-        fake.complete_all()
-        cons.get_finished()
-        errors = cons.get_block_ids_with_load_errors()
-        assert tags[0].checked == ["kv"]
+        tp = {"tp_rank": rank, "tp_size": 2, "total_kv_heads": 2}
+        cons, errors, dst = _tagged_load(
+            fake, prod, buffer, cfg, (2, 6, BLOCK_SIZE, 1, HEAD_SIZE), tp
+        )
         outcomes.append((errors, cons.stats.peek()["digest_failures"]))
         if not errors:
             want = _positions(src, SRC_BLOCKS, NUM_TOKENS - 1)[:, :, :, rank : rank + 1]

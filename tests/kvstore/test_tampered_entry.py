@@ -97,8 +97,12 @@ def test_an_entry_hashed_when_packed_is_checked_under_its_key_and_so_is_a_part(m
             for key in ("parts", "unhashed"):
                 got, _ = client.get(key, part=Part("kv", 0, 0, 128))
                 assert torch.equal(got["kv"].reshape(-1), entries[key]["kv"][: 1 << 19])
-            for key, part in (("stale", None), ("flipped", None), ("flipped part", 128)):
-                part = part and Part("kv", 0, part, 256)
+            refused = [
+                ("stale", None),
+                ("flipped", None),
+                ("flipped part", Part("kv", 0, 128, 256)),
+            ]
+            for key, part in refused:
                 with pytest.raises(PayloadAuthError):
                     client.get(key, part=part)
     finally:
